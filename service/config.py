@@ -1,0 +1,100 @@
+"""Settings: one frozen object, built in the entry point from CLI flags and ``LORAPLEX_*`` variables.
+
+Nothing reads the environment at import time; ``Settings.from_env`` is called explicitly by the CLI, and
+flags given on the command line win over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+LoadMode = Literal["stream", "mmap", "eager"]
+LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: Path = Path("models/SmolLM2-135M-Instruct")
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_mode: LoadMode = "stream"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9400
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    # engine limits
+    max_batch_size: int = 32
+    max_queue: int = 256
+    max_prompt_tokens: int = 2048
+    max_new_tokens: int = 1024
+    max_total_tokens: int = 4096  # prompt + generated, per request (KV cache length)
+    grace_seconds: float = 10.0
+    # adapters
+    adapters: tuple[tuple[str, Path], ...] = ()
+    adapter_dirs: tuple[Path, ...] = ()
+    adapter_roots: tuple[Path, ...] = ()
+    adapter_device_budget_bytes: int = 512 << 20
+    adapter_host_budget_bytes: int = 2 << 30
+    # medusa
+    speculate_max_batch: int = 4
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults < ``LORAPLEX_<FIELD>`` variables < ``overrides`` (the CLI flags that were given)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"LORAPLEX_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse(f.name, f.default, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_total_tokens <= self.max_prompt_tokens:
+            raise ValueError("max_total_tokens must exceed max_prompt_tokens")
+
+
+def _parse(name: str, default: Any, raw: str) -> Any:
+    if isinstance(default, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    if isinstance(default, Path):
+        return Path(raw)
+    if isinstance(default, tuple):
+        items = [s for s in raw.split(",") if s.strip()]
+        if name == "adapters":
+            pairs = []
+            for item in items:
+                key, sep, path = item.partition("=")
+                if not sep:
+                    raise ValueError(f"LORAPLEX_ADAPTERS: expected ID=PATH, got {item!r}")
+                pairs.append((key.strip(), Path(path.strip())))
+            return tuple(pairs)
+        if name in ("adapter_dirs", "adapter_roots"):
+            return tuple(Path(s.strip()) for s in items)
+        return tuple(s.strip() for s in items)
+    return raw

@@ -1,0 +1,107 @@
+"""Every Prometheus metric loraplex exports, defined once.
+
+Conventions: base units (``_seconds``, ``_bytes``), counters end in ``_total``, labels are bounded
+(stage, mode, status code, tier): never an adapter id on a histogram. The table in README.md documents
+each metric; ``tests/test_metrics_doc.py`` keeps that table and this module in step.
+
+All metrics live in ``REGISTRY`` (not prometheus_client's global one) so the exposition contains exactly
+what this module declares plus the process collector.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+# Load times span 10 ms (a small file, warm cache) to minutes (a 70B model, cold disk).
+LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Request latencies: sub-millisecond GPU steps to multi-second CPU generations.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+
+BUILD_INFO = Info("loraplex_build", "Version and runtime of this server.", registry=REGISTRY)
+
+# --- model load -----------------------------------------------------------------------------------------
+MODEL_LOAD_DURATION = Histogram(
+    "loraplex_model_load_duration_seconds",
+    "Base model load time by stage (header, read, convert, total) and load mode.",
+    ["stage", "mode"],
+    buckets=LOAD_BUCKETS,
+    registry=REGISTRY,
+)
+MODEL_LOAD_BYTES = Counter(
+    "loraplex_model_load_bytes_total",
+    "Bytes of base model weights read from checkpoint files.",
+    ["mode"],
+    registry=REGISTRY,
+)
+MODEL_LOADED = Gauge(
+    "loraplex_model_loaded",
+    "1 once the base model is loaded and the server can serve it.",
+    registry=REGISTRY,
+)
+MODEL_PARAMETER_BYTES = Gauge(
+    "loraplex_model_parameter_bytes",
+    "Bytes held by the base model's parameters in their serving dtype.",
+    registry=REGISTRY,
+)
+
+# --- requests ---------------------------------------------------------------------------------------------
+REQUESTS = Counter(
+    "loraplex_requests_total",
+    "Finished RPCs by method and gRPC status code.",
+    ["method", "code"],
+    registry=REGISTRY,
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "loraplex_time_to_first_token_seconds",
+    "From request arrival to its first generated token.",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "loraplex_inter_token_latency_seconds",
+    "Time between consecutive tokens of one request.",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+REQUEST_LATENCY = Histogram(
+    "loraplex_request_duration_seconds",
+    "End-to-end latency of a generation, arrival to last token.",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_TIME = Histogram(
+    "loraplex_request_queue_seconds",
+    "Time a request waits before its prefill starts.",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter("loraplex_prompt_tokens_total", "Prompt tokens prefilled.", registry=REGISTRY)
+GENERATED_TOKENS = Counter("loraplex_generated_tokens_total", "Tokens generated.", registry=REGISTRY)
+RUNNING_REQUESTS = Gauge("loraplex_running_requests", "Requests in the running batch.", registry=REGISTRY)
+WAITING_REQUESTS = Gauge("loraplex_waiting_requests", "Requests queued for admission.", registry=REGISTRY)
+BATCH_SIZE = Histogram(
+    "loraplex_batch_size",
+    "Rows per forward step.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=REGISTRY,
+)
+KV_CACHE_USAGE = Gauge(
+    "loraplex_kv_cache_usage_ratio",
+    "Fraction of KV cache slots held by running requests.",
+    registry=REGISTRY,
+)
