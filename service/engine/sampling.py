@@ -1,0 +1,278 @@
+"""Batched token sampling: each row of a decode batch carries its own sampling parameters and random stream.
+
+The processing order and the semantics of every step match transformers' ``generate`` exactly
+(``RepetitionPenaltyLogitsProcessor`` → ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` →
+``TopPLogitsWarper``), so a request sampled here sees the same distribution it would see there.
+
+Randomness is per request: the engine gives every sampled row its own ``torch.Generator`` (seeded from the
+request's seed when it has one) and each row draws exactly one uniform number per step from it. The token is
+then found by inverse-CDF lookup in that row's distribution, so a row's output depends only on its own logits,
+parameters and generator — never on which other requests share the batch.
+
+The hot path (every decode step of an all-greedy batch without penalties) is a single ``argmax``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from service.errors import InvalidRequest
+
+__all__ = ["SampleResult", "Sampler", "SamplingParams", "greedy", "make_generator"]
+
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next token.
+
+    ``temperature == 0`` means greedy decoding (then ``top_k`` / ``top_p`` have no effect); ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off; ``repetition_penalty == 1`` switches the penalty off. ``seed``
+    makes a sampled request reproducible; ``logprobs`` asks for the log-probability of each chosen token.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    def validate(self) -> None:
+        """Raise ``InvalidRequest`` naming the first bad field, its value and the accepted range."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1] (1 = no nucleus filter), got {p!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r) or r <= 0:
+            raise InvalidRequest(
+                f"repetition_penalty must be a finite number > 0 (1 = no penalty, > 1 discourages repeats), got {r!r}"
+            )
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= _MAX_SEED
+        ):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """``tokens``: [B] int64 chosen ids. ``logprobs``: [B] fp32 log-probability of each chosen id under the
+    processed distribution it was drawn from (None unless some row asked for logprobs)."""
+
+    tokens: Tensor
+    logprobs: Tensor | None = None
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh random stream for one request: seeded from ``seed``, or from the OS when it has none."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return gen
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """[B, V] (or [..., V]) logits → [B] int64 argmax ids. Ties resolve to the lowest id, like torch.argmax."""
+    return logits.argmax(dim=-1)
+
+
+History = Sequence[Tensor | Sequence[int]]
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row, honouring each row's ``SamplingParams``."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    # ---- public API -------------------------------------------------------------------------------------------
+    def sample(
+        self,
+        logits: Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        history: History | None = None,
+    ) -> SampleResult:
+        """Pick the next token of every row.
+
+        logits: [B, V] fp32 (other float dtypes are upcast). ``params[i]`` and ``generators[i]`` belong to row i;
+        a sampled row without a generator draws from torch's default generator (not reproducible). ``history[i]``
+        holds the ids (prompt + generated) the repetition penalty looks at; it is only read for penalized rows.
+        """
+        b = logits.shape[0]
+        if len(params) != b:
+            raise ValueError(f"got {len(params)} SamplingParams for a batch of {b} rows")
+        want_logprobs = any(p.logprobs for p in params)
+        if all(p.greedy and not p.penalized for p in params):
+            tokens = greedy(logits)  # [B]
+            if not want_logprobs:
+                return SampleResult(tokens)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+            return SampleResult(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1))
+
+        processed = self.process_logits(logits, params, history)  # [B, V] fp32
+        tokens = greedy(processed)  # [B]; the final answer for greedy rows
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            if generators is not None and len(generators) != b:
+                raise ValueError(f"got {len(generators)} generators for a batch of {b} rows")
+            rows = torch.tensor(sampled, device=logits.device)  # [S]
+            probs = torch.softmax(processed.index_select(0, rows), dim=-1)  # [S, V]
+            u = self._uniforms([generators[i] if generators is not None else None for i in sampled], logits.device)
+            tokens = tokens.index_copy(0, rows, _inverse_cdf(probs, u))
+        logprobs = None
+        if want_logprobs:
+            logp = torch.log_softmax(processed, dim=-1)  # [B, V]
+            logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+        return SampleResult(tokens, logprobs)
+
+    def process_logits(
+        self, logits: Tensor, params: Sequence[SamplingParams], history: History | None = None
+    ) -> Tensor:
+        """[B, V] logits → [B, V] fp32 processed logits (removed tokens are -inf).
+
+        Every row gets its repetition penalty; sampled rows then get temperature, top-k and top-p. Greedy rows
+        stop after the penalty: their processed distribution is "argmax of these logits".
+        """
+        x = logits.float()  # [B, V]; every step below returns a new tensor, the caller's logits stay intact
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            if history is None:
+                raise ValueError("repetition_penalty needs the history of ids (prompt + generated) per row")
+            x = self._apply_repetition_penalty(x, params, history, penalized)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            return x
+        if len(sampled) == len(params):
+            return self._warp(x, [params[i] for i in sampled])
+        rows = torch.tensor(sampled, device=x.device)  # [S]
+        return x.index_copy(0, rows, self._warp(x.index_select(0, rows), [params[i] for i in sampled]))
+
+    def processed_probs(
+        self, logits: Tensor, params: Sequence[SamplingParams], history: History | None = None
+    ) -> Tensor:
+        """[B, V] → [B, V] fp32 probabilities each row's next token is drawn from.
+
+        For greedy rows that is a one-hot vector on the argmax (the zero-temperature limit), which is exactly what
+        speculative verification needs: a draft token is accepted with probability p(token) / q(token).
+        """
+        x = self.process_logits(logits, params, history)  # [B, V]
+        probs = torch.softmax(x, dim=-1)  # [B, V]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=x.device)  # [G]
+            one_hot = torch.zeros((len(greedy_rows), x.shape[-1]), dtype=probs.dtype, device=x.device)
+            one_hot.scatter_(1, greedy(x.index_select(0, rows))[:, None], 1.0)  # [G, V]
+            probs = probs.index_copy(0, rows, one_hot)
+        return probs
+
+    # ---- the steps ----------------------------------------------------------------------------------------------
+    def _apply_repetition_penalty(
+        self, x: Tensor, params: Sequence[SamplingParams], history: History, rows: list[int]
+    ) -> Tensor:
+        """Every id seen in a row's history: logit / penalty if positive, logit * penalty if negative."""
+        v = x.shape[-1]
+        seen = [_as_ids(history[i], x.device) for i in rows]
+        longest = max((len(s) for s in seen), default=0)
+        # Pad with the out-of-range id V: it lands in an extra column that is dropped afterwards.
+        padded = torch.full((len(rows), max(longest, 1)), v, dtype=torch.long, device=x.device)  # [R, L]
+        for j, s in enumerate(seen):
+            padded[j, : len(s)] = s
+        mask = torch.zeros((len(rows), v + 1), dtype=torch.bool, device=x.device)  # [R, V+1]
+        mask.scatter_(1, padded, True)
+        mask = mask[:, :v]  # [R, V]
+        idx = torch.tensor(rows, device=x.device)  # [R]
+        penalty = torch.tensor([params[i].repetition_penalty for i in rows], dtype=x.dtype, device=x.device)
+        penalty = penalty[:, None]  # [R, 1]
+        sub = x.index_select(0, idx)  # [R, V]
+        sub = torch.where(mask, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+        return x.index_copy(0, idx, sub)
+
+    def _warp(self, x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+        """Temperature, then top-k, then top-p, for rows that all sample. x: [S, V]."""
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            x = x / torch.tensor(temps, dtype=x.dtype, device=x.device)[:, None]  # [S, V]
+        ks = [p.top_k for p in params]
+        if any(k > 0 for k in ks):
+            x = _top_k(x, ks)
+        ps = [p.top_p for p in params]
+        if any(p < 1.0 for p in ps):
+            x = _top_p(x, ps)
+        return x
+
+    @staticmethod
+    def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:
+        """One U[0, 1) float64 per row, each from its own generator (on the generator's device)."""
+        draws = []
+        for gen in generators:
+            if gen is None:
+                draws.append(torch.rand((1,), dtype=torch.float64))
+            else:
+                draws.append(torch.rand((1,), dtype=torch.float64, generator=gen, device=gen.device))
+        return torch.cat([d.to(device) for d in draws])  # [S]
+
+
+def _as_ids(ids: Tensor | Sequence[int], device: torch.device) -> Tensor:
+    if isinstance(ids, Tensor):
+        return ids.to(device=device, dtype=torch.long).reshape(-1)
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def _top_k(x: Tensor, ks: list[int]) -> Tensor:
+    """Keep, per row, every logit >= that row's k-th largest (ties at the boundary survive, as in HF).
+
+    x: [S, V]; ks[i] == 0 leaves row i alone.
+    """
+    v = x.shape[-1]
+    kk = [min(k, v) for k in ks]
+    kmax = max(kk)
+    top = torch.topk(x, kmax, dim=-1).values  # [S, kmax], sorted descending
+    pick = torch.tensor([max(k, 1) - 1 for k in kk], device=x.device)[:, None]  # [S, 1]
+    threshold = top.gather(-1, pick)  # [S, 1]
+    off = torch.tensor([k == 0 for k in kk], device=x.device)[:, None]  # [S, 1]
+    threshold = threshold.masked_fill(off, -math.inf)
+    return x.masked_fill(x < threshold, -math.inf)
+
+
+def _top_p(x: Tensor, ps: list[float]) -> Tensor:
+    """Nucleus filter with HF's exact rule: sort ascending, drop tokens whose cumulative probability is
+    <= 1 - top_p, always keep the most likely one. x: [S, V]; rows with top_p == 1 are left alone."""
+    sorted_logits, sorted_idx = torch.sort(x, descending=False)  # [S, V] each
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [S, V]
+    # 1 - top_p is formed in Python float and rounded to x.dtype once, as HF's scalar comparison does.
+    floor = torch.tensor([1 - p for p in ps], dtype=x.dtype, device=x.device)[:, None]  # [S, 1]
+    active = torch.tensor([p < 1.0 for p in ps], device=x.device)[:, None]  # [S, 1]
+    remove_sorted = (cum <= floor) & active  # [S, V]
+    remove_sorted[:, -1] = False
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)  # [S, V], back in vocabulary order
+    return x.masked_fill(remove, -math.inf)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """probs: [S, V], u: [S] in [0, 1) → [S] int64 ids, id i drawn with probability probs[:, i]."""
+    cdf = probs.double().cumsum(dim=-1)  # [S, V]; float64 so the tail of a 128k vocabulary keeps its mass
+    target = (u * cdf[:, -1])[:, None]  # [S, 1]
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)  # [S]
+    # u * total can round up to total itself; then the clamp may land on a zero-probability tail id.
+    ok = probs.gather(-1, ids[:, None]).squeeze(-1) > 0
+    return torch.where(ok, ids, probs.argmax(dim=-1))

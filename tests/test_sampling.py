@@ -1,0 +1,193 @@
+"""Sampling: processed distributions equal transformers' logits processors; seeds and batch independence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from service.engine.sampling import Sampler, SamplingParams, greedy, make_generator
+from service.errors import InvalidRequest
+
+V = 1000
+
+
+def _logits(b: int, seed: int = 0, v: int = V) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((b, v), generator=gen) * 3.0
+
+
+def _hf(
+    logits: torch.Tensor, p: SamplingParams, history: torch.Tensor | None = None
+) -> torch.Tensor:  # one row [1, V] -> [1, V], in transformers' order
+    x = logits.clone()
+    ids = history if history is not None else torch.zeros((1, 0), dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        x = RepetitionPenaltyLogitsProcessor(float(p.repetition_penalty))(ids, x)
+    if p.temperature != 1.0:
+        x = TemperatureLogitsWarper(float(p.temperature))(ids, x)
+    if p.top_k > 0:
+        x = TopKLogitsWarper(p.top_k)(ids, x)
+    if p.top_p < 1.0:
+        x = TopPLogitsWarper(float(p.top_p))(ids, x)
+    return x
+
+
+CASES = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_k=50),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.5, top_p=0.5),
+    SamplingParams(temperature=1.0, top_p=0.01),  # keeps only the most likely token
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.95),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.8, repetition_penalty=0.7),
+    SamplingParams(temperature=1.0, top_k=V + 10),  # k beyond the vocabulary keeps everything
+]
+
+
+def test_processed_logits_match_transformers_per_case() -> None:
+    sampler = Sampler()
+    logits = _logits(len(CASES), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    history = [torch.randint(0, V, (30,), generator=gen) for _ in CASES]
+    ours = sampler.process_logits(logits, CASES, history)
+    for i, p in enumerate(CASES):
+        ref = _hf(logits[i : i + 1], p, history[i][None, :])
+        # Same tokens removed, same values elsewhere.
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref[0])), f"case {i} {p}: different support"
+        torch.testing.assert_close(ours[i], ref[0], rtol=1e-6, atol=1e-6, msg=f"case {i} {p}")
+        torch.testing.assert_close(
+            sampler.processed_probs(logits[i : i + 1], [p], [history[i]])[0], torch.softmax(ref[0], -1)
+        )
+
+
+def test_top_k_keeps_ties_like_transformers() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.5, 2.0]])
+    p = SamplingParams(temperature=1.0, top_k=2)
+    ours = Sampler().process_logits(logits, [p])
+    ref = _hf(logits, p)
+    assert torch.equal(ours, ref)
+    assert int(torch.isfinite(ours).sum()) == 4  # 3.0 and all three 2.0s
+
+
+def test_greedy_rows_only_get_the_penalty() -> None:
+    logits = _logits(2, seed=3)
+    hist = [[1, 2, 3], [4, 5]]
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams()]
+    ours = Sampler().process_logits(logits, params, hist)
+    ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[1, 2, 3]]), logits[:1].clone())
+    assert torch.equal(ours[0], ref[0])
+    assert torch.equal(ours[1], logits[1])
+    res = Sampler().sample(logits, params, [None, None], hist)
+    assert res.tokens.tolist() == [int(ref[0].argmax()), int(logits[1].argmax())]
+
+
+def test_all_greedy_fast_path_is_argmax_with_logprobs() -> None:
+    logits = _logits(4, seed=4)
+    params = [SamplingParams(logprobs=True)] * 4
+    res = Sampler().sample(logits, params)
+    assert torch.equal(res.tokens, logits.argmax(-1))
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert res.logprobs is not None
+    torch.testing.assert_close(res.logprobs, torch.log_softmax(logits, -1).max(-1).values)
+    assert Sampler().sample(logits, [SamplingParams()] * 4).logprobs is None
+
+
+def test_logprobs_come_from_the_processed_distribution() -> None:
+    logits = _logits(3, seed=5)
+    params = [
+        SamplingParams(temperature=0.7, top_k=10, logprobs=True),
+        SamplingParams(logprobs=True),
+        SamplingParams(temperature=1.0, top_p=0.5, logprobs=True),
+    ]
+    gens = [make_generator(i) for i in range(3)]
+    res = Sampler().sample(logits, params, gens)
+    assert res.logprobs is not None
+    for i, p in enumerate(params):
+        ref = torch.log_softmax(_hf(logits[i : i + 1], p) if not p.greedy else logits[i : i + 1], -1)[0]
+        tok = int(res.tokens[i])
+        assert math.isfinite(float(res.logprobs[i]))  # never a filtered-out token
+        torch.testing.assert_close(res.logprobs[i], ref[tok])
+
+
+def test_same_seed_same_tokens_regardless_of_batch() -> None:
+    sampler = Sampler()
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    steps = [_logits(1, seed=100 + s) for s in range(20)]
+
+    def run(batch_extra: int, other_seed: int) -> list[int]:
+        gen = make_generator(target.seed)
+        others = [make_generator(other_seed + j) for j in range(batch_extra)]
+        out = []
+        for s, row in enumerate(steps):
+            noise = _logits(batch_extra, seed=999 + s) if batch_extra else torch.empty((0, V))
+            batch = torch.cat([noise[: batch_extra // 2], row, noise[batch_extra // 2 :]])
+            params = [SamplingParams(temperature=1.2, top_k=7)] * batch_extra
+            params.insert(batch_extra // 2, target)
+            gens: list[torch.Generator | None] = list(others)
+            gens.insert(batch_extra // 2, gen)
+            out.append(int(sampler.sample(batch, params, gens).tokens[batch_extra // 2]))
+        return out
+
+    alone = run(0, 0)
+    assert run(3, 7) == alone
+    assert run(6, 50) == alone
+    # A different seed gives a different stream (the distribution is wide enough for 20 draws to differ).
+    other = make_generator(4321)
+    diff = [int(sampler.sample(row, [target], [other]).tokens[0]) for row in steps]
+    assert diff != alone
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
+    logits = torch.log(probs)[None, :].repeat(4000, 1)
+    gens = [make_generator(i) for i in range(4000)]
+    res = Sampler().sample(logits, [SamplingParams(temperature=1.0)] * 4000, gens)
+    counts = torch.bincount(res.tokens, minlength=5).double() / 4000
+    assert counts[4] == 0
+    torch.testing.assert_close(counts, probs.double(), atol=0.03, rtol=0)
+
+
+def test_processed_probs_greedy_rows_are_one_hot() -> None:
+    logits = _logits(2, seed=6)
+    probs = Sampler().processed_probs(logits, [SamplingParams(), SamplingParams(temperature=1.0)])
+    assert float(probs[0].max()) == 1.0 and int(probs[0].argmax()) == int(logits[0].argmax())
+    torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
+
+
+def test_repetition_penalty_requires_history() -> None:
+    with pytest.raises(ValueError, match="history"):
+        Sampler().sample(_logits(1), [SamplingParams(repetition_penalty=1.2)])
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (SamplingParams(temperature=-0.1), "temperature"),
+        (SamplingParams(temperature=math.nan), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=-1.0), "repetition_penalty"),
+        (SamplingParams(seed=-5), "seed"),
+    ],
+)
+def test_validation_messages(params: SamplingParams, match: str) -> None:
+    with pytest.raises(InvalidRequest, match=match):
+        params.validate()
+
+
+def test_defaults_are_valid_and_greedy() -> None:
+    p = SamplingParams()
+    p.validate()
+    assert p.greedy and not p.penalized
