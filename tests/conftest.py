@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,3 +30,41 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "config.json").exists():
         pytest.fail(f"{SMOLLM2_DIR} is missing: run `make model` (make test does it for you)")
     return SMOLLM2_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make(**kwargs) -> folder``: ``tiny_models.write_tiny_llama`` into a fresh temp folder, once per arguments."""
+    from tiny_models import write_tiny_llama
+
+    made: dict[str, Path] = {}
+
+    def make(**kwargs: Any) -> Path:
+        key = repr(sorted(kwargs.items()))
+        if key not in made:
+            made[key] = write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
+    """The default tiny random Llama (GQA, untied embeddings), written once per session."""
+    return tiny_llama_factory()
+
+
+@pytest.fixture(scope="session")
+def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer files: a servable model that runs in ms."""
+    import shutil
+
+    from tiny_models import write_tiny_llama
+
+    folder = write_tiny_llama(
+        tmp_path_factory.mktemp("served_tiny"), vocab_size=49152, max_position_embeddings=1024, seed=7
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, folder / name)
+    return folder

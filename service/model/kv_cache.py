@@ -1,0 +1,62 @@
+"""The slot KV cache: one row ("slot") per running request, indexed by token position.
+
+Public API::
+
+    KVCache(cfg: ModelConfig, slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device)
+    cache.k[layer], cache.v[layer]     # [slots, n_kv, max_len, head_dim] views into one buffer
+    cache.move(src_slot, dst_slot, length) -> None
+    cache.nbytes, cache.slots, cache.max_len, cache.dtype, cache.device
+
+The engine keeps its running requests compacted in slots ``0..n-1`` so that every forward pass reads one
+contiguous slot range as a plain slice (no gather). When a request retires, the last row is moved into the hole
+with ``move``. A row's length is the engine's business: the model writes K/V at the positions it is given and
+attends only to positions ``<=`` the query's own, so whatever lies beyond a row's length (a rolled-back draft, a
+former occupant, the tail of a padded prompt) is never read into a result.
+
+The buffer starts zeroed, never uninitialised: attention multiplies masked-out values by a probability of 0,
+and ``0 * NaN`` would still be NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        if slots <= 0 or max_len <= 0:
+            raise ValueError(f"slots and max_len must be positive, got slots={slots} max_len={max_len}")
+        self.slots = slots
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_layers = cfg.num_layers
+        # One allocation for everything, so `move` is one copy for all layers.
+        self.data = torch.zeros(
+            (cfg.num_layers, 2, slots, cfg.num_kv_heads, max_len, cfg.head_dim), dtype=dtype, device=self.device
+        )  # [L, 2, slots, n_kv, max_len, D]
+        self.k: list[torch.Tensor] = [self.data[i, 0] for i in range(cfg.num_layers)]  # each [slots, n_kv, max_len, D]
+        self.v: list[torch.Tensor] = [self.data[i, 1] for i in range(cfg.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def move(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy positions ``[0, length)`` of every layer's K and V from ``src_slot`` to ``dst_slot``."""
+        for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
+            if not 0 <= slot < self.slots:
+                raise ValueError(f"{name}={slot} is outside [0, {self.slots})")
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length={length} is outside [0, {self.max_len}]")
+        if src_slot == dst_slot or length == 0:
+            return
+        self.data[:, :, dst_slot, :, :length] = self.data[:, :, src_slot, :, :length]  # [L, 2, n_kv, length, D]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(layers={self.num_layers}, slots={self.slots}, max_len={self.max_len}, "
+            f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})"
+        )

@@ -1,0 +1,269 @@
+"""A Llama-family decoder for serving: fused weights, a slot KV cache, attention masked by position.
+
+Public API::
+
+    Llama(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device)
+    Llama.forward(tokens, positions, cache, slot_start, adapters=None, *, kv_len=None) -> hidden [B, T, hidden]
+    Llama.logits(hidden) -> fp32 logits [..., vocab]
+    Llama.gather_last(hidden, lengths) -> hidden [B, hidden] at position ``lengths - 1`` of each row
+    AdapterHook (Protocol), ProjName, proj(...)
+
+Parameters are allocated with ``torch.empty`` in their final, fused layout and filled by
+``service.model.weights``: per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows (see
+``ModelConfig.fused_rows``), ``wo``, ``w2`` and the two norms. A tied ``lm_head`` is the embedding tensor itself.
+
+A forward pass runs ``B`` rows that occupy the contiguous cache slots ``[slot_start, slot_start + B)``. Row ``b``
+carries its tokens and their absolute positions; K/V are written at those positions, and each query attends to
+the keys of its own slot at positions ``<=`` its own. Right-padded prompts, ``[B, 1]`` decode steps, ``[B, k+1]``
+speculative verification and rollback (the engine just lowers its length) all follow from that one rule.
+
+``adapters`` is the seam for LoRA: every projection goes through ``proj``, which hands the adapter hook the input
+and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. Nothing here implements an adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from service.model.config import ModelConfig
+from service.model.kv_cache import KVCache
+
+ProjName = Literal["wqkv", "wo", "w13", "w2"]
+
+
+class AdapterHook(Protocol):
+    """What a LoRA batch must provide to the model (implemented in ``service.adapters``)."""
+
+    def add_delta(self, out: Tensor, x: Tensor, layer: int, name: ProjName) -> Tensor:
+        """Return ``out`` plus this batch's adapter delta for projection ``name`` of ``layer``.
+
+        ``x`` is the projection's input ``[B, T, in]``; ``out`` its base output ``[B, T, out]`` whose columns follow
+        the fused layout of ``ModelConfig.fused_rows`` for ``wqkv`` and ``w13``. May update ``out`` in place.
+        """
+        ...
+
+
+def proj(
+    x: Tensor, weight: Tensor, bias: Tensor | None, layer: int, name: ProjName, adapters: AdapterHook | None
+) -> Tensor:
+    """One linear projection of the decoder, with the adapter delta added when a hook is given."""
+    out = F.linear(x, weight, bias)
+    if adapters is not None:
+        out = adapters.add_delta(out, x, layer, name)
+    return out
+
+
+# --- RoPE -----------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [D/2] in fp32 on the CPU, with linear or llama3 rescaling (as transformers)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(inv_freq: Tensor, length: int, *, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin for positions ``[0, length)``: each [length, D/2], computed in fp32, stored in ``dtype``."""
+    pos = torch.arange(length, device=device, dtype=torch.float32)  # [P]
+    freqs = pos[:, None] * inv_freq.to(device)[None, :]  # [P, D/2]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of each head (the HF "rotate_half" convention). x [B, T, h, D]; cos, sin [B, T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)  # [B, T, h, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, T, h, D]
+
+
+# --- modules --------------------------------------------------------------------------------------------
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, cast back before the weight multiply (as transformers)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head = cfg.num_heads
+        self.n_kv = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.wqkv = _param(qkv_rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.wo = _param(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        self.bqkv: nn.Parameter | None = None
+        self.bo: nn.Parameter | None = None
+        if cfg.attention_bias:
+            self.bqkv = _param(qkv_rows, dtype=dtype, device=device)
+            self.bo = _param(cfg.hidden_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        write_index: tuple[Tensor, Tensor],
+        adapters: AdapterHook | None,
+    ) -> Tensor:
+        # x [B, T, hidden]; k_cache/v_cache [B, n_kv, max_len, D] (this batch's slots); mask [B, 1, T, L]
+        b, t, _ = x.shape
+        h, kv, d = self.n_head, self.n_kv, self.head_dim
+        qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", adapters).view(b, t, h + 2 * kv, d)
+        qk = apply_rope(qkv[:, :, : h + kv], cos, sin)  # [B, T, H + KV, D]
+        q = qk[:, :, :h]  # [B, T, H, D]
+        # Write this step's K/V at their positions, then read the slot range back as a plain slice.
+        rows, pos = write_index  # [B, 1], [B, T]
+        k_cache.transpose(1, 2)[rows, pos] = qk[:, :, h:]  # cache viewed [B, max_len, KV, D] <- [B, T, KV, D]
+        v_cache.transpose(1, 2)[rows, pos] = qkv[:, :, h + kv :]
+        length = mask.shape[-1]
+        k = k_cache[:, :, :length]  # [B, KV, L, D]
+        v = v_cache[:, :, :length]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=kv != h)
+        y = y.transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
+        return proj(y, self.wo, self.bo, self.layer, "wo", adapters)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(gate(x)) * up(x)), with gate and up fused into one ``w13`` matmul."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer = layer
+        i = cfg.intermediate_size
+        self.w13 = _param(2 * i, cfg.hidden_size, dtype=dtype, device=device)
+        self.w2 = _param(cfg.hidden_size, i, dtype=dtype, device=device)
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        if cfg.mlp_bias:
+            self.b13 = _param(2 * i, dtype=dtype, device=device)
+            self.b2 = _param(cfg.hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor, adapters: AdapterHook | None) -> Tensor:
+        gate, up = proj(x, self.w13, self.b13, self.layer, "w13", adapters).chunk(2, dim=-1)  # [B, T, I] each
+        return proj(F.silu(gate) * up, self.w2, self.b2, self.layer, "w2", adapters)  # [B, T, hidden]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.attention = Attention(cfg, layer, dtype=dtype, device=device)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.feed_forward = FeedForward(cfg, layer, dtype=dtype, device=device)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tok_embeddings = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device)
+        blocks = tuple(Block(cfg, i, dtype=dtype, device=self.device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(blocks)  # registers the parameters
+        self.blocks: tuple[Block, ...] = blocks  # the same modules, typed
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=self.device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.tok_embeddings
+        else:
+            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device)
+        self._inv_freq = rope_inv_freq(cfg)  # [D/2] fp32, CPU
+        self._cos = torch.empty(0, cfg.head_dim // 2, dtype=dtype, device=self.device)  # [P, D/2], grown on demand
+        self._sin = self._cos
+
+    def _rope_for(self, length: int) -> None:
+        if self._cos.shape[0] < length:
+            self._cos, self._sin = rope_table(self._inv_freq, length, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        slot_start: int,
+        adapters: AdapterHook | None = None,
+        *,
+        kv_len: int | None = None,
+    ) -> Tensor:
+        """Run rows ``[slot_start, slot_start + B)`` of the cache; return final-normed hidden states [B, T, hidden].
+
+        tokens, positions: [B, T] int64 on the model's device. ``kv_len`` bounds the keys attended to (must be
+        ``> positions.max()``); when ``None`` it is computed from ``positions`` (one device-to-host sync).
+        """
+        b = tokens.shape[0]
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
+        if slot_start < 0 or slot_start + b > cache.slots:
+            raise ValueError(f"slots [{slot_start}, {slot_start + b}) are outside the cache's {cache.slots}")
+        length = int(positions.max()) + 1 if kv_len is None else kv_len
+        if length > cache.max_len:
+            raise ValueError(f"position {length - 1} is beyond the cache's max_len {cache.max_len}")
+        self._rope_for(cache.max_len)
+        cos = self._cos[positions].unsqueeze(2)  # [B, T, 1, D/2]
+        sin = self._sin[positions].unsqueeze(2)
+        key_pos = torch.arange(length, device=tokens.device)  # [L]
+        mask = (key_pos <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, L]: key position <= query position
+        write_index = (torch.arange(b, device=tokens.device)[:, None], positions)  # [B, 1], [B, T]
+        slots = slice(slot_start, slot_start + b)
+
+        x = F.embedding(tokens, self.tok_embeddings)  # [B, T, hidden]
+        for i, layer in enumerate(self.blocks):
+            x = x + layer.attention(
+                layer.attention_norm(x), cos, sin, mask, cache.k[i][slots], cache.v[i][slots], write_index, adapters
+            )
+            x = x + layer.feed_forward(layer.ffn_norm(x), adapters)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., hidden] -> fp32 logits [..., vocab] (matmul in the model dtype, as transformers)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    @staticmethod
+    def gather_last(hidden: Tensor, lengths: Tensor) -> Tensor:
+        """hidden [B, T, hidden], lengths [B] -> hidden at each row's last real token, [B, hidden]."""
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden[rows, lengths - 1]
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,100 @@
+"""From a Hugging Face checkpoint folder to a ready ``Llama``: the name map and the load.
+
+Public API::
+
+    build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]
+    load_model(folder: Path, *, dtype: torch.dtype, device: torch.device | str, mode: LoadMode = "stream")
+        -> tuple[Llama, ModelConfig, LoadStats]
+
+The plan maps every Hugging Face tensor name to the exact memory it must land in: ``q_proj``/``k_proj``/``v_proj``
+are row slices of the fused ``wqkv``, ``gate_proj``/``up_proj`` row slices of ``w13``, and so on, so the reader in
+``service.loading`` streams each tensor straight into its final place (converting dtype on the way) and no
+fused copy is ever made. The model is allocated with ``torch.empty`` directly on the target device: nothing is
+initialised only to be overwritten. Missing, unexpected and mis-shaped tensors are the loader's typed errors,
+naming the tensor and its file, raised before any tensor data is read.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from service.config import LoadMode
+from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED, MODEL_PARAMETER_BYTES
+from service.model.config import ModelConfig
+from service.model.llama import Llama
+
+if TYPE_CHECKING:
+    from service.loading import LoadStats
+
+
+def build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]:
+    """HF tensor name -> destination view in ``model``; plus names a checkpoint may hold that are not needed."""
+    cfg = model.cfg
+    fused = cfg.fused_rows()
+    plan: dict[str, Tensor] = {
+        "model.embed_tokens.weight": model.tok_embeddings.data,
+        "model.norm.weight": model.norm.weight.data,
+    }
+    ignore = ["model.rotary_emb.inv_freq"]
+    if cfg.tie_word_embeddings:
+        ignore.append("lm_head.weight")  # some tied checkpoints still carry a copy; the embedding is the truth
+    else:
+        plan["lm_head.weight"] = model.lm_head.data
+    for i, block in enumerate(model.blocks):
+        p = f"model.layers.{i}."
+        attn, ffn = block.attention, block.feed_forward
+        for part in fused["wqkv"]:
+            plan[f"{p}self_attn.{part.hf_name}.weight"] = attn.wqkv.data[part.start : part.stop]
+            if attn.bqkv is not None:
+                plan[f"{p}self_attn.{part.hf_name}.bias"] = attn.bqkv.data[part.start : part.stop]
+        plan[f"{p}self_attn.o_proj.weight"] = attn.wo.data
+        if attn.bo is not None:
+            plan[f"{p}self_attn.o_proj.bias"] = attn.bo.data
+        for part in fused["w13"]:
+            plan[f"{p}mlp.{part.hf_name}.weight"] = ffn.w13.data[part.start : part.stop]
+            if ffn.b13 is not None:
+                plan[f"{p}mlp.{part.hf_name}.bias"] = ffn.b13.data[part.start : part.stop]
+        plan[f"{p}mlp.down_proj.weight"] = ffn.w2.data
+        if ffn.b2 is not None:
+            plan[f"{p}mlp.down_proj.bias"] = ffn.b2.data
+        plan[f"{p}input_layernorm.weight"] = block.attention_norm.weight.data
+        plan[f"{p}post_attention_layernorm.weight"] = block.ffn_norm.weight.data
+        ignore.append(f"{p}self_attn.rotary_emb.inv_freq")  # written by old transformers versions
+    return plan, ignore
+
+
+def load_model(
+    folder: Path, *, dtype: torch.dtype, device: torch.device | str, mode: LoadMode = "stream"
+) -> tuple[Llama, ModelConfig, LoadStats]:
+    """Parse the config, read the headers, allocate the model on ``device`` and stream the weights into it.
+
+    Records ``MODEL_LOAD_DURATION`` (stages header/read/convert from the loader, total = this whole call),
+    ``MODEL_LOAD_BYTES``, ``MODEL_PARAMETER_BYTES`` and sets ``MODEL_LOADED`` to 1.
+    """
+    from service.loading import CheckpointIndex, load_tensors
+
+    t0 = time.perf_counter()
+    folder = Path(folder)
+    cfg = ModelConfig.from_hf(folder)
+    index = CheckpointIndex.open(folder)
+    model = Llama(cfg, dtype=dtype, device=torch.device(device))
+    plan, ignore = build_load_plan(model)
+    stats = load_tensors(index, plan, mode=mode, unexpected="error", ignore_unexpected=tuple(ignore))
+    model.eval()
+    total = time.perf_counter() - t0
+    for stage, seconds in (
+        ("header", stats.header_seconds),
+        ("read", stats.read_seconds),
+        ("convert", stats.convert_seconds),
+        ("total", total),
+    ):
+        MODEL_LOAD_DURATION.labels(stage=stage, mode=mode).observe(seconds)
+    MODEL_LOAD_BYTES.labels(mode=mode).inc(stats.bytes_read)
+    MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
+    MODEL_LOADED.set(1)
+    return model, cfg, stats

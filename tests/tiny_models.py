@@ -1,0 +1,149 @@
+"""Tiny random Llama checkpoints written by transformers itself, for tests that need real files but no download.
+
+    write_tiny_llama(folder, *, seed=0, max_shard_size=None, legacy_rope_keys=False, **config_overrides) -> Path
+    tiny_llama_config(**config_overrides) -> transformers.LlamaConfig
+    load_hf_llama(folder) -> transformers.LlamaForCausalLM   (fp32, eval, the reference implementation)
+
+The folder holds ``config.json``, ``generation_config.json`` and ``model.safetensors`` (or shards plus
+``model.safetensors.index.json`` when ``max_shard_size`` is given, e.g. ``"200KB"``). Every parameter, norms and
+biases included, is drawn from a seeded normal distribution with a spread large enough that logits are far from
+uniform (so greedy decoding has no near-ties) and that a tensor loaded into the wrong place changes the output.
+``legacy_rope_keys=True`` rewrites config.json in the pre-transformers-5 spelling (``rope_theta`` at the top,
+``rope_scaling`` with ``type``) to exercise that parser.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def tiny_llama_config(**config_overrides: Any) -> Any:
+    """A ``transformers.LlamaConfig`` with the tiny defaults above, overridden by keyword."""
+    from transformers import LlamaConfig
+
+    values = {**TINY_DEFAULTS, **config_overrides}
+    return LlamaConfig(**values)
+
+
+def write_tiny_llama(
+    folder: Path,
+    *,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    legacy_rope_keys: bool = False,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random tiny ``LlamaForCausalLM`` to ``folder`` with ``save_pretrained``; return the folder."""
+    from transformers import LlamaForCausalLM
+
+    folder = Path(folder)
+    config = tiny_llama_config(**config_overrides)
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            elif "embed_tokens" in name or name == "lm_head.weight":
+                param.copy_(noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)  # unit-variance outputs per projection
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(folder, **kwargs)
+    if legacy_rope_keys:
+        _rewrite_legacy_rope(folder / "config.json")
+    return folder
+
+
+def load_hf_llama(folder: Path) -> Any:
+    """The reference: transformers' own ``LlamaForCausalLM`` from ``folder``, fp32, eval mode, SDPA attention."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _rewrite_legacy_rope(config_path: Path) -> None:
+    raw = json.loads(config_path.read_text())
+    params = dict(raw.pop("rope_parameters"))
+    raw["rope_theta"] = params.pop("rope_theta")
+    rope_type = params.pop("rope_type")
+    if rope_type != "default":
+        raw["rope_scaling"] = {"type": rope_type, **params}
+    config_path.write_text(json.dumps(raw, indent=2))
+
+
+def load_ours(folder: Path, *, dtype: torch.dtype = torch.float32) -> Any:
+    """``service.model.weights.load_model`` on the CPU; returns the ``Llama``."""
+    try:
+        from service.loading import load_tensors  # noqa: F401
+    except ImportError:  # TEMPORARY until service.loading lands
+        from safetensors.torch import load_file
+
+        from service.model import Llama, ModelConfig
+        from service.model.weights import build_load_plan
+
+        cfg = ModelConfig.from_hf(folder)
+        model = Llama(cfg, dtype=dtype, device=torch.device("cpu"))
+        plan, _ = build_load_plan(model)
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(folder).glob("*.safetensors")):
+            state.update(load_file(file))
+        for name, dest in plan.items():
+            dest.copy_(state[name])
+        return model
+    from service.model.weights import load_model
+
+    return load_model(folder, dtype=dtype, device="cpu")[0]
+
+
+def greedy_generate(
+    model: Any, prompt: list[int], max_new_tokens: int, *, eos_token_ids: tuple[int, ...] = ()
+) -> list[int]:
+    """Greedy decoding with ``service.model`` alone: prefill into slot 0, then one token per step through the cache.
+
+    Stops after ``max_new_tokens`` or right after an end-of-sequence token (which is returned, as transformers
+    ``generate`` does). Returns the new tokens only.
+    """
+    from service.model import KVCache
+
+    cache = KVCache(model.cfg, 1, len(prompt) + max_new_tokens, dtype=model.dtype, device=model.device)
+    tokens = torch.tensor([prompt], device=model.device)  # [1, P]
+    positions = torch.arange(len(prompt), device=model.device)[None, :]  # [1, P]
+    hidden = model(tokens, positions, cache, 0)[:, -1]  # [1, hidden]
+    out: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(model.logits(hidden).argmax(-1))
+        out.append(token)
+        if token in eos_token_ids or step == max_new_tokens - 1:
+            break
+        position = torch.tensor([[len(prompt) + step]], device=model.device)
+        hidden = model(torch.tensor([[token]], device=model.device), position, cache, 0)[:, -1]
+    return out
