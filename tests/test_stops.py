@@ -1,0 +1,109 @@
+"""Stop sequences: split across deltas, overlapping, several at once, at the very start; nothing after a stop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from service.engine.stops import StopMatcher
+from service.errors import InvalidRequest
+
+
+def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, StopMatcher]:
+    m = StopMatcher(stops)
+    out = []
+    stopped = False
+    for d in deltas:
+        text, stopped = m.push(d)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(m.flush())
+    return "".join(out), stopped, m
+
+
+def _oracle(stops: list[str], text: str) -> tuple[str, bool]:
+    """Feed the text one character at a time to a brute-force search: stop at the first completed stop."""
+    for end in range(1, len(text) + 1):
+        hits = [(end - len(s)) for s in stops if text[:end].endswith(s)]
+        if hits:
+            return text[: min(hits)], True
+    return text, False
+
+
+def test_stop_split_across_deltas() -> None:
+    out, stopped, m = _run(["<|user|>"], ["Hello <|", "us", "er|> never", " this"])
+    assert (out, stopped, m.matched) == ("Hello ", True, "<|user|>")
+
+
+def test_holds_back_only_what_could_still_be_a_stop() -> None:
+    m = StopMatcher(["###"])
+    assert m.push("ab#") == ("ab", False)
+    assert m.held == "#"
+    assert m.push("#x") == ("##x", False)  # '##x' cannot start '###'
+    assert m.push("##") == ("", False)
+    assert m.push("#tail") == ("", True)
+    assert m.push("more") == ("", True)
+    assert m.flush() == ""
+
+
+def test_stop_at_the_very_start() -> None:
+    assert _run(["STOP"], ["STOP and more"])[:2] == ("", True)
+    assert _run(["STOP"], ["S", "T", "O", "P"])[:2] == ("", True)
+
+
+def test_overlapping_stops() -> None:
+    # "aab" overlaps itself: the matcher must not drop the second 'a' when "aaa" breaks the first attempt.
+    assert _run(["aab"], ["a", "a", "a", "b", "c"])[:2] == ("a", True)
+    # Two stops where one is inside the other: the shorter completes first.
+    out, stopped, m = _run(["abcd", "bc"], ["abcd"])
+    assert (out, stopped, m.matched) == ("a", True, "bc")
+    # One is a prefix of the other: the shorter one completes first.
+    out, _, m = _run(["end", "ending"], ["the ending"])
+    assert (out, m.matched) == ("the ", "end")
+
+
+def test_multiple_stops_earliest_wins() -> None:
+    out, stopped, m = _run(["\n\n", "User:", "</s>"], ["Sure.", " User", ": hi\n\nmore</s>"])
+    assert (out, stopped, m.matched) == ("Sure. ", True, "User:")
+
+
+def test_no_stop_releases_everything_on_flush() -> None:
+    out, stopped, _ = _run(["<end>"], ["a <en", "d and <e", "n"])
+    assert (out, stopped) == ("a <end and <en", False)
+    assert _run([], ["anything", " goes"])[:2] == ("anything goes", False)
+
+
+def test_unicode_stops() -> None:
+    assert _run(["😀!"], ["hi 😀", "😀", "!", "x"])[:2] == ("hi 😀", True)
+
+
+def test_empty_stop_is_rejected() -> None:
+    with pytest.raises(InvalidRequest, match="empty"):
+        StopMatcher(["ok", ""])
+
+
+def test_random_streams_match_a_brute_force_oracle() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+        text = "".join(rng.choice("abcd") for _ in range(rng.randrange(0, 25)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randrange(0, 6))))
+        deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        m = StopMatcher(stops)
+        emitted = ""
+        stopped = False
+        for d in deltas:
+            piece, stopped = m.push(d)
+            emitted += piece
+            # Never emit anything that a later delta could turn into (part of) a stop.
+            assert text.startswith(emitted)
+            if stopped:
+                break
+        if not stopped:
+            emitted += m.flush()
+        expected, exp_stopped = _oracle(stops, text)
+        assert (emitted, stopped) == (expected, exp_stopped), (stops, deltas)
+        assert not any(s in emitted for s in stops)
