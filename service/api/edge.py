@@ -1,0 +1,109 @@
+"""The API edge: typed errors -> gRPC status codes, API-key checks and per-RPC metrics, in one place.
+
+Every servicer method is wrapped by ``unary`` or ``streaming``. A ``LoraplexError`` becomes its class's status
+with its message; anything else is a bug, logged with its traceback and reported as INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from service import metrics
+from service.errors import LoraplexError, Unauthenticated
+
+log = logging.getLogger("loraplex.api")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Servicer = Any
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def check_api_key(context: Context, keys: tuple[str, ...]) -> None:
+    if not keys:
+        return
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            given = value.removeprefix("Bearer ").strip()
+            if any(hmac.compare_digest(given, k) for k in keys):
+                return
+    raise Unauthenticated("missing or wrong API key: send `authorization: Bearer <key>` metadata")
+
+
+async def _abort(context: Context, method: str, exc: BaseException) -> None:
+    if isinstance(exc, LoraplexError):
+        code = grpc.StatusCode[exc.status]
+        message = str(exc)
+    else:
+        log.exception("bug in %s", method, exc_info=exc)
+        code = grpc.StatusCode.INTERNAL
+        message = f"internal error ({type(exc).__name__}); see the server log"
+    metrics.REQUESTS.labels(method, code.name).inc()
+    await context.abort(code, message)
+
+
+def unary(
+    method: str,
+) -> Callable[
+    [Callable[[Servicer, Req, Context], Awaitable[Resp]]],
+    Callable[[Servicer, Req, Context], Awaitable[Resp]],
+]:
+    def wrap(
+        fn: Callable[[Servicer, Req, Context], Awaitable[Resp]],
+    ) -> Callable[[Servicer, Req, Context], Awaitable[Resp]]:
+        @functools.wraps(fn)
+        async def handler(self: Servicer, request: Req, context: Context) -> Resp:
+            try:
+                check_api_key(context, self.api_keys)
+                response = await fn(self, request, context)
+            except asyncio.CancelledError:
+                metrics.REQUESTS.labels(method, "CANCELLED").inc()
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await _abort(context, method, exc)
+                raise  # unreachable: abort raises
+            metrics.REQUESTS.labels(method, "OK").inc()
+            return response
+
+        return handler
+
+    return wrap
+
+
+def streaming(
+    method: str,
+) -> Callable[
+    [Callable[[Servicer, Req, Context], AsyncIterator[Resp]]],
+    Callable[[Servicer, Req, Context], AsyncIterator[Resp]],
+]:
+    def wrap(
+        fn: Callable[[Servicer, Req, Context], AsyncIterator[Resp]],
+    ) -> Callable[[Servicer, Req, Context], AsyncIterator[Resp]]:
+        @functools.wraps(fn)
+        async def handler(self: Servicer, request: Req, context: Context) -> AsyncIterator[Resp]:
+            try:
+                check_api_key(context, self.api_keys)
+                async for item in fn(self, request, context):
+                    yield item
+            except asyncio.CancelledError:
+                metrics.REQUESTS.labels(method, "CANCELLED").inc()
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await _abort(context, method, exc)
+            else:
+                metrics.REQUESTS.labels(method, "OK").inc()
+
+        return handler
+
+    return wrap

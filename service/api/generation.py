@@ -1,0 +1,166 @@
+"""The `loraplex.v1.Generation` servicer: thin methods that convert, submit to the engine and relay events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from loraplex.v1 import generation_pb2 as pb
+from loraplex.v1 import generation_pb2_grpc as pb_grpc
+
+from service import __version__
+from service.api import convert
+from service.api.edge import Context, streaming, unary
+from service.api.runtime import Runtime
+from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
+from service.errors import DeadlineExceeded, InvalidRequest, LoraplexError, Unavailable
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.api_keys = runtime.settings.api_keys
+
+    def _deadline(self, context: Context) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else time.monotonic() + remaining
+
+    def _submit(self, request: GenerationRequest) -> tuple[RequestHandle, asyncio.Queue[TokenEvent]]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(event: TokenEvent) -> None:  # engine thread -> event loop
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        return self.runtime.submit(request, sink), events
+
+    @unary("Generate")
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        rt = self.runtime.ready()
+        if not request.inputs:
+            raise InvalidRequest("inputs is empty: give at least one input")
+        if len(request.inputs) > rt.settings.max_batch_size:
+            raise InvalidRequest(f"at most {rt.settings.max_batch_size} inputs per request, got {len(request.inputs)}")
+        request_id = convert.request_id_of(request.request_id)
+        deadline = self._deadline(context)
+        domain = [
+            convert.generation_request(
+                request,
+                convert.prompt_of(item, rt.tokenizer),
+                request_id=f"{request_id}/{i}" if len(request.inputs) > 1 else request_id,
+                default_max_new_tokens=rt.settings.max_new_tokens,
+                deadline=deadline,
+                seed_offset=i,
+            )
+            for i, item in enumerate(request.inputs)
+        ]
+        for item in domain:  # refuse the whole request before any part of it runs
+            rt.validate(item)
+        submitted: list[tuple[RequestHandle, asyncio.Queue[TokenEvent]]] = []
+        try:
+            for item in domain:
+                submitted.append(self._submit(item))
+            results = [await self._collect(events, request.return_options) for _, events in submitted]
+        finally:
+            for handle, _ in submitted:
+                handle.cancel()
+        return pb.GenerateResponse(results=results, request_id=request_id)
+
+    async def _collect(self, events: asyncio.Queue[TokenEvent], options: pb.ReturnOptions) -> pb.GenerationResult:
+        result = pb.GenerationResult()
+        text: list[str] = []
+        while True:
+            event = await events.get()
+            _raise_if_failed(event)
+            text.append(event.text)
+            if options.return_token_ids:
+                result.token_ids.extend(event.token_ids)
+            if options.return_logprobs and event.logprobs is not None:
+                result.logprobs.extend(event.logprobs)
+            if event.finish is not None:
+                result.text = "".join(text)
+                result.finish_reason = convert.FINISH_TO_PB[event.finish]
+                result.stop_sequence = event.stop_sequence
+                result.usage.CopyFrom(convert.usage_of(event))
+                return result
+
+    @streaming("GenerateStream")
+    async def GenerateStream(
+        self, request: pb.GenerateStreamRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        rt = self.runtime.ready()
+        request_id = convert.request_id_of(request.request_id)
+        domain = convert.generation_request(
+            request,
+            convert.prompt_of(request.input, rt.tokenizer),
+            request_id=request_id,
+            default_max_new_tokens=rt.settings.max_new_tokens,
+            deadline=self._deadline(context),
+        )
+        handle, events = self._submit(domain)
+        first = True
+        try:
+            while True:
+                event = await events.get()
+                _raise_if_failed(event)
+                response = convert.stream_response(event, request.return_options)
+                if first:
+                    response.request_id = request_id
+                    first = False
+                yield response
+                if event.finish is not None:
+                    return
+        finally:
+            handle.cancel()  # a no-op when finished; frees the slot when the client went away
+
+    @unary("Tokenize")
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
+        rt = self.runtime.ready()
+        prompt = convert.prompt_of(request.input, rt.tokenizer)
+        return pb.TokenizeResponse(
+            token_ids=prompt.ids,
+            tokens=[rt.tokenizer.id_to_token(i) or "" for i in prompt.ids],
+            rendered_text=prompt.rendered,
+        )
+
+    @unary("ModelInfo")
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
+        rt = self.runtime.ready()
+        s = rt.settings
+        cfg = rt.model_config
+        features = ["logprobs", "stop_sequences", "seed"]
+        if rt.tokenizer.has_chat_template:
+            features.append("chat_template")
+        return pb.ModelInfoResponse(
+            model_name=s.model.resolve().name,
+            model_path=str(s.model),
+            architecture=cfg.architecture,
+            dtype=s.dtype,
+            device=str(rt.device),
+            vocab_size=cfg.vocab_size,
+            context_length=cfg.max_position_embeddings,
+            limits=pb.Limits(
+                max_batch_size=s.max_batch_size,
+                max_prompt_tokens=s.max_prompt_tokens,
+                max_new_tokens=s.max_new_tokens,
+                max_total_tokens=s.max_total_tokens,
+                max_queue=s.max_queue,
+            ),
+            features=features,
+            server_version=__version__,
+            load_mode=s.load_mode,
+            load_seconds=rt.load_seconds,
+            eos_token_ids=sorted(rt.engine.eos_ids),
+        )
+
+
+def _raise_if_failed(event: TokenEvent) -> None:
+    if event.finish is FinishReason.DEADLINE:
+        raise DeadlineExceeded("the request's deadline passed before generation finished")
+    if event.finish is FinishReason.ERROR:
+        if isinstance(event.error, LoraplexError):
+            raise event.error
+        if event.error is not None:
+            raise event.error
+        raise Unavailable("generation failed")

@@ -1,0 +1,199 @@
+"""Server assembly: gRPC (generation, health, reflection), /metrics over HTTP, loading, graceful drain.
+
+Start-up order: bind gRPC with health NOT_SERVING → start /metrics → load the model on a worker thread →
+SERVING. On SIGTERM/SIGINT: NOT_SERVING, new generation RPCs get UNAVAILABLE, running streams get up to
+``grace_seconds`` to finish, then the server stops and ``run`` returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from loraplex.v1 import generation_pb2, generation_pb2_grpc
+from prometheus_client import start_http_server
+
+from service import __version__, metrics
+from service.api.generation import GenerationServicer
+from service.api.runtime import Runtime
+from service.config import Settings
+
+log = logging.getLogger("loraplex.server")
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVICES = (GENERATION_SERVICE,)
+
+
+@dataclass
+class Server:
+    """A started server. ``port`` is the bound gRPC port (useful with port 0)."""
+
+    settings: Settings
+    runtime: Runtime
+    grpc_server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    metrics_port: int | None
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICES):
+            await self.health.set(name, status)
+
+    async def load(self) -> None:
+        """Load the model off the event loop, then report SERVING."""
+        try:
+            await asyncio.to_thread(self.runtime.load)
+        except BaseException as exc:
+            self.runtime.load_error = exc
+            raise
+        metrics.MODEL_LOADED.set(1)
+        await self.set_serving(True)
+
+    async def drain(self, grace: float | None = None) -> None:
+        """NOT_SERVING, refuse new work, let running requests finish (up to ``grace``), stop."""
+        grace = self.settings.grace_seconds if grace is None else grace
+        self.runtime.draining = True
+        await self.set_serving(False)
+        deadline = time.monotonic() + grace
+        loaded = self.runtime.loaded
+        while loaded is not None and time.monotonic() < deadline:
+            if loaded.engine.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        await self.grpc_server.stop(max(0.0, deadline - time.monotonic()))
+        self.runtime.close()
+
+
+async def start(settings: Settings) -> Server:
+    """Bind and start everything except the model load (call ``Server.load`` next)."""
+    metrics.BUILD_INFO.info({"version": __version__, "python": sys.version.split()[0]})
+    runtime = Runtime(settings)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(runtime), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"could not bind gRPC to {settings.host}:{settings.port}")
+    await server.start()
+    metrics_port = None
+    if settings.metrics_port >= 0:
+        http, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.REGISTRY)
+        metrics_port = http.server_port
+    running = Server(settings, runtime, server, health_servicer, port, metrics_port)
+    await running.set_serving(False)
+    return running
+
+
+async def serve(settings: Settings, *, announce: bool = True) -> int:
+    server = await start(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("event=listening grpc=%s:%d metrics_port=%s", settings.host, server.port, server.metrics_port)
+    loading = asyncio.create_task(server.load())
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loading in done and loading.exception() is not None:
+        log.error("event=load_failed error=%s", loading.exception())
+        await server.grpc_server.stop(0)
+        return 1
+    if loading in done and announce:
+        _announce(settings, server)
+    await stopper
+    log.info("event=draining grace_seconds=%.1f", settings.grace_seconds)
+    loading.cancel()
+    await server.drain()
+    log.info("event=stopped")
+    return 0
+
+
+def _announce(settings: Settings, server: Server) -> None:
+    target = f"{settings.host}:{server.port}"
+    lines = [
+        f"loraplex {__version__} is SERVING {settings.model} on {target}",
+        f"  try:     .venv/bin/loraplex generate --target {target} 'What is the capital of France?'",
+        f"  model:   .venv/bin/loraplex info --target {target}",
+    ]
+    if server.metrics_port is not None:
+        lines.append(f"  metrics: http://{settings.metrics_host}:{server.metrics_port}/metrics")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run(settings: Settings) -> int:
+    """Entry point of `loraplex serve`."""
+    configure_logging()
+    return asyncio.run(serve(settings))
+
+
+class BackgroundServer:
+    """A real server on its own event-loop thread, for tests and in-process benchmarks.
+
+    >>> with BackgroundServer(settings) as srv:
+    ...     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    """
+
+    def __init__(self, settings: Settings, *, load: bool = True) -> None:
+        self.settings = settings
+        self._load = load
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-test-loop", daemon=True)
+        self.server: Server | None = None
+
+    def call(self, coro: object, timeout: float | None = 120.0) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        server = self.call(start(self.settings))
+        assert isinstance(server, Server)
+        self.server = server
+        if self._load:
+            self.call(server.load())
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def target(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None:
+            self.call(self.server.drain(grace))
+            self.server = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,396 @@
+"""The engine: one thread that owns the model and the KV cache and runs continuous batching.
+
+Every iteration of the loop: take new submissions, retire cancelled / expired rows, admit waiting requests
+into free KV slots and prefill them in one padded batch, then run one decode step for every running row.
+Requests join and leave between steps; a row's tokens are handed to its sink as soon as they are sampled.
+
+Running rows are kept compacted in KV slots ``0..n-1`` (row ``i`` lives in slot ``i``): when a row retires,
+the last row's cache is moved into the hole, so every forward pass reads one contiguous slot range.
+
+The engine never awaits and the event loop never runs torch: they meet at ``submit`` (a thread-safe queue)
+and at each request's sink (called on this thread; the servicer hops to its loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from service import metrics
+from service.config import Settings
+from service.engine.detok import IncrementalDetokenizer
+from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
+from service.engine.sampling import Sampler
+from service.engine.stops import StopMatcher
+from service.errors import InvalidRequest, QueueFull, Unavailable
+from service.model.kv_cache import KVCache
+from service.model.llama import Llama
+from service.tokenizer import Tokenizer
+
+log = logging.getLogger("loraplex.engine")
+
+# Padded prompt tokens one prefill pass may hold: bounds the prefill's activation memory and the time running
+# streams wait while newcomers are prefilled.
+PREFILL_TOKEN_BUDGET = 8192
+
+
+@dataclass(eq=False)
+class _Row:
+    handle: RequestHandle
+    sink: Sink
+    detok: IncrementalDetokenizer
+    stops: StopMatcher | None
+    generator: torch.Generator | None
+    ids: list[int]  # prompt + generated, for the repetition penalty
+    length: int = 0  # tokens whose K/V are in the cache
+    pending: int = -1  # last sampled token, fed at the next decode step
+    generated: int = 0
+    done: bool = False
+    enqueued: float = field(default_factory=time.monotonic)
+    last_token_at: float = 0.0
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.handle.request
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """A snapshot for tests, metrics and ModelInfo."""
+
+    running: int
+    waiting: int
+    slots: int
+    steps: int
+    running_ids: tuple[str, ...]
+
+
+class Engine:
+    def __init__(self, model: Llama, tokenizer: Tokenizer, settings: Settings) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings
+        param = next(model.parameters())
+        self.device = param.device
+        self.cache = KVCache(
+            model.cfg, settings.max_batch_size, settings.max_total_tokens, dtype=param.dtype, device=self.device
+        )
+        self.sampler = Sampler(self.device)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
+        self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
+        self._waiting: deque[_Row] = deque()
+        self._running: list[_Row] = []
+        self._queued = 0  # submitted, not yet admitted or finished (guarded by _lock)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+        self._state = EngineState(0, 0, settings.max_batch_size, 0, ())
+
+    # --- the submitter's side (any thread) ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished yet (queued, waiting or running); exact, unlike ``state()``."""
+        return self._queued
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise ``InvalidRequest`` for anything the engine cannot run; called by ``submit`` and the edge."""
+        s = self.settings
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty: give at least one token of text")
+        if n > s.max_prompt_tokens:
+            raise InvalidRequest(f"the prompt has {n} tokens; this server accepts at most {s.max_prompt_tokens}")
+        if not 0 < request.max_new_tokens <= s.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens must be in [1, {s.max_new_tokens}], got {request.max_new_tokens}")
+        if n >= s.max_total_tokens:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; prompt + generated tokens must stay under {s.max_total_tokens}"
+            )
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        request.sampling.validate()
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
+        """Queue ``request``; its events go to ``sink`` on the engine thread. Raises typed errors."""
+        if self._stop.is_set() or not self.alive:
+            raise Unavailable("the engine is not running")
+        self.validate(request)
+        with self._lock:
+            if self._queued >= self.settings.max_queue + self.settings.max_batch_size:
+                raise QueueFull(
+                    f"{self._queued} requests are queued or running (limit {self.settings.max_queue} waiting); "
+                    "retry later or spread load over more replicas"
+                )
+            self._queued += 1
+        handle = RequestHandle(request)
+        self._inbox.put((handle, sink))
+        return handle
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[TokenEvent]:
+        """Blocking convenience for tests and in-process benchmarks: all events of one request."""
+        events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self.submit(request, events.put)
+        out: list[TokenEvent] = []
+        while True:
+            event = events.get(timeout=timeout)
+            out.append(event)
+            if event.finish is not None:
+                return out
+
+    # --- the engine thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.settings.threads > 0:
+            torch.set_num_threads(self.settings.threads)
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                idle = not self._running and not self._waiting
+                if not self._take_inbox(block=idle):
+                    break
+                try:
+                    self._step()
+                except Exception as exc:  # a bug in a forward pass: fail the batch, keep serving
+                    log.exception("engine step failed; failing %d running requests", len(self._running))
+                    for row in self._running:
+                        self._finish(row, FinishReason.ERROR, error=exc)
+                    self._compact()
+                self._publish_state()
+        for row in [*self._running, *self._waiting]:
+            self._finish(row, FinishReason.ERROR, error=Unavailable("the server is shutting down"))
+
+    def _take_inbox(self, *, block: bool) -> bool:
+        """Move submissions into the waiting queue. False when asked to stop."""
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return not self._stop.is_set()
+            self._waiting.append(self._new_row(*item))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _new_row(self, handle: RequestHandle, sink: Sink) -> _Row:
+        req = handle.request
+        generator = None
+        if req.sampling.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
+        return _Row(
+            handle=handle,
+            sink=sink,
+            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids),
+            stops=StopMatcher(req.stop_sequences) if req.stop_sequences else None,
+            generator=generator,
+            ids=list(req.prompt_ids),
+            enqueued=req.arrival,
+        )
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        for row in [*self._waiting, *self._running]:
+            if row.handle.cancelled:
+                self._finish(row, FinishReason.CANCELLED)
+            elif row.request.deadline is not None and now > row.request.deadline:
+                self._finish(row, FinishReason.DEADLINE)
+        if any(r.done for r in self._waiting):
+            self._waiting = deque(r for r in self._waiting if not r.done)
+        self._compact()
+        newcomers = self._admit()
+        if newcomers:
+            self._prefill(newcomers)
+            self._compact()
+        if self._running:
+            self._decode()
+        self._compact()
+
+    def _admit(self) -> list[_Row]:
+        admitted: list[_Row] = []
+        longest = 0
+        while self._waiting and len(self._running) < self.settings.max_batch_size:
+            row = self._waiting[0]
+            n = len(row.request.prompt_ids)
+            if admitted and max(longest, n) * (len(admitted) + 1) > PREFILL_TOKEN_BUDGET:
+                break
+            self._waiting.popleft()
+            longest = max(longest, n)
+            admitted.append(row)
+            self._running.append(row)
+        return admitted
+
+    def _prefill(self, rows: Sequence[_Row]) -> None:
+        start = len(self._running) - len(rows)
+        lengths = [len(r.request.prompt_ids) for r in rows]
+        width = max(lengths)
+        tokens = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded
+        for i, r in enumerate(rows):
+            tokens[i, : lengths[i]] = torch.tensor(r.request.prompt_ids, dtype=torch.long)
+        positions = torch.arange(width, dtype=torch.long).expand(len(rows), width)  # [B, T]
+        now = time.monotonic()
+        for r in rows:
+            metrics.QUEUE_TIME.observe(now - r.enqueued)
+        metrics.PROMPT_TOKENS.inc(sum(lengths))
+        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, start)  # [B, T, H]
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        logits = self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])  # [B, V]
+        for r, n in zip(rows, lengths, strict=True):
+            r.length = n
+        self._sample_and_emit(rows, logits)
+
+    def _decode(self) -> None:
+        rows = self._running
+        tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
+        positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
+        metrics.BATCH_SIZE.observe(len(rows))
+        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0)  # [B, 1, H]
+        logits = self.model.logits(hidden[:, -1])  # [B, V]
+        for r in rows:
+            r.length += 1
+        self._sample_and_emit(rows, logits)
+
+    def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        params = [r.request.sampling for r in rows]
+        needs_history = any(p.repetition_penalty != 1.0 for p in params)
+        result = self.sampler.sample(
+            logits, params, [r.generator for r in rows], [r.ids for r in rows] if needs_history else None
+        )
+        tokens = result.tokens.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        for i, r in enumerate(rows):
+            self._emit(r, int(tokens[i]), None if logprobs is None else float(logprobs[i]))
+
+    def _emit(self, row: _Row, token: int, logprob: float | None) -> None:
+        now = time.monotonic()
+        req = row.request
+        if row.generated == 0:
+            metrics.TIME_TO_FIRST_TOKEN.observe(now - req.arrival)
+        else:
+            metrics.INTER_TOKEN_LATENCY.observe(now - row.last_token_at)
+        row.last_token_at = now
+        row.generated += 1
+        row.ids.append(token)
+        row.pending = token
+        metrics.GENERATED_TOKENS.inc()
+        finish: FinishReason | None = None
+        if token in self.eos_ids and not req.ignore_eos:
+            finish = FinishReason.EOS
+            text = row.detok.flush()
+        else:
+            text = row.detok.push(token)
+        if row.stops is not None:
+            text, stopped = row.stops.push(text)
+            if stopped:
+                finish = FinishReason.STOP_SEQUENCE
+        if finish is None and (row.generated >= req.max_new_tokens or row.length + 1 >= self.settings.max_total_tokens):
+            finish = FinishReason.LENGTH
+        if finish is not None and finish is not FinishReason.STOP_SEQUENCE:
+            if finish is not FinishReason.EOS:
+                text += row.detok.flush()
+            if row.stops is not None:
+                tail, stopped = row.stops.push(text)
+                text = tail + ("" if stopped else row.stops.flush())
+        want_logprobs = req.sampling.logprobs and logprob is not None
+        event = TokenEvent(
+            token_ids=(token,),
+            text=text,
+            logprobs=(logprob,) if want_logprobs and logprob is not None else None,
+            finish=finish,
+            prompt_tokens=len(req.prompt_ids),
+            generated_tokens=row.generated,
+            stop_sequence=(row.stops.matched or "") if row.stops is not None else "",
+        )
+        if finish is not None:
+            self._close(row, finish)
+        self._deliver(row, event)
+
+    def _finish(self, row: _Row, reason: FinishReason, *, error: BaseException | None = None) -> None:
+        """End ``row`` without a new token (cancel, deadline, error, shutdown)."""
+        if row.done:
+            return
+        self._close(row, reason)
+        text = ""
+        if reason not in (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR):
+            text = row.detok.flush()
+        event = TokenEvent(
+            token_ids=(),
+            text=text,
+            finish=reason,
+            prompt_tokens=len(row.request.prompt_ids),
+            generated_tokens=row.generated,
+            error=error,
+        )
+        self._deliver(row, event)
+
+    def _close(self, row: _Row, reason: FinishReason) -> None:
+        row.done = True
+        with self._lock:
+            self._queued -= 1
+        if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
+            metrics.REQUEST_LATENCY.observe(time.monotonic() - row.request.arrival)
+
+    def _deliver(self, row: _Row, event: TokenEvent) -> None:
+        try:
+            row.sink(event)
+        except Exception:  # a consumer that went away must not take the engine down
+            log.exception("sink of request %s failed; cancelling it", row.request.request_id)
+            row.handle.cancel()
+
+    def _compact(self) -> None:
+        """Drop finished rows, moving the last live row's cache into each hole (row i stays in slot i)."""
+        rows = self._running
+        i = 0
+        while i < len(rows):
+            if not rows[i].done:
+                i += 1
+                continue
+            while len(rows) - 1 > i and rows[-1].done:
+                rows.pop()
+            last = len(rows) - 1
+            if last != i:
+                self.cache.move(last, i, rows[last].length)
+                rows[i] = rows[last]
+            rows.pop()
+
+    def _publish_state(self) -> None:
+        self._steps += 1
+        self._state = EngineState(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            slots=self.settings.max_batch_size,
+            steps=self._steps,
+            running_ids=tuple(r.request.request_id for r in self._running),
+        )
+        metrics.RUNNING_REQUESTS.set(len(self._running))
+        metrics.WAITING_REQUESTS.set(len(self._waiting))
+        metrics.KV_CACHE_USAGE.set(len(self._running) / self.settings.max_batch_size)

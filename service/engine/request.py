@@ -1,0 +1,74 @@
+"""What crosses between the API edge and the engine thread: a request going in, events coming out.
+
+The servicer builds a ``GenerationRequest`` from protobuf (``service.api.convert``); the engine never sees
+protobuf. Events flow back through a sink callback that the engine calls on its own thread; the servicer's sink
+hops onto the event loop with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.engine.sampling import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter_id: str | None = None
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculate: bool | None = None  # None: speculate when the adapter has Medusa heads
+    deadline: float | None = None  # time.monotonic() instant after which the request is dropped
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output of one request. ``finish`` is set on the last event (and only there)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None = None
+    finish: FinishReason | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    stop_sequence: str = ""  # the stop sequence that matched, with FinishReason.STOP_SEQUENCE
+    error: BaseException | None = None  # set with FinishReason.ERROR: a typed error for the edge to map
+
+
+Sink = Callable[[TokenEvent], None]
+
+
+class RequestHandle:
+    """The submitter's side of a request: cancel it; the engine retires it at its next step."""
+
+    __slots__ = ("_cancelled", "request")
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()

@@ -1,0 +1,202 @@
+"""The engine in-process: continuous batching, batch invariance, cancellation, limits, stopping."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.config import Settings
+from service.engine.engine import Engine
+from service.engine.request import FinishReason, GenerationRequest, TokenEvent
+from service.engine.sampling import SamplingParams
+from service.errors import InvalidRequest, QueueFull
+from service.model.weights import load_model
+from service.tokenizer import Tokenizer
+
+
+def make_engine(folder: Path, **overrides: object) -> Engine:
+    settings = Settings(model=folder, **overrides).replace()  # type: ignore[arg-type]
+    model, _, _ = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
+    engine = Engine(model, Tokenizer.from_folder(folder), settings)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(served_tiny_dir: Path) -> Iterator[Engine]:
+    eng = make_engine(served_tiny_dir, max_batch_size=24, max_total_tokens=512, max_prompt_tokens=256)
+    yield eng
+    eng.stop()
+
+
+def req(rid: str, prompt: list[int], n: int = 24, **kw: object) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt_ids=tuple(prompt), max_new_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def tokens_of(events: list[TokenEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (length,), generator=g).tolist()
+
+
+def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if engine.in_flight == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {engine.state()}")
+
+
+def test_output_does_not_depend_on_the_batch(engine: Engine) -> None:
+    target = req("target", prompt(0, 37), n=48)
+    alone = tokens_of(engine.generate(target, timeout=60))
+    assert len(alone) == 48
+
+    sinks: dict[str, queue.SimpleQueue[TokenEvent]] = {}
+
+    def submit(r: GenerationRequest) -> None:
+        sinks[r.request_id] = queue.SimpleQueue()
+        engine.submit(r, sinks[r.request_id].put)
+
+    # 16 others of different lengths, arriving before, with and after the target.
+    for i in range(6):
+        submit(req(f"early{i}", prompt(100 + i, 5 + 11 * i), n=20 + 7 * i))
+    time.sleep(0.05)
+    submit(req("target2", target.prompt_ids, n=48))
+    for i in range(10):
+        if i % 3 == 0:
+            time.sleep(0.02)
+        submit(req(f"late{i}", prompt(200 + i, 3 + 17 * i), n=10 + 5 * i))
+    results: dict[str, list[int]] = {}
+    for rid, sink in sinks.items():
+        events = []
+        while not events or events[-1].finish is None:
+            events.append(sink.get(timeout=120))
+        results[rid] = tokens_of(events)
+    assert results["target2"] == alone
+    wait_idle(engine)
+
+
+def test_continuous_batching_admits_between_steps(engine: Engine) -> None:
+    seen_batches: list[int] = []
+    long_done = threading.Event()
+    sink: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+
+    def on_event(e: TokenEvent) -> None:
+        seen_batches.append(engine.state().running)
+        sink.put(e)
+        if e.finish is not None:
+            long_done.set()
+
+    engine.submit(req("long", prompt(1, 10), n=120), on_event)
+    while len(seen_batches) < 5:
+        time.sleep(0.005)
+    short = engine.generate(req("short", prompt(2, 10), n=4), timeout=60)
+    assert short[-1].finish is FinishReason.LENGTH
+    assert not long_done.is_set(), "the short request should finish while the long one is still running"
+    assert long_done.wait(60)
+    assert max(seen_batches) >= 2  # both rows decoded in the same steps
+    wait_idle(engine)
+
+
+def test_cancellation_frees_the_slot(engine: Engine) -> None:
+    events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+    handle = engine.submit(req("to-cancel", prompt(3, 8), n=400), events.put)
+    events.get(timeout=30)  # running
+    end = time.monotonic() + 10
+    while "to-cancel" not in engine.state().running_ids and time.monotonic() < end:
+        time.sleep(0.001)
+    assert "to-cancel" in engine.state().running_ids
+    handle.cancel()
+    last = events.get(timeout=30)
+    while last.finish is None:
+        last = events.get(timeout=30)
+    assert last.finish is FinishReason.CANCELLED
+    wait_idle(engine)
+    assert "to-cancel" not in engine.state().running_ids
+
+
+def test_deadline_retires_the_request(engine: Engine) -> None:
+    r = req("deadline", prompt(4, 8), n=400, deadline=time.monotonic() + 0.2)
+    events = engine.generate(r, timeout=30)
+    assert events[-1].finish is FinishReason.DEADLINE
+    assert len(tokens_of(events)) < 400
+    wait_idle(engine)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = tokens_of(engine.generate(req("s1", prompt(5, 12), n=20, sampling=params), timeout=60))
+    noise = [queue.SimpleQueue[TokenEvent]() for _ in range(4)]
+    for i, q in enumerate(noise):
+        engine.submit(req(f"noise{i}", prompt(50 + i, 9 + i), n=30, sampling=SamplingParams(temperature=1.0)), q.put)
+    again = tokens_of(engine.generate(req("s2", prompt(5, 12), n=20, sampling=params), timeout=60))
+    assert again == alone
+    other = tokens_of(
+        engine.generate(req("s3", prompt(5, 12), n=20, sampling=SamplingParams(temperature=0.9, seed=99)), timeout=60)
+    )
+    assert other != alone
+    wait_idle(engine)
+
+
+def test_eos_and_max_new_tokens(engine: Engine, served_tiny_dir: Path) -> None:
+    events = engine.generate(req("len", prompt(6, 5), n=7), timeout=30)
+    assert events[-1].finish is FinishReason.LENGTH and len(tokens_of(events)) == 7
+    assert events[-1].generated_tokens == 7 and events[-1].prompt_tokens == 5
+    # Make the first greedy token an end-of-sequence token: the request then ends with EOS after one token.
+    first = tokens_of(engine.generate(req("probe", prompt(7, 6), n=1), timeout=30))[0]
+    eos_engine = Engine(engine.model, engine.tokenizer, engine.settings)
+    eos_engine.eos_ids = frozenset({first})
+    eos_engine.start()
+    try:
+        r = GenerationRequest(request_id="eos", prompt_ids=tuple(prompt(7, 6)), max_new_tokens=50)
+        out = eos_engine.generate(r, timeout=30)
+        assert out[-1].finish is FinishReason.EOS and tokens_of(out) == [first]
+    finally:
+        eos_engine.stop()
+
+
+def test_stop_sequence_ends_generation(engine: Engine) -> None:
+    full = engine.generate(req("full", prompt(8, 10), n=30), timeout=30)
+    text = "".join(e.text for e in full)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    stopped = engine.generate(req("stopped", prompt(8, 10), n=30, stop_sequences=(stop,)), timeout=30)
+    got = "".join(e.text for e in stopped)
+    assert stopped[-1].finish is FinishReason.STOP_SEQUENCE
+    assert got == text[: text.index(stop)]
+    assert stopped[-1].stop_sequence == stop
+
+
+def test_validation_and_queue_limit(served_tiny_dir: Path) -> None:
+    eng = make_engine(served_tiny_dir, max_batch_size=1, max_queue=1, max_total_tokens=256, max_prompt_tokens=64)
+    try:
+        with pytest.raises(InvalidRequest, match="empty"):
+            eng.submit(req("e", []), lambda e: None)
+        with pytest.raises(InvalidRequest, match="at most 64"):
+            eng.submit(req("long", prompt(0, 65)), lambda e: None)
+        with pytest.raises(InvalidRequest, match="max_new_tokens"):
+            eng.submit(req("zero", prompt(0, 5), n=0), lambda e: None)
+        with pytest.raises(InvalidRequest, match="temperature"):
+            eng.submit(req("t", prompt(0, 5), sampling=SamplingParams(temperature=-1)), lambda e: None)
+        sinks = [queue.SimpleQueue[TokenEvent]() for _ in range(2)]
+        handles = [eng.submit(req(f"q{i}", prompt(i, 5), n=150), sinks[i].put) for i in range(2)]
+        with pytest.raises(QueueFull):
+            eng.submit(req("overflow", prompt(9, 5)), lambda e: None)
+        for h in handles:
+            h.cancel()
+        wait_idle(eng)
+        # Capacity is back once the others are gone.
+        assert eng.generate(req("after", prompt(9, 5), n=2), timeout=30)[-1].finish is FinishReason.LENGTH
+    finally:
+        eng.stop()
