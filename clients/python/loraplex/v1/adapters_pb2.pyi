@@ -120,6 +120,8 @@ Global___LoadLatency: _TypeAlias = LoadLatency  # noqa: Y015
 
 @_typing.final
 class AdapterInfo(_message.Message):
+    """A registered adapter: what it is, where its weights are now, how it has been used."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
@@ -224,6 +226,8 @@ Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
 
 @_typing.final
 class LoadAdapterRequest(_message.Message):
+    """LoadAdapter: register an adapter folder under a new id."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
@@ -250,6 +254,8 @@ Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
 
 @_typing.final
 class LoadAdapterResponse(_message.Message):
+    """LoadAdapter's answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ADAPTER_FIELD_NUMBER: _builtins.int
@@ -272,6 +278,8 @@ Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
 
 @_typing.final
 class UnloadAdapterRequest(_message.Message):
+    """UnloadAdapter: remove an adapter."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
@@ -292,6 +300,8 @@ Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
 
 @_typing.final
 class UnloadAdapterResponse(_message.Message):
+    """UnloadAdapter's answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ADAPTER_FIELD_NUMBER: _builtins.int
@@ -314,6 +324,8 @@ Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
 
 @_typing.final
 class ListAdaptersRequest(_message.Message):
+    """ListAdapters takes no arguments."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -329,6 +341,8 @@ Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
 
 @_typing.final
 class ListAdaptersResponse(_message.Message):
+    """ListAdapters' answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ADAPTERS_FIELD_NUMBER: _builtins.int
@@ -351,6 +365,8 @@ Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
 
 @_typing.final
 class GetAdapterRequest(_message.Message):
+    """GetAdapter: one adapter by id."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
@@ -371,6 +387,8 @@ Global___GetAdapterRequest: _TypeAlias = GetAdapterRequest  # noqa: Y015
 
 @_typing.final
 class GetAdapterResponse(_message.Message):
+    """GetAdapter's answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ADAPTER_FIELD_NUMBER: _builtins.int

@@ -313,6 +313,8 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
+    """Generate: one or more prompts sharing adapter and parameters."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INPUTS_FIELD_NUMBER: _builtins.int
@@ -421,6 +423,8 @@ Global___GenerationResult: _TypeAlias = GenerationResult  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
+    """Generate's answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
@@ -447,7 +451,7 @@ Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
 class GenerateStreamRequest(_message.Message):
-    """Same fields and numbers as GenerateRequest, with one input."""
+    """GenerateStream: one prompt. Same fields and numbers as GenerateRequest, with one input."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -562,6 +566,8 @@ Global___GenerateStreamResponse: _TypeAlias = GenerateStreamResponse  # noqa: Y0
 
 @_typing.final
 class TokenizeRequest(_message.Message):
+    """Tokenize: one prompt."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INPUT_FIELD_NUMBER: _builtins.int
@@ -584,6 +590,8 @@ Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
 class TokenizeResponse(_message.Message):
+    """Tokenize's answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
@@ -618,6 +626,8 @@ Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
 
 @_typing.final
 class ModelInfoRequest(_message.Message):
+    """ModelInfo takes no arguments."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -671,6 +681,8 @@ Global___Limits: _TypeAlias = Limits  # noqa: Y015
 
 @_typing.final
 class ModelInfoResponse(_message.Message):
+    """ModelInfo's answer: the served model and the server."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_NAME_FIELD_NUMBER: _builtins.int

@@ -1,0 +1,231 @@
+"""``Client``: the blocking client of a loraplex server (generation, tokenizer, model info, adapters).
+
+Every method is one RPC; a failed RPC raises a ``LoraplexError`` subclass (see ``loraplex._errors``),
+arguments the client can reject itself raise ``ValueError`` / ``TypeError`` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar, Unpack, overload
+
+import grpc
+
+from loraplex import _convert
+from loraplex._channel import (
+    DEFAULT_TARGET,
+    HEALTH_CHECK_METHOD,
+    Metadata,
+    base_metadata,
+    channel_options,
+    check_timeout,
+    decode_health_response,
+    encode_health_request,
+    with_adapter,
+)
+from loraplex._convert import GenerateOptions, Prompt
+from loraplex._errors import from_rpc_error
+from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
+from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+_Response = TypeVar("_Response")
+
+
+class Client:
+    """Blocking client. Thread-safe: one client (one channel) can serve many threads.
+
+    ``target``: "host:port", or e.g. "dns:///loraplex-headless.ns.svc:50051" with
+    ``load_balancing="round_robin"`` to spread calls over every replica behind a headless Service.
+    ``timeout``: default deadline in seconds for every call (None = none); a call's own ``timeout=``
+    wins. ``metadata``: (key, value) pairs sent with every call. ``api_key``: sent as
+    ``authorization: Bearer <key>``. ``credentials``: TLS channel credentials (default: plaintext).
+    ``options``: extra gRPC channel arguments. ``channel``: use this channel instead of making one
+    (then ``target``, ``credentials``, ``load_balancing`` and ``options`` must be left out, and
+    ``close`` leaves the channel open).
+
+    Every generation call sends the adapter id as the ``x-loraplex-adapter`` request header (empty
+    for the base model), so a proxy can route each adapter to the replicas where it is hot.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        channel: grpc.Channel | None = None,
+        load_balancing: str | None = None,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._timeout = check_timeout(timeout)
+        self._metadata: Metadata = base_metadata(metadata, api_key)
+        if channel is not None:
+            if target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options:
+                raise ValueError("with channel=, leave out target, credentials, load_balancing and options")
+            self._channel = channel
+            self._owns_channel = False
+        else:
+            args = channel_options(load_balancing, options)
+            if credentials is None:
+                self._channel = grpc.insecure_channel(target, options=args)
+            else:
+                self._channel = grpc.secure_channel(target, credentials, options=args)
+            self._owns_channel = True
+        self._generation = generation_pb2_grpc.GenerationStub(self._channel)
+        self._adapters = adapters_pb2_grpc.AdaptersStub(self._channel)
+        self._health = self._channel.unary_unary(
+            HEALTH_CHECK_METHOD,
+            request_serializer=encode_health_request,
+            response_deserializer=decode_health_response,
+        )
+
+    # --------------------------------------------------------------------------------- plumbing
+
+    def _call(
+        self,
+        method: Callable[..., _Response],
+        request: object,
+        timeout: float | None,
+        metadata: Metadata | None = None,
+    ) -> _Response:
+        deadline = check_timeout(timeout) if timeout is not None else self._timeout
+        try:
+            return method(request, timeout=deadline, metadata=metadata or self._metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+
+    # ------------------------------------------------------------------------------- generation
+
+    @overload
+    def generate(  # type: ignore[overload-overlap]  # a str is also a Sequence[str]; it matches here first
+        self, prompt: str | Conversation, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> Generation: ...
+
+    @overload
+    def generate(
+        self, prompt: Sequence[Prompt], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[Generation]: ...
+
+    def generate(
+        self, prompt: Prompt | Sequence[Prompt], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> Generation | list[Generation]:
+        """Generate a completion for one prompt, or for each prompt of a list (batched on the server).
+
+        ``prompt``: a str; a conversation (a list of ``ChatMessage`` or {"role", "content"} dicts);
+        or a list of those, answered in order with a list of ``Generation``. Keyword options are
+        described in ``GenerateOptions`` (adapter, sampling, max_new_tokens, stop, chat, ...).
+        """
+        opts = _convert.generation_options(**options)
+        inputs, single = _convert.build_inputs(prompt, chat=opts.chat)
+        request = _convert.generate_request(inputs, opts)
+        response: generation_pb2.GenerateResponse = self._call(
+            self._generation.Generate, request, timeout, with_adapter(self._metadata, opts.adapter_id)
+        )
+        results = [_convert.to_generation(r, response.request_id) for r in response.results]
+        if len(results) != len(inputs):
+            raise RuntimeError(f"server answered {len(results)} results for {len(inputs)} prompts")
+        return results[0] if single else results
+
+    def stream(
+        self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> Generator[Delta, None, None]:
+        """Generate for one prompt and yield ``Delta``s as tokens arrive; the last has ``is_last``.
+
+        The call starts at once (arguments are checked here, before it). Leaving the loop early or
+        calling ``.close()`` on the returned generator cancels the request on the server.
+        """
+        opts = _convert.generation_options(**options)
+        request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
+        deadline = check_timeout(timeout) if timeout is not None else self._timeout
+        metadata = with_adapter(self._metadata, opts.adapter_id)
+        try:
+            call = self._generation.GenerateStream(request, timeout=deadline, metadata=metadata)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        return _deltas(call, call.cancel)
+
+    def tokenize(self, text: Prompt, *, chat: bool = False, timeout: float | None = None) -> TokenizeResult:
+        """Token ids of a prompt exactly as generation sees it (``chat`` as in ``generate``)."""
+        request = generation_pb2.TokenizeRequest(input=_convert.build_input(text, chat=chat))
+        response: generation_pb2.TokenizeResponse = self._call(self._generation.Tokenize, request, timeout)
+        return _convert.to_tokenize_result(response)
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The served model, the server's limits and features."""
+        response: generation_pb2.ModelInfoResponse = self._call(
+            self._generation.ModelInfo, generation_pb2.ModelInfoRequest(), timeout
+        )
+        return _convert.to_model_info(response)
+
+    # --------------------------------------------------------------------------------- adapters
+
+    def load_adapter(
+        self, adapter_id: str, source: str | os.PathLike[str], *, timeout: float | None = None
+    ) -> AdapterInfo:
+        """Register the adapter folder ``source`` (a path on the server) as ``adapter_id``.
+
+        Only its config and headers are read now; weights load lazily on first use.
+        """
+        request = _convert.load_adapter_request(adapter_id, os.fspath(source))
+        response: adapters_pb2.LoadAdapterResponse = self._call(self._adapters.LoadAdapter, request, timeout)
+        return _convert.to_adapter_info(response.adapter)
+
+    def unload_adapter(self, adapter_id: str, *, timeout: float | None = None) -> AdapterInfo:
+        """Remove an adapter; running requests that use it finish first. Returns its last state."""
+        request = adapters_pb2.UnloadAdapterRequest(id=_convert.check_id("adapter id", adapter_id, allow_empty=False))
+        response: adapters_pb2.UnloadAdapterResponse = self._call(self._adapters.UnloadAdapter, request, timeout)
+        return _convert.to_adapter_info(response.adapter)
+
+    def list_adapters(self, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """Every registered adapter, sorted by id."""
+        response: adapters_pb2.ListAdaptersResponse = self._call(
+            self._adapters.ListAdapters, adapters_pb2.ListAdaptersRequest(), timeout
+        )
+        return [_convert.to_adapter_info(a) for a in response.adapters]
+
+    def get_adapter(self, adapter_id: str, *, timeout: float | None = None) -> AdapterInfo:
+        """One adapter's state: tiers, bytes, hits, last use, load latency."""
+        request = adapters_pb2.GetAdapterRequest(id=_convert.check_id("adapter id", adapter_id, allow_empty=False))
+        response: adapters_pb2.GetAdapterResponse = self._call(self._adapters.GetAdapter, request, timeout)
+        return _convert.to_adapter_info(response.adapter)
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> HealthStatus:
+        """grpc.health.v1 Check: SERVING once the model is ready, NOT_SERVING while loading or draining.
+
+        ``service`` "" asks about the server as a whole. A server without the health service raises
+        ``Unimplemented``.
+        """
+        status: HealthStatus = self._call(self._health, service, timeout)
+        return status
+
+    def close(self) -> None:
+        """Close the channel (unless it was passed in). Calls in flight are cancelled."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _deltas(
+    messages: Iterator[generation_pb2.GenerateStreamResponse], cancel: Callable[[], object]
+) -> Generator[Delta, None, None]:
+    """A GenerateStream call's messages as ``Delta``s; closing the generator cancels the call."""
+    try:
+        for message in messages:
+            yield _convert.to_delta(message)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from error
+    finally:
+        cancel()  # a no-op once the call has finished
