@@ -51,6 +51,7 @@ class Recorder:
     """What the server received, per full method name."""
 
     calls: list[tuple[str, bytes, dict[str, str | bytes]]] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # methods whose RPC terminated (any way), in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def last(self, method: str) -> tuple[bytes, dict[str, str | bytes]]:
@@ -85,6 +86,7 @@ def _handlers(service: str, methods: dict[str, bool], recorder: Recorder) -> grp
             metadata = dict(context.invocation_metadata())
             with recorder.lock:
                 recorder.calls.append((f"/{service}/{name}", request, metadata))
+            context.add_callback(lambda: recorder.ended.append(f"/{service}/{name}"))
             if AFTER_FIRST_HEADER in metadata:
                 yield generation_pb2.GenerateStreamResponse(text="Hel", request_id="r-1").SerializeToString()
             _abort(context, metadata)
@@ -210,6 +212,25 @@ def test_stream_error_after_first_delta(server: Server) -> None:
     _check(caught.value, code)
     _, metadata = server.recorder.last("/loraplex.v1.Generation/GenerateStream")
     assert metadata[loraplex.ADAPTER_HEADER] == "x"
+
+
+def test_stream_starts_on_iteration_and_closing_it_cancels_the_call(server: Server) -> None:
+    method = "/loraplex.v1.Generation/GenerateStream"
+    headers = [(AFTER_FIRST_HEADER, "1"), (SLEEP_HEADER, "3")]
+    with _client(server, grpc.StatusCode.INTERNAL, metadata=headers) as client:
+        calls_before = len(server.recorder.calls)
+        unused = client.stream("never iterated")
+        del unused
+        assert len(server.recorder.calls) == calls_before  # no RPC was started
+
+        deltas = client.stream("hi")
+        assert next(deltas).text == "Hel"
+        ended_before = server.recorder.ended.count(method)
+        start = time.monotonic()
+        deltas.close()  # the handler is still sleeping: only a cancel can end the RPC this soon
+        while server.recorder.ended.count(method) == ended_before and time.monotonic() - start < 2.5:
+            time.sleep(0.01)
+        assert server.recorder.ended.count(method) == ended_before + 1, "closing the stream did not cancel it"
 
 
 def test_real_deadline_and_unreachable_server(server: Server) -> None:

@@ -7,7 +7,7 @@ arguments the client can reject itself raise ``ValueError`` / ``TypeError`` befo
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, Unpack, overload
 
@@ -135,18 +135,25 @@ class Client:
     ) -> Generator[Delta, None, None]:
         """Generate for one prompt and yield ``Delta``s as tokens arrive; the last has ``is_last``.
 
-        The call starts at once (arguments are checked here, before it). Leaving the loop early or
-        calling ``.close()`` on the returned generator cancels the request on the server.
+        Arguments are checked here, before any RPC; the call starts on the first iteration. Leaving
+        the loop early or calling ``.close()`` on the returned generator cancels the request.
         """
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
         deadline = check_timeout(timeout) if timeout is not None else self._timeout
-        metadata = with_adapter(self._metadata, opts.adapter_id)
+        return self._deltas(request, deadline, with_adapter(self._metadata, opts.adapter_id))
+
+    def _deltas(
+        self, request: generation_pb2.GenerateStreamRequest, deadline: float | None, metadata: Metadata
+    ) -> Generator[Delta, None, None]:
+        call = self._generation.GenerateStream(request, timeout=deadline, metadata=metadata)
         try:
-            call = self._generation.GenerateStream(request, timeout=deadline, metadata=metadata)
+            for message in call:
+                yield _convert.to_delta(message)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
-        return _deltas(call, call.cancel)
+        finally:
+            call.cancel()  # a no-op once the call has finished
 
     def tokenize(self, text: Prompt, *, chat: bool = False, timeout: float | None = None) -> TokenizeResult:
         """Token ids of a prompt exactly as generation sees it (``chat`` as in ``generate``)."""
@@ -216,16 +223,3 @@ class Client:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _deltas(
-    messages: Iterator[generation_pb2.GenerateStreamResponse], cancel: Callable[[], object]
-) -> Generator[Delta, None, None]:
-    """A GenerateStream call's messages as ``Delta``s; closing the generator cancels the call."""
-    try:
-        for message in messages:
-            yield _convert.to_delta(message)
-    except grpc.RpcError as error:
-        raise from_rpc_error(error) from error
-    finally:
-        cancel()  # a no-op once the call has finished
