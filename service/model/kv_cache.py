@@ -14,10 +14,14 @@ attends only to positions ``<=`` the query's own, so whatever lies beyond a row'
 former occupant, the tail of a padded prompt) is never read into a result.
 
 The buffer starts zeroed, never uninitialised: attention multiplies masked-out values by a probability of 0,
-and ``0 * NaN`` would still be NaN.
+and ``0 * NaN`` would still be NaN. On the CPU the zeros come from an anonymous memory map, so the cache costs
+resident memory only for the pages requests actually write: a 32-slot, 4096-token cache is sized for the worst
+case without zero-filling gigabytes at start-up.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -34,9 +38,8 @@ class KVCache:
         self.device = torch.device(device)
         self.num_layers = cfg.num_layers
         # One allocation for everything, so `move` is one copy for all layers.
-        self.data = torch.zeros(
-            (cfg.num_layers, 2, slots, cfg.num_kv_heads, max_len, cfg.head_dim), dtype=dtype, device=self.device
-        )  # [L, 2, slots, n_kv, max_len, D]
+        shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.data = _zeros(shape, dtype, self.device)  # [L, 2, slots, n_kv, max_len, D]
         self.k: list[torch.Tensor] = [self.data[i, 0] for i in range(cfg.num_layers)]  # each [slots, n_kv, max_len, D]
         self.v: list[torch.Tensor] = [self.data[i, 1] for i in range(cfg.num_layers)]
 
@@ -60,3 +63,18 @@ class KVCache:
             f"KVCache(layers={self.num_layers}, slots={self.slots}, max_len={self.max_len}, "
             f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})"
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU backed by lazily-committed anonymous pages (the kernel zero-fills on first touch)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    # The tensor holds a reference to ``region`` through its storage's buffer, which keeps the mapping alive.
+    return torch.frombuffer(region, dtype=dtype, count=numel).view(shape)
