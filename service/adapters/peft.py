@@ -1,0 +1,388 @@
+"""The PEFT LoRA format: ``adapter_config.json`` and the key names of ``adapter_model.safetensors``.
+
+Everything here is pure parsing and validation against the base model's shape; no tensor byte is read.
+
+Public API::
+
+    CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILES
+    LoraAdapterConfig                        parsed adapter_config.json (frozen)
+    read_lora_config(path, *, model_type) -> LoraAdapterConfig
+    module_key(layer, module) -> str         PEFT's name of a projection: "model.layers.3.self_attn.q_proj"
+    module_features(model_config) -> {module: (in_features, out_features)}
+    resolve_targets(config, model_config, *, file) -> {(layer, module): (rank, alpha)}
+    LoraKey, parse_lora_key(name) -> LoraKey | None
+    lora_scaling(rank, alpha, rslora) -> float
+
+Matching follows PEFT 0.21 (``check_target_module_exists``, ``get_pattern_key``): a *list* of target modules
+matches a module whose full name equals an entry or ends with ``"." + entry`` (then ``layers_to_transform`` /
+``layers_pattern`` filter by layer index); a *string* is a regular expression that must match the full name
+(and ``layers_to_transform`` does not apply). ``"all-linear"`` means every projection but ``lm_head``.
+``rank_pattern`` / ``alpha_pattern`` keys are tried in file order, each as ``(.*\\.)?(key)$`` against the full
+name; the first that matches wins. Full names are those of ``LlamaForCausalLM`` (``model.layers.{L}...``).
+
+``fan_in_fan_out`` is accepted and ignored: PEFT resets it to False for ``nn.Linear`` targets (every Llama
+projection), and the flag never changes the stored layout of ``lora_A`` [r, in] / ``lora_B`` [out, r] anyway.
+
+Refused by name: other PEFT types, DoRA, trained biases (``bias`` other than "none", ``lora_bias``),
+``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, ``layer_replication``, aLoRA, QALoRA and
+the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.adapters.types import MODULES
+from service.errors import InvalidAdapter
+from service.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+CONVERT_HINT = (
+    "loraplex reads only safetensors (pickled weights can run code when loaded). Convert once with peft: "
+    "`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), ADAPTER_DIR)"
+    ".save_pretrained(OUT_DIR, safe_serialization=True)`"
+)
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+GROUP = {m: ("self_attn" if m in ATTENTION else "mlp") for m in MODULES}
+# PEFT's default targets when target_modules is null (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj")}
+ALL_LINEAR = "all-linear"
+
+# Config fields that turn on a feature loraplex does not serve: field -> what it is.
+_REFUSED_TRUE = {
+    "use_dora": "DoRA (weight-decomposed LoRA)",
+    "lora_bias": "a trained LoRA bias (lora_bias)",
+    "use_qalora": "QALoRA",
+}
+_REFUSED_SET = {
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "velora_config": "VeLoRA (velora_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterConfig:
+    """The fields of ``adapter_config.json`` that decide which modules get a delta and how it is scaled."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str  # list of suffixes, or one full-match regex
+    exclude_modules: tuple[str, ...] | str | None
+    use_rslora: bool
+    rank_pattern: tuple[tuple[str, int], ...]  # in file order: the first matching key wins
+    alpha_pattern: tuple[tuple[str, float], ...]
+    layers_to_transform: tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None
+    fan_in_fan_out: bool
+    base_model_name_or_path: str | None
+
+
+def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterConfig:
+    """Parse and validate ``adapter_config.json``; every problem is an ``InvalidAdapter`` naming the file."""
+
+    def fail(message: str) -> InvalidAdapter:
+        return InvalidAdapter(message, file=path)
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise fail("file not found: a PEFT adapter folder needs adapter_config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise fail(f"cannot read JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise fail("expected a JSON object")
+
+    peft_type = raw.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise fail(f"peft_type {peft_type!r} is not supported; loraplex serves LoRA adapters (peft_type 'LORA')")
+    for key, what in _REFUSED_TRUE.items():
+        if raw.get(key):
+            raise fail(f"{what} is not supported ({key}={raw[key]!r})")
+    for key, what in _REFUSED_SET.items():
+        if raw.get(key) not in (None, [], {}, ""):
+            raise fail(f"{what} is not supported ({key}={raw[key]!r})")
+    bias = raw.get("bias", "none")
+    if bias != "none":
+        raise fail(f"trained biases are not supported (bias={bias!r}); only bias='none' adapters can be served")
+
+    r = _positive_int(raw.get("r", 8), "r", fail)
+    alpha = _number(raw.get("lora_alpha", 8), "lora_alpha", fail)
+    targets = _targets(raw.get("target_modules"), "target_modules", fail)
+    if targets is None:
+        if model_type not in DEFAULT_TARGETS:
+            raise fail(f"target_modules is null and peft has no default targets for model_type {model_type!r}")
+        targets = DEFAULT_TARGETS[model_type]
+    elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        targets = MODULES
+    exclude = _targets(raw.get("exclude_modules"), "exclude_modules", fail)
+
+    layers = raw.get("layers_to_transform")
+    layers_to_transform: tuple[int, ...] | None
+    if layers is None or layers == []:
+        layers_to_transform = None
+    elif _is_int(layers):
+        layers_to_transform = (int(layers),)
+    elif isinstance(layers, list) and all(_is_int(v) for v in layers):
+        layers_to_transform = tuple(int(v) for v in layers)
+    else:
+        raise fail(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+    pattern = raw.get("layers_pattern")
+    layers_pattern: tuple[str, ...] | None
+    if pattern is None or pattern in ("", []):
+        layers_pattern = None
+    elif isinstance(pattern, str):
+        layers_pattern = (pattern,)
+    elif isinstance(pattern, list) and all(isinstance(p, str) for p in pattern):
+        layers_pattern = tuple(pattern)
+    else:
+        raise fail(f"layers_pattern must be a string or a list of strings, got {pattern!r}")
+    if isinstance(targets, str) and (layers_to_transform is not None or layers_pattern is not None):
+        raise fail("layers_to_transform / layers_pattern cannot be used when target_modules is a regex string")
+
+    rank_pattern = tuple(
+        (k, _positive_int(v, f"rank_pattern[{k!r}]", fail)) for k, v in _pattern(raw, "rank_pattern", fail).items()
+    )
+    alpha_pattern = tuple(
+        (k, _number(v, f"alpha_pattern[{k!r}]", fail)) for k, v in _pattern(raw, "alpha_pattern", fail).items()
+    )
+    for name, entries in (("target_modules", targets), ("exclude_modules", exclude)):
+        if isinstance(entries, str):
+            _compile(entries, name, fail)
+    for name, keys in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        for key, _ in keys:
+            _compile(rf"(.*\.)?({key})$", f"{name} key {key!r}", fail)
+    for p in layers_pattern or ():
+        _compile(p, "layers_pattern", fail)
+
+    base = raw.get("base_model_name_or_path")
+    return LoraAdapterConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        exclude_modules=exclude,
+        use_rslora=bool(raw.get("use_rslora", False)),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        layers_to_transform=layers_to_transform,
+        layers_pattern=layers_pattern,
+        fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+        base_model_name_or_path=base if isinstance(base, str) else None,
+    )
+
+
+def module_key(layer: int, module: str) -> str:
+    """PEFT's full name of one projection of ``LlamaForCausalLM``."""
+    return f"model.layers.{layer}.{GROUP[module]}.{module}"
+
+
+def module_features(model_config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of each projection of one layer."""
+    hidden = model_config.hidden_size
+    q = model_config.num_heads * model_config.head_dim
+    kv = model_config.num_kv_heads * model_config.head_dim
+    inter = model_config.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def base_module_names(model_config: ModelConfig) -> list[str]:
+    """Every module name of ``LlamaForCausalLM`` that a target pattern could match (``named_modules``)."""
+    names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+    for layer in range(model_config.num_layers):
+        prefix = f"model.layers.{layer}"
+        names += [prefix, f"{prefix}.self_attn", f"{prefix}.mlp", f"{prefix}.mlp.act_fn"]
+        names += [f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
+        names += [module_key(layer, m) for m in MODULES]
+    return names
+
+
+def resolve_targets(
+    config: LoraAdapterConfig, model_config: ModelConfig, *, file: Path
+) -> dict[tuple[int, str], tuple[int, float]]:
+    """Which projections the config adapts, each with its ``(rank, alpha)`` after rank/alpha patterns.
+
+    Refuses (naming the entry) a target that matches no module of the base model, and a target that matches
+    a module loraplex cannot adapt (embeddings, lm_head, norms, whole blocks).
+    """
+    names = base_module_names(model_config)
+    projections = {module_key(layer, m): (layer, m) for layer in range(model_config.num_layers) for m in MODULES}
+
+    targets = config.target_modules
+    if isinstance(targets, str):
+        regex = re.compile(targets)
+        matched = [n for n in names if regex.fullmatch(n)]
+        if not matched:
+            raise InvalidAdapter(f"target_modules regex {targets!r} matches no module of the base model", file=file)
+    else:
+        matched = []
+        for entry in targets:
+            hits = [n for n in names if n == entry or n.endswith(f".{entry}")]
+            if not hits:
+                raise InvalidAdapter(
+                    f"target module {entry!r} not found in the base model (Llama projections: {', '.join(MODULES)})",
+                    file=file,
+                )
+            matched += hits
+    unsupported = sorted({n for n in matched if n not in projections}, key=names.index)
+    if unsupported:
+        shown = ", ".join(repr(n) for n in unsupported[:5]) + (" ..." if len(unsupported) > 5 else "")
+        raise InvalidAdapter(
+            f"target_modules selects module(s) loraplex cannot adapt: {shown}; supported: {', '.join(MODULES)}",
+            file=file,
+        )
+
+    out: dict[tuple[int, str], tuple[int, float]] = {}
+    for name in dict.fromkeys(matched):
+        if _excluded(config.exclude_modules, name) or not _layer_selected(config, name):
+            continue
+        rank = _pattern_value(config.rank_pattern, name, config.r)
+        alpha = _pattern_value(config.alpha_pattern, name, config.lora_alpha)
+        out[projections[name]] = (rank, alpha)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoraKey:
+    """One PEFT tensor name, taken apart: ``{prefix}layers.{layer}.{group}.{module}.lora_{matrix}{infix}.weight``."""
+
+    prefix: str  # "base_model.model.model." for a causal LM
+    layer: int
+    module: str
+    matrix: str  # "A" | "B"
+    infix: str  # "" or ".<adapter name>" (older files)
+
+
+_KEY = re.compile(
+    r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
+    r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<matrix>[AB])(?P<infix>\.[A-Za-z0-9_-]+)?\.weight"
+)
+
+
+def parse_lora_key(name: str) -> LoraKey | None:
+    """The parts of a LoRA weight name of a Llama projection, or None for any other name."""
+    m = _KEY.fullmatch(name)
+    if m is None or m["module"] not in GROUP or GROUP[m["module"]] != m["group"]:
+        return None
+    return LoraKey(m["prefix"], int(m["layer"]), m["module"], m["matrix"], m["infix"] or "")
+
+
+def lora_key_name(key: LoraKey) -> str:
+    return f"{key.prefix}layers.{key.layer}.{GROUP[key.module]}.{key.module}.lora_{key.matrix}{key.infix}.weight"
+
+
+def explain_foreign_key(name: str) -> str:
+    """Why a tensor name that is not a LoRA projection weight cannot be served."""
+    if "lora_magnitude_vector" in name:
+        return "DoRA magnitude vectors are not supported"
+    if "lora_embedding_" in name or "embed_tokens" in name:
+        return "LoRA on the token embeddings is not supported"
+    if "lm_head" in name:
+        return "LoRA on lm_head is not supported"
+    if "modules_to_save" in name:
+        return "fully trained extra modules (modules_to_save) are not supported"
+    if name.endswith(".bias"):
+        return "trained biases are not supported"
+    return f"unexpected tensor: not a lora_A/lora_B weight of a Llama projection ({', '.join(MODULES)})"
+
+
+def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
+    """PEFT's ``scaling``: alpha / r, or alpha / sqrt(r) with rank-stabilised LoRA."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any, what: str, fail: Any) -> int:
+    if not _is_int(value) or value <= 0:
+        raise fail(f"{what} must be a positive integer (the LoRA rank), got {value!r}")
+    return int(value)
+
+
+def _number(value: Any, what: str, fail: Any) -> float:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+        raise fail(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _targets(value: Any, what: str, fail: Any) -> tuple[str, ...] | str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(dict.fromkeys(value))
+    raise fail(f"{what} must be a list of module names or a regex string, got {value!r}")
+
+
+def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise fail(f"{key} must map module patterns to values, got {value!r}")
+    return value
+
+
+def _compile(pattern: str, what: str, fail: Any) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise fail(f"{what} is not a valid regular expression ({pattern!r}): {e}") from None
+
+
+def _excluded(exclude: tuple[str, ...] | str | None, name: str) -> bool:
+    if not exclude:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, name) is not None
+    return name in exclude or any(name.endswith(f".{e}") for e in exclude)
+
+
+def _layer_selected(config: LoraAdapterConfig, name: str) -> bool:
+    if config.layers_to_transform is None or isinstance(config.target_modules, str):
+        return True
+    match: re.Match[str] | None = None
+    if config.layers_pattern is None:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        for pattern in config.layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            if match is not None:
+                break
+    return match is not None and int(match["idx"]) in config.layers_to_transform
+
+
+def _pattern_value(pattern: Iterable[tuple[str, Any]], name: str, default: Any) -> Any:
+    for key, value in pattern:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default

@@ -1,0 +1,126 @@
+"""Real PEFT LoRA adapters for tests, written by ``peft`` itself (``get_peft_model`` + ``save_pretrained``).
+
+    write_peft_adapter(folder, base, *, r=8, alpha=16, target_modules=("q_proj", "v_proj"), rslora=False,
+                       rank_pattern=None, alpha_pattern=None, layers_to_transform=None, layers_pattern=None,
+                       seed=0, scale=1.0, dtype=torch.float32, infix=None, **lora_kwargs) -> Path
+    load_peft_model(base, adapter_dirs: Mapping[str, Path]) -> peft.PeftModel   (fp32, eval, the reference)
+    edit_adapter_config(folder, **changes) -> None
+    rewrite_adapter_tensors(folder, edit: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> None
+
+``base`` is a base-model folder (e.g. ``tiny_models.write_tiny_llama``) or an already loaded transformers model,
+which is wrapped, saved from and restored with ``unload()``, so one loaded SmolLM2 can produce many adapters.
+Both ``lora_A`` and ``lora_B`` are drawn from a seeded normal distribution (PEFT would start ``lora_B`` at zero,
+which makes every adapter a no-op); ``scale`` sets the size of the delta relative to the base projection's
+output. ``infix="default"`` renames keys to the older ``lora_A.default.weight`` spelling.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _load_base(base: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
+def write_peft_adapter(
+    folder: Path,
+    base: Path | Any,
+    *,
+    r: int = 8,
+    alpha: float = 16,
+    target_modules: Sequence[str] | str = ("q_proj", "v_proj"),
+    rslora: bool = False,
+    rank_pattern: Mapping[str, int] | None = None,
+    alpha_pattern: Mapping[str, float] | None = None,
+    layers_to_transform: int | Sequence[int] | None = None,
+    layers_pattern: str | None = None,
+    seed: int = 0,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    infix: str | None = None,
+    **lora_kwargs: Any,
+) -> Path:
+    """Wrap ``base`` with a LoRA config, fill the adapter with seeded random weights, ``save_pretrained``."""
+    from peft import LoraConfig, get_peft_model
+
+    folder = Path(folder)
+    model = _load_base(Path(base)) if isinstance(base, (str, Path)) else base
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=target_modules if isinstance(target_modules, str) else list(target_modules),
+        use_rslora=rslora,
+        rank_pattern=dict(rank_pattern or {}),
+        alpha_pattern=dict(alpha_pattern or {}),
+        layers_to_transform=list(layers_to_transform)
+        if isinstance(layers_to_transform, Sequence)
+        else layers_to_transform,
+        layers_pattern=layers_pattern,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        **lora_kwargs,
+    )
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name:  # [r, in]: unit-variance x @ A.T
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+            elif ".lora_B." in name:  # [out, r]
+                param.copy_(scale * torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+        if dtype != torch.float32:
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.data = param.data.to(dtype)
+    peft_model.save_pretrained(folder, safe_serialization=True)
+    peft_model.unload()  # give a caller's model back without LoRA layers
+    if infix is not None:
+        rewrite_adapter_tensors(
+            folder,
+            lambda tensors: {k.replace(".weight", f".{infix}.weight"): v for k, v in tensors.items()},
+        )
+    return folder
+
+
+def load_peft_model(base: Path | Any, adapter_dirs: Mapping[str, Path]) -> Any:
+    """The reference: transformers' Llama with each adapter loaded by peft under its key as adapter name."""
+    from peft import PeftModel
+
+    model = _load_base(Path(base)) if isinstance(base, (str, Path)) else base
+    items = list(adapter_dirs.items())
+    name, first = items[0]
+    peft_model = PeftModel.from_pretrained(model, first, adapter_name=name)
+    for name, folder in items[1:]:
+        peft_model.load_adapter(folder, adapter_name=name)
+    return peft_model.eval()
+
+
+def edit_adapter_config(folder: Path, **changes: Any) -> None:
+    """Rewrite keys of ``adapter_config.json`` (None deletes a key)."""
+    path = Path(folder) / "adapter_config.json"
+    raw = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    path.write_text(json.dumps(raw, indent=2))
+
+
+def rewrite_adapter_tensors(folder: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Load ``adapter_model.safetensors``, apply ``edit`` to the name -> tensor map, save it back."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "adapter_model.safetensors"
+    tensors = edit(load_file(path))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
