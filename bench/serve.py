@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -56,7 +57,7 @@ def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def summary(xs: list[float]) -> dict[str, float]:
@@ -169,7 +170,7 @@ def inprocess_itl(model_dir: Path, dtype: str, new_tokens: int, reps: int) -> li
                 sink,
             )
             done.wait(300)
-            gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            gaps = [b - a for a, b in itertools.pairwise(stamps)]
             if r > 0:  # first is warm-up
                 means.append(statistics.fmean(gaps))
     finally:
@@ -306,7 +307,8 @@ def main() -> None:
 def print_dtype(dtype: str, d: dict[str, Any], streams: list[int]) -> None:
     print(f"\n== {dtype}: weights {d['weight_bytes'] / 1e6:.0f} MB")
     print(
-        "| streams | ours tok/s | transformers tok/s | ratio (median of pairs) | TTFT p50 | ITL p50 | ITL p99 | bound tok/s | of bound |"
+        "| streams | ours tok/s | transformers tok/s | ratio (median of pairs) | TTFT p50 | ITL p50 | ITL p99 "
+        "| bound tok/s | of bound |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for s in streams:

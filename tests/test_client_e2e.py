@@ -72,9 +72,12 @@ def test_async_client_concurrent_streams(server: BackgroundServer) -> None:
 
 
 def test_unavailable_while_loading(served_tiny_dir: Path) -> None:
-    with BackgroundServer(settings_for(served_tiny_dir), load=False) as srv, Client(srv.target, timeout=10) as client:
-        with pytest.raises(Unavailable, match="loading"):
-            client.generate("too early", max_new_tokens=2)
+    with (
+        BackgroundServer(settings_for(served_tiny_dir), load=False) as srv,
+        Client(srv.target, timeout=10) as client,
+        pytest.raises(Unavailable, match="loading"),
+    ):
+        client.generate("too early", max_new_tokens=2)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
