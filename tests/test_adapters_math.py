@@ -1,0 +1,284 @@
+"""The batched LoRA math (``service.adapters.lora``) against peft, the reference.
+
+Four real PEFT adapters on a tiny random Llama, written by peft itself (``tests/adapter_files.py``): different
+ranks and alphas, rsLoRA on one, a regex target with ``rank_pattern`` / ``alpha_pattern`` on another, all seven
+modules on one, ``layers_to_transform`` on one. A mixed batch of them plus base-only rows through our model must
+give, row by row, the logits of peft with that adapter alone (fp32, 1e-4) and the same greedy tokens.
+
+``LoraLayer`` objects are built here from the safetensors files with ``safetensors.torch.load_file`` and the
+scaling applied by hand (``peft_lora_layers``), independently of the adapter store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from adapter_files import load_peft_model, write_peft_adapter
+from tiny_models import load_ours
+
+from service.adapters.lora import SITES, AdapterBatch, LoraSlots
+from service.adapters.types import LoraLayer, LoraModule
+from service.errors import InvalidAdapter
+from service.model import KVCache, Llama
+
+CPU = torch.device("cpu")
+KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
+
+# name -> write_peft_adapter arguments
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "qv": {"r": 4, "alpha": 8, "target_modules": ("q_proj", "v_proj"), "seed": 1},
+    "all_rs": {
+        "r": 8,
+        "alpha": 4,
+        "rslora": True,
+        "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "seed": 2,
+    },
+    "mlp_l1": {"r": 2, "alpha": 6, "target_modules": ("o_proj", "gate_proj", "down_proj"), "layers_to_transform": [1]},
+    "regex": {
+        "r": 16,
+        "alpha": 8,
+        "target_modules": r".*\.(k_proj|up_proj)",
+        "rank_pattern": {"k_proj": 3},
+        "alpha_pattern": {"up_proj": 32},
+        "seed": 4,
+    },
+}
+
+
+def peft_lora_layers(folder: Path, *, dtype: torch.dtype = torch.float32) -> dict[int, LoraLayer]:
+    """layer -> LoraLayer from a PEFT folder: B scaled by alpha/r (alpha/sqrt(r) with rsLoRA), patterns applied."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(folder / "adapter_model.safetensors")
+    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = KEY.match(key)
+        assert match is not None, key
+        full, layer, module, side = match.groups()
+        pairs.setdefault((int(layer), module, full), {})[side] = tensor
+    layers: dict[int, dict[str, LoraModule]] = {}
+    for (layer, module, full), ab in pairs.items():
+        rank = ab["A"].shape[0]
+        alpha = config["lora_alpha"]
+        for pattern, value in config.get("alpha_pattern", {}).items():  # peft's get_pattern_key: first match
+            if re.match(rf"(.*\.)?({pattern})$", full):
+                alpha = value
+                break
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        layers.setdefault(layer, {})[module] = LoraModule(a=ab["A"].to(dtype), b=(ab["B"] * scaling).to(dtype))
+    return {
+        layer: LoraLayer(modules, sum(m.a.nbytes + m.b.nbytes for m in modules.values()))
+        for layer, modules in layers.items()
+    }
+
+
+def lookup_for(adapters: Mapping[str, Mapping[int, LoraLayer]]) -> Callable[[str, int], LoraLayer | None]:
+    def lookup(adapter_id: str, layer: int) -> LoraLayer | None:
+        return adapters[adapter_id].get(layer)
+
+    return lookup
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("adapters")
+    folders = {name: write_peft_adapter(root / name, tiny_llama_dir, **kw) for name, kw in ADAPTERS.items()}
+    return {
+        "model": load_ours(tiny_llama_dir),
+        "peft": load_peft_model(tiny_llama_dir, folders),
+        "layers": {name: peft_lora_layers(folder) for name, folder in folders.items()},
+        "folders": folders,
+    }
+
+
+def peft_logits(peft_model: Any, adapter: str | None, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, vocab] of peft with ``adapter`` alone (``None``: adapters disabled) for one row."""
+    with torch.no_grad():
+        if adapter is None:
+            with peft_model.disable_adapter():
+                return peft_model(tokens[None]).logits[0].float()  # type: ignore[no-any-return]
+        peft_model.set_adapter(adapter)
+        return peft_model(tokens[None]).logits[0].float()  # type: ignore[no-any-return]
+
+
+def run_ours(
+    model: Llama,
+    tokens: torch.Tensor,
+    row_adapters: list[str | None],
+    layers: Mapping[str, Mapping[int, LoraLayer]],
+    slots: LoraSlots | None = None,
+    *,
+    slot_start: int = 0,
+) -> torch.Tensor:
+    """Prefill ``tokens`` [B, T] as one batch with per-row adapters; fp32 logits [B, T, vocab]."""
+    b, t = tokens.shape
+    slots = slots or LoraSlots(model.cfg, device="cpu", dtype=model.dtype)
+    batch = AdapterBatch.build(row_adapters, lookup_for(layers), slots, slot_start=slot_start)
+    cache = KVCache(model.cfg, slot_start + b, t, dtype=model.dtype, device=model.device)
+    positions = torch.arange(t)[None, :].expand(b, t)
+    return model.logits(model(tokens, positions, cache, slot_start, adapters=batch))
+
+
+ROWS: list[str | None] = ["qv", None, "all_rs", "mlp_l1", "regex", "qv", None]
+
+
+def test_mixed_batch_logits_match_peft_row_by_row(setup: dict[str, Any]) -> None:
+    model, peft_model, layers = setup["model"], setup["peft"], setup["layers"]
+    tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 9), generator=torch.Generator().manual_seed(0))
+    ours = run_ours(model, tokens, ROWS, layers)  # [B, T, vocab]
+    cache = KVCache(model.cfg, len(ROWS), 9, dtype=torch.float32, device=CPU)
+    base = model.logits(model(tokens, torch.arange(9)[None].expand(len(ROWS), 9), cache, 0))  # no adapters
+    for row, adapter in enumerate(ROWS):
+        ref = peft_logits(peft_model, adapter, tokens[row])
+        torch.testing.assert_close(ours[row], ref, rtol=0, atol=1e-4, msg=f"row {row} ({adapter})")
+        if adapter is None:
+            assert torch.equal(ours[row], base[row]), "a base-only row must be unchanged bit for bit"
+        else:  # the adapter really changes the output, so the comparison above can fail
+            assert (ours[row] - base[row]).abs().max() > 1e-2
+
+
+def test_row_result_independent_of_order_and_slot(setup: dict[str, Any]) -> None:
+    model, layers = setup["model"], setup["layers"]
+    tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 6), generator=torch.Generator().manual_seed(1))
+    ours = run_ours(model, tokens, ROWS, layers)
+    order = [4, 2, 0, 6, 3, 1, 5]
+    shuffled = run_ours(model, tokens[order], [ROWS[i] for i in order], layers, slot_start=3)
+    torch.testing.assert_close(shuffled, ours[order], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decode_with_slots_matches_peft(setup: dict[str, Any]) -> None:
+    """Prefill, then decode step by step through the KV cache and one LoraSlots; tokens identical to peft's."""
+    model, peft_model, layers = setup["model"], setup["peft"], setup["layers"]
+    rows: list[str | None] = ["regex", "qv", None, "all_rs", "mlp_l1"]
+    prompt_len, new = 5, 8
+    prompts = torch.randint(
+        3, model.cfg.vocab_size, (len(rows), prompt_len), generator=torch.Generator().manual_seed(2)
+    )
+    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    lookup = lookup_for(layers)
+    cache = KVCache(model.cfg, len(rows), prompt_len + new, dtype=torch.float32, device=CPU)
+    positions = torch.arange(prompt_len)[None].expand(len(rows), prompt_len)
+    hidden = model(prompts, positions, cache, 0, adapters=AdapterBatch.build(rows, lookup, slots))[:, -1]
+    ours = []
+    for step in range(new):
+        token = model.logits(hidden).argmax(-1)  # [B]
+        ours.append(token)
+        writes = slots.stats.slot_writes
+        batch = AdapterBatch.build(rows, lookup, slots)
+        pos = torch.full((len(rows), 1), prompt_len + step)
+        hidden = model(token[:, None], pos, cache, 0, adapters=batch)[:, -1]
+        assert slots.stats.slot_writes == writes, "a steady decode step must not copy adapter weights"
+    got = torch.stack(ours, 1)  # [B, new]
+    for row, adapter in enumerate(rows):
+        ids = prompts[row]
+        for _ in range(new):
+            ids = torch.cat((ids, peft_logits(peft_model, adapter, ids)[-1].argmax()[None]))
+        assert got[row].tolist() == ids[prompt_len:].tolist(), f"row {row} ({adapter})"
+
+
+def test_slots_rewrite_only_what_changed(setup: dict[str, Any]) -> None:
+    """Walk one LoraSlots through row changes; after each step it must equal a fresh table and count its copies."""
+    model, layers = setup["model"], setup["layers"]
+    n_layers = model.cfg.num_layers
+    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(3, model.cfg.vocab_size, (4, 4), generator=torch.Generator().manual_seed(3))
+
+    def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
+        before = slots.stats.slot_writes
+        got = run_ours(model, tokens, rows, adapters, slots)
+        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters), rtol=0, atol=0)
+        return slots.stats.slot_writes - before
+
+    assert step(["qv", "qv", None, "all_rs"]) == 3 * n_layers  # the base-only row's slot stays zeros
+    assert slots.layouts()[(0, "wqkv")] == {"q_proj": 8, "k_proj": 8, "v_proj": 8}
+    assert step(["qv", "qv", None, "all_rs"]) == 0
+    assert step(["all_rs", "qv", None, "qv"]) == 2 * n_layers  # swap: r=4 over r=8 must clear the padding
+    assert step(["qv", "qv", None, "all_rs"]) == 2 * n_layers
+    assert step(["qv", None, None, "all_rs"]) == n_layers  # a retired row's slot is zeroed
+    assert step(["qv", "mlp_l1", None, "all_rs"]) == 1  # mlp_l1 leaves layer 0 alone: that slot stays zeros
+    reloaded = {**layers, "qv": peft_lora_layers(setup["folders"]["qv"])}  # new objects: the store reloaded it
+    assert step(["qv", "mlp_l1", None, "all_rs"], reloaded) == n_layers
+    relayouts = slots.stats.relayouts
+    assert step(["qv", "regex", "qv", "qv"]) > 0  # regex has r=16 on up_proj: the w13 tables grow
+    assert slots.stats.relayouts > relayouts
+    assert slots.layouts()[(0, "w13")] == {"up_proj": 16}  # grown; gate_proj (only all_rs had it) dropped
+    assert slots.layouts()[(0, "wqkv")] == {"q_proj": 4, "k_proj": 3, "v_proj": 4}  # 24 > 2 * 11: shrunk
+    assert (0, "wo") not in slots.layouts()
+    assert slots.nbytes > 0
+    slots.clear()
+    assert slots.nbytes == 0 and slots.layouts() == {}
+
+
+def test_delta_columns_and_none(setup: dict[str, Any]) -> None:
+    """``delta`` returns zeros in the columns of untargeted modules, None for sites no row's adapter touches."""
+    model, layers = setup["model"], setup["layers"]
+    cfg = model.cfg
+    slots = LoraSlots(cfg, device="cpu", dtype=torch.float32)
+    batch = AdapterBatch.build([None, "qv"], lookup_for(layers), slots)
+    assert batch is not None
+    x = torch.randn(2, 3, cfg.hidden_size)
+    d = batch.delta(0, "wqkv", x)
+    assert d is not None and d.shape == (2, 3, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    parts = {p.hf_name: (p.start, p.stop) for p in cfg.fused_rows()["wqkv"]}
+    qv = layers["qv"][0].modules
+    for name, (c0, c1) in parts.items():
+        want = x[1] @ qv[name].a.T @ qv[name].b.T if name in qv else torch.zeros(3, c1 - c0)
+        torch.testing.assert_close(d[1, :, c0:c1], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(d[0], torch.zeros_like(d[0]))
+    for site in ("wo", "w13", "w2"):
+        assert batch.delta(0, site, x) is None  # type: ignore[arg-type]
+    assert set(SITES) == {"wqkv", "wo", "w13", "w2"}
+
+
+def test_no_adapter_rows_build_nothing(setup: dict[str, Any]) -> None:
+    slots = LoraSlots(setup["model"].cfg, device="cpu", dtype=torch.float32)
+    assert AdapterBatch.build([None, None, None], lookup_for(setup["layers"]), slots) is None
+    assert slots.nbytes == 0
+
+
+def test_rows_per_item(setup: dict[str, Any]) -> None:
+    """Item i spans rows_per_item[i] batch rows, all with the item's adapter (e.g. speculative verification)."""
+    model, layers = setup["model"], setup["layers"]
+    tokens = torch.randint(3, model.cfg.vocab_size, (5, 4), generator=torch.Generator().manual_seed(4))
+    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    items: list[str | None] = ["all_rs", None, "regex"]
+    batch = AdapterBatch.build(items, lookup_for(layers), slots, rows_per_item=[2, 1, 2])
+    cache = KVCache(model.cfg, 5, 4, dtype=torch.float32, device=CPU)
+    got = model.logits(model(tokens, torch.arange(4)[None].expand(5, 4), cache, 0, adapters=batch))
+    want = run_ours(model, tokens, ["all_rs", "all_rs", None, "regex", "regex"], layers)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rows_per_item"):
+        AdapterBatch.build(items, lookup_for(layers), slots, rows_per_item=[1, 1])
+
+
+def test_bf16_model_close_to_fp32(setup: dict[str, Any], tiny_llama_dir: Path) -> None:
+    """A bf16 model (tables kept in fp32 on CPU) stays near the fp32 result; the adapter's effect survives."""
+    model, layers = setup["model"], setup["layers"]
+    model16 = load_ours(tiny_llama_dir, dtype=torch.bfloat16)
+    layers16 = {name: peft_lora_layers(folder, dtype=torch.bfloat16) for name, folder in setup["folders"].items()}
+    tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 6), generator=torch.Generator().manual_seed(5))
+    slots = LoraSlots(model16.cfg, device="cpu", dtype=torch.bfloat16)
+    assert slots.compute_dtype == torch.float32
+    got = run_ours(model16, tokens, ROWS, layers16, slots)
+    want = run_ours(model, tokens, ROWS, layers)
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.05 * scale
+
+
+def test_misshaped_module_is_refused_by_name(setup: dict[str, Any]) -> None:
+    model = setup["model"]
+    bad = LoraLayer({"v_proj": LoraModule(a=torch.zeros(4, model.cfg.hidden_size), b=torch.zeros(7, 4))}, 0)
+    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    batch = AdapterBatch.build(["bad"], lambda _a, _l: bad, slots)
+    assert batch is not None
+    with pytest.raises(InvalidAdapter, match="v_proj"):
+        batch.delta(0, "wqkv", torch.zeros(1, 1, model.cfg.hidden_size))
