@@ -13,7 +13,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from service.engine.sampling import Sampler, SamplingParams, greedy, make_generator
+from service.engine.sampling import (
+    _CDF_BLOCK,
+    _TOP_P_CANDIDATES,
+    Sampler,
+    SamplingParams,
+    _inverse_cdf,
+    greedy,
+    make_generator,
+)
 from service.errors import InvalidRequest
 
 V = 1000
@@ -51,6 +59,7 @@ CASES = [
     SamplingParams(temperature=1.0, repetition_penalty=1.3),
     SamplingParams(temperature=0.9, top_k=20, top_p=0.8, repetition_penalty=0.7),
     SamplingParams(temperature=1.0, top_k=V + 10),  # k beyond the vocabulary keeps everything
+    SamplingParams(temperature=1.1, repetition_penalty=1.2),
 ]
 
 
@@ -58,16 +67,56 @@ def test_processed_logits_match_transformers_per_case() -> None:
     sampler = Sampler()
     logits = _logits(len(CASES), seed=1)
     gen = torch.Generator().manual_seed(2)
-    history = [torch.randint(0, V, (30,), generator=gen) for _ in CASES]
+    # Half the rows see a short history with many repeats, the rest a spread-out one; one row sees none.
+    history = [torch.randint(0, 40 if i % 2 else V, (60,), generator=gen) for i in range(len(CASES))]
+    history[8] = torch.zeros((0,), dtype=torch.long)
     ours = sampler.process_logits(logits, CASES, history)
     for i, p in enumerate(CASES):
         ref = _hf(logits[i : i + 1], p, history[i][None, :])
+        if p.penalized and history[i].numel():
+            assert not torch.equal(ref, logits[i : i + 1] / p.temperature)  # the penalty really changed something
         # Same tokens removed, same values elsewhere.
         assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref[0])), f"case {i} {p}: different support"
         torch.testing.assert_close(ours[i], ref[0], rtol=1e-6, atol=1e-6, msg=f"case {i} {p}")
         torch.testing.assert_close(
             sampler.processed_probs(logits[i : i + 1], [p], [history[i]])[0], torch.softmax(ref[0], -1)
         )
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.05])  # peaked: nucleus among the candidates; flat: full-sort fallback
+def test_top_p_on_a_large_vocabulary_matches_transformers(scale: float) -> None:
+    v = 8 * _TOP_P_CANDIDATES
+    logits = _logits(6, seed=7, v=v) * scale
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.1, 0.5, 0.8, 0.9, 0.95, 0.999)]
+    ours = Sampler().process_logits(logits, params)
+    kept = []
+    for i, p in enumerate(params):
+        ref = _hf(logits[i : i + 1], p)[0]
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), f"top_p={p.top_p}: different nucleus"
+        kept.append(int(torch.isfinite(ref).sum()))
+    if scale > 1:
+        assert max(kept) < _TOP_P_CANDIDATES  # the fast path decided every row
+    else:
+        assert max(kept) > _TOP_P_CANDIDATES  # some rows needed the fallback
+
+
+def test_inverse_cdf_draws_follow_the_distribution_across_blocks() -> None:
+    gen = torch.Generator().manual_seed(8)
+    v = 3 * _CDF_BLOCK + 17  # several blocks plus a padded one
+    probs = torch.softmax(torch.randn(v, generator=gen) * 2, dim=-1)
+    n = 20000
+    u = torch.rand(n, dtype=torch.float64, generator=gen)
+    ids = _inverse_cdf(probs[None, :].expand(n, v), u)
+    freq = torch.bincount(ids, minlength=v).double() / n
+    block_of = torch.arange(v) // _CDF_BLOCK
+    expected_blocks = torch.zeros(4, dtype=torch.float64).index_add_(0, block_of, probs.double())
+    got_blocks = torch.zeros(4, dtype=torch.float64).index_add_(0, block_of, freq)
+    torch.testing.assert_close(got_blocks, expected_blocks, atol=0.015, rtol=0)
+    top = probs.topk(5).indices
+    torch.testing.assert_close(freq[top], probs[top].double(), atol=0.01, rtol=0)
+    # The same u against the exact cumulative distribution picks the same ids.
+    exact = torch.searchsorted(probs.double().cumsum(0), (u * probs.double().sum())[:, None], right=True)
+    assert (exact.squeeze(-1) == ids).double().mean() > 0.999
 
 
 def test_top_k_keeps_ties_like_transformers() -> None:

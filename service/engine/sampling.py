@@ -27,6 +27,10 @@ from service.errors import InvalidRequest
 __all__ = ["SampleResult", "Sampler", "SamplingParams", "greedy", "make_generator"]
 
 _MAX_SEED = 2**64 - 1
+# Top-p looks for the nucleus among this many most likely tokens before sorting the whole vocabulary.
+_TOP_P_CANDIDATES = 1024
+# Inverse-CDF sampling works on blocks of this many ids.
+_CDF_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -130,19 +134,24 @@ class Sampler:
             return SampleResult(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1))
 
         processed = self.process_logits(logits, params, history)  # [B, V] fp32
-        tokens = greedy(processed)  # [B]; the final answer for greedy rows
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
+        if not sampled:
+            tokens = greedy(processed)  # [B]
+        else:
             if generators is not None and len(generators) != b:
                 raise ValueError(f"got {len(generators)} generators for a batch of {b} rows")
-            rows = torch.tensor(sampled, device=logits.device)  # [S]
-            probs = torch.softmax(processed.index_select(0, rows), dim=-1)  # [S, V]
             u = self._uniforms([generators[i] if generators is not None else None for i in sampled], logits.device)
-            tokens = tokens.index_copy(0, rows, _inverse_cdf(probs, u))
+            if len(sampled) == b:
+                tokens = _inverse_cdf(torch.softmax(processed, dim=-1), u)  # [B]
+            else:
+                rows = torch.tensor(sampled, device=logits.device)  # [S]
+                drawn = _inverse_cdf(torch.softmax(processed.index_select(0, rows), dim=-1), u)  # [S]
+                tokens = greedy(processed).index_copy(0, rows, drawn)  # [B]; greedy rows keep their argmax
         logprobs = None
         if want_logprobs:
-            logp = torch.log_softmax(processed, dim=-1)  # [B, V]
-            logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+            # log_softmax gathered at the chosen ids, without materialising [B, V] log-probabilities.
+            chosen = processed.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+            logprobs = chosen - torch.logsumexp(processed, dim=-1)  # [B]
         return SampleResult(tokens, logprobs)
 
     def process_logits(
@@ -189,23 +198,25 @@ class Sampler:
     def _apply_repetition_penalty(
         self, x: Tensor, params: Sequence[SamplingParams], history: History, rows: list[int]
     ) -> Tensor:
-        """Every id seen in a row's history: logit / penalty if positive, logit * penalty if negative."""
-        v = x.shape[-1]
-        seen = [_as_ids(history[i], x.device) for i in rows]
-        longest = max((len(s) for s in seen), default=0)
-        # Pad with the out-of-range id V: it lands in an extra column that is dropped afterwards.
-        padded = torch.full((len(rows), max(longest, 1)), v, dtype=torch.long, device=x.device)  # [R, L]
-        for j, s in enumerate(seen):
-            padded[j, : len(s)] = s
-        mask = torch.zeros((len(rows), v + 1), dtype=torch.bool, device=x.device)  # [R, V+1]
-        mask.scatter_(1, padded, True)
-        mask = mask[:, :v]  # [R, V]
-        idx = torch.tensor(rows, device=x.device)  # [R]
+        """Every id seen in a row's history: logit / penalty if positive, logit * penalty if negative.
+
+        Like HF: gather the seen ids' logits, rescale them, scatter them back (duplicates write equal values)."""
+        seen = {i: _as_ids(history[i], x.device) for i in rows}
+        rows = [i for i in rows if seen[i].numel() > 0]
+        if not rows:
+            return x
+        # Pad every row with its own first id: re-penalising a seen id with the value it already got is harmless.
+        padded = torch.nn.utils.rnn.pad_sequence([seen[i] for i in rows], batch_first=True, padding_value=-1)
+        padded = torch.where(padded < 0, padded[:, :1], padded)  # [R, L]
         penalty = torch.tensor([params[i].repetition_penalty for i in rows], dtype=x.dtype, device=x.device)
         penalty = penalty[:, None]  # [R, 1]
-        sub = x.index_select(0, idx)  # [R, V]
-        sub = torch.where(mask, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
-        return x.index_copy(0, idx, sub)
+        every_row = len(rows) == x.shape[0]
+        idx = None if every_row else torch.tensor(rows, device=x.device)  # [R]
+        sub = x.clone() if idx is None else x.index_select(0, idx)  # [R, V], a copy either way
+        score = sub.gather(1, padded)  # [R, L]
+        score = torch.where(score < 0, score * penalty, score / penalty)
+        sub.scatter_(1, padded, score)
+        return sub if idx is None else x.index_copy(0, idx, sub)
 
     def _warp(self, x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         """Temperature, then top-k, then top-p, for rows that all sample. x: [S, V]."""
@@ -255,8 +266,36 @@ def _top_k(x: Tensor, ks: list[int]) -> Tensor:
 
 
 def _top_p(x: Tensor, ps: list[float]) -> Tensor:
-    """Nucleus filter with HF's exact rule: sort ascending, drop tokens whose cumulative probability is
-    <= 1 - top_p, always keep the most likely one. x: [S, V]; rows with top_p == 1 are left alone."""
+    """Nucleus filter with HF's rule: a token goes when the probability of everything less likely than it, itself
+    included, is <= 1 - top_p; the most likely token always stays. x: [S, V]; rows with top_p == 1 are left alone.
+
+    Sorting the whole vocabulary (HF's way) costs far more than the rest of a sampling step on CPU, so the nucleus
+    is first looked for among the ``_TOP_P_CANDIDATES`` most likely tokens: there the rule reads "keep a token
+    while the mass strictly above it is < top_p". Rows whose nucleus is larger fall back to the full sort.
+    Tokens tied with the last kept one all stay (HF's sort would keep an arbitrary subset of them).
+    """
+    v = x.shape[-1]
+    if v <= _TOP_P_CANDIDATES:
+        return _top_p_sorted(x, ps)
+    top = torch.tensor(ps, dtype=x.dtype, device=x.device)[:, None]  # [S, 1]
+    vals, _ = torch.topk(x, _TOP_P_CANDIDATES, dim=-1)  # [S, C], descending
+    probs = torch.exp(vals - torch.logsumexp(x, dim=-1, keepdim=True))  # [S, C]
+    above = probs.cumsum(dim=-1) - probs  # [S, C]: mass of the candidates strictly more likely
+    off = torch.tensor([p >= 1.0 for p in ps], device=x.device)[:, None]  # [S, 1]
+    keep = (above < top) | off  # [S, C]; a prefix of each row
+    n_keep = keep.sum(dim=-1, keepdim=True)  # [S, 1], >= 1
+    threshold = vals.gather(-1, n_keep - 1)  # [S, 1]: the least likely kept value
+    threshold = threshold.masked_fill(off, -math.inf)
+    out = x.masked_fill(x < threshold, -math.inf)
+    spill = [i for i, p in enumerate(ps) if p < 1.0 and bool(keep[i, -1])]  # nucleus may extend past the candidates
+    if spill:
+        rows = torch.tensor(spill, device=x.device)  # [F]
+        out = out.index_copy(0, rows, _top_p_sorted(x.index_select(0, rows), [ps[i] for i in spill]))
+    return out
+
+
+def _top_p_sorted(x: Tensor, ps: list[float]) -> Tensor:
+    """HF's nucleus filter verbatim in behaviour: full ascending sort and cumulative sum. x: [S, V]."""
     sorted_logits, sorted_idx = torch.sort(x, descending=False)  # [S, V] each
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [S, V]
     # 1 - top_p is formed in Python float and rounded to x.dtype once, as HF's scalar comparison does.
@@ -269,10 +308,24 @@ def _top_p(x: Tensor, ps: list[float]) -> Tensor:
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """probs: [S, V], u: [S] in [0, 1) → [S] int64 ids, id i drawn with probability probs[:, i]."""
-    cdf = probs.double().cumsum(dim=-1)  # [S, V]; float64 so the tail of a 128k vocabulary keeps its mass
-    target = (u * cdf[:, -1])[:, None]  # [S, 1]
-    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)  # [S]
-    # u * total can round up to total itself; then the clamp may land on a zero-probability tail id.
-    ok = probs.gather(-1, ids[:, None]).squeeze(-1) > 0
-    return torch.where(ok, ids, probs.argmax(dim=-1))
+    """probs: [S, V], u: [S] in [0, 1) → [S] int64 ids, id i drawn with probability probs[:, i].
+
+    Two levels, so no full-vocabulary scan is needed: per-block masses (summed in float64) pick the block, then
+    a cumulative sum inside that one block picks the id.
+    """
+    s, v = probs.shape
+    pad = (-v) % _CDF_BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = blocks.view(s, -1, _CDF_BLOCK)  # [S, NB, BLK]
+    mass = blocks.sum(dim=-1, dtype=torch.float64)  # [S, NB]
+    cdf = mass.cumsum(dim=-1)  # [S, NB]
+    target = u * cdf[:, -1]  # [S]
+    b = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)  # [S, 1]
+    rest = target[:, None] - (cdf.gather(-1, b) - mass.gather(-1, b))  # [S, 1]: mass left inside block b
+    inner = blocks.gather(1, b[:, :, None].expand(s, 1, _CDF_BLOCK)).squeeze(1)  # [S, BLK]
+    j = torch.searchsorted(inner.double().cumsum(dim=-1), rest, right=True).clamp_(max=_CDF_BLOCK - 1)  # [S, 1]
+    # Rounding (u * total == total, or block sums vs in-block sums) can step onto a zero-probability id; then take
+    # the block's most likely id instead (an event of probability ~1e-16).
+    ok = inner.gather(-1, j) > 0  # [S, 1]
+    j = torch.where(ok, j, inner.argmax(dim=-1, keepdim=True))
+    return (b * _CDF_BLOCK + j).squeeze(-1)
