@@ -213,6 +213,17 @@ def test_processed_probs_greedy_rows_are_one_hot() -> None:
     torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
 
 
+def test_draw_uses_each_rows_generator() -> None:
+    weights = torch.tensor([[0.0, 1.0, 3.0, 0.0], [2.0, 0.0, 0.0, 2.0]])
+    sampler = Sampler()
+    first = sampler.draw(weights, [make_generator(1), make_generator(2)])
+    again = sampler.draw(weights.flip(0), [make_generator(2), make_generator(1)])
+    assert first.tolist() == again.flip(0).tolist()
+    many = sampler.draw(weights[:1].repeat(2000, 1), [make_generator(i) for i in range(2000)])
+    assert set(many.tolist()) == {1, 2}
+    assert abs(float((many == 2).double().mean()) - 0.75) < 0.04
+
+
 def test_repetition_penalty_requires_history() -> None:
     with pytest.raises(ValueError, match="history"):
         Sampler().sample(_logits(1), [SamplingParams(repetition_penalty=1.2)])

@@ -130,8 +130,8 @@ class Sampler:
             tokens = greedy(logits)  # [B]
             if not want_logprobs:
                 return SampleResult(tokens)
-            logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-            return SampleResult(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1))
+            x = logits.float()  # [B, V]
+            return SampleResult(tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1))
 
         processed = self.process_logits(logits, params, history)  # [B, V] fp32
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -193,6 +193,13 @@ class Sampler:
             one_hot.scatter_(1, greedy(x.index_select(0, rows))[:, None], 1.0)  # [G, V]
             probs = probs.index_copy(0, rows, one_hot)
         return probs
+
+    def draw(self, probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+        """[B, V] probabilities (any non-negative weights) → [B] int64 ids, one uniform per row from that row's
+        generator. For speculative decoding's residual distributions, e.g. normalise(max(0, p - q))."""
+        if len(generators) != probs.shape[0]:
+            raise ValueError(f"got {len(generators)} generators for a batch of {probs.shape[0]} rows")
+        return _inverse_cdf(probs.float(), self._uniforms(generators, probs.device))
 
     # ---- the steps ----------------------------------------------------------------------------------------------
     def _apply_repetition_penalty(
