@@ -27,7 +27,7 @@ from service import metrics
 from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
-from service.engine.sampling import Sampler
+from service.engine.sampling import Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.errors import InvalidRequest, QueueFull, Unavailable
 from service.model.kv_cache import KVCache
@@ -203,10 +203,7 @@ class Engine:
 
     def _new_row(self, handle: RequestHandle, sink: Sink) -> _Row:
         req = handle.request
-        generator = None
-        if req.sampling.temperature > 0:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
+        generator = make_generator(req.sampling.seed, self.device) if req.sampling.temperature > 0 else None
         return _Row(
             handle=handle,
             sink=sink,
