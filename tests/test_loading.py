@@ -105,7 +105,8 @@ def test_fused_slices_receive_their_rows(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_dtype_converting_destinations(tmp_path: Path, mode: str) -> None:
+def test_dtype_converting_destinations(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_mod, "CONVERT_ELEMS", 64)
     g = torch.Generator().manual_seed(4)
     f32 = torch.randn(50, 30, generator=g)
     bf16 = torch.randn(40, generator=g).bfloat16()
@@ -120,9 +121,12 @@ def test_dtype_converting_destinations(tmp_path: Path, mode: str) -> None:
     assert _same_bits(plan["i32"], i32.long())
 
 
-def test_strided_destinations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Column slices and transposed views go through staging; tiny stages split rows across pieces."""
-    monkeypatch.setattr(stream_mod, "STAGE_BYTES", 64)
+@pytest.mark.parametrize(("stage", "convert"), [(64, 32768), (1 << 20, 3), (1 << 20, 32768), (96, 7)])
+def test_strided_destinations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, convert: int) -> None:
+    """Column slices and transposed views go through staging; tiny stages split rows across pieces, tiny
+    conversion slices split rows and blocks of rows."""
+    monkeypatch.setattr(stream_mod, "STAGE_BYTES", stage)
+    monkeypatch.setattr(stream_mod, "CONVERT_ELEMS", convert)
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(9, 7, 5, generator=g), torch.randn(6, 11, generator=g)
     save_file({"a": a, "b": b}, str(tmp_path / "model.safetensors"))

@@ -32,6 +32,7 @@ CHUNK_BYTES = 16 << 20  # most bytes one read call moves
 STAGE_BYTES = 8 << 20  # per-thread staging buffer for converting pieces
 MIN_THREADED_BYTES = 8 << 20  # below this, threads cost more than they save
 HUGEPAGE_MIN_BYTES = 4 << 20
+CONVERT_ELEMS = 32768  # torch's grain size: copies up to this many elements run on the calling thread
 _IOV_MAX = 1024
 _MADV_HUGEPAGE = 14
 
@@ -146,8 +147,32 @@ def _run(item: _Item, staging: _Staging, result: StreamResult) -> None:
     src = buf.view(rec.torch_dtype)  # [piece elements]
     with torch.no_grad():
         for seg, lo, hi in segments(dest, piece.lo // itemsize, piece.hi // itemsize):
-            seg.copy_(src[lo:hi].view(seg.shape))
+            _copy_in_slices(seg, src[lo:hi])
     result.add_convert(time.perf_counter() - t0)
+
+
+def _copy_in_slices(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (src flat, same numel) in slices small enough that torch runs each on this thread.
+
+    A copy_ above torch's grain size opens an OpenMP parallel region; from several reader threads at once
+    that oversubscribes the cores, and on a busy machine each region can wait a whole scheduler tick.
+    """
+    n = dst.numel()
+    if n <= CONVERT_ELEMS or dst.dim() == 0:
+        dst.copy_(src.view(dst.shape))
+    elif dst.dim() == 1:
+        for lo in range(0, n, CONVERT_ELEMS):
+            dst[lo : lo + CONVERT_ELEMS].copy_(src[lo : lo + CONVERT_ELEMS])
+    else:
+        inner = n // dst.shape[0]  # elements per row of dim 0
+        if inner > CONVERT_ELEMS:
+            for r in range(dst.shape[0]):
+                _copy_in_slices(dst[r], src[r * inner : (r + 1) * inner])
+        else:
+            rows = CONVERT_ELEMS // inner
+            for r0 in range(0, dst.shape[0], rows):
+                block = dst[r0 : r0 + rows]
+                block.copy_(src[r0 * inner : r0 * inner + block.numel()].view(block.shape))
 
 
 def _run_threaded(items: Iterator[_Item], n_threads: int, result: StreamResult) -> None:
