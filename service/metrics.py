@@ -105,3 +105,44 @@ KV_CACHE_USAGE = Gauge(
     "Fraction of KV cache slots held by running requests.",
     registry=REGISTRY,
 )
+
+# --- adapters ---------------------------------------------------------------------------------------------
+ADAPTER_LOAD_DURATION = Histogram(
+    "loraplex_adapter_load_duration_seconds",
+    "Adapter load time by stage (index = registration, read, layout, total = request to resident) and by the "
+    "tier the bytes came from (disk, host).",
+    ["stage", "tier"],
+    buckets=LOAD_BUCKETS,
+    registry=REGISTRY,
+)
+ADAPTER_CACHE_EVENTS = Counter(
+    "loraplex_adapter_cache_events_total",
+    "Adapter tier events: hit / miss (device: a request found it resident or queued a load; host: a load reused "
+    "the host copy or read the disk) and eviction (device: to the host tier; host: to disk only).",
+    ["event", "tier"],
+    registry=REGISTRY,
+)
+ADAPTER_RESIDENT = Gauge(
+    "loraplex_adapter_resident",
+    "Adapters resident on each tier (device, host).",
+    ["tier"],
+    registry=REGISTRY,
+)
+ADAPTER_RESIDENT_BYTES = Gauge(
+    "loraplex_adapter_resident_bytes",
+    "Bytes of adapter weights held on each tier (device, host).",
+    ["tier"],
+    registry=REGISTRY,
+)
+ADAPTER_BUDGET_BYTES = Gauge(
+    "loraplex_adapter_budget_bytes",
+    "Byte budget of each adapter tier (device, host).",
+    ["tier"],
+    registry=REGISTRY,
+)
+ADAPTER_READ_BYTES = Counter(
+    "loraplex_adapter_read_bytes_total",
+    "Bytes of adapter weights read from adapter files.",
+    registry=REGISTRY,
+)
+ADAPTERS_REGISTERED = Gauge("loraplex_adapters_registered", "Adapters registered.", registry=REGISTRY)

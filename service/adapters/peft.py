@@ -10,7 +10,7 @@ Public API::
     module_key(layer, module) -> str         PEFT's name of a projection: "model.layers.3.self_attn.q_proj"
     module_features(model_config) -> {module: (in_features, out_features)}
     resolve_targets(config, model_config, *, file) -> {(layer, module): (rank, alpha)}
-    LoraKey, parse_lora_key(name) -> LoraKey | None
+    LoraKey, parse_lora_key(name) -> LoraKey | None, LORA_KEY (the compiled pattern behind it)
     lora_scaling(rank, alpha, rslora) -> float
 
 Matching follows PEFT 0.21 (``check_target_module_exists``, ``get_pattern_key``): a *list* of target modules
@@ -30,13 +30,14 @@ the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from service.adapters.types import MODULES
 from service.errors import InvalidAdapter
@@ -211,13 +212,23 @@ def module_features(model_config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def base_module_names(model_config: ModelConfig) -> list[str]:
     """Every module name of ``LlamaForCausalLM`` that a target pattern could match (``named_modules``)."""
+    return list(_module_names(model_config.num_layers))
+
+
+@functools.lru_cache(maxsize=8)
+def _module_names(num_layers: int) -> tuple[str, ...]:
     names = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
-    for layer in range(model_config.num_layers):
+    for layer in range(num_layers):
         prefix = f"model.layers.{layer}"
         names += [prefix, f"{prefix}.self_attn", f"{prefix}.mlp", f"{prefix}.mlp.act_fn"]
         names += [f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm"]
         names += [module_key(layer, m) for m in MODULES]
-    return names
+    return tuple(names)
+
+
+@functools.lru_cache(maxsize=8)
+def _projections(num_layers: int) -> dict[str, tuple[int, str]]:
+    return {module_key(layer, m): (layer, m) for layer in range(num_layers) for m in MODULES}
 
 
 def resolve_targets(
@@ -228,8 +239,8 @@ def resolve_targets(
     Refuses (naming the entry) a target that matches no module of the base model, and a target that matches
     a module loraplex cannot adapt (embeddings, lm_head, norms, whole blocks).
     """
-    names = base_module_names(model_config)
-    projections = {module_key(layer, m): (layer, m) for layer in range(model_config.num_layers) for m in MODULES}
+    names = _module_names(model_config.num_layers)
+    projections = _projections(model_config.num_layers)
 
     targets = config.target_modules
     if isinstance(targets, str):
@@ -240,7 +251,10 @@ def resolve_targets(
     else:
         matched = []
         for entry in targets:
-            hits = [n for n in names if n == entry or n.endswith(f".{entry}")]
+            if entry in GROUP:  # the common case, a projection's own name: no scan needed
+                hits = [module_key(layer, entry) for layer in range(model_config.num_layers)]
+            else:
+                hits = [n for n in names if n == entry or n.endswith(f".{entry}")]
             if not hits:
                 raise InvalidAdapter(
                     f"target module {entry!r} not found in the base model (Llama projections: {', '.join(MODULES)})",
@@ -265,8 +279,7 @@ def resolve_targets(
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class LoraKey:
+class LoraKey(NamedTuple):
     """One PEFT tensor name, taken apart: ``{prefix}layers.{layer}.{group}.{module}.lora_{matrix}{infix}.weight``."""
 
     prefix: str  # "base_model.model.model." for a causal LM
@@ -276,7 +289,7 @@ class LoraKey:
     infix: str  # "" or ".<adapter name>" (older files)
 
 
-_KEY = re.compile(
+LORA_KEY = re.compile(
     r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
     r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<matrix>[AB])(?P<infix>\.[A-Za-z0-9_-]+)?\.weight"
 )
@@ -284,10 +297,13 @@ _KEY = re.compile(
 
 def parse_lora_key(name: str) -> LoraKey | None:
     """The parts of a LoRA weight name of a Llama projection, or None for any other name."""
-    m = _KEY.fullmatch(name)
-    if m is None or m["module"] not in GROUP or GROUP[m["module"]] != m["group"]:
+    m = LORA_KEY.fullmatch(name)
+    if m is None:
         return None
-    return LoraKey(m["prefix"], int(m["layer"]), m["module"], m["matrix"], m["infix"] or "")
+    prefix, layer, group, module, matrix, infix = m.groups()
+    if GROUP.get(module) != group:
+        return None
+    return LoraKey(prefix, int(layer), module, matrix, infix or "")
 
 
 def lora_key_name(key: LoraKey) -> str:

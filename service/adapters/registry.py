@@ -32,6 +32,8 @@ import torch
 from service.adapters.peft import (
     CONFIG_FILE,
     CONVERT_HINT,
+    GROUP,
+    LORA_KEY,
     PICKLE_FILES,
     WEIGHTS_FILE,
     LoraAdapterConfig,
@@ -41,7 +43,6 @@ from service.adapters.peft import (
     lora_scaling,
     module_features,
     module_key,
-    parse_lora_key,
     read_lora_config,
     resolve_targets,
 )
@@ -130,6 +131,12 @@ class AdapterSpec:
     def max_rank(self) -> int:
         return max(self.ranks, default=0)
 
+    def a_itemsize(self, slot: int) -> int:
+        return _itemsize(self.a_dtype[slot])
+
+    def b_itemsize(self, slot: int) -> int:
+        return _itemsize(self.b_dtype[slot])
+
     def raw_nbytes(self) -> int:
         """Bytes of LoRA weights in the file (the host tier holds exactly these)."""
         total = 0
@@ -216,25 +223,30 @@ def _build_index(
     problems: list[tuple[str, str]] = []  # (tensor, message)
     style: tuple[str, str] | None = None
 
+    match_key = LORA_KEY.fullmatch  # inlined parse_lora_key: this loop runs once per tensor of the file
+    n_layers = model_config.num_layers
     for name, rec in records.items():
-        key = parse_lora_key(name)
-        if key is None:
+        m = match_key(name)
+        if m is None or GROUP.get(m[4]) != m[3]:
             problems.append((name, explain_foreign_key(name)))
             continue
+        prefix, layer_text, _, module, matrix, infix = m.groups()
         if style is None:
-            style = (key.prefix, key.infix)
-        elif (key.prefix, key.infix) != style:
+            style = (prefix, infix or "")
+        elif prefix != style[0] or (infix or "") != style[1]:
             problems.append((name, f"key prefix/infix differ from the file's other keys ({style[0]!r}, {style[1]!r})"))
             continue
-        if key.layer >= model_config.num_layers:
-            problems.append((name, f"layer {key.layer} is outside the base model's {model_config.num_layers} layers"))
+        layer = int(layer_text)
+        if layer >= n_layers:
+            problems.append((name, f"layer {layer} is outside the base model's {n_layers} layers"))
             continue
-        if (key.layer, key.module) not in targets:
-            problems.append((name, f"{CONFIG_FILE} does not target {module_key(key.layer, key.module)}"))
+        if (layer, module) not in targets:
+            problems.append((name, f"{CONFIG_FILE} does not target {module_key(layer, module)}"))
             continue
-        seen.setdefault((key.layer, key.module), {})[key.matrix] = rec
+        seen.setdefault((layer, module), {})[matrix] = rec
 
-    for (layer, module), pair in sorted(seen.items(), key=lambda kv: (kv[0][0], module_index[kv[0][1]])):
+    rslora = config.use_rslora
+    for (layer, module), pair in seen.items():
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None:
             present = next(iter(pair.values()))  # a slot exists once one of its two tensors was seen
@@ -251,7 +263,7 @@ def _build_index(
         ranks[slot] = rank
         a_start[slot], b_start[slot] = a.start, b.start
         a_dtype[slot], b_dtype[slot] = FLOAT_CODES.index(a.dtype), FLOAT_CODES.index(b.dtype)
-        scaling[slot] = lora_scaling(rank, alpha, config.use_rslora)
+        scaling[slot] = lora_scaling(rank, alpha, rslora)
 
     missing_slots = [k for k in targets if k not in seen]
     if missing_slots and not problems:
