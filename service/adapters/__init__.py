@@ -5,10 +5,22 @@ Public names are re-exported here; the implementation lives in the submodules.
 
 from __future__ import annotations
 
+from service.adapters.peft import LoraAdapterConfig, read_lora_config
+from service.adapters.registry import AdapterSpec, check_adapter_id, index_adapter
+from service.adapters.store import AdapterInfo, AdapterState, AdapterStore, StoreState
 from service.adapters.types import MODULES, LoraLayer, LoraModule
 
 __all__ = [
     "MODULES",
+    "AdapterInfo",
+    "AdapterSpec",
+    "AdapterState",
+    "AdapterStore",
+    "LoraAdapterConfig",
     "LoraLayer",
     "LoraModule",
+    "StoreState",
+    "check_adapter_id",
+    "index_adapter",
+    "read_lora_config",
 ]
