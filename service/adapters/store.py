@@ -30,14 +30,19 @@ an unpin when every resident adapter is pinned), then for each touched layer rea
 ``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the
 device. The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights
 file and closes it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds
-that). A failed load marks the adapter failed: ``request`` then raises the error, ``failure`` returns it, and it
-stays failed until unregistered and registered again.
+that). A failed load marks the adapter failed: ``request`` then returns False, ``failure`` returns the error
+(a ``LoraplexError``: the ``CheckpointError`` naming file and tensor, ``ResourceExhausted`` for an adapter larger
+than the whole device budget), and it stays failed until unregistered and registered again.
 
 Engine protocol. Call ``request(id, pin=True)`` each step for a waiting row: the first True pins the adapter in
-the same critical section, so it cannot be evicted before the row runs; ``unpin`` when the row retires. ``pin``
+the same critical section, so it cannot be evicted before the row runs; while it is False, ``failure(id)`` not
+None means fail the row with that error; ``unpin`` when the row retires. ``pin``
 also works on an adapter that is not resident (it then cannot be evicted once loaded). ``layer`` takes no lock
 and is only valid for pinned adapters. ``unregister`` of a pinned adapter raises ``FailedPrecondition``
-(finish or cancel the requests first); an unpinned adapter that is loading is dropped when the load ends.
+(finish or cancel the requests first); an unpinned adapter that is loading is dropped when the load ends. On
+CUDA the engine is assumed to read adapter weights on the device's default stream: the loader copies on its own
+stream, synchronises it before publishing, and marks each buffer as used by the default stream so that memory
+freed by an eviction is not reused while the engine's queued kernels may still read it.
 
 Thread safety: one lock guards all state; file reads and tensor work run outside it.
 """
@@ -212,6 +217,7 @@ class AdapterStore:
         self.roots = tuple(Path(r) for r in roots)
         self.max_open_files = max_open_files
         self._pin_host = self.device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None  # created by the loader thread on first use
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[str, _Entry] = {}
@@ -297,14 +303,17 @@ class AdapterStore:
     # --- serving ----------------------------------------------------------------------------------------------
 
     def request(self, adapter_id: str, *, pin: bool = False) -> bool:
-        """True if every layer is resident on the device tier (and, with ``pin``, pin it); else queue a load.
+        """True if every layer is resident on the device tier (and, with ``pin``, pin it); else queue a load
+        (unless one is queued or running) and return False.
 
-        Raises ``AdapterNotFound``, ``ResourceExhausted`` (larger than the whole device budget), or the error
-        of a failed load."""
+        False also for an adapter that cannot load: ``failure(adapter_id)`` then returns why (the load's error,
+        or ``ResourceExhausted`` for an adapter larger than the whole device budget, decided here, before any
+        read). Raises only ``AdapterNotFound`` (never registered, or unregistered meanwhile) and ``Unavailable``
+        after ``close``."""
         with self._cond:
             entry = self._entry(adapter_id)
             if entry.error is not None:
-                raise entry.error
+                return False
             if entry.device is not None:
                 entry.hits += 1
                 entry.pins += 1 if pin else 0
@@ -312,10 +321,12 @@ class AdapterStore:
                 metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="device").inc()
                 return True
             if entry.device_nbytes > self.device_budget_bytes:
-                raise ResourceExhausted(
+                entry.error = ResourceExhausted(
                     f"adapter {adapter_id!r} needs {entry.device_nbytes} bytes on the device, more than the "
                     f"whole adapter device budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
                 )
+                self._cond.notify_all()
+                return False
             if self._closed:
                 raise Unavailable("the adapter store is closed")
             if not entry.loading:
@@ -358,12 +369,15 @@ class AdapterStore:
             raise FailedPrecondition(f"adapter {adapter_id!r} is not resident on the device tier") from None
 
     def ensure(self, adapter_id: str, *, timeout: float | None = None) -> None:
-        """Block until the adapter is resident on the device tier (``DeadlineExceeded`` after ``timeout``)."""
+        """Block until the adapter is resident on the device tier; raise its ``failure`` if it cannot load,
+        ``DeadlineExceeded`` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.request(adapter_id):
             with self._cond:
                 entry = self._entries.get(adapter_id)
-                if entry is None or entry.loading:
+                if entry is not None and entry.error is not None:
+                    raise entry.error
+                if entry is not None and entry.loading:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise DeadlineExceeded(f"adapter {adapter_id!r} did not load within {timeout} s")
@@ -444,9 +458,16 @@ class AdapterStore:
             buffer = torch.empty(host_plan.nbytes, dtype=torch.uint8, pin_memory=self._pin_host)
             host = _HostCopy(buffer, _views(spec, host_plan, buffer, None))
         device_plan = _plan(spec, self.dtype, DEVICE_ALIGN)
-        device_buffer = torch.empty(device_plan.nbytes, dtype=torch.uint8, device=self.device)
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self._stream  # the loader's own copy stream: layout never waits behind the engine's kernels
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            device_buffer = torch.empty(device_plan.nbytes, dtype=torch.uint8, device=self.device)
+        if stream is not None:
+            # Written on the loader's stream, read by the engine on the default stream: when an eviction frees
+            # it, the allocator must wait for the engine's queued kernels before handing the memory out again.
+            device_buffer.record_stream(torch.cuda.default_stream(self.device))
         device_views = _views(spec, device_plan, device_buffer, self.dtype)
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]
         layers: _LayerList = [None] * spec.num_layers
         read_s = layout_s = 0.0
         nbytes = 0
@@ -465,7 +486,6 @@ class AdapterStore:
             t0 = time.perf_counter()
             layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
             layout_s += time.perf_counter() - t0
-            time.sleep(0)  # let the engine thread take the GIL between layers
         if stream is not None:
             t0 = time.perf_counter()
             stream.synchronize()
@@ -669,15 +689,20 @@ def _slot_sizes(spec: AdapterSpec, dtype: torch.dtype | None) -> Iterator[tuple[
 def _views(
     spec: AdapterSpec, plan: _Plan, buffer: torch.Tensor, dtype: torch.dtype | None
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Typed, shaped views into ``buffer`` at the plan's offsets (A [r, in], B [out, r])."""
+    """Typed, shaped views into ``buffer`` at the plan's offsets (A [r, in], B [out, r]); one ``as_strided``
+    per tensor on a typed view of the whole buffer (offsets are aligned, so they divide by every itemsize)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in spec.layers:
         for s in spec.layer_records(layer):
             pair = []
             for rec, offset in zip((s.a, s.b), plan.offsets[(layer, s.module)], strict=True):
                 dt = dtype if dtype is not None else rec.torch_dtype
-                nbytes = rec.numel * dt.itemsize
-                pair.append(buffer[offset : offset + nbytes].view(dt).view(rec.shape))
+                flat = typed.get(dt)
+                if flat is None:
+                    flat = typed[dt] = buffer.view(dt)  # [nbytes / itemsize]
+                rows, cols = rec.shape
+                pair.append(flat.as_strided((rows, cols), (cols, 1), offset // dt.itemsize))
             out[(layer, s.module)] = (pair[0], pair[1])
     return out
 
