@@ -324,7 +324,7 @@ def test_adapter_info_conversion_with_timestamps() -> None:
         device_layers=12,
         hits=3,
         registered_at=stamp,
-        load_latency=adapters_pb2.LoadLatency(index_seconds=0.01, first_layer_seconds=0.002),
+        load_latency=adapters_pb2.LoadLatency(index_seconds=0.01, read_seconds=0.002),
         active_requests=1,
         pinned=True,
     )
@@ -332,7 +332,7 @@ def test_adapter_info_conversion_with_timestamps() -> None:
     assert info.kind is loraplex.AdapterKind.MEDUSA_LORA and info.state is loraplex.AdapterState.DEVICE
     assert info.registered_at == registered and info.last_used is None
     assert info.target_modules == ("q_proj", "v_proj") and info.device_layers == 12
-    assert info.load_latency == loraplex.LoadLatency(index_seconds=0.01, first_layer_seconds=0.002)
+    assert info.load_latency == loraplex.LoadLatency(index_seconds=0.01, read_seconds=0.002)
     assert info.pinned and info.active_requests == 1
     for number in adapters_pb2.AdapterKind.values():
         name = adapters_pb2.AdapterKind.Name(number).removeprefix("ADAPTER_KIND_")

@@ -56,7 +56,8 @@ _ADAPTER_STATES = {
     adapters_pb2.ADAPTER_STATE_REGISTERED: AdapterState.REGISTERED,
     adapters_pb2.ADAPTER_STATE_HOST: AdapterState.HOST,
     adapters_pb2.ADAPTER_STATE_DEVICE: AdapterState.DEVICE,
-    adapters_pb2.ADAPTER_STATE_UNLOADING: AdapterState.UNLOADING,
+    adapters_pb2.ADAPTER_STATE_LOADING: AdapterState.LOADING,
+    adapters_pb2.ADAPTER_STATE_FAILED: AdapterState.FAILED,
 }
 
 
@@ -444,9 +445,13 @@ def to_adapter_info(message: adapters_pb2.AdapterInfo) -> AdapterInfo:
         registered_at=_utc(message.registered_at, message.HasField("registered_at")),
         load_latency=LoadLatency(
             index_seconds=latency.index_seconds,
-            first_layer_seconds=latency.first_layer_seconds,
-            total_read_seconds=latency.total_read_seconds,
+            read_seconds=latency.read_seconds,
+            layout_seconds=latency.layout_seconds,
+            total_seconds=latency.total_seconds,
         ),
         active_requests=message.active_requests,
         pinned=message.pinned,
+        error=message.error or None,
+        loads=message.loads,
+        disk_reads=message.disk_reads,
     )

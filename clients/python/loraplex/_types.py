@@ -35,9 +35,10 @@ class AdapterState(enum.StrEnum):
     """Where an adapter's weights are (``AdapterInfo`` layer counts say how much)."""
 
     REGISTERED = "registered"  # indexed only; nothing in memory
-    HOST = "host"  # some layers in host memory, none on the device
-    DEVICE = "device"  # some layers on the serving device
-    UNLOADING = "unloading"  # unloaded while requests still use it
+    HOST = "host"  # raw tensors in host memory (evicted from the device; reuse needs no disk read)
+    DEVICE = "device"  # every layer on the serving device
+    LOADING = "loading"  # being read for a request
+    FAILED = "failed"  # its last load failed (AdapterInfo.error)
     UNSPECIFIED = "unspecified"
 
 
@@ -169,9 +170,10 @@ class ModelInfo:
 class LoadLatency:
     """Seconds spent making an adapter usable, by stage (0 = not run yet)."""
 
-    index_seconds: float = 0.0  # config + headers, at registration
-    first_layer_seconds: float = 0.0  # first request to first layer on the device
-    total_read_seconds: float = 0.0  # reading every layer once
+    index_seconds: float = 0.0  # config + headers + validation, at registration
+    read_seconds: float = 0.0  # last load: reading the weights file (0 when it came from the host tier)
+    layout_seconds: float = 0.0  # last load: scale, convert, copy onto the device
+    total_seconds: float = 0.0  # last load: request to resident, queueing included
 
 
 @dataclass(frozen=True)
@@ -198,3 +200,6 @@ class AdapterInfo:
     load_latency: LoadLatency = field(default_factory=LoadLatency)
     active_requests: int = 0
     pinned: bool = False
+    error: str | None = None  # why the last load failed (state FAILED)
+    loads: int = 0  # completed loads onto the device
+    disk_reads: int = 0  # of those, the ones that read the disk

@@ -67,11 +67,15 @@ class _AdapterStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdapterS
     ADAPTER_STATE_REGISTERED: _AdapterState.ValueType  # 1
     """Indexed (config and headers read); no tensor in memory."""
     ADAPTER_STATE_HOST: _AdapterState.ValueType  # 2
-    """Some or all layers in host memory, none on the device."""
+    """Raw tensors in host memory (evicted from the device; reuse needs no disk read)."""
     ADAPTER_STATE_DEVICE: _AdapterState.ValueType  # 3
-    """Some or all layers on the serving device."""
-    ADAPTER_STATE_UNLOADING: _AdapterState.ValueType  # 4
-    """UnloadAdapter was called while requests still use it; it disappears when they end."""
+    """Every layer on the serving device, ready for requests."""
+    ADAPTER_STATE_LOADING: _AdapterState.ValueType  # 4
+    """Being read from disk (or the host tier) for a request; requests for it wait, others keep running."""
+    ADAPTER_STATE_FAILED: _AdapterState.ValueType  # 5
+    """Its last load failed (AdapterInfo.error says why); requests for it fail with that error until it
+    is unloaded and loaded again.
+    """
 
 class AdapterState(_AdapterState, metaclass=_AdapterStateEnumTypeWrapper):
     """Where an adapter's weights are. Layer counts in AdapterInfo say how much of it."""
@@ -81,11 +85,15 @@ ADAPTER_STATE_UNSPECIFIED: AdapterState.ValueType  # 0
 ADAPTER_STATE_REGISTERED: AdapterState.ValueType  # 1
 """Indexed (config and headers read); no tensor in memory."""
 ADAPTER_STATE_HOST: AdapterState.ValueType  # 2
-"""Some or all layers in host memory, none on the device."""
+"""Raw tensors in host memory (evicted from the device; reuse needs no disk read)."""
 ADAPTER_STATE_DEVICE: AdapterState.ValueType  # 3
-"""Some or all layers on the serving device."""
-ADAPTER_STATE_UNLOADING: AdapterState.ValueType  # 4
-"""UnloadAdapter was called while requests still use it; it disappears when they end."""
+"""Every layer on the serving device, ready for requests."""
+ADAPTER_STATE_LOADING: AdapterState.ValueType  # 4
+"""Being read from disk (or the host tier) for a request; requests for it wait, others keep running."""
+ADAPTER_STATE_FAILED: AdapterState.ValueType  # 5
+"""Its last load failed (AdapterInfo.error says why); requests for it fail with that error until it
+is unloaded and loaded again.
+"""
 Global___AdapterState: _TypeAlias = AdapterState  # noqa: Y015
 
 @_typing.final
@@ -95,24 +103,28 @@ class LoadLatency(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INDEX_SECONDS_FIELD_NUMBER: _builtins.int
-    FIRST_LAYER_SECONDS_FIELD_NUMBER: _builtins.int
-    TOTAL_READ_SECONDS_FIELD_NUMBER: _builtins.int
+    READ_SECONDS_FIELD_NUMBER: _builtins.int
+    LAYOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    TOTAL_SECONDS_FIELD_NUMBER: _builtins.int
     index_seconds: _builtins.float
-    """Reading the config and safetensors headers at registration."""
-    first_layer_seconds: _builtins.float
-    """First request to first layer resident on the device (read + scale + copy)."""
-    total_read_seconds: _builtins.float
-    """Reading every layer of the adapter once, summed over layers (host read + device copy)."""
+    """Reading the config and safetensors headers at registration (and validating them)."""
+    read_seconds: _builtins.float
+    """Last load: reading the weights file, all layers (0 when it came from the host tier)."""
+    layout_seconds: _builtins.float
+    """Last load: scaling, dtype conversion and copy onto the device, all layers."""
+    total_seconds: _builtins.float
+    """Last load: from the request that needed it to every layer resident (queueing included)."""
     def __init__(
         self,
         *,
         index_seconds: _builtins.float = ...,
-        first_layer_seconds: _builtins.float = ...,
-        total_read_seconds: _builtins.float = ...,
+        read_seconds: _builtins.float = ...,
+        layout_seconds: _builtins.float = ...,
+        total_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_layer_seconds", b"first_layer_seconds", "index_seconds", b"index_seconds", "total_read_seconds", b"total_read_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index_seconds", b"index_seconds", "layout_seconds", b"layout_seconds", "read_seconds", b"read_seconds", "total_seconds", b"total_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -144,6 +156,9 @@ class AdapterInfo(_message.Message):
     LOAD_LATENCY_FIELD_NUMBER: _builtins.int
     ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
+    DISK_READS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Adapter id, as used in GenerateRequest.adapter_id."""
     source: _builtins.str
@@ -176,6 +191,12 @@ class AdapterInfo(_message.Message):
     """Requests running with it now; while > 0 it is pinned (never evicted)."""
     pinned: _builtins.bool
     """True while it cannot be evicted (active requests, or pinned by the operator)."""
+    error: _builtins.str
+    """Why the last load failed (state FAILED); empty otherwise."""
+    loads: _builtins.int
+    """Completed loads onto the device since registration."""
+    disk_reads: _builtins.int
+    """Of `loads`, those that read the weights file (the rest came from the host tier)."""
     @_builtins.property
     def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Base-model module names the LoRA changes, e.g. "q_proj", "v_proj" (sorted)."""
@@ -215,10 +236,13 @@ class AdapterInfo(_message.Message):
         load_latency: Global___LoadLatency | None = ...,
         active_requests: _builtins.int = ...,
         pinned: _builtins.bool = ...,
+        error: _builtins.str = ...,
+        loads: _builtins.int = ...,
+        disk_reads: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_used", b"last_used", "load_latency", b"load_latency", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "source", b"source", "state", b"state", "target_modules", b"target_modules", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "error", b"error", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "source", b"source", "state", b"state", "target_modules", b"target_modules", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -233,7 +257,7 @@ class LoadAdapterRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """New adapter id: 1-128 chars of [A-Za-z0-9._:/-], not starting with "/" or "."."""
+    """New adapter id: 1-128 chars of [A-Za-z0-9._-], not starting with "."."""
     source: _builtins.str
     """Path on the server of the adapter folder (adapter_config.json + adapter_model.safetensors, or a
     Medusa folder).

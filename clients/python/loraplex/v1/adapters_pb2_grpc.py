@@ -72,8 +72,9 @@ class AdaptersServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Removes an adapter. New requests for it get NOT_FOUND at once; requests already running with it
-        finish normally, and its memory is freed when the last one ends. Errors: NOT_FOUND.
+        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+        FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
+        them, then call again. Nothing is half-removed by a refused call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -48,8 +48,9 @@ class AdaptersStub:
     server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]
-    """Removes an adapter. New requests for it get NOT_FOUND at once; requests already running with it
-    finish normally, and its memory is freed when the last one ends. Errors: NOT_FOUND.
+    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+    FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
+    them, then call again. Nothing is half-removed by a refused call.
     """
     ListAdapters: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.ListAdaptersRequest, _adapters_pb2.ListAdaptersResponse]
     """Lists every registered adapter."""
@@ -68,8 +69,9 @@ class AdaptersAsyncStub(AdaptersStub):
     server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
-    """Removes an adapter. New requests for it get NOT_FOUND at once; requests already running with it
-    finish normally, and its memory is freed when the last one ends. Errors: NOT_FOUND.
+    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+    FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
+    them, then call again. Nothing is half-removed by a refused call.
     """
     ListAdapters: _aio.UnaryUnaryMultiCallable[_adapters_pb2.ListAdaptersRequest, _adapters_pb2.ListAdaptersResponse]  # type: ignore[assignment]
     """Lists every registered adapter."""
@@ -97,8 +99,9 @@ class AdaptersServicer(metaclass=_abc_1.ABCMeta):
         request: _adapters_pb2.UnloadAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_adapters_pb2.UnloadAdapterResponse, _abc.Awaitable[_adapters_pb2.UnloadAdapterResponse]]:
-        """Removes an adapter. New requests for it get NOT_FOUND at once; requests already running with it
-        finish normally, and its memory is freed when the last one ends. Errors: NOT_FOUND.
+        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+        FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
+        them, then call again. Nothing is half-removed by a refused call.
         """
 
     @_abc_1.abstractmethod
