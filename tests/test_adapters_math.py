@@ -23,7 +23,7 @@ import torch
 from adapter_files import load_peft_model, write_peft_adapter
 from tiny_models import load_ours
 
-from service.adapters.lora import SITES, AdapterBatch, LoraSlots
+from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode
 from service.adapters.types import LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.model import KVCache, Llama
@@ -115,14 +115,16 @@ def run_ours(
     tokens: torch.Tensor,
     row_adapters: list[str | None],
     layers: Mapping[str, Mapping[int, LoraLayer]],
-    slots: LoraSlots | None = None,
+    tables: LoraTables | None = None,
     *,
     slot_start: int = 0,
+    mode: Mode = "auto",
 ) -> torch.Tensor:
     """Prefill ``tokens`` [B, T] as one batch with per-row adapters; fp32 logits [B, T, vocab]."""
     b, t = tokens.shape
-    slots = slots or LoraSlots(model.cfg, device="cpu", dtype=model.dtype)
-    batch = AdapterBatch.build(row_adapters, lookup_for(layers), slots, slot_start=slot_start)
+    tables = tables or LoraTables(model.cfg, device="cpu", dtype=model.dtype)
+    batch = AdapterBatch.build(row_adapters, lookup_for(layers), tables, slot_start=slot_start, mode=mode)
+    assert batch is None or batch.shared == (mode == "shared") or mode == "auto"
     cache = KVCache(model.cfg, slot_start + b, t, dtype=model.dtype, device=model.device)
     positions = torch.arange(t)[None, :].expand(b, t)
     return model.logits(model(tokens, positions, cache, slot_start, adapters=batch))
@@ -131,10 +133,11 @@ def run_ours(
 ROWS: list[str | None] = ["qv", None, "all_rs", "mlp_l1", "regex", "qv", None]
 
 
-def test_mixed_batch_logits_match_peft_row_by_row(setup: dict[str, Any]) -> None:
+@pytest.mark.parametrize("mode", ["slots", "shared"])
+def test_mixed_batch_logits_match_peft_row_by_row(setup: dict[str, Any], mode: Mode) -> None:
     model, peft_model, layers = setup["model"], setup["peft"], setup["layers"]
     tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 9), generator=torch.Generator().manual_seed(0))
-    ours = run_ours(model, tokens, ROWS, layers)  # [B, T, vocab]
+    ours = run_ours(model, tokens, ROWS, layers, mode=mode)  # [B, T, vocab]
     cache = KVCache(model.cfg, len(ROWS), 9, dtype=torch.float32, device=CPU)
     base = model.logits(model(tokens, torch.arange(9)[None].expand(len(ROWS), 9), cache, 0))  # no adapters
     for row, adapter in enumerate(ROWS):
@@ -146,37 +149,39 @@ def test_mixed_batch_logits_match_peft_row_by_row(setup: dict[str, Any]) -> None
             assert (ours[row] - base[row]).abs().max() > 1e-2
 
 
-def test_row_result_independent_of_order_and_slot(setup: dict[str, Any]) -> None:
+@pytest.mark.parametrize("mode", ["slots", "shared"])
+def test_row_result_independent_of_order_slot_and_mode(setup: dict[str, Any], mode: Mode) -> None:
     model, layers = setup["model"], setup["layers"]
     tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 6), generator=torch.Generator().manual_seed(1))
-    ours = run_ours(model, tokens, ROWS, layers)
+    ours = run_ours(model, tokens, ROWS, layers, mode="slots")
     order = [4, 2, 0, 6, 3, 1, 5]
-    shuffled = run_ours(model, tokens[order], [ROWS[i] for i in order], layers, slot_start=3)
-    torch.testing.assert_close(shuffled, ours[order], rtol=1e-5, atol=1e-5)
+    shuffled = run_ours(model, tokens[order], [ROWS[i] for i in order], layers, slot_start=3, mode=mode)
+    torch.testing.assert_close(shuffled, ours[order], rtol=1e-5, atol=1e-4)
 
 
-def test_greedy_decode_with_slots_matches_peft(setup: dict[str, Any]) -> None:
-    """Prefill, then decode step by step through the KV cache and one LoraSlots; tokens identical to peft's."""
+@pytest.mark.parametrize("mode", ["slots", "shared"])
+def test_greedy_decode_matches_peft(setup: dict[str, Any], mode: Mode) -> None:
+    """Prefill, then decode step by step through the KV cache and one LoraTables; tokens identical to peft's."""
     model, peft_model, layers = setup["model"], setup["peft"], setup["layers"]
     rows: list[str | None] = ["regex", "qv", None, "all_rs", "mlp_l1"]
     prompt_len, new = 5, 8
     prompts = torch.randint(
         3, model.cfg.vocab_size, (len(rows), prompt_len), generator=torch.Generator().manual_seed(2)
     )
-    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
     lookup = lookup_for(layers)
     cache = KVCache(model.cfg, len(rows), prompt_len + new, dtype=torch.float32, device=CPU)
     positions = torch.arange(prompt_len)[None].expand(len(rows), prompt_len)
-    hidden = model(prompts, positions, cache, 0, adapters=AdapterBatch.build(rows, lookup, slots))[:, -1]
+    hidden = model(prompts, positions, cache, 0, adapters=AdapterBatch.build(rows, lookup, slots, mode=mode))[:, -1]
     ours = []
     for step in range(new):
         token = model.logits(hidden).argmax(-1)  # [B]
         ours.append(token)
-        writes = slots.stats.slot_writes
-        batch = AdapterBatch.build(rows, lookup, slots)
+        copies = (slots.stats.slot_writes, slots.stats.shared_builds)
+        batch = AdapterBatch.build(rows, lookup, slots, mode=mode)
         pos = torch.full((len(rows), 1), prompt_len + step)
         hidden = model(token[:, None], pos, cache, 0, adapters=batch)[:, -1]
-        assert slots.stats.slot_writes == writes, "a steady decode step must not copy adapter weights"
+        assert (slots.stats.slot_writes, slots.stats.shared_builds) == copies, "a steady step must copy nothing"
     got = torch.stack(ours, 1)  # [B, new]
     for row, adapter in enumerate(rows):
         ids = prompts[row]
@@ -186,16 +191,16 @@ def test_greedy_decode_with_slots_matches_peft(setup: dict[str, Any]) -> None:
 
 
 def test_slots_rewrite_only_what_changed(setup: dict[str, Any]) -> None:
-    """Walk one LoraSlots through row changes; after each step it must equal a fresh table and count its copies."""
+    """Walk one LoraTables through row changes; after each step it must equal a fresh table and count its copies."""
     model, layers = setup["model"], setup["layers"]
     n_layers = model.cfg.num_layers
-    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
     tokens = torch.randint(3, model.cfg.vocab_size, (4, 4), generator=torch.Generator().manual_seed(3))
 
     def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
         before = slots.stats.slot_writes
-        got = run_ours(model, tokens, rows, adapters, slots)
-        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters), rtol=0, atol=0)
+        got = run_ours(model, tokens, rows, adapters, slots, mode="slots")
+        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters, mode="slots"), rtol=0, atol=0)
         return slots.stats.slot_writes - before
 
     assert step(["qv", "qv", None, "all_rs"]) == 3 * n_layers  # the base-only row's slot stays zeros
@@ -218,12 +223,13 @@ def test_slots_rewrite_only_what_changed(setup: dict[str, Any]) -> None:
     assert slots.nbytes == 0 and slots.layouts() == {}
 
 
-def test_delta_columns_and_none(setup: dict[str, Any]) -> None:
+@pytest.mark.parametrize("mode", ["slots", "shared"])
+def test_delta_columns_and_none(setup: dict[str, Any], mode: Mode) -> None:
     """``delta`` returns zeros in the columns of untargeted modules, None for sites no row's adapter touches."""
     model, layers = setup["model"], setup["layers"]
     cfg = model.cfg
-    slots = LoraSlots(cfg, device="cpu", dtype=torch.float32)
-    batch = AdapterBatch.build([None, "qv"], lookup_for(layers), slots)
+    slots = LoraTables(cfg, device="cpu", dtype=torch.float32)
+    batch = AdapterBatch.build([None, "qv"], lookup_for(layers), slots, mode=mode)
     assert batch is not None
     x = torch.randn(2, 3, cfg.hidden_size)
     d = batch.delta(0, "wqkv", x)
@@ -239,8 +245,32 @@ def test_delta_columns_and_none(setup: dict[str, Any]) -> None:
     assert set(SITES) == {"wqkv", "wo", "w13", "w2"}
 
 
+def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str, Any]) -> None:
+    """Walk the shared layout through steps; each result must equal the per-slot one, and count its rebuilds."""
+    model, layers = setup["model"], setup["layers"]
+    n_layers = model.cfg.num_layers
+    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(3, model.cfg.vocab_size, (8, 4), generator=torch.Generator().manual_seed(6))
+
+    def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
+        before = tables.stats.shared_builds
+        got = run_ours(model, tokens, rows, adapters, tables)  # auto
+        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters, mode="slots"), rtol=1e-5, atol=1e-4)
+        return tables.stats.shared_builds - before
+
+    assert step(["qv"] * 8) == n_layers  # one adapter: shared
+    assert tables.layouts() == {}  # no per-slot table was needed
+    assert step(["qv"] * 8) == 0
+    assert step(["qv", None, "qv", "qv", None, "qv", "qv", None]) == 0  # same adapters, other rows: only the mask
+    assert step(["all_rs", "qv"] * 4) == n_layers  # 4 rows per adapter: still shared, new set
+    reloaded = {**layers, "qv": peft_lora_layers(setup["folders"]["qv"])}
+    assert step(["all_rs", "qv"] * 4, reloaded) == n_layers
+    assert step(["all_rs", "qv", "regex", "mlp_l1"] * 2) == 0  # 2 rows per adapter: per-slot
+    assert tables.layouts() != {}
+
+
 def test_no_adapter_rows_build_nothing(setup: dict[str, Any]) -> None:
-    slots = LoraSlots(setup["model"].cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32)
     assert AdapterBatch.build([None, None, None], lookup_for(setup["layers"]), slots) is None
     assert slots.nbytes == 0
 
@@ -249,7 +279,7 @@ def test_rows_per_item(setup: dict[str, Any]) -> None:
     """Item i spans rows_per_item[i] batch rows, all with the item's adapter (e.g. speculative verification)."""
     model, layers = setup["model"], setup["layers"]
     tokens = torch.randint(3, model.cfg.vocab_size, (5, 4), generator=torch.Generator().manual_seed(4))
-    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
     items: list[str | None] = ["all_rs", None, "regex"]
     batch = AdapterBatch.build(items, lookup_for(layers), slots, rows_per_item=[2, 1, 2])
     cache = KVCache(model.cfg, 5, 4, dtype=torch.float32, device=CPU)
@@ -266,7 +296,7 @@ def test_bf16_model_close_to_fp32(setup: dict[str, Any], tiny_llama_dir: Path) -
     model16 = load_ours(tiny_llama_dir, dtype=torch.bfloat16)
     layers16 = {name: peft_lora_layers(folder, dtype=torch.bfloat16) for name, folder in setup["folders"].items()}
     tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 6), generator=torch.Generator().manual_seed(5))
-    slots = LoraSlots(model16.cfg, device="cpu", dtype=torch.bfloat16)
+    slots = LoraTables(model16.cfg, device="cpu", dtype=torch.bfloat16)
     assert slots.compute_dtype == torch.float32
     got = run_ours(model16, tokens, ROWS, layers16, slots)
     want = run_ours(model, tokens, ROWS, layers)
@@ -277,7 +307,7 @@ def test_bf16_model_close_to_fp32(setup: dict[str, Any], tiny_llama_dir: Path) -
 def test_misshaped_module_is_refused_by_name(setup: dict[str, Any]) -> None:
     model = setup["model"]
     bad = LoraLayer({"v_proj": LoraModule(a=torch.zeros(4, model.cfg.hidden_size), b=torch.zeros(7, 4))}, 0)
-    slots = LoraSlots(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
     batch = AdapterBatch.build(["bad"], lambda _a, _l: bad, slots)
     assert batch is not None
     with pytest.raises(InvalidAdapter, match="v_proj"):

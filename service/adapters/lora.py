@@ -3,31 +3,41 @@
 Public API::
 
     SITES: dict[ProjName, tuple[str, ...]]         fused projection -> the PEFT modules whose outputs it holds
-    LoraSlots(cfg, *, device, dtype)               per-KV-slot LoRA weights, kept across engine steps
+    module_layout(cfg) -> {module: ModuleSpec(name, cols, in_features, out_features)}
+    LoraTables(cfg, *, device, dtype)              LoRA weights laid out for the math, kept across engine steps
         .nbytes, .layouts(), .stats, .clear()
-    AdapterBatch.build(row_adapters, layer_lookup, slots, *, slot_start=0, rows_per_item=1) -> AdapterBatch | None
+    AdapterBatch.build(row_adapters, layer_lookup, tables, *, slot_start=0, rows_per_item=1, mode="auto")
+        -> AdapterBatch | None
     AdapterBatch.add_delta(out, x, layer, name) -> out        (the model's ``AdapterHook``)
     AdapterBatch.delta(layer, site, x) -> Tensor | None
 
-How a delta is computed. Every KV slot ``s`` owns a row of a per-(layer, site) table laid out for ``torch.bmm``:
-``at[s]`` = the slot's adapter's ``A^T`` for every module of the site side by side ``[in, R]``, and per module
-``bt[m][s]`` = its scaled ``B^T`` ``[r_m, out_m]``; ranks are zero-padded to the widest adapter in use and absent
-modules are zero. A step over rows ``[lo, hi)`` then costs one ``bmm`` for the site's A side plus one ``bmm`` and
-one add per module, whatever the number of distinct adapters, ranks or target subsets: ``h = x @ at`` ``[B, T, R]``
-and ``out[..., cols_m] += h[..., seg_m] @ bt[m]``. Zero weights give a delta of exactly zero, so a base-only row
-inside the span is unchanged bit for bit, and rows outside the span of adapter rows are not touched at all. A batch
-with no adapter row has no ``AdapterBatch`` (``build`` returns ``None``) and pays nothing.
+A batch with no adapter row has no ``AdapterBatch`` (``build`` returns ``None``) and pays nothing. Otherwise only
+rows ``[lo, hi)``, from the first to the last row with an adapter, are touched; a base-only row inside that span
+meets zero weights, so its output is unchanged bit for bit. Each (layer, site) is computed one of two ways, chosen
+per batch from the number ``N`` of distinct adapters among the ``b`` rows of the span:
 
-Why this layout (measured with ``bench/adapters_math.py``, SmolLM2 shapes, 32 rows, 32 adapters, fp32 CPU): a loop
-over adapter groups costs ~8x more (Python and kernel overhead per group), the "segmented" dense form (all active
-adapters' A concatenated, rows masked) ~9x more (every row multiplies every adapter), a per-step gather of
-stacked weights ~2x more; the per-slot table costs a bmm on data already in place. The table survives across
-steps because a decode step changes few rows: the engine keeps rows compacted in slots, so a retiring request
-changes one slot and an admitted one fills one; only slots whose adapter (``LoraLayer`` object) changed are
-rewritten. Its memory is one adapter's layer weights per slot and per layer (``LoraSlots.nbytes``).
+- **per-slot** (``4 * N > b``, e.g. 32 rows with 32 adapters): every KV slot owns a row of a table laid out for
+  ``torch.bmm``: ``at[s]`` = the slot's adapter's ``A^T`` for every module of the site side by side ``[in, R]``
+  and per module ``bt[m][s]`` = its scaled ``B^T`` ``[r_m, out_m]``, ranks zero-padded to the widest adapter in
+  use, absent modules zero. Then ``h = x @ at`` ``[b, T, R]`` and ``out[..., cols_m] += h[..., seg_m] @ bt[m]``:
+  one bmm plus one bmm and one add per module, whatever the mix of ranks and target subsets. The table survives
+  across steps and only slots whose adapter (``LoraLayer`` object) changed are rewritten: the engine keeps rows
+  compacted in slots, so a retiring request changes one slot and an admitted one fills one.
+- **shared** (``N == 1`` or ``4 * N <= b``, many rows per adapter): the distinct adapters' ``A`` concatenated
+  along the rank axis ``[sum r, in]`` and per module their ``B`` ``[out_m, sum r_m]``, kept while the set of
+  adapters at the layer is unchanged. ``h = x @ A^T``, masked so each row keeps only its own adapter's rank
+  columns, then ``out[..., cols_m] += h[..., seg_m] @ B_m^T``. Reads each adapter's weights once per step where
+  per-slot reads one copy per row; costs ``N`` times the (tiny) flops.
 
-On CPU the table and the two small matmuls are kept in fp32 even when the model runs in bf16/fp16: CPU bmm in bf16
-is ~10x slower than fp32 at these shapes, and the weights are small. On CUDA the table uses the model dtype.
+Measured with ``bench/adapters_math.py`` (SmolLM2 shapes, fp32, 1 CPU thread, 32 rows, r=8 on q/v, 30 layers):
+per step per-slot ~5.7 ms whatever N; shared ~0.6 ms per adapter (1.3 ms at N=1, 6 ms at N=8); a per-adapter
+loop of index_select / two matmuls / index_add and a per-step gather of stacked weights both cost more than
+per-slot at N=32. The base decode step is ~200 ms there.
+
+On CPU the tables and the small matmuls are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is
+several times slower than fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype.
+The tables hold weak references to the ``LoraLayer`` objects they copied, so they never keep evicted adapter
+weights alive and notice when the store hands out a new object (reload, another adapter in a slot).
 """
 
 from __future__ import annotations
@@ -35,12 +45,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 import torch
 from torch import Tensor
 
-from service.adapters.types import MODULES, LoraLayer
+from service.adapters.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
@@ -51,8 +61,35 @@ SITES: Final[dict[ProjName, tuple[str, ...]]] = {
     "w13": ("gate_proj", "up_proj"),
     "w2": ("down_proj",),
 }
+# Shared mode while each distinct adapter has at least this many rows (measured crossover: ~4 at 32 rows).
+SHARED_MIN_ROWS_PER_ADAPTER: Final = 4
 
 LayerLookup = Callable[[str, int], LoraLayer | None]
+Mode = Literal["auto", "slots", "shared"]
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """A PEFT module's place in the model: its input size and its output columns in the fused projection."""
+
+    name: str
+    cols: tuple[int, int]  # output columns of the fused projection
+    in_features: int
+    out_features: int
+
+
+def module_layout(cfg: ModelConfig) -> dict[str, ModuleSpec]:
+    """Each PEFT module's input size and output columns within its fused projection."""
+    fused = cfg.fused_rows()
+    hidden, inter, attn = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    layout: dict[str, ModuleSpec] = {}
+    for part in fused["wqkv"]:
+        layout[part.hf_name] = ModuleSpec(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
+    layout["o_proj"] = ModuleSpec("o_proj", (0, hidden), attn, hidden)
+    for part in fused["w13"]:
+        layout[part.hf_name] = ModuleSpec(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
+    layout["down_proj"] = ModuleSpec("down_proj", (0, hidden), inter, hidden)
+    return layout
 
 
 class _Dirty:
@@ -63,17 +100,9 @@ _DIRTY: Final = _Dirty()
 _Owner = weakref.ReferenceType[LoraLayer] | _Dirty | None  # None: the slot's rows are zeros
 
 
-@dataclass(frozen=True)
-class _Module:
-    name: str
-    cols: tuple[int, int]  # output columns of the fused projection
-    in_features: int
-    out_features: int
-
-
 @dataclass
-class _SiteTable:
-    """One (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m."""
+class _SlotTable:
+    """Per-slot (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m."""
 
     ranks: dict[str, int]  # module -> padded rank r_m, in fused column order
     offsets: dict[str, int]  # module -> first column of its segment in ``at``'s last dimension
@@ -90,32 +119,39 @@ class _SiteTable:
 
 
 @dataclass
-class SlotStats:
+class _SharedTable:
+    """Shared (layer, site) table of N distinct adapters: ``a`` [R, in], per module ``b`` [out_m, R_m]."""
+
+    a: Tensor
+    segs: list[tuple[str, int, int, Tensor]]  # (module, start, stop) of its columns of ``h``, B_cat [out_m, R_m]
+    owner: Tensor  # [R] int64: which of the N adapters each rank column belongs to
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, self.owner, *(s[3] for s in self.segs)))
+
+
+@dataclass
+class TableStats:
     """Counters for tests and benchmarks: how much copying the steps caused."""
 
     slot_writes: int = 0  # (layer, slot) pairs rewritten because their adapter changed
-    relayouts: int = 0  # (layer, site) tables reallocated because the set of modules or ranks changed
+    relayouts: int = 0  # per-slot (layer, site) tables reallocated: the set of modules or ranks changed
+    shared_builds: int = 0  # layers whose shared tables were rebuilt: the set of adapters changed
 
 
-class LoraSlots:
-    """Per-KV-slot LoRA weights laid out for ``bmm``, owned by the engine and reused by every step's batch.
-
-    Holds weak references to the ``LoraLayer`` objects it copied from, so it never keeps evicted adapter weights
-    alive, and notices when the store hands out a new object (reload, new adapter in a slot).
-    """
+class LoraTables:
+    """LoRA weights laid out for the batched math, owned by the engine and reused by every step's batch."""
 
     def __init__(self, cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        # CPU bmm in half precision is far slower than fp32 at LoRA shapes; the tables are small.
         half = dtype in (torch.bfloat16, torch.float16)
         self.compute_dtype = torch.float32 if self.device.type == "cpu" and half else dtype
-        self.modules = _module_layout(cfg)
-        self.stats = SlotStats()
-        self._capacity = 0
-        self._tables: list[dict[str, _SiteTable]] = [{} for _ in range(cfg.num_layers)]
-        self._owners: list[list[_Owner]] = [[] for _ in range(cfg.num_layers)]
+        self.modules = module_layout(cfg)
+        self.stats = TableStats()
+        self.clear()
 
     @property
     def num_layers(self) -> int:
@@ -124,37 +160,58 @@ class LoraSlots:
     @property
     def nbytes(self) -> int:
         """Bytes held by all tables."""
-        return sum(t.nbytes for tables in self._tables for t in tables.values())
+        per_slot = sum(t.nbytes for tables in self._slot for t in tables.values())
+        return per_slot + sum(t.nbytes for tables in self._shared for t in tables.values())
 
     def layouts(self) -> dict[tuple[int, str], dict[str, int]]:
-        """(layer, site) -> {module: padded rank} for every allocated table."""
-        return {(i, site): dict(t.ranks) for i, tables in enumerate(self._tables) for site, t in tables.items()}
+        """(layer, site) -> {module: padded rank} of every per-slot table."""
+        return {(i, site): dict(t.ranks) for i, tables in enumerate(self._slot) for site, t in tables.items()}
 
     def clear(self) -> None:
         """Drop every table (e.g. when the engine goes idle); the next batch rebuilds what it needs."""
         self._capacity = 0
-        self._tables = [{} for _ in range(self.num_layers)]
-        self._owners = [[] for _ in range(self.num_layers)]
+        self._slot: list[dict[str, _SlotTable]] = [{} for _ in range(self.num_layers)]
+        self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
+        self._shared: list[dict[str, _SharedTable]] = [{} for _ in range(self.num_layers)]
+        self._shared_key: list[tuple[weakref.ReferenceType[LoraLayer] | None, ...] | None] = [None] * self.num_layers
 
-    # --- used by AdapterBatch ------------------------------------------------------------------------------
+    # --- shared tables -------------------------------------------------------------------------------------
 
-    def _reserve(self, slots: int) -> None:
-        """Grow every table to at least ``slots`` rows (new rows are zeros)."""
-        if slots <= self._capacity:
+    def _sync_shared(self, layer: int, distinct: Sequence[LoraLayer | None]) -> None:
+        """Make the layer's shared tables hold ``distinct`` (in that order), rebuilding them if it changed."""
+        if _same_layers(self._shared_key[layer], distinct):
             return
-        grow = slots - self._capacity
-        for layer, tables in enumerate(self._tables):
-            for table in tables.values():
-                table.at = torch.cat((table.at, table.at.new_zeros(grow, *table.at.shape[1:])))
-                for name, bt in table.bt.items():
-                    table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
-            self._owners[layer].extend([None] * grow)
-        self._capacity = slots
+        tables: dict[str, _SharedTable] = {}
+        dt = self.compute_dtype
+        for site, names in SITES.items():
+            a_parts: list[Tensor] = []
+            owner: list[int] = []
+            segs: list[tuple[str, int, int, Tensor]] = []
+            for name in names:
+                b_parts = []
+                start = len(owner)
+                for i, lora in enumerate(distinct):
+                    module = None if lora is None else lora.modules.get(name)
+                    if module is not None:
+                        self._check(name, module)
+                        a_parts.append(module.a)
+                        b_parts.append(module.b)
+                        owner += [i] * module.rank
+                if b_parts:
+                    segs.append((name, start, len(owner), torch.cat(b_parts, 1).to(dt)))  # [out_m, R_m]
+            if a_parts:
+                a = torch.cat(a_parts).to(dt)  # [R, in]
+                tables[site] = _SharedTable(a, segs, torch.tensor(owner, device=self.device))
+        self._shared[layer] = tables
+        self._shared_key[layer] = tuple(None if lora is None else weakref.ref(lora) for lora in distinct)
+        self.stats.shared_builds += 1
 
-    def _sync(self, layer: int, rows: Sequence[LoraLayer | None], slot_start: int) -> None:
+    # --- per-slot tables -----------------------------------------------------------------------------------
+
+    def _sync_slots(self, layer: int, rows: Sequence[LoraLayer | None], slot_start: int) -> None:
         """Make slots ``slot_start + i`` hold ``rows[i]``'s weights of ``layer``, rewriting only what changed."""
         self._reserve(slot_start + len(rows))
-        tables = self._tables[layer]
+        tables = self._slot[layer]
         for site in SITES:
             self._fit_layout(layer, site, tables, rows)
         owners = self._owners[layer]
@@ -170,8 +227,21 @@ class LoraSlots:
             owners[slot] = None if lora is None else weakref.ref(lora)
             self.stats.slot_writes += 1
 
+    def _reserve(self, slots: int) -> None:
+        """Grow every per-slot table to at least ``slots`` rows (new rows are zeros)."""
+        if slots <= self._capacity:
+            return
+        grow = slots - self._capacity
+        for layer, tables in enumerate(self._slot):
+            for table in tables.values():
+                table.at = torch.cat((table.at, table.at.new_zeros(grow, *table.at.shape[1:])))
+                for name, bt in table.bt.items():
+                    table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
+            self._owners[layer].extend([None] * grow)
+        self._capacity = slots
+
     def _fit_layout(
-        self, layer: int, site: str, tables: dict[str, _SiteTable], rows: Sequence[LoraLayer | None]
+        self, layer: int, site: str, tables: dict[str, _SlotTable], rows: Sequence[LoraLayer | None]
     ) -> None:
         """(Re)allocate the site's table when the rows need a module or a rank it lacks, or use far less."""
         need: dict[str, int] = {}
@@ -187,8 +257,7 @@ class LoraSlots:
             if need:
                 tables[site] = self._alloc(need)
                 self._mark_dirty(layer)
-            return
-        if any(r > table.ranks.get(name, 0) for name, r in need.items()):  # grow, keeping what it had
+        elif any(r > table.ranks.get(name, 0) for name, r in need.items()):  # grow, keeping what it had
             tables[site] = self._alloc({name: max(r, table.ranks.get(name, 0)) for name, r in need.items()})
             self._mark_dirty(layer)
         elif table.width > 2 * sum(need.values()):  # hysteresis: shrink only when over twice what rows need
@@ -206,7 +275,7 @@ class LoraSlots:
             if owner is not None:
                 owners[slot] = _DIRTY
 
-    def _alloc(self, need: Mapping[str, int]) -> _SiteTable:
+    def _alloc(self, need: Mapping[str, int]) -> _SlotTable:
         modules = [m for m in MODULES if m in need]  # fused column order
         ranks = {m: need[m] for m in modules}
         offsets: dict[str, int] = {}
@@ -218,10 +287,10 @@ class LoraSlots:
         dt, dev, cap = self.compute_dtype, self.device, self._capacity
         at = torch.zeros(cap, in_features, width, dtype=dt, device=dev)
         bt = {m: torch.zeros(cap, ranks[m], self.modules[m].out_features, dtype=dt, device=dev) for m in modules}
-        return _SiteTable(ranks=ranks, offsets=offsets, at=at, bt=bt)
+        return _SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt)
 
-    def _write(self, tables: dict[str, _SiteTable], slot: int, lora: LoraLayer | None) -> None:
-        """Copy one adapter layer (or zeros) into row ``slot`` of every table of the layer."""
+    def _write(self, tables: dict[str, _SlotTable], slot: int, lora: LoraLayer | None) -> None:
+        """Copy one adapter layer (or zeros) into row ``slot`` of every per-slot table of the layer."""
         for table in tables.values():
             at = table.at[slot]  # [in, R]
             for name, width in table.ranks.items():
@@ -232,18 +301,34 @@ class LoraSlots:
                     at[:, off : off + width].zero_()
                     bt.zero_()
                     continue
+                self._check(name, module)
                 r = module.rank
-                spec = self.modules[name]
-                if module.a.shape != (r, spec.in_features) or module.b.shape != (spec.out_features, r):
-                    raise InvalidAdapter(
-                        f"{name}: lora_A {tuple(module.a.shape)} / lora_B {tuple(module.b.shape)} do not fit the "
-                        f"base layer ({spec.out_features} x {spec.in_features})"
-                    )
                 at[:, off : off + r].copy_(module.a.t())  # [in, r] <- [r, in]^T
                 bt[:r].copy_(module.b.t())  # [r, out] <- [out, r]^T
                 if r < width:
                     at[:, off + r : off + width].zero_()
                     bt[r:].zero_()
+
+    def _check(self, name: str, module: LoraModule) -> None:
+        spec = self.modules[name]
+        r = module.rank
+        if module.a.shape != (r, spec.in_features) or module.b.shape != (spec.out_features, r):
+            raise InvalidAdapter(
+                f"{name}: lora_A {tuple(module.a.shape)} / lora_B {tuple(module.b.shape)} do not fit the "
+                f"base layer ({spec.out_features} x {spec.in_features})"
+            )
+
+
+def _same_layers(
+    key: Sequence[weakref.ReferenceType[LoraLayer] | None] | None, layers: Sequence[LoraLayer | None]
+) -> bool:
+    """Whether ``key`` holds weak references to exactly ``layers`` (the same objects, in order)."""
+    if key is None or len(key) != len(layers):
+        return False
+    return all(
+        (ref is None) if lora is None else (ref is not None and ref() is lora)
+        for ref, lora in zip(key, layers, strict=True)
+    )
 
 
 class AdapterBatch:
@@ -251,106 +336,127 @@ class AdapterBatch:
 
     def __init__(
         self,
-        slots: LoraSlots,
-        slot_start: int,
-        row_layers: Callable[[int], list[LoraLayer | None]],
-        span: tuple[int, int],
+        tables: LoraTables,
+        lookup: LayerLookup,
+        span_ids: list[str | None],
+        *,
+        lo: int,
         rows: int,
+        slot_start: int,
+        mode: Mode,
     ) -> None:
-        self.slots = slots
+        self.tables = tables
+        self.rows = rows  # B: the batch rows the model will pass
+        self.span = (lo, lo + len(span_ids))  # [lo, hi): first to last row with an adapter
         self.slot_start = slot_start
-        self.rows = rows
-        self.span = span  # [lo, hi): batch rows from the first to the last row with an adapter
-        self._row_layers = row_layers
-        self._synced = [False] * slots.num_layers
+        self._lookup = lookup
+        self._span_ids = span_ids
+        self._distinct = sorted({a for a in span_ids if a is not None})
+        n = len(self._distinct)
+        auto = n == 1 or n * SHARED_MIN_ROWS_PER_ADAPTER <= len(span_ids)
+        self.shared = mode == "shared" or (mode == "auto" and auto)
+        self._row_index: Tensor | None = None  # [b] int64: the row's adapter in ``_distinct``, -1 for none
+        self._full = all(a is not None for a in span_ids)  # no base-only row in the span
+        if self.shared and not (n == 1 and self._full):
+            index = {a: i for i, a in enumerate(self._distinct)}
+            ids = [-1 if a is None else index[a] for a in span_ids]
+            self._row_index = torch.tensor(ids, device=tables.device)
+        self._synced = [False] * tables.num_layers
 
     @classmethod
     def build(
         cls,
         row_adapters: Sequence[str | None],
         layer_lookup: LayerLookup,
-        slots: LoraSlots,
+        tables: LoraTables,
         *,
         slot_start: int = 0,
         rows_per_item: int | Sequence[int] = 1,
+        mode: Mode = "auto",
     ) -> AdapterBatch | None:
         """The batch for rows ``[slot_start, slot_start + B)`` of the KV cache, or ``None`` if no row has an adapter.
 
         ``row_adapters[i]`` is item ``i``'s adapter id (``None``: the base model); item ``i`` spans
         ``rows_per_item`` consecutive batch rows (an int for all, or one count per item), so ``B`` is their sum.
-        ``layer_lookup(adapter_id, layer)`` returns that adapter's ``LoraLayer`` for ``layer`` on the slots' device
-        (``None`` if the adapter leaves the layer alone); it is called once per distinct adapter and layer, the
-        first time the forward pass reaches the layer.
+        ``layer_lookup(adapter_id, layer)`` returns that adapter's ``LoraLayer`` for ``layer`` on the tables'
+        device (``None`` if the adapter leaves the layer alone); it is called once per distinct adapter and layer,
+        the first time the forward pass reaches the layer. ``mode`` forces the per-slot or shared layout
+        (tests, benchmarks); ``"auto"`` picks by the number of rows per distinct adapter.
         """
         counts = [rows_per_item] * len(row_adapters) if isinstance(rows_per_item, int) else list(rows_per_item)
         if len(counts) != len(row_adapters) or any(c < 0 for c in counts):
             raise ValueError(f"rows_per_item {rows_per_item!r} does not fit {len(row_adapters)} items")
-        per_row: list[str | None] = [a for a, c in zip(row_adapters, counts, strict=True) for _ in range(c)]
+        if slot_start < 0:
+            raise ValueError(f"slot_start must be >= 0, got {slot_start}")
+        per_row = [a for a, c in zip(row_adapters, counts, strict=True) for _ in range(c)]
         used = [i for i, a in enumerate(per_row) if a is not None]
         if not used:
             return None
-        if slot_start < 0:
-            raise ValueError(f"slot_start must be >= 0, got {slot_start}")
         lo, hi = used[0], used[-1] + 1
-        span_ids = per_row[lo:hi]
-        distinct = list(dict.fromkeys(a for a in span_ids if a is not None))
+        span = per_row[lo:hi]
+        return cls(tables, layer_lookup, span, lo=lo, rows=len(per_row), slot_start=slot_start, mode=mode)
 
-        def row_layers(layer: int) -> list[LoraLayer | None]:
-            found = {a: layer_lookup(a, layer) for a in distinct}
-            return [None if a is None else found[a] for a in span_ids]
-
-        return cls(slots, slot_start, row_layers, (lo, hi), len(per_row))
-
-    def _table(self, layer: int, site: str) -> _SiteTable | None:
-        """The site's table, after bringing the layer's slots up to date on the first visit of this pass."""
-        if not self._synced[layer]:
-            self.slots._sync(layer, self._row_layers(layer), self.slot_start + self.span[0])
-            self._synced[layer] = True
-        return self.slots._tables[layer].get(site)
+    def _sync(self, layer: int) -> None:
+        """Bring the layer's tables up to date on the first visit of this forward pass."""
+        found = {a: self._lookup(a, layer) for a in self._distinct}
+        if self.shared:
+            self.tables._sync_shared(layer, [found[a] for a in self._distinct])
+        else:
+            rows = [None if a is None else found[a] for a in self._span_ids]
+            self.tables._sync_slots(layer, rows, self.slot_start + self.span[0])
+        self._synced[layer] = True
 
     def add_delta(self, out: Tensor, x: Tensor, layer: int, name: ProjName) -> Tensor:
         """Add the rows' LoRA deltas for projection ``name`` of ``layer`` to ``out`` in place; return ``out``.
 
         x [B, T, in]; out [B, T, out_fused] in the fused column order (q|k|v, gate|up).
         """
-        table = self._table(layer, name)
-        if table is None:
-            return out
+        if not self._synced[layer]:
+            self._sync(layer)
         if x.shape[0] != self.rows:
             raise ValueError(f"batch has {x.shape[0]} rows, the adapter batch was built for {self.rows}")
         lo, hi = self.span
-        first = self.slot_start + lo
-        last = self.slot_start + hi
-        xs = x[lo:hi].to(self.slots.compute_dtype)  # [b, T, in]
-        h = torch.bmm(xs, table.at[first:last])  # [b, T, R]
+        if self.shared:
+            shared = self.tables._shared[layer].get(name)
+            if shared is not None:
+                self._add_shared(out[lo:hi], x[lo:hi], shared)
+            return out
+        table = self.tables._slot[layer].get(name)
+        if table is not None:
+            self._add_slots(out[lo:hi], x[lo:hi], table)
+        return out
+
+    def _add_slots(self, out: Tensor, x: Tensor, table: _SlotTable) -> None:
+        # x [b, T, in], out [b, T, out_fused]: views of the span's rows
+        first = self.slot_start + self.span[0]
+        slots = slice(first, first + x.shape[0])
+        h = torch.bmm(x.to(self.tables.compute_dtype), table.at[slots])  # [b, T, R]
         for module, width in table.ranks.items():
             off = table.offsets[module]
-            c0, c1 = self.slots.modules[module].cols
-            d = torch.bmm(h[..., off : off + width], table.bt[module][first:last])  # [b, T, out_m]
-            out[lo:hi, :, c0:c1] += d  # type promotion casts back to the model dtype in place
-        return out
+            c0, c1 = self.tables.modules[module].cols
+            d = torch.bmm(h[..., off : off + width], table.bt[module][slots])  # [b, T, out_m]
+            out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
+
+    def _add_shared(self, out: Tensor, x: Tensor, table: _SharedTable) -> None:
+        # x [b, T, in], out [b, T, out_fused]: views of the span's rows
+        h = x.to(self.tables.compute_dtype) @ table.a.t()  # [b, T, R]: every row times every adapter's A
+        if self._row_index is not None:
+            keep = table.owner[None, :] == self._row_index[:, None]  # [b, R]: the row's own rank columns
+            h = h * keep[:, None, :].to(h.dtype)
+        for module, start, stop, b in table.segs:
+            c0, c1 = self.tables.modules[module].cols
+            out[..., c0:c1] += h[..., start:stop] @ b.t()  # [b, T, out_m]
 
     def delta(self, layer: int, site: ProjName, x: Tensor) -> Tensor | None:
         """The delta ``[B, T, out_fused]`` to add to projection ``site`` of ``layer``, or ``None`` if it has none.
 
         Zeros in the columns of modules no row's adapter targets. Allocates; the model uses ``add_delta``.
         """
-        if self._table(layer, site) is None:
+        if not self._synced[layer]:
+            self._sync(layer)
+        source = self.tables._shared if self.shared else self.tables._slot
+        if site not in source[layer]:
             return None
-        width = self.slots.modules[SITES[site][-1]].cols[1]
+        width = self.tables.modules[SITES[site][-1]].cols[1]
         out = x.new_zeros(*x.shape[:-1], width)
         return self.add_delta(out, x, layer, site)
-
-
-def _module_layout(cfg: ModelConfig) -> dict[str, _Module]:
-    """Each PEFT module's input size and output columns within its fused projection."""
-    fused = cfg.fused_rows()
-    hidden, inter, attn = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    layout: dict[str, _Module] = {}
-    for part in fused["wqkv"]:
-        layout[part.hf_name] = _Module(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
-    layout["o_proj"] = _Module("o_proj", (0, hidden), attn, hidden)
-    for part in fused["w13"]:
-        layout[part.hf_name] = _Module(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
-    layout["down_proj"] = _Module("down_proj", (0, hidden), inter, hidden)
-    return layout
