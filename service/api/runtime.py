@@ -9,17 +9,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from service.adapters import AdapterStore
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest, RequestHandle, Sink
-from service.errors import AdapterNotFound, Unavailable
+from service.errors import LoraplexError, Unavailable
 from service.model.config import ModelConfig
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.runtime")
+
+ADAPTER_MARKERS = ("adapter_config.json", "config.json")
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,9 @@ class Loaded:
     device: torch.device
     load_seconds: float
 
+    adapters: AdapterStore
+
     def validate(self, request: GenerationRequest) -> None:
-        if request.adapter_id is not None:
-            raise AdapterNotFound(request.adapter_id)
         self.engine.validate(request)
 
 
@@ -52,15 +56,25 @@ class Runtime:
         start = time.perf_counter()
         device = torch.device(s.device)
         tokenizer = Tokenizer.from_folder(s.model)
-        model, cfg, stats = load_model(s.model, dtype=getattr(torch, s.dtype), device=device, mode=s.load_mode)
-        engine = Engine(model, tokenizer, s)
+        dtype = getattr(torch, s.dtype)
+        model, cfg, stats = load_model(s.model, dtype=dtype, device=device, mode=s.load_mode)
+        adapters = AdapterStore(
+            cfg,
+            device=device,
+            dtype=dtype,
+            device_budget_bytes=s.adapter_device_budget_bytes,
+            host_budget_bytes=s.adapter_host_budget_bytes,
+            roots=adapter_roots(s),
+        )
+        register_startup_adapters(adapters, s)
+        engine = Engine(model, tokenizer, s, adapters=adapters)
         engine.start()
         seconds = time.perf_counter() - start
         log.info(
             "event=model_loaded path=%s mode=%s dtype=%s device=%s bytes=%d load_seconds=%.3f weights_seconds=%.3f",
             s.model, s.load_mode, s.dtype, device, stats.bytes_read, seconds, stats.total_seconds,
         )  # fmt: skip
-        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds)
+        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters)
         return self.loaded
 
     def ready(self) -> Loaded:
@@ -78,3 +92,32 @@ class Runtime:
     def close(self) -> None:
         if self.loaded is not None:
             self.loaded.engine.stop()
+            self.loaded.adapters.close()
+
+
+def adapter_roots(s: Settings) -> tuple[Path, ...]:
+    """Folders adapters may be read from: --adapter-root; else the --adapter-dir folders and the folders holding
+    the --adapter paths (the operator's own flags). Empty: LoadAdapter is refused (see ``AdaptersServicer``)."""
+    if s.adapter_roots:
+        return s.adapter_roots
+    return (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
+
+
+def register_startup_adapters(store: AdapterStore, s: Settings) -> None:
+    """Register --adapter ID=PATH and every adapter folder under --adapter-dir (configs and headers only).
+
+    A bad explicit --adapter fails start-up; a bad folder under --adapter-dir is logged and skipped, so one broken
+    upload does not keep the server down. Folders without an adapter config (lost+found, ...) are ignored.
+    """
+    for adapter_id, path in s.adapters:
+        store.register(adapter_id, path)
+    for folder in s.adapter_dirs:
+        if not folder.is_dir():
+            raise Unavailable(f"--adapter-dir {folder} is not a folder")
+        for child in sorted(folder.iterdir()):
+            if not child.is_dir() or not any((child / f).is_file() for f in ADAPTER_MARKERS):
+                continue
+            try:
+                store.register(child.name, child)
+            except LoraplexError as exc:
+                log.warning("event=adapter_skipped path=%s error=%s", child, exc)

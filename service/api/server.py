@@ -14,14 +14,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from loraplex.v1 import generation_pb2, generation_pb2_grpc
+from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
 from prometheus_client import start_http_server
 
 from service import __version__, metrics
+from service.api.adapters import AdaptersServicer
 from service.api.generation import GenerationServicer
 from service.api.runtime import Runtime
 from service.config import Settings
@@ -29,7 +31,8 @@ from service.config import Settings
 log = logging.getLogger("loraplex.server")
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-SERVICES = (GENERATION_SERVICE,)
+ADAPTERS_SERVICE = adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name
+SERVICES = (GENERATION_SERVICE, ADAPTERS_SERVICE)
 
 
 @dataclass
@@ -41,7 +44,11 @@ class Server:
     grpc_server: grpc.aio.Server
     health: health.aio.HealthServicer
     port: int
-    metrics_port: int | None
+    metrics_http: WSGIServer | None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self.metrics_http is None else int(self.metrics_http.server_port)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -71,6 +78,9 @@ class Server:
             await asyncio.sleep(0.05)
         await self.grpc_server.stop(max(0.0, deadline - time.monotonic()))
         self.runtime.close()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
 
 
 async def start(settings: Settings) -> Server:
@@ -82,9 +92,14 @@ async def start(settings: Settings) -> Server:
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
+            # Clients balancing with round_robin only see replicas added by a scale-up when they reconnect:
+            # age connections out (streams get a grace period to finish first).
+            ("grpc.max_connection_age_ms", 300_000),
+            ("grpc.max_connection_age_grace_ms", 120_000),
         ]
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(runtime), server)
+    adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -94,11 +109,12 @@ async def start(settings: Settings) -> Server:
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.port}")
     await server.start()
-    metrics_port = None
+    metrics_http = None
     if settings.metrics_port >= 0:
-        http, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.REGISTRY)
-        metrics_port = http.server_port
-    running = Server(settings, runtime, server, health_servicer, port, metrics_port)
+        metrics_http, _ = start_http_server(
+            settings.metrics_port, addr=settings.metrics_host, registry=metrics.REGISTRY
+        )
+    running = Server(settings, runtime, server, health_servicer, port, metrics_http)
     await running.set_serving(False)
     return running
 

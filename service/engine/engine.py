@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from service import metrics
+from service.adapters.lora import AdapterBatch, LoraTables
+from service.adapters.store import AdapterStore
 from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
 from service.engine.sampling import Sampler, make_generator
 from service.engine.stops import StopMatcher
-from service.errors import InvalidRequest, QueueFull, Unavailable
+from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 from service.tokenizer import Tokenizer
@@ -52,6 +54,7 @@ class _Row:
     length: int = 0  # tokens whose K/V are in the cache
     pending: int = -1  # last sampled token, fed at the next decode step
     generated: int = 0
+    pinned: bool = False  # holds a pin on its adapter in the store (taken at admission)
     done: bool = False
     enqueued: float = field(default_factory=time.monotonic)
     last_token_at: float = 0.0
@@ -73,7 +76,9 @@ class EngineState:
 
 
 class Engine:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, settings: Settings) -> None:
+    def __init__(
+        self, model: Llama, tokenizer: Tokenizer, settings: Settings, *, adapters: AdapterStore | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
@@ -83,6 +88,9 @@ class Engine:
             model.cfg, settings.max_batch_size, settings.max_total_tokens, dtype=param.dtype, device=self.device
         )
         self.sampler = Sampler(self.device)
+        self.adapters = adapters
+        # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
+        self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if adapters is not None else None
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
         self._waiting: deque[_Row] = deque()
@@ -138,6 +146,10 @@ class Engine:
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         request.sampling.validate()
+        if request.adapter_id is not None:
+            if self.adapters is None:
+                raise AdapterNotFound(request.adapter_id)
+            self.adapters.get(request.adapter_id)  # AdapterNotFound
 
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
         """Queue ``request``; its events go to ``sink`` on the engine thread. Raises typed errors."""
@@ -172,8 +184,9 @@ class Engine:
             torch.set_num_threads(self.settings.threads)
         with torch.inference_mode():
             while not self._stop.is_set():
-                idle = not self._running and not self._waiting
-                if not self._take_inbox(block=idle):
+                # Block for new work when nothing runs; poll briefly while rows only wait for adapter loads.
+                wait = None if self._running else (0.002 if self._waiting else 0.5)
+                if not self._take_inbox(wait):
                     break
                 try:
                     self._step()
@@ -186,10 +199,11 @@ class Engine:
         for row in [*self._running, *self._waiting]:
             self._finish(row, FinishReason.ERROR, error=Unavailable("the server is shutting down"))
 
-    def _take_inbox(self, *, block: bool) -> bool:
-        """Move submissions into the waiting queue. False when asked to stop."""
+    def _take_inbox(self, wait: float | None) -> bool:
+        """Move submissions into the waiting queue, waiting up to ``wait`` seconds for the first (None: don't
+        wait). False when asked to stop."""
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait) if wait is not None else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -233,18 +247,51 @@ class Engine:
         self._compact()
 
     def _admit(self) -> list[_Row]:
+        """Move waiting rows into free slots, in arrival order, skipping rows whose adapter is still loading
+        (the store reads it on its own thread, so they never hold up rows behind them)."""
         admitted: list[_Row] = []
         longest = 0
-        while self._waiting and len(self._running) < self.settings.max_batch_size:
-            row = self._waiting[0]
+        kept: deque[_Row] = deque()
+        while self._waiting:
+            row = self._waiting.popleft()
             n = len(row.request.prompt_ids)
-            if admitted and max(longest, n) * (len(admitted) + 1) > PREFILL_TOKEN_BUDGET:
-                break
-            self._waiting.popleft()
+            full = len(self._running) >= self.settings.max_batch_size
+            over_budget = bool(admitted) and max(longest, n) * (len(admitted) + 1) > PREFILL_TOKEN_BUDGET
+            if full or over_budget or not self._adapter_ready(row):
+                if not row.done:
+                    kept.append(row)
+                continue
             longest = max(longest, n)
             admitted.append(row)
             self._running.append(row)
+        self._waiting = kept
         return admitted
+
+    def _adapter_ready(self, row: _Row) -> bool:
+        """True when the row needs no adapter or its adapter is resident (then pinned for the row's lifetime)."""
+        adapter = row.request.adapter_id
+        if adapter is None:
+            return True
+        if self.adapters is None:
+            self._finish(row, FinishReason.ERROR, error=AdapterNotFound(adapter))
+            return False
+        try:
+            ready = self.adapters.request(adapter, pin=True)
+            error = None if ready else self.adapters.failure(adapter)
+        except LoraplexError as exc:  # unregistered meanwhile, store closed
+            ready, error = False, exc
+        if error is not None:
+            self._finish(row, FinishReason.ERROR, error=error)
+            return False
+        row.pinned = ready
+        return ready
+
+    def _adapter_batch(self, rows: Sequence[_Row], slot_start: int) -> AdapterBatch | None:
+        if self.adapters is None or self.tables is None:
+            return None
+        return AdapterBatch.build(
+            [r.request.adapter_id for r in rows], self.adapters.layer, self.tables, slot_start=slot_start
+        )
 
     def _prefill(self, rows: Sequence[_Row]) -> None:
         start = len(self._running) - len(rows)
@@ -258,7 +305,8 @@ class Engine:
         for r in rows:
             metrics.QUEUE_TIME.observe(now - r.enqueued)
         metrics.PROMPT_TOKENS.inc(sum(lengths))
-        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, start)  # [B, T, H]
+        batch = self._adapter_batch(rows, start)
+        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, start, batch)  # [B, T, H]
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         logits = self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])  # [B, V]
         for r, n in zip(rows, lengths, strict=True):
@@ -270,7 +318,8 @@ class Engine:
         tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
         metrics.BATCH_SIZE.observe(len(rows))
-        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0)  # [B, 1, H]
+        batch = self._adapter_batch(rows, 0)
+        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
         logits = self.model.logits(hidden[:, -1])  # [B, V]
         for r in rows:
             r.length += 1
@@ -351,6 +400,12 @@ class Engine:
 
     def _close(self, row: _Row, reason: FinishReason) -> None:
         row.done = True
+        if row.pinned and self.adapters is not None and row.request.adapter_id is not None:
+            row.pinned = False
+            try:
+                self.adapters.unpin(row.request.adapter_id)
+            except LoraplexError:
+                log.exception("unpin of adapter %s failed", row.request.adapter_id)
         with self._lock:
             self._queued -= 1
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):

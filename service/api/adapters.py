@@ -1,0 +1,103 @@
+"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from loraplex.v1 import adapters_pb2 as pb
+from loraplex.v1 import adapters_pb2_grpc as pb_grpc
+
+from service.adapters import AdapterInfo
+from service.api.edge import Context, unary
+from service.api.runtime import Runtime
+from service.errors import InvalidRequest, PermissionDenied
+
+_STATES = {
+    "registered": pb.ADAPTER_STATE_REGISTERED,
+    "loading": pb.ADAPTER_STATE_LOADING,
+    "host": pb.ADAPTER_STATE_HOST,
+    "device": pb.ADAPTER_STATE_DEVICE,
+    "failed": pb.ADAPTER_STATE_FAILED,
+}
+_KINDS = {"lora": pb.ADAPTER_KIND_LORA, "medusa": pb.ADAPTER_KIND_MEDUSA, "medusa_lora": pb.ADAPTER_KIND_MEDUSA_LORA}
+
+
+def _stamp(seconds: float | None) -> Timestamp | None:
+    if seconds is None:
+        return None
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
+    resident = len(info.layers)
+    message = pb.AdapterInfo(
+        id=info.id,
+        source=str(info.source),
+        kind=_KINDS.get(info.kind, pb.ADAPTER_KIND_UNSPECIFIED),
+        rank=info.rank,
+        alpha=info.alpha,
+        target_modules=sorted(info.target_modules),
+        medusa_heads=medusa_heads,
+        state=_STATES[info.state],
+        host_bytes=info.host_bytes,
+        device_bytes=info.device_bytes,
+        num_layers=resident,
+        host_layers=resident if info.host_bytes else 0,
+        device_layers=resident if info.device_bytes else 0,
+        hits=info.hits,
+        load_latency=pb.LoadLatency(
+            index_seconds=info.index_seconds,
+            read_seconds=info.read_seconds,
+            layout_seconds=info.layout_seconds,
+            total_seconds=info.total_seconds,
+        ),
+        active_requests=info.pins,
+        pinned=info.pins > 0,
+        error=info.error or "",
+        loads=info.loads,
+        disk_reads=info.disk_reads,
+    )
+    if (last := _stamp(info.last_used)) is not None:
+        message.last_used.CopyFrom(last)
+    if (registered := _stamp(info.registered_at)) is not None:
+        message.registered_at.CopyFrom(registered)
+    return message
+
+
+class AdaptersServicer(pb_grpc.AdaptersServicer):
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.api_keys = runtime.settings.api_keys
+
+    @unary("LoadAdapter")
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
+        store = self.runtime.ready().adapters
+        if not request.source:
+            raise InvalidRequest("source is empty: give the adapter folder's path on the server")
+        if not store.roots:
+            raise PermissionDenied(
+                "this server loads adapters from no folder: start it with --adapter-root DIR (or --adapter-dir DIR)"
+            )
+        # Registration reads a config file and safetensors headers: file I/O, so off the event loop.
+        info = await asyncio.to_thread(store.register, request.id, Path(request.source))
+        return pb.LoadAdapterResponse(adapter=info_to_pb(info))
+
+    @unary("UnloadAdapter")
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
+        store = self.runtime.ready().adapters
+        info = store.get(request.id)
+        store.unregister(request.id)
+        return pb.UnloadAdapterResponse(adapter=info_to_pb(info))
+
+    @unary("ListAdapters")
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Context) -> pb.ListAdaptersResponse:
+        store = self.runtime.ready().adapters
+        return pb.ListAdaptersResponse(adapters=[info_to_pb(i) for i in sorted(store.list(), key=lambda i: i.id)])
+
+    @unary("GetAdapter")
+    async def GetAdapter(self, request: pb.GetAdapterRequest, context: Context) -> pb.GetAdapterResponse:
+        return pb.GetAdapterResponse(adapter=info_to_pb(self.runtime.ready().adapters.get(request.id)))
