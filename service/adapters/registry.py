@@ -12,6 +12,12 @@ Public API::
     resolve_source(path, roots) -> Path                       PermissionDenied outside the roots
     index_adapter(adapter_id, path, model_config, *, roots=()) -> AdapterSpec
     AdapterSpec, SlotRecords
+    plan_buffer(spec, dtype, align) -> BufferPlan / plan_nbytes(spec, dtype, align) -> int
+    buffer_views(spec, plan, buffer, dtype) -> {(layer, module): (A [r, in], B [out, r])}
+
+The store keeps each adapter's tensors in one flat allocation per tier (host: the file's dtypes; device: the
+serving dtype); ``plan_buffer`` places every A and B in it on an aligned offset and ``buffer_views`` cuts the typed
+views. Registration keeps only ``plan_nbytes`` (the budgets need it); offsets are computed when a load starts.
 
 Path policy: with ``roots`` given, the folder *and* the files read from it are resolved (symlinks followed) and
 must lie inside one root; anything else is ``PermissionDenied`` (a traversal such as ``root/../x`` and a symlink
@@ -23,7 +29,7 @@ from __future__ import annotations
 import re
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -319,3 +325,69 @@ def _raise(problems: list[tuple[str, str]], file: Path) -> None:
     shown = "; ".join(f"{t!r}: {m}" if t else m for t, m in problems[:10])
     more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
     raise InvalidAdapter(f"{len(problems)} problems: {shown}{more}", file=file, tensor=problems[0][0] or None)
+
+
+# --- flat buffers: where each slot's A and B live in one host or device allocation ---------------------------
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Byte offsets of every slot's A and B inside one adapter's host or device buffer."""
+
+    offsets: dict[tuple[int, str], tuple[int, int]]  # (layer, module) -> (offset of A, offset of B)
+    nbytes: int
+
+
+def plan_buffer(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> BufferPlan:
+    """Offsets of every slot's A then B in one flat buffer (``dtype`` None: each tensor in its file dtype)."""
+    offsets: dict[tuple[int, str], tuple[int, int]] = {}
+    cursor = 0
+    for layer, module, (a_bytes, b_bytes) in slot_sizes(spec, dtype):
+        a_at = -(-cursor // align) * align
+        b_at = -(-(a_at + a_bytes) // align) * align
+        offsets[(layer, module)] = (a_at, b_at)
+        cursor = b_at + b_bytes
+    return BufferPlan(offsets, -(-cursor // align) * align)
+
+
+def plan_nbytes(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> int:
+    """``plan_buffer(...).nbytes`` without building the offsets (registration keeps only this number)."""
+    cursor = 0
+    for _, _, (a_bytes, b_bytes) in slot_sizes(spec, dtype):
+        cursor = -(-cursor // align) * align + a_bytes
+        cursor = -(-cursor // align) * align + b_bytes
+    return -(-cursor // align) * align
+
+
+def slot_sizes(spec: AdapterSpec, dtype: torch.dtype | None) -> Iterator[tuple[int, str, tuple[int, int]]]:
+    """(layer, module, (bytes of A, bytes of B)) of every slot with a delta, in layer then MODULES order."""
+    n = len(MODULES)
+    for slot, r in enumerate(spec.ranks):
+        if r:
+            fin, fout = spec.features[slot % n]
+            if dtype is None:
+                a_size, b_size = spec.a_itemsize(slot), spec.b_itemsize(slot)
+            else:
+                a_size = b_size = dtype.itemsize
+            yield slot // n, MODULES[slot % n], (r * fin * a_size, fout * r * b_size)
+
+
+def buffer_views(
+    spec: AdapterSpec, plan: BufferPlan, buffer: torch.Tensor, dtype: torch.dtype | None
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Typed, shaped views into ``buffer`` at the plan's offsets (A [r, in], B [out, r]); one ``as_strided``
+    per tensor on a typed view of the whole buffer (offsets are aligned, so they divide by every itemsize)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in spec.layers:
+        for s in spec.layer_records(layer):
+            pair = []
+            for rec, offset in zip((s.a, s.b), plan.offsets[(layer, s.module)], strict=True):
+                dt = dtype if dtype is not None else rec.torch_dtype
+                flat = typed.get(dt)
+                if flat is None:
+                    flat = typed[dt] = buffer.view(dt)  # [nbytes / itemsize]
+                rows, cols = rec.shape
+                pair.append(flat.as_strided((rows, cols), (cols, 1), offset // dt.itemsize))
+            out[(layer, s.module)] = (pair[0], pair[1])
+    return out

@@ -12,7 +12,7 @@ Public API::
         .layer(adapter_id, layer) -> LoraLayer | None     engine thread, in the forward: O(1), no allocation
         .ensure(adapter_id, *, timeout=None)              blocking request (tests, CLI, warm-up; not the engine)
         .close()
-    AdapterInfo, StoreState, AdapterState
+    AdapterInfo, StoreState, AdapterState             (defined in service.adapters.types)
 
 Tiers. The *device tier* holds ``LoraLayer`` objects on the serving device in the serving dtype, ``lora_B``
 already scaled; the *host tier* holds the raw tensors as read from the file (pinned memory when serving on CUDA).
@@ -54,16 +54,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from service import metrics
-from service.adapters.registry import AdapterSpec, SlotRecords, index_adapter
-from service.adapters.types import MODULES, LoraLayer, LoraModule
+from service.adapters.registry import AdapterSpec, SlotRecords, buffer_views, index_adapter, plan_buffer, plan_nbytes
+from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, LoraModule, StoreState
 from service.errors import (
     AdapterNotFound,
     AlreadyExists,
@@ -79,64 +78,9 @@ from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-AdapterState = Literal["registered", "loading", "host", "device", "failed"]
 HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
 DEVICE_ALIGN = 256
 _LayerList = list[LoraLayer | None]  # (the class below has a method named list)
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """A snapshot of one adapter: what it is, where it lives, how it was used and how long it took to load."""
-
-    id: str
-    source: Path
-    kind: str  # "lora"
-    rank: int  # the largest rank over all modules and layers
-    ranks: dict[str, int]  # per adapted module, the largest rank over the layers
-    alpha: float  # lora_alpha (before alpha_pattern)
-    target_modules: tuple[str, ...]  # modules with a delta in at least one layer
-    rslora: bool
-    layers: tuple[int, ...]  # layers with at least one delta
-    state: AdapterState
-    host_bytes: int  # bytes of the host-tier copy (0 when none)
-    device_bytes: int  # bytes on the device tier (0 when not resident)
-    hits: int  # request() calls that found it resident
-    last_used: float | None  # time.time() of the last request hit / pin / unpin / load
-    registered_at: float
-    pins: int
-    loads: int  # completed loads onto the device tier
-    disk_reads: int  # loads that read the weights file (the others came from the host tier)
-    disk_bytes: int  # bytes read from the weights file, all loads together
-    index_seconds: float  # registration: config + header + validation
-    read_seconds: float  # last load: reading the file (0 when it came from the host tier)
-    layout_seconds: float  # last load: scaling, dtype conversion and copy onto the device
-    total_seconds: float  # last load: from the request that queued it to resident (includes queueing)
-    error: str | None
-
-
-@dataclass(frozen=True)
-class StoreState:
-    """The whole store at one instant, for tests and metrics."""
-
-    adapters: dict[str, AdapterInfo]
-    device_bytes: int
-    host_bytes: int
-    device_budget_bytes: int
-    host_budget_bytes: int
-    device_lru: tuple[str, ...]  # resident on the device tier, least recently used first
-    host_lru: tuple[str, ...]  # holding a host copy, least recently used first
-    queued: tuple[str, ...]  # waiting for the loader, in order (the one being loaded is not listed)
-    disk_reads: int
-    disk_bytes: int
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Byte offsets of every slot's A and B inside one adapter's host or device buffer."""
-
-    offsets: dict[tuple[int, str], tuple[int, int]]  # (layer, module) -> (offset of A, offset of B)
-    nbytes: int
 
 
 @dataclass(eq=False)
@@ -250,8 +194,8 @@ class AdapterStore:
         entry = _Entry(
             spec=spec,
             registered_at=time.time(),
-            host_nbytes=_plan_nbytes(spec, None, HOST_ALIGN),
-            device_nbytes=_plan_nbytes(spec, self.dtype, DEVICE_ALIGN),
+            host_nbytes=plan_nbytes(spec, None, HOST_ALIGN),
+            device_nbytes=plan_nbytes(spec, self.dtype, DEVICE_ALIGN),
         )
         with self._lock:
             if adapter_id in self._entries:
@@ -454,10 +398,10 @@ class AdapterStore:
         """Outside the lock: read (unless a host copy exists) and lay out every touched layer."""
         from_disk = host is None
         if host is None:
-            host_plan = _plan(spec, None, HOST_ALIGN)
+            host_plan = plan_buffer(spec, None, HOST_ALIGN)
             buffer = torch.empty(host_plan.nbytes, dtype=torch.uint8, pin_memory=self._pin_host)
-            host = _HostCopy(buffer, _views(spec, host_plan, buffer, None))
-        device_plan = _plan(spec, self.dtype, DEVICE_ALIGN)
+            host = _HostCopy(buffer, buffer_views(spec, host_plan, buffer, None))
+        device_plan = plan_buffer(spec, self.dtype, DEVICE_ALIGN)
         if self.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream = self._stream  # the loader's own copy stream: layout never waits behind the engine's kernels
@@ -467,7 +411,7 @@ class AdapterStore:
             # Written on the loader's stream, read by the engine on the default stream: when an eviction frees
             # it, the allocator must wait for the engine's queued kernels before handing the memory out again.
             device_buffer.record_stream(torch.cuda.default_stream(self.device))
-        device_views = _views(spec, device_plan, device_buffer, self.dtype)
+        device_views = buffer_views(spec, device_plan, device_buffer, self.dtype)
         layers: _LayerList = [None] * spec.num_layers
         read_s = layout_s = 0.0
         nbytes = 0
@@ -647,64 +591,6 @@ class AdapterStore:
             total_seconds=e.total_seconds,
             error=str(e.error) if e.error is not None else None,
         )
-
-
-# --- buffers --------------------------------------------------------------------------------------------------
-
-
-def _plan(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> _Plan:
-    """Offsets of every slot's A then B in one flat buffer (``dtype`` None: each tensor in its file dtype)."""
-    offsets: dict[tuple[int, str], tuple[int, int]] = {}
-    cursor = 0
-    for layer, module, (a_bytes, b_bytes) in _slot_sizes(spec, dtype):
-        a_at = -(-cursor // align) * align
-        b_at = -(-(a_at + a_bytes) // align) * align
-        offsets[(layer, module)] = (a_at, b_at)
-        cursor = b_at + b_bytes
-    return _Plan(offsets, -(-cursor // align) * align)
-
-
-def _plan_nbytes(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> int:
-    """``_plan(...).nbytes`` without building the offsets (registration keeps only this number)."""
-    cursor = 0
-    for _, _, (a_bytes, b_bytes) in _slot_sizes(spec, dtype):
-        cursor = -(-cursor // align) * align + a_bytes
-        cursor = -(-cursor // align) * align + b_bytes
-    return -(-cursor // align) * align
-
-
-def _slot_sizes(spec: AdapterSpec, dtype: torch.dtype | None) -> Iterator[tuple[int, str, tuple[int, int]]]:
-    """(layer, module, (bytes of A, bytes of B)) of every slot with a delta, in layer then MODULES order."""
-    n = len(MODULES)
-    for slot, r in enumerate(spec.ranks):
-        if r:
-            fin, fout = spec.features[slot % n]
-            if dtype is None:
-                a_size, b_size = spec.a_itemsize(slot), spec.b_itemsize(slot)
-            else:
-                a_size = b_size = dtype.itemsize
-            yield slot // n, MODULES[slot % n], (r * fin * a_size, fout * r * b_size)
-
-
-def _views(
-    spec: AdapterSpec, plan: _Plan, buffer: torch.Tensor, dtype: torch.dtype | None
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Typed, shaped views into ``buffer`` at the plan's offsets (A [r, in], B [out, r]); one ``as_strided``
-    per tensor on a typed view of the whole buffer (offsets are aligned, so they divide by every itemsize)."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for layer in spec.layers:
-        for s in spec.layer_records(layer):
-            pair = []
-            for rec, offset in zip((s.a, s.b), plan.offsets[(layer, s.module)], strict=True):
-                dt = dtype if dtype is not None else rec.torch_dtype
-                flat = typed.get(dt)
-                if flat is None:
-                    flat = typed[dt] = buffer.view(dt)  # [nbytes / itemsize]
-                rows, cols = rec.shape
-                pair.append(flat.as_strided((rows, cols), (cols, 1), offset // dt.itemsize))
-            out[(layer, s.module)] = (pair[0], pair[1])
-    return out
 
 
 def _wrap(error: Exception, spec: AdapterSpec) -> LoraplexError:
