@@ -31,23 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    serve.add_argument(
-        "--model", type=Path, help="HF-format model folder (default models/SmolLM2-135M-Instruct)"
-    )
+    serve.add_argument("--model", type=Path, help="HF-format model folder (default models/SmolLM2-135M-Instruct)")
     serve.add_argument("--device", help="cpu, cuda, cuda:N (default cpu)")
     serve.add_argument("--dtype", choices=DTYPES, help="serving dtype (default float32)")
-    serve.add_argument(
-        "--load-mode", choices=LOAD_MODES, help="weight loading: stream (default), mmap, eager"
-    )
+    serve.add_argument("--load-mode", choices=LOAD_MODES, help="weight loading: stream (default), mmap, eager")
     serve.add_argument("--host", help="gRPC bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gRPC port (default 50051)")
     serve.add_argument("--metrics-host", help="/metrics bind address (default 127.0.0.1)")
     serve.add_argument("--metrics-port", type=int, help="/metrics port (default 9400; 0 = any free port, -1 = off)")
     serve.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     serve.add_argument("--max-batch-size", type=int, help="rows per decode step (default 32)")
-    serve.add_argument(
-        "--max-queue", type=int, help="queued requests before RESOURCE_EXHAUSTED (default 256)"
-    )
+    serve.add_argument("--max-queue", type=int, help="queued requests before RESOURCE_EXHAUSTED (default 256)")
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 2048)")
     serve.add_argument("--max-new-tokens", type=int, help="largest max_new_tokens accepted (default 1024)")
     serve.add_argument("--max-total-tokens", type=int, help="prompt + generated per request (default 4096)")
@@ -85,9 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument(
-        "--raw", action="store_true", help="send the prompt as is (default: apply the chat template)"
-    )
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is (default: apply the chat template)")
     gen.add_argument("--timeout", type=float, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
 
@@ -97,14 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="show the served model and limits")
     info.add_argument("--target", default=DEFAULT_TARGET)
+
+    adapters = sub.add_parser("adapters", help="list, show, load and unload adapters on a running server")
+    adapters.add_argument("--target", default=DEFAULT_TARGET)
+    adapters.add_argument("--json", action="store_true", help="JSON output")
+    verbs = adapters.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
+    show = verbs.add_parser("show", help="everything about one adapter")
+    show.add_argument("id")
+    load = verbs.add_parser("load", help="register the adapter folder PATH (a path on the server) as ID")
+    load.add_argument("id")
+    load.add_argument("path")
+    unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
+    unload.add_argument("id")
     return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
     fields = {
-        k: v
-        for k, v in vars(args).items()
-        if k != "command" and v is not None and k in Settings.__dataclass_fields__
+        k: v for k, v in vars(args).items() if k != "command" and v is not None and k in Settings.__dataclass_fields__
     }
     for key in ("adapters", "adapter_dirs", "adapter_roots"):
         if key in fields:
@@ -175,12 +178,40 @@ def _plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, enum.Enum):
-        return obj.name
+        return obj.value if isinstance(obj.value, str) else obj.name
     if isinstance(obj, (list, tuple)):
         return [_plain(x) for x in obj]
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}
     return obj
+
+
+def _adapters(args: argparse.Namespace) -> int:
+    from loraplex import Client
+
+    with Client(args.target) as client:
+        if args.verb == "list":
+            infos = client.list_adapters()
+            if args.json:
+                print(json.dumps(_plain(infos), indent=2, default=str))
+                return 0
+            print(
+                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} {'HITS':>6}"
+            )
+            for a in infos:
+                print(
+                    f"{a.id:<24} {a.kind.value:<12} {a.state.value:<11} {a.rank:>4} {a.device_bytes:>12} "
+                    f"{a.host_bytes:>10} {a.hits:>6}"
+                )
+            return 0
+        if args.verb == "show":
+            info = client.get_adapter(args.id)
+        elif args.verb == "load":
+            info = client.load_adapter(args.id, args.path)
+        else:
+            info = client.unload_adapter(args.id)
+        print(json.dumps(_plain(info), indent=2, default=str))
+    return 0
 
 
 COMMANDS = {
@@ -189,6 +220,7 @@ COMMANDS = {
     "generate": _generate,
     "tokenize": _tokenize,
     "info": _info,
+    "adapters": _adapters,
 }
 
 

@@ -299,3 +299,24 @@ def test_grpc_status_codes_directly(server: BackgroundServer) -> None:
         with pytest.raises(grpc.RpcError) as err:
             stub.LoadAdapter(adapters_pb2.LoadAdapterRequest(id="x", source=""))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cli_adapters_verbs(server: BackgroundServer, adapter_root: Path) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "service.cli", "adapters", "--target", server.target, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+    listed = cli("list")
+    assert listed.returncode == 0, listed.stderr
+    ids = [line.split()[0] for line in listed.stdout.splitlines()[1:]]
+    assert set(ADAPTERS) <= set(ids)
+    loaded = cli("load", "cli-copy", str(adapter_root / "qv-r4"))
+    assert loaded.returncode == 0 and json.loads(loaded.stdout)["id"] == "cli-copy"
+    shown = json.loads(cli("show", "cli-copy").stdout)
+    assert shown["state"] == "registered" and shown["rank"] == 4
+    assert cli("unload", "cli-copy").returncode == 0
+    missing = cli("show", "cli-copy")
+    assert missing.returncode != 0 and "cli-copy" in missing.stderr
