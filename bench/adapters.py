@@ -1,0 +1,325 @@
+"""Adapter benchmark: mixed-adapter serving vs our base-only engine and vs `peft` mixed batches, in one run.
+
+    .venv/bin/python bench/adapters.py            # full run (~10 min on 2 cores)
+    .venv/bin/python bench/adapters.py --quick    # CI smoke: tiny counts, asserts sane numbers
+
+Work: SmolLM2-135M-Instruct fp32, 32 PEFT LoRA adapters (r=8 on q_proj,v_proj — PEFT's default for Llama,
+random non-zero weights) written by `peft` into bench/.work/adapters; chat prompts, greedy, 32 new tokens (EOS
+ignored).
+  (a) throughput at 32 concurrent gRPC streams (64 requests) vs the number of distinct adapters (1, 4, 16, 32; request
+      i uses adapter i mod n), our base-only engine = 1.0; rounds alternate base / adapters, medians of the ratios;
+  (b) the same mixed workload through `peft` (batch 32, `adapter_names=` one per row, and a single adapter);
+  (c) cold vs warm time to first token (fresh server, each adapter's first request vs its second), and the
+      inter-token latency of a running base stream while cold adapters load (a cold load must not stall others);
+  (d) registering 1,000 adapters: time per registration and host memory, in a fresh process.
+Results: bench/results/adapters.json; the table in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from loraplex.v1 import generation_pb2 as pb
+from loraplex.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from serve import QUESTIONS, OurServer, pct, summary  # noqa: E402
+
+WORK = ROOT / "bench/.work"
+
+
+def write_adapters(model_dir: Path, folder: Path, count: int, *, r: int = 8) -> list[str]:
+    """``count`` PEFT adapters on q_proj/v_proj with seeded random A and B (peft would start B at 0)."""
+    names = [f"lora{i:02d}" for i in range(count)]
+    if all((folder / n / "adapter_model.safetensors").exists() for n in names):
+        return names
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for i, name in enumerate(names):
+        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"]))
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        model.save_pretrained(folder / name)
+        base = model.unload()
+    return names
+
+
+async def stream_round(target: str, adapters: list[str | None], streams: int, new_tokens: int) -> dict[str, float]:
+    """Run one request per entry of ``adapters`` with ``streams`` in flight; output tokens per second."""
+    tokens = 0
+    sem = asyncio.Semaphore(streams)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def one(i: int, adapter: str | None) -> None:
+            nonlocal tokens
+            req = pb.GenerateStreamRequest(
+                input=pb.Input(text=QUESTIONS[i % len(QUESTIONS)], chat=True),
+                adapter_id=adapter or "",
+                stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
+                return_options=pb.ReturnOptions(return_token_ids=True),
+            )
+            async with sem:
+                async for msg in stub.GenerateStream(req):
+                    tokens += len(msg.token_ids)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, a) for i, a in enumerate(adapters)))
+        wall = time.perf_counter() - start
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall}
+
+
+async def first_token_seconds(stub: pb_grpc.GenerationStub, adapter: str | None, prompt: int) -> float:
+    req = pb.GenerateStreamRequest(
+        input=pb.Input(text=QUESTIONS[prompt % len(QUESTIONS)], chat=True),
+        adapter_id=adapter or "",
+        stopping=pb.StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+    )
+    sent = time.perf_counter()
+    first = None
+    async for _ in stub.GenerateStream(req):
+        if first is None:
+            first = time.perf_counter() - sent
+    assert first is not None
+    return first
+
+
+async def cold_vs_warm(target: str, names: list[str], background_tokens: int) -> dict[str, Any]:
+    """Each adapter's first (cold) then second (warm) TTFT, while a base stream runs; that stream's ITL."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        gaps: list[float] = []
+
+        async def background() -> None:
+            req = pb.GenerateStreamRequest(
+                input=pb.Input(text=QUESTIONS[0], chat=True),
+                stopping=pb.StoppingCriteria(max_new_tokens=background_tokens, ignore_eos=True),
+            )
+            last = None
+            async for _ in stub.GenerateStream(req):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+        quiet_gaps: list[float] = []
+        task = asyncio.create_task(background())
+        await asyncio.sleep(1.0)  # the base stream alone: its ITL without loads
+        quiet_gaps.extend(gaps)
+        cold, warm = [], []
+        for i, name in enumerate(names):
+            cold.append(await first_token_seconds(stub, name, i))
+            warm.append(await first_token_seconds(stub, name, i))
+        await task
+    during = gaps[len(quiet_gaps) :]
+    return {
+        "cold_ttft": summary(cold),
+        "warm_ttft": summary(warm),
+        "cold_over_warm": summary([c / w for c, w in zip(cold, warm, strict=True)]),
+        "itl_quiet_p50": pct(quiet_gaps, 0.5),
+        "itl_quiet_p99": pct(quiet_gaps, 0.99),
+        "itl_during_loads_p50": pct(during, 0.5),
+        "itl_during_loads_p99": pct(during, 0.99),
+        "itl_during_loads_max": max(during) if during else float("nan"),
+    }
+
+
+def peft_throughput(model_dir: Path, folder: Path, names: list[str], batch: int, new_tokens: int) -> dict[str, float]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, folder / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(folder / name, adapter_name=name)
+    model.eval()
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS[:batch]
+    ]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out: dict[str, float] = {}
+    for label, row_names in (("mixed", [names[i % len(names)] for i in range(batch)]), ("single", [names[0]] * batch)):
+        with torch.inference_mode():
+            start = time.perf_counter()
+            gen = model.generate(
+                **enc,
+                adapter_names=row_names,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+            seconds = time.perf_counter() - start
+        out[f"{label}_tok_s"] = (gen.shape[1] - enc["input_ids"].shape[1]) * batch / seconds
+    return out
+
+
+REGISTER_CHILD = r"""
+import json, os, resource, sys, time, tracemalloc
+from pathlib import Path
+import torch
+from service.adapters import AdapterStore
+from service.model.config import ModelConfig
+model, root, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+store = AdapterStore(ModelConfig.from_hf(model), device=torch.device("cpu"), dtype=torch.float32,
+                     device_budget_bytes=1 << 30, host_budget_bytes=1 << 30, roots=(root,))
+folders = sorted(p for p in root.iterdir() if p.is_dir())[:n]
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tracemalloc.start()
+times = []
+for i, folder in enumerate(folders):
+    t = time.perf_counter()
+    store.register(f"r{i:04d}", folder)
+    times.append(time.perf_counter() - t)
+current, _ = tracemalloc.get_traced_memory()
+rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+growth = (rss1 - rss0) * 1024
+print(json.dumps({"n": len(times), "seconds": times, "traced_bytes": current, "rss_growth_bytes": growth}))
+"""
+
+
+def registration(model_dir: Path, source: Path, n: int) -> dict[str, Any]:
+    """``n`` folders that each hold a copy of one adapter's config and a hard link to its weights."""
+    root = WORK / "register"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    for i in range(n):
+        d = root / f"a{i:04d}"
+        d.mkdir()
+        shutil.copy(source / "adapter_config.json", d)
+        os.link(source / "adapter_model.safetensors", d / "adapter_model.safetensors")
+    out = subprocess.run(
+        [sys.executable, "-c", REGISTER_CHILD, str(model_dir), str(root), str(n)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    got = json.loads(out.stdout)
+    secs = got["seconds"]
+    return {
+        "n": got["n"],
+        "per_adapter_ms": {
+            "median": statistics.median(secs) * 1e3,
+            "p99": pct(secs, 0.99) * 1e3,
+            "max": max(secs) * 1e3,
+        },
+        "total_s": sum(secs),
+        "traced_MB": got["traced_bytes"] / 1e6,
+        "rss_growth_MB": got["rss_growth_bytes"] / 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / "models/SmolLM2-135M-Instruct")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--distinct", default="1,4,16,32")
+    parser.add_argument("--register", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/adapters.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.new_tokens, args.streams, args.distinct, args.register = 1, 4, 4, "1,4", 20
+    distinct = [int(x) for x in args.distinct.split(",")]
+    folder = WORK / "adapters"
+    names = write_adapters(args.model, folder, max(distinct))
+    results: dict[str, Any] = {
+        "model": args.model.name,
+        "adapters": f"{len(names)} x r=8 q_proj,v_proj",
+        "streams": args.streams,
+        "new_tokens": args.new_tokens,
+        "runs": args.runs,
+        "load_avg_before": os.getloadavg(),
+    }
+
+    # (a) throughput vs distinct adapters, base-only alternating as the reference.
+    srv = OurServer(args.model, "float32", 50810, args.streams, extra=["--adapter-dir", str(folder)])
+    target = f"127.0.0.1:{srv.port}"
+    requests = 2 * args.streams
+    rows: dict[str, list[float]] = {}
+    try:
+        asyncio.run(stream_round(target, list(names), args.streams, 2))  # every adapter resident
+        for r in range(args.runs + 1):
+            base = asyncio.run(stream_round(target, [None] * requests, args.streams, args.new_tokens))["tok_s"]
+            for n in distinct:
+                mix = [names[i % n] for i in range(requests)]
+                got = asyncio.run(stream_round(target, mix, args.streams, args.new_tokens))["tok_s"]
+                if r:
+                    rows.setdefault(f"{n}", []).append(got)
+                    rows.setdefault(f"ratio_{n}", []).append(got / base)
+            if r:
+                rows.setdefault("base", []).append(base)
+            print(f"(a) round {r}: base {base:.1f} tok/s", flush=True)
+    finally:
+        srv.stop()
+    results["throughput"] = {k: summary(v) for k, v in rows.items()}
+
+    # (b) peft mixed batch, same prompts and lengths.
+    pf = peft_throughput(args.model, folder, names, args.streams, args.new_tokens)
+    results["peft"] = pf
+    ours_mixed = results["throughput"][str(max(distinct))]["median"]
+    results["ours_vs_peft_mixed"] = ours_mixed / pf["mixed_tok_s"]
+    print(f"(b) peft mixed {pf['mixed_tok_s']:.1f} tok/s, single {pf['single_tok_s']:.1f}; ours/peft mixed "
+          f"{results['ours_vs_peft_mixed']:.1f}x", flush=True)  # fmt: skip
+
+    # (c) cold vs warm TTFT on a fresh server, a base stream running meanwhile.
+    srv = OurServer(args.model, "float32", 50811, args.streams, extra=["--adapter-dir", str(folder)])
+    try:
+        cw = asyncio.run(cold_vs_warm(f"127.0.0.1:{srv.port}", names[: min(8, len(names))], 256))
+    finally:
+        srv.stop()
+    results["cold_vs_warm"] = cw
+    print(f"(c) cold/warm TTFT median {cw['cold_over_warm']['median']:.2f}x; running stream ITL p99 "
+          f"{cw['itl_quiet_p99'] * 1e3:.1f} ms quiet vs {cw['itl_during_loads_p99'] * 1e3:.1f} ms during loads",
+          flush=True)  # fmt: skip
+
+    # (d) registration of many adapters.
+    reg = registration(args.model, folder / names[0], args.register)
+    results["registration"] = reg
+    print(f"(d) {reg['n']} registrations: median {reg['per_adapter_ms']['median']:.2f} ms, max "
+          f"{reg['per_adapter_ms']['max']:.2f} ms, RSS +{reg['rss_growth_MB']:.1f} MB", flush=True)  # fmt: skip
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results, distinct)
+    print(f"wrote {args.out}; peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
+    if args.quick:
+        assert all(results["throughput"][str(n)]["median"] > 0 for n in distinct)
+        assert reg["n"] == args.register
+
+
+def print_table(results: dict[str, Any], distinct: list[int]) -> None:
+    t = results["throughput"]
+    print("\n| distinct adapters | tok/s (median, min–max) | vs base-only (median of pairs) |")
+    print("|---|---|---|")
+    print(f"| 0 (base only) | {t['base']['median']:.1f} ({t['base']['min']:.1f}–{t['base']['max']:.1f}) | 1.00 |")
+    for n in distinct:
+        row, ratio = t[str(n)], t[f"ratio_{n}"]
+        print(f"| {n} | {row['median']:.1f} ({row['min']:.1f}–{row['max']:.1f}) | {ratio['median']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
