@@ -102,23 +102,6 @@ def _rewrite_legacy_rope(config_path: Path) -> None:
 
 def load_ours(folder: Path, *, dtype: torch.dtype = torch.float32) -> Any:
     """``service.model.weights.load_model`` on the CPU; returns the ``Llama``."""
-    try:
-        from service.loading import load_tensors  # noqa: F401
-    except ImportError:  # TEMPORARY until service.loading lands
-        from safetensors.torch import load_file
-
-        from service.model import Llama, ModelConfig
-        from service.model.weights import build_load_plan
-
-        cfg = ModelConfig.from_hf(folder)
-        model = Llama(cfg, dtype=dtype, device=torch.device("cpu"))
-        plan, _ = build_load_plan(model)
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(Path(folder).glob("*.safetensors")):
-            state.update(load_file(file))
-        for name, dest in plan.items():
-            dest.copy_(state[name])
-        return model
     from service.model.weights import load_model
 
     return load_model(folder, dtype=dtype, device="cpu")[0]

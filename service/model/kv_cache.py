@@ -4,6 +4,8 @@ Public API::
 
     KVCache(cfg: ModelConfig, slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device)
     cache.k[layer], cache.v[layer]     # [slots, n_kv, max_len, head_dim] views into one buffer
+    cache.rows[layer]                  # [2 * slots * n_kv * max_len, head_dim]: the same layer, flat
+    cache.write_index(slot_start, positions) -> Tensor   # where a step's K and V rows go in ``rows[layer]``
     cache.move(src_slot, dst_slot, length) -> None
     cache.nbytes, cache.slots, cache.max_len, cache.dtype, cache.device
 
@@ -42,10 +44,30 @@ class KVCache:
         self.data = _zeros(shape, dtype, self.device)  # [L, 2, slots, n_kv, max_len, D]
         self.k: list[torch.Tensor] = [self.data[i, 0] for i in range(cfg.num_layers)]  # each [slots, n_kv, max_len, D]
         self.v: list[torch.Tensor] = [self.data[i, 1] for i in range(cfg.num_layers)]
+        # Flat views for writing: one index_copy_ per layer puts a whole step's K and V in place.
+        self.rows: list[torch.Tensor] = [self.data[i].view(-1, cfg.head_dim) for i in range(cfg.num_layers)]
+        self._n_kv = cfg.num_kv_heads
+        self._head_offsets = torch.arange(2 * cfg.num_kv_heads, device=self.device)  # [2 * n_kv]: K heads, V heads
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    def write_index(self, slot_start: int, positions: torch.Tensor) -> torch.Tensor:
+        """Row numbers in ``rows[layer]`` for the K and V of tokens at ``positions`` [B, T] of slots
+        ``slot_start + b``, ordered (b, t, j) with j < n_kv the K heads and j >= n_kv the V heads: [B * T * 2 * n_kv].
+
+        Computed once per forward pass and shared by every layer (all layers have the same layout).
+        """
+        b = positions.shape[0]
+        slots = torch.arange(slot_start, slot_start + b, device=positions.device)  # [B]
+        j = self._head_offsets  # [2 * n_kv]
+        kv = j // self._n_kv  # [2 * n_kv]: 0 = K, 1 = V
+        head = j % self._n_kv
+        # data[layer] is [2, slots, n_kv, max_len, D]; this is the row of element (kv, slot, head, position).
+        base = ((kv * self.slots)[None, :] + slots[:, None]) * self._n_kv + head[None, :]  # [B, 2 * n_kv]
+        index = base[:, None, :] * self.max_len + positions[:, :, None]  # [B, T, 2 * n_kv]
+        return index.reshape(-1)
 
     def move(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy positions ``[0, length)`` of every layer's K and V from ``src_slot`` to ``dst_slot``."""

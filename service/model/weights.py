@@ -16,20 +16,17 @@ naming the tensor and its file, raised before any tensor data is read.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from service.config import LoadMode
+from service.loading import CheckpointIndex, LoadMode, LoadStats, load_tensors
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED, MODEL_PARAMETER_BYTES
 from service.model.config import ModelConfig
 from service.model.llama import Llama
-
-if TYPE_CHECKING:
-    from service.loading import LoadStats
 
 
 def build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]:
@@ -73,11 +70,10 @@ def load_model(
 ) -> tuple[Llama, ModelConfig, LoadStats]:
     """Parse the config, read the headers, allocate the model on ``device`` and stream the weights into it.
 
-    Records ``MODEL_LOAD_DURATION`` (stages header/read/convert from the loader, total = this whole call),
+    The returned stats count header parsing (``CheckpointIndex.open``) in ``header_seconds`` and this whole call
+    (config, allocation, headers, reads) in ``total_seconds``. Records ``MODEL_LOAD_DURATION`` per stage,
     ``MODEL_LOAD_BYTES``, ``MODEL_PARAMETER_BYTES`` and sets ``MODEL_LOADED`` to 1.
     """
-    from service.loading import CheckpointIndex, load_tensors
-
     t0 = time.perf_counter()
     folder = Path(folder)
     cfg = ModelConfig.from_hf(folder)
@@ -86,12 +82,17 @@ def load_model(
     plan, ignore = build_load_plan(model)
     stats = load_tensors(index, plan, mode=mode, unexpected="error", ignore_unexpected=tuple(ignore))
     model.eval()
-    total = time.perf_counter() - t0
+    # Headers were parsed by CheckpointIndex.open; count them, and make `total` this whole call.
+    stats = dataclasses.replace(
+        stats,
+        header_seconds=stats.header_seconds + index.header_seconds,
+        total_seconds=time.perf_counter() - t0,
+    )
     for stage, seconds in (
         ("header", stats.header_seconds),
         ("read", stats.read_seconds),
         ("convert", stats.convert_seconds),
-        ("total", total),
+        ("total", stats.total_seconds),
     ):
         MODEL_LOAD_DURATION.labels(stage=stage, mode=mode).observe(seconds)
     MODEL_LOAD_BYTES.labels(mode=mode).inc(stats.bytes_read)
