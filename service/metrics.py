@@ -146,3 +146,20 @@ ADAPTER_READ_BYTES = Counter(
     registry=REGISTRY,
 )
 ADAPTERS_REGISTERED = Gauge("loraplex_adapters_registered", "Adapters registered.", registry=REGISTRY)
+
+# --- speculative decoding (Medusa) ----------------------------------------------------------------------------
+SPECULATIVE_DRAFTED = Counter(
+    "loraplex_speculative_drafted_tokens",
+    "Draft tokens proposed by Medusa heads and verified.",
+    registry=REGISTRY,
+)
+SPECULATIVE_ACCEPTED = Counter(
+    "loraplex_speculative_accepted_tokens",
+    "Draft tokens accepted by verification (each saves one forward pass).",
+    registry=REGISTRY,
+)
+SPECULATIVE_STEPS = Counter(
+    "loraplex_speculative_steps",
+    "Row-steps that verified drafts; accepted / steps + 1 = mean tokens per step of a speculating row.",
+    registry=REGISTRY,
+)

@@ -10,6 +10,7 @@ from loraplex.v1 import adapters_pb2 as pb
 from loraplex.v1 import adapters_pb2_grpc as pb_grpc
 
 from service.adapters import AdapterInfo
+from service.adapters.catalog import AdapterCatalog
 from service.api.edge import Context, unary
 from service.api.runtime import Runtime
 from service.errors import InvalidRequest, PermissionDenied
@@ -30,6 +31,37 @@ def _stamp(seconds: float | None) -> Timestamp | None:
     stamp = Timestamp()
     stamp.FromNanoseconds(int(seconds * 1e9))
     return stamp
+
+
+def describe(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
+    """One adapter as the API shows it: its LoRA part's store state, plus its Medusa heads if it has any."""
+    kind = catalog.kind(adapter_id)
+    info = catalog.lora_info(adapter_id)
+    heads = 0
+    if kind != "lora":
+        spec = catalog.medusa.spec(adapter_id)
+        heads = spec.num_heads
+        if info is None:
+            return _medusa_only(catalog, adapter_id)
+    assert info is not None
+    message = info_to_pb(info, medusa_heads=heads)
+    message.kind = _KINDS[kind]
+    return message
+
+
+def _medusa_only(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
+    spec = catalog.medusa.spec(adapter_id)
+    loaded = catalog.medusa.loaded(adapter_id)
+    return pb.AdapterInfo(
+        id=adapter_id,
+        source=str(spec.source),
+        kind=pb.ADAPTER_KIND_MEDUSA,
+        medusa_heads=spec.num_heads,
+        state=pb.ADAPTER_STATE_DEVICE if loaded else pb.ADAPTER_STATE_REGISTERED,
+        total_bytes=spec.raw_nbytes(),
+        device_bytes=catalog.medusa.heads(adapter_id).nbytes if loaded else 0,
+        load_latency=pb.LoadLatency(index_seconds=spec.index_seconds),
+    )
 
 
 def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
@@ -83,21 +115,21 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
                 "this server loads adapters from no folder: start it with --adapter-root DIR (or --adapter-dir DIR)"
             )
         # Registration reads a config file and safetensors headers: file I/O, so off the event loop.
-        info = await asyncio.to_thread(store.register, request.id, Path(request.source))
-        return pb.LoadAdapterResponse(adapter=info_to_pb(info))
+        await asyncio.to_thread(store.register, request.id, Path(request.source))
+        return pb.LoadAdapterResponse(adapter=describe(store, request.id))
 
     @unary("UnloadAdapter")
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
         store = self.runtime.ready().adapters
-        info = store.get(request.id)
+        info = describe(store, request.id)
         store.unregister(request.id)
-        return pb.UnloadAdapterResponse(adapter=info_to_pb(info))
+        return pb.UnloadAdapterResponse(adapter=info)
 
     @unary("ListAdapters")
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Context) -> pb.ListAdaptersResponse:
         store = self.runtime.ready().adapters
-        return pb.ListAdaptersResponse(adapters=[info_to_pb(i) for i in sorted(store.list(), key=lambda i: i.id)])
+        return pb.ListAdaptersResponse(adapters=[describe(store, i) for i in store.ids()])
 
     @unary("GetAdapter")
     async def GetAdapter(self, request: pb.GetAdapterRequest, context: Context) -> pb.GetAdapterResponse:
-        return pb.GetAdapterResponse(adapter=info_to_pb(self.runtime.ready().adapters.get(request.id)))
+        return pb.GetAdapterResponse(adapter=describe(self.runtime.ready().adapters, request.id))

@@ -129,7 +129,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         rt = self.runtime.ready()
         s = rt.settings
         cfg = rt.model_config
-        features = ["lora", "logprobs", "stop_sequences", "seed"]
+        features = ["lora", "medusa", "logprobs", "stop_sequences", "seed"]
         if rt.tokenizer.has_chat_template:
             features.append("chat_template")
         return pb.ModelInfoResponse(

@@ -14,16 +14,19 @@ from pathlib import Path
 import torch
 
 from service.adapters import AdapterStore
+from service.adapters.catalog import AdapterCatalog
+from service.adapters.registry import resolve_source
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest, RequestHandle, Sink
 from service.errors import LoraplexError, Unavailable
+from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.runtime")
 
-ADAPTER_MARKERS = ("adapter_config.json", "config.json")
+ADAPTER_MARKERS = ("adapter_config.json", "config.json")  # a LoRA, or Medusa heads
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Loaded:
     device: torch.device
     load_seconds: float
 
-    adapters: AdapterStore
+    adapters: AdapterCatalog
 
     def validate(self, request: GenerationRequest) -> None:
         self.engine.validate(request)
@@ -58,14 +61,17 @@ class Runtime:
         tokenizer = Tokenizer.from_folder(s.model)
         dtype = getattr(torch, s.dtype)
         model, cfg, stats = load_model(s.model, dtype=dtype, device=device, mode=s.load_mode)
-        adapters = AdapterStore(
+        roots = adapter_roots(s)
+        store = AdapterStore(
             cfg,
             device=device,
             dtype=dtype,
             device_budget_bytes=s.adapter_device_budget_bytes,
             host_budget_bytes=s.adapter_host_budget_bytes,
-            roots=adapter_roots(s),
+            roots=roots,
         )
+        medusa = MedusaRegistry(cfg, device=device, dtype=dtype, check_path=lambda p: resolve_source(p, roots))
+        adapters = AdapterCatalog(store, medusa)
         register_startup_adapters(adapters, s)
         engine = Engine(model, tokenizer, s, adapters=adapters)
         engine.start()
@@ -103,7 +109,7 @@ def adapter_roots(s: Settings) -> tuple[Path, ...]:
     return (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
 
 
-def register_startup_adapters(store: AdapterStore, s: Settings) -> None:
+def register_startup_adapters(store: AdapterCatalog, s: Settings) -> None:
     """Register --adapter ID=PATH and every adapter folder under --adapter-dir (configs and headers only).
 
     A bad explicit --adapter fails start-up; a bad folder under --adapter-dir is logged and skipped, so one broken

@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 import torch
 
 from service import metrics
+from service.adapters.catalog import AdapterCatalog
 from service.adapters.lora import AdapterBatch, LoraTables
-from service.adapters.store import AdapterStore
 from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
 from service.engine.sampling import Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
+from service.medusa.heads import MedusaHeads
+from service.medusa.speculative import verify_greedy
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 from service.tokenizer import Tokenizer
@@ -54,7 +56,11 @@ class _Row:
     length: int = 0  # tokens whose K/V are in the cache
     pending: int = -1  # last sampled token, fed at the next decode step
     generated: int = 0
-    pinned: bool = False  # holds a pin on its adapter in the store (taken at admission)
+    pinned: bool = False  # holds a pin on its adapter's LoRA part in the store (taken at admission)
+    lora: bool = False  # its adapter has a LoRA part
+    heads: MedusaHeads | None = None  # Medusa heads that draft for this row (greedy rows only)
+    drafts: list[int] = field(default_factory=list)  # drafted tokens to verify at the next step
+    accepted: int = 0  # draft tokens accepted so far
     done: bool = False
     enqueued: float = field(default_factory=time.monotonic)
     last_token_at: float = 0.0
@@ -77,7 +83,7 @@ class EngineState:
 
 class Engine:
     def __init__(
-        self, model: Llama, tokenizer: Tokenizer, settings: Settings, *, adapters: AdapterStore | None = None
+        self, model: Llama, tokenizer: Tokenizer, settings: Settings, *, adapters: AdapterCatalog | None = None
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -149,7 +155,11 @@ class Engine:
         if request.adapter_id is not None:
             if self.adapters is None:
                 raise AdapterNotFound(request.adapter_id)
-            self.adapters.get(request.adapter_id)  # AdapterNotFound
+            kind = self.adapters.kind(request.adapter_id)  # AdapterNotFound
+            if request.speculate and kind == "lora":
+                raise InvalidRequest(f"speculate=true, but adapter {request.adapter_id!r} has no Medusa heads")
+        elif request.speculate:
+            raise InvalidRequest("speculate=true needs an adapter with Medusa heads (adapter_id is empty)")
 
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
         """Queue ``request``; its events go to ``sink`` on the engine thread. Raises typed errors."""
@@ -268,30 +278,63 @@ class Engine:
         return admitted
 
     def _adapter_ready(self, row: _Row) -> bool:
-        """True when the row needs no adapter or its adapter is resident (then pinned for the row's lifetime)."""
+        """True when the row needs no adapter or every part of it is loaded: the LoRA part resident on the device
+        (then pinned for the row's lifetime) and the Medusa heads loaded. Loads run on the adapters' own threads."""
         adapter = row.request.adapter_id
         if adapter is None:
             return True
         if self.adapters is None:
             self._finish(row, FinishReason.ERROR, error=AdapterNotFound(adapter))
             return False
+        store, medusa = self.adapters.store, self.adapters.medusa
         try:
-            ready = self.adapters.request(adapter, pin=True)
-            error = None if ready else self.adapters.failure(adapter)
+            kind = self.adapters.kind(adapter)
+            row.lora = kind != "medusa"
+            if row.lora and not row.pinned:
+                row.pinned = store.request(adapter, pin=True)
+            heads_ready = kind == "lora" or medusa.request(adapter)
+            error = (store.failure(adapter) if row.lora else None) or (
+                None if kind == "lora" else medusa.failure(adapter)
+            )
         except LoraplexError as exc:  # unregistered meanwhile, store closed
-            ready, error = False, exc
+            heads_ready, error = False, exc
         if error is not None:
             self._finish(row, FinishReason.ERROR, error=error)
             return False
-        row.pinned = ready
-        return ready
+        if not (heads_ready and (row.pinned or not row.lora)):
+            return False
+        sampling = row.request.sampling
+        if kind != "lora" and row.request.speculate is not False and sampling.greedy and not sampling.penalized:
+            row.heads = medusa.heads(adapter)
+        return True
 
     def _adapter_batch(self, rows: Sequence[_Row], slot_start: int) -> AdapterBatch | None:
         if self.adapters is None or self.tables is None:
             return None
         return AdapterBatch.build(
-            [r.request.adapter_id for r in rows], self.adapters.layer, self.tables, slot_start=slot_start
+            [r.request.adapter_id if r.lora else None for r in rows],
+            self.adapters.store.layer,
+            self.tables,
+            slot_start=slot_start,
         )
+
+    def _speculating(self) -> bool:
+        return len(self._running) <= self.settings.speculate_max_batch
+
+    def _draft(self, rows: Sequence[_Row], hidden: torch.Tensor) -> None:
+        """Set the drafts of rows with heads from their last hidden state ``hidden`` [len(rows), H]."""
+        groups: dict[int, list[int]] = {}
+        for b, row in enumerate(rows):
+            row.drafts = []
+            if row.heads is not None and not row.done and self._speculating():
+                groups.setdefault(id(row.heads), []).append(b)
+        for members in groups.values():
+            heads = rows[members[0]].heads
+            assert heads is not None  # groups hold rows with heads only
+            index = torch.tensor(members, device=hidden.device)
+            drafts = heads.draft(hidden.index_select(0, index), self.model.lm_head).tolist()  # [g, n_heads]
+            for b, d in zip(members, drafts, strict=True):
+                rows[b].drafts = d
 
     def _prefill(self, rows: Sequence[_Row]) -> None:
         start = len(self._running) - len(rows)
@@ -308,13 +351,18 @@ class Engine:
         batch = self._adapter_batch(rows, start)
         hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, start, batch)  # [B, T, H]
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        logits = self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])  # [B, V]
+        final = hidden[torch.arange(len(rows), device=self.device), last]  # [B, H]
+        logits = self.model.logits(final)  # [B, V]
         for r, n in zip(rows, lengths, strict=True):
             r.length = n
         self._sample_and_emit(rows, logits)
+        self._draft(rows, final)
 
     def _decode(self) -> None:
         rows = self._running
+        if any(r.drafts for r in rows):
+            self._decode_speculative(rows)
+            return
         tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
         metrics.BATCH_SIZE.observe(len(rows))
@@ -324,6 +372,55 @@ class Engine:
         for r in rows:
             r.length += 1
         self._sample_and_emit(rows, logits)
+        self._draft(rows, hidden[:, -1])
+
+    def _decode_speculative(self, rows: list[_Row]) -> None:
+        """Verify every row's pending token plus its drafts in one forward pass; keep the longest accepted prefix.
+
+        Row b feeds ``[pending, d_1 .. d_kb]`` at positions ``length .. length + kb`` (padded to the batch's k with
+        its pending token, never read back). Greedy rows keep the drafts that equal the argmax after their prefix
+        and emit the argmax after the last kept one: exactly plain greedy decoding. Rows without drafts (sampled,
+        or without heads) use position 0 like a plain decode step. The cache is rolled back by the length alone.
+        """
+        limit = self.settings.max_total_tokens
+        ks = [
+            max(0, min(len(r.drafts), r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)) for r in rows
+        ]
+        k = max(ks)
+        fed = [[r.pending, *r.drafts[: ks[b]]] + [r.pending] * (k - ks[b]) for b, r in enumerate(rows)]
+        tokens = torch.tensor(fed, dtype=torch.long, device=self.device)  # [B, k+1]
+        starts = torch.tensor([r.length for r in rows], device=self.device)  # [B]
+        positions = starts[:, None] + torch.arange(k + 1, device=self.device)[None, :]  # [B, k+1]
+        metrics.BATCH_SIZE.observe(len(rows))
+        batch = self._adapter_batch(rows, 0)
+        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=max(r.length for r in rows) + k + 1)
+        logits = self.model.logits(hidden)  # [B, k+1, V]
+        verified = verify_greedy(tokens[:, 1:], logits, torch.tensor(ks, device=self.device))
+        accepted = verified.accepted.tolist()
+        emitted = verified.tokens.tolist()
+        plain = [b for b, r in enumerate(rows) if r.heads is None]
+        if plain:  # sampled rows (and rows without heads): one token from position 0, as a plain step
+            sub = [rows[b] for b in plain]
+            for r in sub:
+                r.length += 1
+            self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
+        drafted = sum(ks)
+        kept = sum(accepted[b] for b, r in enumerate(rows) if r.heads is not None)
+        metrics.SPECULATIVE_DRAFTED.inc(drafted)
+        metrics.SPECULATIVE_ACCEPTED.inc(kept)
+        metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.heads is not None))
+        for b, row in enumerate(rows):
+            if row.heads is None:
+                continue
+            a = accepted[b]
+            row.length += 1 + a
+            row.accepted += a
+            for token in emitted[b][: a + 1]:
+                if row.done:
+                    break
+                self._emit(row, int(token), None)
+        at = verified.accepted.to(self.device)  # [B]
+        self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at])  # state after the last kept token
 
     def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
         params = [r.request.sampling for r in rows]
@@ -374,6 +471,7 @@ class Engine:
             finish=finish,
             prompt_tokens=len(req.prompt_ids),
             generated_tokens=row.generated,
+            accepted_draft_tokens=row.accepted,
             stop_sequence=(row.stops.matched or "") if row.stops is not None else "",
         )
         if finish is not None:
@@ -403,7 +501,7 @@ class Engine:
         if row.pinned and self.adapters is not None and row.request.adapter_id is not None:
             row.pinned = False
             try:
-                self.adapters.unpin(row.request.adapter_id)
+                self.adapters.store.unpin(row.request.adapter_id)
             except LoraplexError:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
         with self._lock:

@@ -189,7 +189,7 @@ def weight_files(folder: Path) -> tuple[Path, ...]:
 
 
 def index_medusa(
-    folder: Path, model_config: ModelConfig, *, check_path: Callable[[Path], None] | None = None
+    folder: Path, model_config: ModelConfig, *, check_path: Callable[[Path], object] | None = None
 ) -> MedusaSpec:
     """Validate a Medusa adapter folder against the base model and index its heads (config + headers only).
 
