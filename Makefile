@@ -8,6 +8,8 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 METRICS_PORT ?= 9400
 SERVE_ARGS ?=
+# The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
+DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
 
 .PHONY: setup system-deps model serve test test-fast lint typecheck check proto bench-load bench-serve clean distclean
@@ -32,7 +34,7 @@ $(MODEL_DIR)/config.json: | $(VENV)/.installed
 
 ## serve: set everything up and serve the default model on $(HOST):$(PORT) (metrics on :$(METRICS_PORT))
 serve: setup model
-	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
+	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
 		--metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 ## test: set everything up, lint, type-check and run the whole test suite

