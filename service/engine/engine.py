@@ -304,7 +304,10 @@ class Engine:
         if not (heads_ready and (row.pinned or not row.lora)):
             return False
         sampling = row.request.sampling
-        if kind != "lora" and row.request.speculate is not False and sampling.greedy and not sampling.penalized:
+        # Speculation serves greedy rows (output identical to plain greedy); sampled, penalized or logprob rows
+        # decode one token per step, so their distribution and logprobs are exactly the plain ones.
+        plain_greedy = sampling.greedy and not sampling.penalized and not sampling.logprobs
+        if kind != "lora" and row.request.speculate is not False and plain_greedy:
             row.heads = medusa.heads(adapter)
         return True
 
