@@ -1,7 +1,9 @@
 """The Grafana dashboard deploy/grafana/loraplex.json: valid, portable, and plotting only metrics that exist.
 
 Every panel query is parsed with promql-parser (after Grafana's variables are substituted) and each series it
-selects must be one that ``service.metrics.REGISTRY`` declares and that a running server exports.
+selects must be one that ``service.metrics.REGISTRY`` declares and that a running server exports (one with a LoRA
+and Medusa heads that has served a cold adapter load and speculative decoding). Every declared metric is either
+plotted or named in docs/operations.md's list of metrics left off the dashboard.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from typing import Any
 import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics_exposition import scrape_live_server, series_names
+from test_metrics_exposition import scrape_live_server, series_names, write_live_adapters
 
 from service.metrics import REGISTRY
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "loraplex.json"
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "loraplex.json"
+OPERATIONS = ROOT / "docs" / "operations.md"
+LEFT_OUT_HEADING = "### Metrics not on the dashboard"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's interval variables become durations; any other variable sits in a regex matcher and becomes ".*".
 INTERVALS = re.compile(r"\$(?:\{(?:__rate_interval|__interval|__range)\}|__rate_interval|__interval|__range)\b")
@@ -73,6 +78,18 @@ def selected_metrics(expr: str) -> set[str]:
     return names
 
 
+def selector_names(node: Any) -> frozenset[str]:
+    """Metric names of the vector selectors anywhere under ``node`` of a parsed query."""
+    names: set[str] = set()
+
+    def visit(n: Any) -> None:
+        if isinstance(n, promql_parser.VectorSelector) and n.name:
+            names.add(n.name)
+
+    promql_parser.walk(node, visit)
+    return frozenset(names)
+
+
 def variable_metrics(dashboard: Obj) -> set[str]:
     names: set[str] = set()
     for var in dashboard["templating"]["list"]:
@@ -91,8 +108,9 @@ def dashboard_metrics(dashboard: Obj) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def live_series(served_tiny_dir: Path) -> set[str]:
-    return series_names(text_string_to_metric_families(scrape_live_server(served_tiny_dir)))
+def live_series(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    adapters = write_live_adapters(tmp_path_factory.mktemp("dashboard_adapters"), served_tiny_dir)
+    return series_names(text_string_to_metric_families(scrape_live_server(served_tiny_dir, adapters)))
 
 
 def test_dashboard_is_portable_grafana_json() -> None:
@@ -154,10 +172,7 @@ def test_quantiles_aggregate_buckets_by_le() -> None:
                 assert isinstance(agg, promql_parser.AggregateExpr), title
                 assert agg.modifier is not None and agg.modifier.type == promql_parser.AggModifierType.By, title
                 assert "le" in agg.modifier.labels, title
-                inner: set[str] = set()
-                promql_parser.walk(
-                    agg, lambda n: inner.add(n.name) if isinstance(n, promql_parser.VectorSelector) else None
-                )
+                inner = selector_names(agg)
                 assert inner and all(name.endswith("_bucket") for name in inner), title
 
         promql_parser.walk(parse(expr), visit)
@@ -191,6 +206,58 @@ def test_required_panels_are_there() -> None:
     if "loraplex_adapter_load_duration_seconds" in declared:
         assert any("loraplex_adapter_load_duration_seconds" in e and "stage" in e for e in exprs)
         assert "loraplex_adapter_cache_events_total" in used
+
+
+def ratios(dashboard: Obj) -> set[tuple[frozenset[str], frozenset[str]]]:
+    """(metrics selected by the numerator, by the denominator) of every division in every query."""
+    found: set[tuple[frozenset[str], frozenset[str]]] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.BinaryExpr) and str(node.op) == "/":
+            found.add((selector_names(node.lhs), selector_names(node.rhs)))
+
+    for _, expr in queries(dashboard):
+        promql_parser.walk(parse(expr), visit)
+    return found
+
+
+def test_speculative_panels() -> None:
+    """Acceptance rate = accepted / drafted; tokens per step = 1 + accepted / steps (service/metrics.py's docs)."""
+    dashboard = load()
+    found = ratios(dashboard)
+    accepted = frozenset({"loraplex_speculative_accepted_tokens_total"})
+    assert (accepted, frozenset({"loraplex_speculative_drafted_tokens_total"})) in found
+    assert (accepted, frozenset({"loraplex_speculative_steps_total"})) in found
+    assert any(e.startswith("1 + ") and "loraplex_speculative_steps_total" in e for _, e in queries(dashboard))
+    titles = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
+    assert "Speculative decoding" in titles
+
+
+def left_out_metrics() -> dict[str, str]:
+    """The table under LEFT_OUT_HEADING in docs/operations.md: metric name -> why it is not plotted."""
+    text = OPERATIONS.read_text()
+    assert LEFT_OUT_HEADING in text, f"{OPERATIONS} lacks {LEFT_OUT_HEADING!r}"
+    section = text.split(LEFT_OUT_HEADING, 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \|$", section, re.MULTILINE)
+    assert rows, "no `metric` | reason rows in the left-out table"
+    return dict(rows)
+
+
+def test_every_declared_metric_is_plotted_or_consciously_left_out() -> None:
+    used = dashboard_metrics(load())
+    left_out = left_out_metrics()
+    unaccounted, doubly = [], []
+    for family in REGISTRY.collect():
+        exposed = series_names([family]) - {family.name + "_created"}
+        listed = exposed & set(left_out)
+        if exposed & used and listed:
+            doubly.append(family.name)
+        elif not exposed & used and not listed:
+            unaccounted.append(sorted(exposed))
+    assert not unaccounted, f"neither plotted nor listed under {LEFT_OUT_HEADING!r}: {unaccounted}"
+    assert not doubly, f"plotted, yet listed as left out: {doubly}"
+    declared = series_names(REGISTRY.collect())
+    assert set(left_out) <= declared, f"listed as left out but not declared: {sorted(set(left_out) - declared)}"
 
 
 def test_queries_use_declared_metrics() -> None:

@@ -1,8 +1,10 @@
 """The /metrics endpoint of a running server, linted by Prometheus' own ``promtool check metrics``.
 
-A real server (tiny random Llama, SmolLM2's tokenizer) is started with ``metrics_port=0``, serves a few
-generations so histograms and labelled series have samples, and is scraped over HTTP. promtool comes from
-Debian's ``prometheus`` package (``scripts/system_deps.sh``).
+A real server (tiny random Llama, SmolLM2's tokenizer) is started with ``metrics_port=0`` and two adapters
+registered lazily: a PEFT LoRA and Medusa heads. It serves base-model generations, the first request for the LoRA
+(a cold load: miss, read, layout) and a second one (a hit), and a greedy generation with the heads (speculative
+decoding: drafts proposed and verified), so histograms and labelled series have samples; then it is scraped over
+HTTP. promtool comes from Debian's ``prometheus`` package (``scripts/system_deps.sh``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
+from adapter_files import write_peft_adapter
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -23,7 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.server import BackgroundServer
 from service.config import Settings
+from service.medusa.format import write_medusa
 from service.metrics import REGISTRY
+from service.model.config import ModelConfig
 
 # The series names a family of each type puts in the text exposition (prometheus_client names a counter's
 # family without its ``_total``; an info metric is exposed as a gauge called ``<name>_info``).
@@ -49,8 +55,21 @@ def series_names(families: Iterable[Metric]) -> set[str]:
     return names
 
 
-def scrape_live_server(model_dir: Path) -> str:
-    """Start a server on free ports, run a unary and a streamed generation, return its /metrics text."""
+def write_live_adapters(root: Path, model_dir: Path) -> Path:
+    """``root/lora`` (PEFT LoRA on q/v) and ``root/medusa`` (three Medusa v2 heads, seeded random) for ``model_dir``."""
+    write_peft_adapter(root / "lora", model_dir, r=4, alpha=8, seed=3, scale=0.5)
+    cfg = ModelConfig.from_hf(model_dir)
+    g = torch.Generator().manual_seed(4)
+    n_heads, h = 3, cfg.hidden_size
+    weight = torch.randn(1, n_heads, h, h, generator=g) * 0.05  # [layers, heads, H, H]
+    bias = torch.randn(1, n_heads, h, generator=g) * 0.05  # [layers, heads, H]
+    write_medusa(root / "medusa", weight, bias, version=2)
+    return root
+
+
+def scrape_live_server(model_dir: Path, adapter_dir: Path) -> str:
+    """Start a server on free ports with the adapters under ``adapter_dir`` (see ``write_live_adapters``), send
+    base-model, LoRA (cold, then warm) and speculative (Medusa, greedy) traffic, return its /metrics text."""
     settings = Settings(
         model=model_dir,
         port=0,
@@ -60,6 +79,7 @@ def scrape_live_server(model_dir: Path) -> str:
         max_prompt_tokens=128,
         max_new_tokens=32,
         max_total_tokens=256,
+        adapter_dirs=(adapter_dir,),
     )
     stopping = pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True)
     with BackgroundServer(settings) as srv:
@@ -76,6 +96,22 @@ def scrape_live_server(model_dir: Path) -> str:
                 )
             )
             assert chunks and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            for text in ("Cold adapter", "Warm adapter"):  # the first request loads the LoRA, the second hits
+                lora = stub.Generate(
+                    pb.GenerateRequest(inputs=[pb.Input(text=text)], adapter_id="lora", stopping=stopping),
+                    timeout=60,
+                )
+                assert lora.results[0].usage.generated_tokens == 6
+            spec = stub.Generate(
+                pb.GenerateRequest(
+                    inputs=[pb.Input(text="Speculate")],
+                    adapter_id="medusa",
+                    speculate=True,
+                    stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True),
+                ),
+                timeout=60,
+            )
+            assert spec.results[0].usage.generated_tokens == 16
         url = f"http://{settings.metrics_host}:{srv.server.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             body: str = response.read().decode()
@@ -96,8 +132,9 @@ def promtool_check(exposition: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def live_scrape(served_tiny_dir: Path) -> Iterator[str]:
-    yield scrape_live_server(served_tiny_dir)
+def live_scrape(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    adapters = write_live_adapters(tmp_path_factory.mktemp("live_adapters"), served_tiny_dir)
+    yield scrape_live_server(served_tiny_dir, adapters)
 
 
 @pytest.mark.slow
@@ -120,12 +157,40 @@ def test_live_exposition_declares_every_metric_with_samples(live_scrape: str) ->
         "loraplex_request_duration_seconds",
         "loraplex_request_queue_seconds",
         "loraplex_batch_size",
+        "loraplex_adapter_load_duration_seconds",
     }
     for name in observed:
         counts = [s.value for s in scraped[name].samples if s.name == f"{name}_count"]
         assert counts and min(counts) >= 1, f"{name} has no observations"
-    generated = [s.value for s in scraped["loraplex_generated_tokens"].samples if s.name.endswith("_total")]
-    assert generated and generated[0] >= 18  # 3 generations x 6 tokens (the registry is per process)
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        found = [s.value for s in scraped[family].samples if s.name == sample and s.labels == labels]
+        assert len(found) == 1, f"{sample}{labels}: {found}"
+        return found[0]
+
+    # 3 base + 2 LoRA generations x 6 tokens, 16 speculative ones (the registry is per process: at least).
+    assert value("loraplex_generated_tokens", "loraplex_generated_tokens_total") >= 3 * 6 + 2 * 6 + 16
+
+    def events(event: str, tier: str) -> float:
+        return value("loraplex_adapter_cache_events", "loraplex_adapter_cache_events_total", event=event, tier=tier)
+
+    # The cold LoRA load: a device-tier miss whose bytes came from disk (a host-tier miss), then a hit.
+    assert events("miss", "device") >= 1 and events("miss", "host") >= 1 and events("hit", "device") >= 1
+    assert value("loraplex_adapter_read_bytes", "loraplex_adapter_read_bytes_total") > 0
+    stages = {
+        s.labels["stage"]
+        for s in scraped["loraplex_adapter_load_duration_seconds"].samples
+        if s.name.endswith("_count") and s.value >= 1
+    }
+    assert {"index", "read", "layout", "total"} <= stages, stages
+    # The gauge counts the LoRA store's adapters; Medusa-only folders live in the heads registry.
+    assert value("loraplex_adapters_registered", "loraplex_adapters_registered") >= 1
+    assert value("loraplex_adapter_resident", "loraplex_adapter_resident", tier="device") >= 1
+    # Speculative decoding ran: drafts proposed and verified, accepted ones counted (possibly none: random heads).
+    steps = value("loraplex_speculative_steps", "loraplex_speculative_steps_total")
+    drafted = value("loraplex_speculative_drafted_tokens", "loraplex_speculative_drafted_tokens_total")
+    accepted = value("loraplex_speculative_accepted_tokens", "loraplex_speculative_accepted_tokens_total")
+    assert steps >= 1 and drafted >= steps and 0 <= accepted <= drafted
 
 
 def test_promtool_rejects_a_bad_exposition() -> None:
