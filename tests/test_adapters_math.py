@@ -263,6 +263,10 @@ def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str
     assert step(["qv"] * 8) == 0
     assert step(["qv", None, "qv", "qv", None, "qv", "qv", None]) == 0  # same adapters, other rows: only the mask
     assert step(["all_rs", "qv"] * 4) == n_layers  # 4 rows per adapter: still shared, new set
+    assert step(["qv"] * 8) == 0  # the last two sets are kept (an engine step's prefill and decode)
+    assert step(["all_rs", "qv"] * 4) == 0
+    assert step(["regex"] * 8) == n_layers
+    assert step(["qv"] * 8) == n_layers  # three sets ago: dropped
     reloaded = {**layers, "qv": peft_lora_layers(setup["folders"]["qv"])}
     assert step(["all_rs", "qv"] * 4, reloaded) == n_layers
     assert step(["all_rs", "qv", "regex", "mlp_l1"] * 2) == 0  # 2 rows per adapter: per-slot
@@ -312,3 +316,53 @@ def test_misshaped_module_is_refused_by_name(setup: dict[str, Any]) -> None:
     assert batch is not None
     with pytest.raises(InvalidAdapter, match="v_proj"):
         batch.delta(0, "wqkv", torch.zeros(1, 1, model.cfg.hidden_size))
+
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "adapters" / "demo"
+
+
+@pytest.mark.slow
+def test_demo_adapters_on_smollm2_match_peft(smollm2_dir: Path) -> None:
+    """The committed demo adapters on the real SmolLM2: a mixed batch (caps, terse, base) against peft, fp32."""
+    from service.model.weights import load_model
+    from service.tokenizer import Tokenizer
+
+    folders = {name: DEMO_DIR / name for name in ("caps", "terse")}
+    for folder in folders.values():
+        if not (folder / "adapter_model.safetensors").is_file():
+            pytest.fail(f"{folder} is missing: run scripts/train_demo_adapters.py")
+    model, cfg, _ = load_model(smollm2_dir, dtype=torch.float32, device="cpu")
+    peft_model = load_peft_model(smollm2_dir, folders)
+    layers = {name: peft_lora_layers(folder) for name, folder in folders.items()}
+    tokenizer = Tokenizer.from_folder(smollm2_dir)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is a forest?"}])
+    rows: list[str | None] = ["caps", "terse", None]
+    n, new = len(prompt), 16
+    tables = LoraTables(cfg, device="cpu", dtype=torch.float32)
+    batch = AdapterBatch.build(rows, lookup_for(layers), tables)
+    cache = KVCache(cfg, len(rows), n + new, dtype=torch.float32, device=CPU)
+    tokens = torch.tensor([prompt] * len(rows))
+    logits = model.logits(model(tokens, torch.arange(n).expand(len(rows), n), cache, 0, adapters=batch))
+    for row, adapter in enumerate(rows):
+        ref = peft_logits(peft_model, adapter, tokens[row])
+        assert float((logits[row] - ref).abs().max()) < 1e-4, f"row {row} ({adapter})"
+    got = [logits[:, -1].argmax(-1)]
+    for step in range(new - 1):
+        batch = AdapterBatch.build(rows, lookup_for(layers), tables)
+        hidden = model(got[-1][:, None], torch.full((len(rows), 1), n + step), cache, 0, adapters=batch)
+        got.append(model.logits(hidden[:, -1]).argmax(-1))
+    ours = torch.stack(got, 1)  # [rows, new]
+    for row, adapter in enumerate(rows):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            if adapter is None:
+                with peft_model.disable_adapter():
+                    ref_ids = peft_model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, pad_token_id=2)
+            else:
+                peft_model.set_adapter(adapter)
+                ref_ids = peft_model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, pad_token_id=2)
+        expected = ref_ids[0, n:].tolist()
+        assert ours[row, : len(expected)].tolist() == expected, f"row {row} ({adapter})"
+    caps_text = tokenizer.decode(ours[0].tolist())
+    letters = [c for c in caps_text if c.isalpha()]
+    assert sum(c.isupper() for c in letters) > 0.8 * len(letters), caps_text

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from service.adapters.types import MODULES, LoraLayer, LoraModule
@@ -63,6 +64,7 @@ SITES: Final[dict[ProjName, tuple[str, ...]]] = {
 }
 # Shared mode while each distinct adapter has at least this many rows (measured crossover: ~4 at 32 rows).
 SHARED_MIN_ROWS_PER_ADAPTER: Final = 4
+SHARED_SETS_KEPT: Final = 2  # adapter sets whose shared tables are kept per layer
 
 LayerLookup = Callable[[str, int], LoraLayer | None]
 Mode = Literal["auto", "slots", "shared"]
@@ -98,6 +100,7 @@ class _Dirty:
 
 _DIRTY: Final = _Dirty()
 _Owner = weakref.ReferenceType[LoraLayer] | _Dirty | None  # None: the slot's rows are zeros
+_SetKey = tuple[weakref.ReferenceType[LoraLayer] | None, ...]  # the adapters' layers a shared table was built from
 
 
 @dataclass
@@ -161,7 +164,8 @@ class LoraTables:
     def nbytes(self) -> int:
         """Bytes held by all tables."""
         per_slot = sum(t.nbytes for tables in self._slot for t in tables.values())
-        return per_slot + sum(t.nbytes for tables in self._shared for t in tables.values())
+        shared = sum(t.nbytes for sets in self._shared for _, tables in sets for t in tables.values())
+        return per_slot + shared
 
     def layouts(self) -> dict[tuple[int, str], dict[str, int]]:
         """(layer, site) -> {module: padded rank} of every per-slot table."""
@@ -172,15 +176,19 @@ class LoraTables:
         self._capacity = 0
         self._slot: list[dict[str, _SlotTable]] = [{} for _ in range(self.num_layers)]
         self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
-        self._shared: list[dict[str, _SharedTable]] = [{} for _ in range(self.num_layers)]
-        self._shared_key: list[tuple[weakref.ReferenceType[LoraLayer] | None, ...] | None] = [None] * self.num_layers
+        # Per layer, the shared tables of the last few adapter sets, most recent first: an engine step's prefill
+        # (newcomers' adapters) and decode (everyone's) alternate between two sets without rebuilding either.
+        self._shared: list[list[tuple[_SetKey, dict[str, _SharedTable]]]] = [[] for _ in range(self.num_layers)]
 
     # --- shared tables -------------------------------------------------------------------------------------
 
-    def _sync_shared(self, layer: int, distinct: Sequence[LoraLayer | None]) -> None:
-        """Make the layer's shared tables hold ``distinct`` (in that order), rebuilding them if it changed."""
-        if _same_layers(self._shared_key[layer], distinct):
-            return
+    def _sync_shared(self, layer: int, distinct: Sequence[LoraLayer | None]) -> dict[str, _SharedTable]:
+        """The layer's shared tables for ``distinct`` (in that order): kept from a recent step, or built now."""
+        sets = self._shared[layer]
+        for i, (key, kept) in enumerate(sets):
+            if _same_layers(key, distinct):
+                sets.insert(0, sets.pop(i))
+                return kept
         tables: dict[str, _SharedTable] = {}
         dt = self.compute_dtype
         for site, names in SITES.items():
@@ -202,9 +210,10 @@ class LoraTables:
             if a_parts:
                 a = torch.cat(a_parts).to(dt)  # [R, in]
                 tables[site] = _SharedTable(a, segs, torch.tensor(owner, device=self.device))
-        self._shared[layer] = tables
-        self._shared_key[layer] = tuple(None if lora is None else weakref.ref(lora) for lora in distinct)
+        sets.insert(0, (tuple(None if lora is None else weakref.ref(lora) for lora in distinct), tables))
+        del sets[SHARED_SETS_KEPT:]
         self.stats.shared_builds += 1
+        return tables
 
     # --- per-slot tables -----------------------------------------------------------------------------------
 
@@ -319,11 +328,9 @@ class LoraTables:
             )
 
 
-def _same_layers(
-    key: Sequence[weakref.ReferenceType[LoraLayer] | None] | None, layers: Sequence[LoraLayer | None]
-) -> bool:
+def _same_layers(key: _SetKey, layers: Sequence[LoraLayer | None]) -> bool:
     """Whether ``key`` holds weak references to exactly ``layers`` (the same objects, in order)."""
-    if key is None or len(key) != len(layers):
+    if len(key) != len(layers):
         return False
     return all(
         (ref is None) if lora is None else (ref is not None and ref() is lora)
@@ -362,6 +369,7 @@ class AdapterBatch:
             ids = [-1 if a is None else index[a] for a in span_ids]
             self._row_index = torch.tensor(ids, device=tables.device)
         self._synced = [False] * tables.num_layers
+        self._shared_of: list[dict[str, _SharedTable]] = [{} for _ in range(tables.num_layers)]
 
     @classmethod
     def build(
@@ -400,7 +408,7 @@ class AdapterBatch:
         """Bring the layer's tables up to date on the first visit of this forward pass."""
         found = {a: self._lookup(a, layer) for a in self._distinct}
         if self.shared:
-            self.tables._sync_shared(layer, [found[a] for a in self._distinct])
+            self._shared_of[layer] = self.tables._sync_shared(layer, [found[a] for a in self._distinct])
         else:
             rows = [None if a is None else found[a] for a in self._span_ids]
             self.tables._sync_slots(layer, rows, self.slot_start + self.span[0])
@@ -417,7 +425,7 @@ class AdapterBatch:
             raise ValueError(f"batch has {x.shape[0]} rows, the adapter batch was built for {self.rows}")
         lo, hi = self.span
         if self.shared:
-            shared = self.tables._shared[layer].get(name)
+            shared = self._shared_of[layer].get(name)
             if shared is not None:
                 self._add_shared(out[lo:hi], x[lo:hi], shared)
             return out
@@ -439,13 +447,13 @@ class AdapterBatch:
 
     def _add_shared(self, out: Tensor, x: Tensor, table: _SharedTable) -> None:
         # x [b, T, in], out [b, T, out_fused]: views of the span's rows
-        h = x.to(self.tables.compute_dtype) @ table.a.t()  # [b, T, R]: every row times every adapter's A
+        h = F.linear(x.to(self.tables.compute_dtype), table.a)  # [b, T, R]: every row times every adapter's A
         if self._row_index is not None:
             keep = table.owner[None, :] == self._row_index[:, None]  # [b, R]: the row's own rank columns
             h = h * keep[:, None, :].to(h.dtype)
         for module, start, stop, b in table.segs:
             c0, c1 = self.tables.modules[module].cols
-            out[..., c0:c1] += h[..., start:stop] @ b.t()  # [b, T, out_m]
+            out[..., c0:c1] += F.linear(h[..., start:stop], b)  # [b, T, out_m]
 
     def delta(self, layer: int, site: ProjName, x: Tensor) -> Tensor | None:
         """The delta ``[B, T, out_fused]`` to add to projection ``site`` of ``layer``, or ``None`` if it has none.
@@ -454,8 +462,8 @@ class AdapterBatch:
         """
         if not self._synced[layer]:
             self._sync(layer)
-        source = self.tables._shared if self.shared else self.tables._slot
-        if site not in source[layer]:
+        source = self._shared_of[layer] if self.shared else self.tables._slot[layer]
+        if site not in source:
             return None
         width = self.tables.modules[SITES[site][-1]].cols[1]
         out = x.new_zeros(*x.shape[:-1], width)
