@@ -191,3 +191,25 @@ def test_bf16_close_to_fp32(tiny_llama_dir: Path) -> None:
     # bf16 keeps ~3 significant digits; a wrong layout or dtype mix-up would be off by O(logit).
     assert _max_diff(got, ref) < 0.05 * float(ref.abs().max())
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_matches_the_cpu_reference(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
+    from service.model.weights import load_model
+
+    cuda = torch.device("cuda")
+    ours, cfg, _ = load_model(tiny_llama_dir, dtype=dtype, device=cuda)
+    ids = _prompt(20, seed=9)
+    ref = _hf_logits(load_hf_llama(tiny_llama_dir), ids)  # [20, vocab] on the CPU, fp32
+    cache = KVCache(cfg, 3, 32, dtype=dtype, device=cuda)
+    tokens = ids.to(cuda)[None, :]
+    got = [ours.logits(ours(tokens[:, :12], torch.arange(12, device=cuda)[None, :], cache, 2, kv_len=12))[0]]
+    for t in range(12, 20):
+        pos = torch.tensor([[t]], device=cuda)
+        got.append(ours.logits(ours(tokens[:, t : t + 1], pos, cache, 2, kv_len=t + 1))[0])
+    out = torch.cat(got).cpu()
+    if dtype == torch.float32:
+        assert _max_diff(out, ref) < 1e-3  # TF32 may be on for the CUDA matmuls
+    else:
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9

@@ -44,21 +44,22 @@ def test_prefill_and_decode_logits_match(models: tuple[Llama, Any, Any]) -> None
         ref = hf(ids).logits
     assert float((got - ref).abs().max()) < ATOL
 
-    # Decode through both caches, token by token, after a 5-token prefill.
+    # Decode the last 12 tokens through both caches, one at a time, after prefilling the rest.
+    start = n - 12
     hf_cache = DynamicCache(config=hf.config)
     cache = KVCache(ours.cfg, 1, n, dtype=torch.float32, device=CPU)
     with torch.no_grad():
-        ref_steps = [hf(ids[:, :5], cache=hf_cache, use_cache=True).logits]
-        ref_steps += [hf(ids[:, t : t + 1], cache=hf_cache, use_cache=True).logits for t in range(5, n)]
-    steps = [ours.logits(ours(ids[:, :5], torch.arange(5)[None, :], cache, 0))]
-    steps += [ours.logits(ours(ids[:, t : t + 1], torch.tensor([[t]]), cache, 0)) for t in range(5, n)]
+        ref_steps = [hf(ids[:, :start], cache=hf_cache, use_cache=True).logits]
+        ref_steps += [hf(ids[:, t : t + 1], cache=hf_cache, use_cache=True).logits for t in range(start, n)]
+    steps = [ours.logits(ours(ids[:, :start], torch.arange(start)[None, :], cache, 0))]
+    steps += [ours.logits(ours(ids[:, t : t + 1], torch.tensor([[t]]), cache, 0)) for t in range(start, n)]
     assert float((torch.cat(steps, 1) - torch.cat(ref_steps, 1)).abs().max()) < ATOL
 
 
 def test_greedy_64_tokens_identical_to_generate(models: tuple[Llama, Any, Any]) -> None:
     ours, hf, tokenizer = models
     prompts = [_chat_ids(tokenizer, "What is the capital of France?")]
-    prompts += [tokenizer(p)["input_ids"] for p in PROMPTS]
+    prompts += [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     for i, ids in enumerate(prompts):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=2, pad_token_id=2)
         expected = ref[0, len(ids) :].tolist()
