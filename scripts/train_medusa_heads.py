@@ -49,6 +49,14 @@ TEMPLATES = (
     "Write a haiku about {}.",
     "What should a beginner know about {}?",
     "Compare {} with something similar.",
+    "How does {} work?",
+    "Tell me something surprising about {}.",
+    "What questions do people often ask about {}?",
+    "Write a short story that involves {}.",
+    "What is the future of {}?",
+    "Give an example that illustrates {}.",
+    "How has {} changed over time?",
+    "What are the main parts of {}?",
 )
 SUBJECTS = (
     "photosynthesis",
@@ -99,13 +107,47 @@ SUBJECTS = (
     "the periodic table",
     "photography",
     "gardening",
+    "bread baking",
+    "the Great Wall of China",
+    "smartphones",
+    "whales",
+    "taxes",
+    "the Renaissance",
+    "batteries",
+    "volunteering",
+    "deserts",
+    "football",
+    "memory",
+    "bridges",
+    "time zones",
+    "mushrooms",
+    "the Industrial Revolution",
+    "password security",
+    "coral reefs",
+    "elections",
+    "yoga",
+    "trains",
+    "the human brain",
+    "spices",
+    "comets",
+    "job interviews",
+    "wind turbines",
+    "ancient Greece",
+    "tea",
+    "cats",
+    "budgeting",
+    "the ozone layer",
+    "robots",
+    "poetry",
+    "rivers",
+    "the postal service",
 )
 
 
 def training_prompts(count: int) -> list[str]:
     """``count`` distinct prompts, spread over every template and subject (deterministic)."""
-    pairs = [(t, s) for i, s in enumerate(SUBJECTS) for j, t in enumerate(TEMPLATES) if (i + j) % 2 == 0]
-    pairs += [(t, s) for i, s in enumerate(SUBJECTS) for j, t in enumerate(TEMPLATES) if (i + j) % 2 == 1]
+    # Walk the subjects, each time with the next template: every subject meets several phrasings early on.
+    pairs = [(TEMPLATES[(i + r) % len(TEMPLATES)], s) for r in range(len(TEMPLATES)) for i, s in enumerate(SUBJECTS)]
     if count > len(pairs):
         raise SystemExit(f"--prompts {count}: at most {len(pairs)} distinct prompts are defined")
     return [t.format(s) for t, s in pairs[:count]]
@@ -141,9 +183,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--out", type=Path, default=ROOT / "adapters" / "demo" / "medusa")
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "medusa")
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=320)
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--batch", type=int, default=32, help="generation batch size")
     ap.add_argument("--mse-epochs", type=int, default=2)

@@ -166,6 +166,9 @@ def test_heads_math_matches_reference_structure(tiny: dict[str, Any], tmp_path: 
     torch.testing.assert_close(heads.logits(x, model.lm_head), ref, rtol=1e-5, atol=1e-4)
     assert torch.equal(heads.draft(x, model.lm_head), ref.argmax(-1))
     assert torch.equal(heads.topk(x, model.lm_head, 3), ref.topk(3, dim=-1).indices)
+    ids, probs = heads.draft_with_confidence(x, model.lm_head)
+    assert torch.equal(ids, ref.argmax(-1))
+    torch.testing.assert_close(probs, torch.softmax(ref, dim=-1).amax(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_prefixed_names_and_lora_file_are_handled(tiny: dict[str, Any], tmp_path: Path) -> None:
@@ -442,10 +445,16 @@ def test_trained_heads_accept_partially_and_stay_identical(predictable: dict[str
     assert s.steps < plain.stats.steps
     mixed = generate(model, prompts, 128, heads=[heads, None] * 12, eos_token_ids=(EOS,))
     assert mixed.tokens == plain.tokens
+    # only confident drafts verified: fewer drafts, the same tokens
+    gated = generate(model, prompts, 128, heads=heads, eos_token_ids=(EOS,), draft_threshold=0.5)
+    assert gated.tokens == plain.tokens
+    assert 0 < gated.stats.drafted < s.drafted and gated.stats.acceptance_rate > s.acceptance_rate
     # switched off above the batch size: plain steps only
     off = generate(model, prompts, 128, heads=heads, eos_token_ids=(EOS,), speculate_max_batch=4)
     assert off.tokens == plain.tokens
-    assert off.stats.row_steps - off.stats.drafted > 0
+    assert 0 < off.stats.drafted < s.drafted  # only once at most 4 rows were left
+    never = generate(model, prompts[:4], 32, heads=heads, eos_token_ids=(EOS,), speculate_max_batch=0)
+    assert never.stats.drafted == 0 and never.tokens == [t[:32] for t in plain.tokens[:4]]
 
 
 def test_kv_cache_is_consistent_after_partial_accepts(predictable: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ Public API::
     residual_blocks(x, block_weight, block_bias) -> [B, n_heads, hidden]   the same, differentiable
     heads.logits(x, lm_head) -> [B, n_heads, vocab]   fp32
     heads.draft(x, lm_head) -> [B, n_heads]           int64 top-1 ids
+    heads.draft_with_confidence(x, lm_head) -> (ids [B, n_heads], probabilities [B, n_heads])
     heads.topk(x, lm_head, k) -> [B, n_heads, k]      int64 ids, most likely first
     heads.num_heads, .num_layers, .version, .hidden_size, .nbytes, .device, .dtype
 
@@ -131,6 +132,16 @@ class MedusaHeads:
     def draft(self, x: Tensor, lm_head: Tensor) -> Tensor:
         """x [B, H] -> [B, n] int64: head h's most likely token for position +h+2 (a top-1 chain of n drafts)."""
         return self._project(self.hidden(x), lm_head).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def draft_with_confidence(self, x: Tensor, lm_head: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, H] -> (top-1 ids [B, n] int64, their softmax probabilities [B, n] fp32).
+
+        The probabilities let a caller verify only drafts likely to be accepted (see ``loop.generate``).
+        """
+        logits = self._project(self.hidden(x), lm_head).float()  # [B, n, V]
+        top, ids = logits.max(dim=-1)  # [B, n]
+        return ids, torch.exp(top - torch.logsumexp(logits, dim=-1))
 
     @torch.inference_mode()
     def topk(self, x: Tensor, lm_head: Tensor, k: int) -> Tensor:

@@ -3,7 +3,7 @@
 Public API::
 
     generate(model, prompts, max_new_tokens, *, heads=None, eos_token_ids=(), adapters=None,
-             speculate_max_batch=None, cache=None) -> Generation
+             speculate_max_batch=None, draft_threshold=0.0, cache=None) -> Generation
     Generation(tokens: list[list[int]], stats: GenerationStats)
     GenerationStats(steps, row_steps, drafted, accepted, verified_tokens, new_tokens, prefill_seconds,
                     decode_seconds) .mean_accepted_length .acceptance_rate .decode_tokens_per_second
@@ -94,10 +94,14 @@ def generate(
     eos_token_ids: Collection[int] = (),
     adapters: AdapterHookFactory | None = None,
     speculate_max_batch: int | None = None,
+    draft_threshold: float = 0.0,
     cache: KVCache | None = None,
 ) -> Generation:
     """Greedy decoding of every prompt, speculative for rows with heads (see the module docstring).
 
+    ``draft_threshold``: verify a row's draft ``i`` only while the product of the heads' probabilities of drafts
+    ``1..i`` (the chance, if the heads are calibrated, that all of them are accepted) is at least this; 0 verifies
+    every draft. Unlikely drafts cost verification compute and almost never pay.
     ``cache``: use this KV cache (slots ``0..len(prompts)-1``) instead of a fresh one, e.g. to inspect it after.
     """
     n = len(prompts)
@@ -136,7 +140,7 @@ def generate(
         for row in rows:
             row.done = row.pending in eos or max_new_tokens == 1
         speculate = speculate_max_batch is None or sum(not r.done for r in rows) <= speculate_max_batch
-        _draft(model, rows, hidden, speculate)
+        _draft(model, rows, hidden, speculate, draft_threshold)
         active = _retire(cache, rows, order)
         _sync(dev)
         stats.prefill_seconds = time.perf_counter() - t0
@@ -174,7 +178,7 @@ def generate(
             at = verified.accepted.to(dev)  # [m]
             last = hidden[torch.arange(m, device=dev), at]  # [m, H]: the state after the last kept token
             speculate = speculate_max_batch is None or sum(not r.done for r in active) <= speculate_max_batch
-            _draft(model, active, last, speculate)
+            _draft(model, active, last, speculate, draft_threshold)
             active = _retire(cache, active, order)
         _sync(dev)
         stats.decode_seconds = time.perf_counter() - t0
@@ -190,7 +194,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _draft(model: Llama, rows: list[_Row], hidden: torch.Tensor, speculate: bool) -> None:
+def _draft(model: Llama, rows: list[_Row], hidden: torch.Tensor, speculate: bool, threshold: float) -> None:
     """Set each unfinished row's drafts from ``hidden`` [len(rows), H], one call per distinct heads object."""
     groups: dict[int, list[int]] = {}
     for b, row in enumerate(rows):
@@ -202,7 +206,13 @@ def _draft(model: Llama, rows: list[_Row], hidden: torch.Tensor, speculate: bool
         if heads is None:  # never: groups hold rows with heads only
             continue
         idx = torch.tensor(members, device=hidden.device)
-        drafts = heads.draft(hidden.index_select(0, idx), model.lm_head).tolist()  # [g, n_heads]
+        x = hidden.index_select(0, idx)  # [g, H]
+        if threshold > 0:
+            ids, probs = heads.draft_with_confidence(x, model.lm_head)  # [g, n_heads] each
+            keep = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist()  # cumprod falls, so a prefix passes
+            drafts = [d[:k] for d, k in zip(ids.tolist(), keep, strict=True)]
+        else:
+            drafts = heads.draft(x, model.lm_head).tolist()  # [g, n_heads]
         for b, d in zip(members, drafts, strict=True):
             rows[b].drafts = d
 

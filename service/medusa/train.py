@@ -18,7 +18,7 @@ vector whose ``lm_head`` argmax is exactly ``r_{j+h+2}``, so head ``h`` at ``h_j
 no vocabulary matmul). Then cross-entropy through the frozen ``lm_head`` against ``r_{j+h+2}``, over the
 vocabulary the corpus uses (``vocab``: the logits of other ids are left out of the softmax to keep a CPU epoch
 short; ``head_accuracy`` measures top-1 over the full vocabulary, so the shortcut cannot flatter the result).
-Blocks start at zero weight (an identity block, as in the reference Medusa) .
+Blocks start at zero weight (an identity block, as in the reference Medusa).
 """
 
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""The trained demo heads (adapters/demo/medusa) on the real SmolLM2: valid, useful, and exact.
+
+Greedy speculative decoding with the heads must produce exactly the plain greedy tokens over 20 held-out chat
+prompts x 128 new tokens: in one batch that mixes rows with and without heads, and a few prompts alone. The heads
+must also be worth having: a mean accepted length well above 1 on text they were not trained on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.medusa import MedusaHeads, generate, index_medusa
+from service.model.weights import load_model
+from service.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "adapters" / "demo" / "medusa"
+
+PROMPTS = (
+    "Tell me how a refrigerator keeps food cold.",
+    "What makes a good night's sleep?",
+    "Describe the life cycle of a butterfly.",
+    "How do airplanes stay in the air?",
+    "What are the benefits of learning a second language?",
+    "Give me a simple recipe for pancakes.",
+    "Why do leaves change color in autumn?",
+    "How does a computer store information?",
+    "What is the difference between weather and climate?",
+    "Explain how a bill becomes a law.",
+    "What are some ways to reduce stress at work?",
+    "How do vaccines train the body?",
+    "Describe a typical day of an astronaut on the space station.",
+    "What causes thunder and lightning?",
+    "How can I start running as a beginner?",
+    "Why is the sky blue?",
+    "What did ancient Egyptians eat?",
+    "How does a credit card work?",
+    "What are the main parts of a cell?",
+    "How do solar panels produce electricity?",
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir: Path) -> dict[str, Any]:
+    model, cfg, _ = load_model(smollm2_dir, dtype=torch.float32, device="cpu")
+    tok = Tokenizer.from_folder(smollm2_dir)
+    spec = index_medusa(DEMO, cfg)
+    heads = MedusaHeads.load(spec, device="cpu", dtype=torch.float32)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    return {"model": model, "cfg": cfg, "spec": spec, "heads": heads, "prompts": prompts}
+
+
+def test_demo_heads_are_small_v2_heads(smol: dict[str, Any]) -> None:
+    spec = smol["spec"]
+    assert spec.version == 2 and 3 <= spec.num_heads <= 4 and spec.num_layers == 1
+    assert sum(f.stat().st_size for f in spec.files) < 6 << 20
+    assert spec.config.base_model_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_speculative_greedy_is_identical_and_accepts(smol: dict[str, Any]) -> None:
+    model, heads, prompts = smol["model"], smol["heads"], smol["prompts"]
+    eos = smol["cfg"].eos_token_ids
+    plain = generate(model, prompts, 128, eos_token_ids=eos)
+    mixed_heads = [heads if i % 4 else None for i in range(len(prompts))]
+    spec = generate(model, prompts, 128, heads=mixed_heads, eos_token_ids=eos)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.mean_accepted_length > 1.5, spec.stats
+    for i in (1, 6):
+        alone = generate(model, [prompts[i]], 128, heads=heads, eos_token_ids=eos)
+        assert alone.tokens == [plain.tokens[i]]
+        assert alone.stats.mean_accepted_length > 1.5, alone.stats
