@@ -452,7 +452,7 @@ def test_trained_heads_accept_partially_and_stay_identical(predictable: dict[str
     # switched off above the batch size: plain steps only
     off = generate(model, prompts, 128, heads=heads, eos_token_ids=(EOS,), speculate_max_batch=4)
     assert off.tokens == plain.tokens
-    assert 0 < off.stats.drafted < s.drafted  # only once at most 4 rows were left
+    assert off.stats.drafted < s.drafted  # only once at most 4 rows are left, if ever
     never = generate(model, prompts[:4], 32, heads=heads, eos_token_ids=(EOS,), speculate_max_batch=0)
     assert never.stats.drafted == 0 and never.tokens == [t[:32] for t in plain.tokens[:4]]
 
