@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/model_step.py [--model DIR] [--batch 1 32] [--dtype float32 bfloat16] [--threads N]
 
-For each (dtype, batch): prefill a random context of ``--context`` tokens per row, then time ``--steps`` decode
+For each (dtype, batch): fill both caches with ``--context`` positions of random K/V per row (a prefill would cost
+minutes at long contexts and does not change a step's cost), then time ``--steps`` decode
 steps (forward + logits of the new token), alternating the two implementations step by step so that other load
 on the machine hits both alike, and print median and best ms/step of each and the ratios.
 """
@@ -26,8 +27,7 @@ def make_ours(folder: Path, dtype: torch.dtype, batch: int, context: int, steps:
     model, cfg, _ = load_model(folder, dtype=dtype, device="cpu")
     cache = KVCache(cfg, batch, context + steps + 1, dtype=dtype, device=model.device)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, context), generator=gen)
-    model(tokens, torch.arange(context).expand(batch, context), cache, 0)
+    cache.data.normal_(generator=gen)  # a context's worth of K/V (values do not change the cost of a step)
     nxt = torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen)
 
     def step(i: int) -> Any:
@@ -42,11 +42,12 @@ def make_hf(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: i
 
     model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen)
     nxt = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen)
     cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(tokens, cache=cache, use_cache=True)
+    shape = (batch, model.config.num_key_value_heads, context, model.config.head_dim)
+    for layer in range(model.config.num_hidden_layers):
+        k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+        cache.update(k, v, layer)
 
     def step(i: int) -> Any:
         return model(nxt, cache=cache, use_cache=True).logits.float()

@@ -65,6 +65,10 @@ def test_mistral_without_short_window_is_accepted(tmp_path: Path) -> None:
     assert cfg.architecture == "MistralForCausalLM"
 
 
+def test_missing_architectures_follow_model_type(tmp_path: Path) -> None:
+    assert ModelConfig.from_hf(_write(tmp_path, architectures=None)).architecture == "LlamaForCausalLM"
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
@@ -80,6 +84,8 @@ def test_mistral_without_short_window_is_accepted(tmp_path: Path) -> None:
         ({"quantization_config": {"quant_method": "gptq"}}, "gptq"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"hidden_size": None}, "hidden_size"),
+        ({"rms_norm_eps": "tiny"}, "rms_norm_eps"),
+        ({"architectures": None, "model_type": "gpt_neox"}, "architectures"),
     ],
 )
 def test_unsupported_is_refused_by_name(tmp_path: Path, changes: dict[str, Any], named: str) -> None:

@@ -3,6 +3,7 @@
 Public API::
 
     ModelConfig.from_hf(folder_or_config_json: Path) -> ModelConfig
+    ModelConfig.from_dict(raw: dict, *, source="config.json", extra_eos_token_ids=None) -> ModelConfig
     ModelConfig.fused_rows() -> dict[str, tuple[FusedPart, ...]]
     RopeScaling(rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
@@ -113,8 +114,10 @@ class ModelConfig:
         def fail(message: str) -> CheckpointError:
             return CheckpointError(message, file=source)
 
-        architectures = raw.get("architectures") or []
         model_type = raw.get("model_type")
+        architectures = raw.get("architectures") or []
+        if not architectures and model_type in SUPPORTED_MODEL_TYPES:  # some converters leave it out
+            architectures = [SUPPORTED_ARCHITECTURES[SUPPORTED_MODEL_TYPES.index(model_type)]]
         if not isinstance(architectures, list) or len(architectures) != 1:
             raise fail(f"expected exactly one entry in 'architectures', got {architectures!r}")
         architecture = architectures[0]
@@ -124,8 +127,9 @@ class ModelConfig:
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise fail(f"unsupported model_type {model_type!r}; this server runs {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if raw.get("quantization_config") is not None:
-            method = raw["quantization_config"].get("quant_method", "?")
+        quantization = raw.get("quantization_config")
+        if quantization is not None:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
             raise fail(f"quantized checkpoints are not supported (quantization_config.quant_method={method!r})")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
@@ -147,7 +151,7 @@ class ModelConfig:
             raise fail(f"head_dim must be an even integer, got {head_dim!r}")
         max_pos = req_int("max_position_embeddings")
         sliding = raw.get("sliding_window")
-        if sliding is not None and sliding < max_pos:
+        if sliding is not None and (not isinstance(sliding, int) or sliding < max_pos):
             raise fail(
                 f"sliding_window={sliding} is shorter than max_position_embeddings={max_pos}; "
                 "sliding-window attention is not supported"
@@ -158,6 +162,9 @@ class ModelConfig:
             if token not in eos:
                 eos.append(token)
         bos = raw.get("bos_token_id")
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise fail(f"rms_norm_eps must be a small positive number, got {eps!r}")
         return cls(
             vocab_size=req_int("vocab_size"),
             hidden_size=hidden,
@@ -166,7 +173,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
