@@ -29,10 +29,11 @@ per batch from the number ``N`` of distinct adapters among the ``b`` rows of the
   columns, then ``out[..., cols_m] += h[..., seg_m] @ B_m^T``. Reads each adapter's weights once per step where
   per-slot reads one copy per row; costs ``N`` times the (tiny) flops.
 
-Measured with ``bench/adapters_math.py`` (SmolLM2 shapes, fp32, 1 CPU thread, 32 rows, r=8 on q/v, 30 layers):
-per step per-slot ~5.7 ms whatever N; shared ~0.6 ms per adapter (1.3 ms at N=1, 6 ms at N=8); a per-adapter
-loop of index_select / two matmuls / index_add and a per-step gather of stacked weights both cost more than
-per-slot at N=32. The base decode step is ~200 ms there.
+Measured with ``bench/adapters_math.py`` (SmolLM2, 32 decoding rows, r=8 on q/v, 1 CPU thread, CPU time): the LoRA
+work of a step costs, per-slot, ~8 ms whatever N (reading 32 rows' tables, 56 MiB in fp32); shared, ~0.6 ms per
+adapter (~1.5 ms at N=1, 3.5 ms at N=4, ~20 ms at N=32); a loop over adapter groups (index_select, two matmuls,
+index_add) ~40 ms at N=32 and a per-step gather of stacked weights about as much as per-slot. Whole decode
+steps, against the base-only step (~210 ms fp32, ~115 ms bf16): 0.93 fp32 / 0.87 bf16 at N=32, 0.97-1.0 at N=1.
 
 On CPU the tables and the small matmuls are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is
 several times slower than fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype.
