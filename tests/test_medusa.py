@@ -457,6 +457,17 @@ def test_trained_heads_accept_partially_and_stay_identical(predictable: dict[str
     assert never.stats.drafted == 0 and never.tokens == [t[:32] for t in plain.tokens[:4]]
 
 
+def test_recorded_hidden_states_match_teacher_forcing(predictable: dict[str, Any]) -> None:
+    """The states the loop records while decoding (plain and speculative) equal a teacher-forced pass's."""
+    model, heads = predictable["model"], predictable["heads"]
+    prompts = prompts_for(model.cfg, 6, seed=8)
+    for h in (None, heads):
+        out = generate(model, prompts, 40, heads=h, eos_token_ids=(EOS,), record_hidden=True)
+        assert out.hidden is not None
+        for got, want in zip(out.hidden, teacher_hidden(model, prompts, out.tokens), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_kv_cache_is_consistent_after_partial_accepts(predictable: dict[str, Any]) -> None:
     """After a speculative run, the cache holds exactly the K/V a fresh prefill of the kept tokens writes."""
     model, heads = predictable["model"], predictable["heads"]

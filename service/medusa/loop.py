@@ -3,8 +3,8 @@
 Public API::
 
     generate(model, prompts, max_new_tokens, *, heads=None, eos_token_ids=(), adapters=None,
-             speculate_max_batch=None, draft_threshold=0.0, cache=None) -> Generation
-    Generation(tokens: list[list[int]], stats: GenerationStats)
+             speculate_max_batch=None, draft_threshold=0.0, cache=None, record_hidden=False) -> Generation
+    Generation(tokens: list[list[int]], stats: GenerationStats, hidden: list[Tensor] | None)
     GenerationStats(steps, row_steps, drafted, accepted, verified_tokens, new_tokens, prefill_seconds,
                     decode_seconds) .mean_accepted_length .acceptance_rate .decode_tokens_per_second
 
@@ -72,6 +72,7 @@ class GenerationStats:
 class Generation:
     tokens: list[list[int]]  # new tokens per prompt (an end-of-sequence id is included, as transformers does)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    hidden: list[torch.Tensor] | None = None  # with record_hidden: per prompt [len(tokens), H], row j produced token j
 
 
 @dataclass
@@ -83,6 +84,7 @@ class _Row:
     heads: MedusaHeads | None
     drafts: list[int] = field(default_factory=list)
     done: bool = False
+    states: list[torch.Tensor] = field(default_factory=list)  # record_hidden: [t, H] blocks, one per step
 
 
 def generate(
@@ -96,6 +98,7 @@ def generate(
     speculate_max_batch: int | None = None,
     draft_threshold: float = 0.0,
     cache: KVCache | None = None,
+    record_hidden: bool = False,
 ) -> Generation:
     """Greedy decoding of every prompt, speculative for rows with heads (see the module docstring).
 
@@ -103,6 +106,8 @@ def generate(
     ``1..i`` (the chance, if the heads are calibrated, that all of them are accepted) is at least this; 0 verifies
     every draft. Unlikely drafts cost verification compute and almost never pay.
     ``cache``: use this KV cache (slots ``0..len(prompts)-1``) instead of a fresh one, e.g. to inspect it after.
+    ``record_hidden``: also return, per prompt, the final hidden state that produced each new token (training data
+    for heads: ``service.medusa.train``), on the CPU in fp32.
     """
     n = len(prompts)
     if n == 0:
@@ -137,8 +142,10 @@ def generate(
         hidden = Llama.gather_last(model(tokens, positions, cache, 0, hook, kv_len=longest), lengths)  # [n, H]
         first = model.logits(hidden).argmax(dim=-1).tolist()  # [n]
         rows = [_Row(i, len(prompts[i]), first[i], [first[i]], per_row[i]) for i in range(n)]
-        for row in rows:
+        for b, row in enumerate(rows):
             row.done = row.pending in eos or max_new_tokens == 1
+            if record_hidden:
+                row.states.append(hidden[b : b + 1].float().cpu())
         speculate = speculate_max_batch is None or sum(not r.done for r in rows) <= speculate_max_batch
         _draft(model, rows, hidden, speculate, draft_threshold)
         active = _retire(cache, rows, order)
@@ -170,11 +177,14 @@ def generate(
                 a = accepted[b]
                 row.length += 1 + a
                 row.pending = emitted[b][a]
+                before = len(row.out)
                 for token in emitted[b][: a + 1]:
                     row.out.append(token)
                     if token in eos or len(row.out) >= max_new_tokens:
                         row.done = True
                         break
+                if record_hidden:
+                    row.states.append(hidden[b, : len(row.out) - before].float().cpu())  # [kept, H]
             at = verified.accepted.to(dev)  # [m]
             last = hidden[torch.arange(m, device=dev), at]  # [m, H]: the state after the last kept token
             speculate = speculate_max_batch is None or sum(not r.done for r in active) <= speculate_max_batch
@@ -186,7 +196,8 @@ def generate(
     out = [r.out for r in rows]
     stats.new_tokens = sum(len(t) for t in out)
     stats.decode_tokens = stats.new_tokens - n
-    return Generation(out, stats)
+    hiddens = [torch.cat(r.states) for r in rows] if record_hidden else None
+    return Generation(out, stats, hiddens)
 
 
 def _sync(device: torch.device) -> None:
