@@ -82,6 +82,7 @@ def evict(files: list[Path]) -> None:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
+            os.fdatasync(fd)  # dirty pages (a checkpoint just written) are not dropped by DONTNEED
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -255,6 +256,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         plan, ignore = build_load_plan(model)
         if method in ("stream", "ours-mmap", "ours-eager"):
             mode = "stream" if method == "stream" else method.removeprefix("ours-")
+            if spec.get("profile"):
+                out["profile"] = _instrument_stream()
             stats = load_tensors(index, plan, mode=mode, unexpected="error", ignore_unexpected=ignore)  # type: ignore[arg-type]
             out["stats"] = {k: getattr(stats, k) for k in ("header_seconds", "read_seconds", "convert_seconds")}
             out["stats"]["header_seconds"] += index.header_seconds
@@ -270,7 +273,36 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         out["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     out["seconds"] = time.perf_counter() - t0
     out["rss"] = _peak_rss()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_seconds_process"] = usage.ru_utime + usage.ru_stime  # imports included
     return out
+
+
+def _instrument_stream() -> dict[str, float]:
+    """Wrap the streamed reader's two kernel-heavy steps to sum, over threads, their wall and CPU seconds:
+    ``populate`` (fresh destination pages, MADV_POPULATE_WRITE) and ``preadv`` (page cache -> memory)."""
+    import threading
+
+    from service.loading import stream
+
+    acc = {"populate_seconds": 0.0, "populate_cpu_seconds": 0.0, "preadv_seconds": 0.0, "preadv_cpu_seconds": 0.0}
+    lock = threading.Lock()
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    acc[f"{name}_seconds"] += time.perf_counter() - t
+                    acc[f"{name}_cpu_seconds"] += time.thread_time() - c
+
+        return wrapper
+
+    stream.populate = timed("populate", stream.populate)  # type: ignore[method-assign]
+    stream.pread_into = timed("preadv", stream.pread_into)  # type: ignore[method-assign]
+    return acc
 
 
 def _bound(files: list[Path], dest: Any) -> None:
@@ -305,6 +337,9 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+CHILD_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def run_child(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
@@ -312,7 +347,7 @@ def run_child(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        env={**os.environ, **CHILD_ENV},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"child {spec} failed:\n{proc.stderr[-3000:]}")
@@ -375,13 +410,18 @@ def summarize(
     return out
 
 
-def render_readme_section(results: dict[str, Any]) -> str:
+def render_readme_section(results: dict[str, Any], title: str = "Loading") -> str:
     mb = 1 << 20
     base = results["baseline_rss_bytes"]
+    load_start, load_end = results.get("load_average_start", [0])[0], results.get("load_average_end", [0])[0]
+    omp = results.get("omp_threads")
     lines = [
-        "## Loading",
+        f"## {title}",
         "",
-        f"Command: `{results['command']}` — {results['date']}, {results['machine']}.",
+        f"Command: `{results['command']}` — {results['date']}, {results['machine']}, 1-min load average"
+        f" {load_start:.1f} at start, {load_end:.1f} at end"
+        + (f", OMP_NUM_THREADS={omp} in every child" if omp else "")
+        + f", {results.get('wall_seconds', 0) / 60:.0f} min.",
         "",
         "End state: the `Llama` parameters in serving layout (fused `wqkv`, `w13`; tied head not duplicated)",
         "in the target dtype, via `build_load_plan` (`transformers`: its own model, time to usable). Each run in a",
@@ -434,9 +474,10 @@ def render_readme_section(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
+def write_readme(section: str, key: str) -> None:
+    """Replace (or append) this result file's block in bench/README.md, leaving everything else alone."""
     readme = ROOT / "bench" / "README.md"
-    begin, end = "<!-- load:begin -->", "<!-- load:end -->"
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
     text = readme.read_text() if readme.is_file() else "# Benchmarks\n\nSee /work/shared/BENCHMARKS.md for the rules.\n"
     block = f"{begin}\n{section}\n{end}"
     if begin in text and end in text:
@@ -483,6 +524,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny synthetic checkpoint, 1 run each, sanity asserts")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--only", action="append", default=[], help="run only cases whose label contains this")
+    ap.add_argument("--methods", help="comma-separated subset of " + ",".join(METHODS))
+    ap.add_argument("--profile", action="store_true", help="one instrumented stream run per case; print it")
+    ap.add_argument("--omp-threads", type=int, help="OMP_NUM_THREADS for every child (default: torch's own)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/load.json)")
     ap.add_argument("--work", type=Path, default=WORK, help="where checkpoints are written (git-ignored)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -511,9 +556,25 @@ def main() -> None:
             ("synthetic 1.1B bf16 file", synth, "bfloat16", True, METHODS),
             ("synthetic 1.1B bf16 file", synth, "bfloat16", False, METHODS),
         ]
+    if args.only:
+        cases = [c for c in cases if any(o in f"{c[0]} {c[2]} {'cold' if c[3] else 'warm'}" for o in args.only)]
+    if args.methods:
+        keep = args.methods.split(",")
+        cases = [(a, b, c, d, tuple(m for m in e if m in keep)) for a, b, c, d, e in cases]
+    if args.omp_threads:
+        CHILD_ENV["OMP_NUM_THREADS"] = str(args.omp_threads)
+    if args.profile:
+        for name, folder, dtype, cold, _ in cases:
+            if not cold:
+                warm_up(checkpoint_files(folder))
+            res = run_child({"method": "stream", "folder": str(folder), "dtype": dtype, "cold": cold, "profile": True})
+            prof = {k: round(v, 3) for k, v in {**res["stats"], **res["profile"]}.items()}
+            print(f"{name} -> {dtype}, {'cold' if cold else 'warm'}: {res['seconds']:.3f} s total; {prof}")
+        return
     baseline = [run_child({"method": "baseline", "folder": str(cases[0][1]), "dtype": "float32", "cold": False})]
     results: dict[str, Any] = {
-        "command": "python bench/load.py" + (" --quick" if args.quick else f" --runs {runs}"),
+        "command": " ".join([".venv/bin/python bench/load.py", *sys.argv[1:]]),
+        "omp_threads": args.omp_threads,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Linux {platform.release()}",
         "load_average_start": os.getloadavg(),
@@ -534,7 +595,8 @@ def main() -> None:
                 assert 0 < e["seconds"]["median"] < 120, (case["case"], m, e)
                 assert e["rss_bytes"]["median"] > results["baseline_rss_bytes"] * 0.5, (m, e)
             if case["cache"] == "cold":
-                assert case["methods"]["stream"]["resident_before_max"] < 0.5, case["methods"]["stream"]
+                resident = case["methods"]["stream"]["resident_before_max"]
+                assert resident < 0.5, f"eviction failed ({resident:.0%} still resident; --work on tmpfs?)"
         out = args.out or work / "load-quick.json"
         out.write_text(json.dumps(results, indent=1))
         print(f"quick benchmark OK -> {out}")
@@ -542,7 +604,10 @@ def main() -> None:
     out = args.out or RESULTS / "load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    write_readme(render_readme_section(results))
+    write_readme(
+        render_readme_section(results, title="Loading" if out.stem == "load" else f"Loading, side run `{out.name}`"),
+        out.stem,
+    )
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out}, {out.with_suffix('.png')}, bench/README.md ({results['wall_seconds']:.0f} s)")
 
