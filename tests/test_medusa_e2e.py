@@ -154,10 +154,11 @@ def test_trained_demo_heads_accept_and_stay_identical(smollm2_dir: Path) -> None
         pytest.fail("adapters/demo/medusa is missing: run scripts/train_medusa_heads.py")
     settings = settings_for(smollm2_dir, DEMO, max_batch_size=8, speculate_max_batch=8, max_total_tokens=1024)
     questions = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?", "What is 2+2?"]
+    accepted = 0
     with BackgroundServer(settings) as srv, Client(srv.target, timeout=300) as client:
         for q in questions:
             spec = client.generate(q, chat=True, adapter="medusa", max_new_tokens=64, return_token_ids=True)
             plain = client.generate(q, chat=True, max_new_tokens=64, return_token_ids=True)
             assert spec.token_ids == plain.token_ids
-        accepted = spec.usage.accepted_draft_tokens
-    assert accepted > 0
+            accepted += spec.usage.accepted_draft_tokens
+    assert accepted > 0  # drafts were verified and some kept (the KV cache survived partial accepts)
