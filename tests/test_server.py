@@ -179,16 +179,19 @@ def _as_stream(stub: pb_grpc.GenerationStub):  # type: ignore[no-untyped-def]
 
 
 def test_queue_full_is_resource_exhausted(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir, max_batch_size=1, max_queue=1)
+    settings = tiny_settings(served_tiny_dir, max_batch_size=1, max_queue=1, max_new_tokens=1000, max_total_tokens=1024)
     with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        running = [stub.GenerateStream(stream_req("occupy", 250), timeout=60) for _ in range(2)]
-        for call in running[:1]:
-            next(call)
-        time.sleep(0.1)
+        engine = srv.server.runtime.loaded.engine  # type: ignore[union-attr]
+        running = [stub.Generate.future(text_req("occupy", 1000), timeout=60) for _ in range(2)]
+        end = time.monotonic() + 10  # one running, one waiting: the queue is full
+        while engine.in_flight < 2 and time.monotonic() < end:
+            time.sleep(0.005)
+        assert engine.in_flight == 2
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(text_req("one too many", 2), timeout=60)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry" in (err.value.details() or "")
         for call in running:
             call.cancel()
 
