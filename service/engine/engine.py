@@ -326,6 +326,8 @@ class Engine:
 
     def _draft(self, rows: Sequence[_Row], hidden: torch.Tensor) -> None:
         """Set the drafts of rows with heads from their last hidden state ``hidden`` [len(rows), H]."""
+        if not any(row.heads is not None for row in rows):
+            return  # the common decode step: no row drafts, nothing to reset (rows without heads never hold drafts)
         groups: dict[int, list[int]] = {}
         for b, row in enumerate(rows):
             row.drafts = []
