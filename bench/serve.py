@@ -178,6 +178,14 @@ def inprocess_itl(model_dir: Path, dtype: str, new_tokens: int, reps: int) -> li
     return means
 
 
+def inprocess_itl_subprocess(model_dir: Path, dtype: str, new_tokens: int, reps: int) -> list[float]:
+    """``inprocess_itl`` in a fresh process, as the server runs: not in this one, whose OpenMP pool and allocator
+    the transformers runs have shaped."""
+    args = [sys.executable, __file__, "--inprocess", dtype, "--model", str(model_dir), "--new-tokens", str(new_tokens)]
+    out = subprocess.run([*args, "--runs", str(reps)], check=True, capture_output=True, text=True).stdout
+    return list(json.loads(out.strip().splitlines()[-1]))
+
+
 # --- transformers ---------------------------------------------------------------------------------------------
 class HF:
     def __init__(self, model_dir: Path, dtype: str) -> None:
@@ -232,7 +240,11 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=5, help="fresh processes timed to SERVING")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/serve.json")
+    parser.add_argument("--inprocess", metavar="DTYPE", help=argparse.SUPPRESS)  # the in-process run's child
     args = parser.parse_args()
+    if args.inprocess:
+        print(json.dumps(inprocess_itl(args.model, args.inprocess, args.new_tokens, args.runs)))
+        return
     if args.quick:
         args.runs, args.new_tokens, args.streams, args.starts, args.dtypes = 1, 8, "1,4", 1, "float32"
     streams = [int(s) for s in args.streams.split(",")]
@@ -280,13 +292,13 @@ def main() -> None:
         finally:
             srv.stop()
         del hf
-        inproc = inprocess_itl(args.model, dtype, args.new_tokens, args.runs)
+        inproc = inprocess_itl_subprocess(args.model, dtype, args.new_tokens, args.runs)
         d: dict[str, Any] = {"weight_bytes": weight_bytes}
         for key, vals in rows.items():
             d[key] = {m: summary([v[m] for v in vals]) for m in vals[0]}
         for s in streams:
             hf_key = "hf_1" if s == 1 else "hf_32"
-            if hf_key in rows and f"ours_{s}" in rows:
+            if s in (1, max(streams)) and hf_key in rows and f"ours_{s}" in rows:
                 ratios = [o["tok_s"] / h["tok_s"] for o, h in zip(rows[f"ours_{s}"], rows[hf_key], strict=True)]
                 d[f"ratio_ours_{s}_vs_{hf_key}"] = summary(ratios)
             bound = s * bandwidth / 2 / weight_bytes  # read bandwidth = copy bandwidth / 2 per direction
@@ -315,10 +327,11 @@ def print_dtype(dtype: str, d: dict[str, Any], streams: list[int]) -> None:
         o = d[f"ours_{s}"]
         hf_key = "hf_1" if s == 1 else "hf_32"
         hf = d.get(hf_key, {}).get("tok_s", {}).get("median", float("nan"))
-        ratio = d.get(f"ratio_ours_{s}_vs_{hf_key}", {}).get("median", float("nan"))
+        ratio = d.get(f"ratio_ours_{s}_vs_{hf_key}", {}).get("median")
+        vs = f"{hf:.1f} (batch {1 if s == 1 else 32}) | {ratio:.2f}×" if ratio is not None else "– | –"
         print(
             f"| {s} | {o['tok_s']['median']:.1f} ({o['tok_s']['min']:.1f}–{o['tok_s']['max']:.1f}) | "
-            f"{hf:.1f} (batch {1 if s == 1 else 32}) | {ratio:.2f}× | {o['ttft_p50']['median'] * 1e3:.0f} ms | "
+            f"{vs} | {o['ttft_p50']['median'] * 1e3:.0f} ms | "
             f"{o['itl_p50']['median'] * 1e3:.1f} ms | {o['itl_p99']['median'] * 1e3:.1f} ms | "
             f"{d[f'bound_tok_s_{s}']:.0f} | {d[f'fraction_of_bound_{s}']:.0%} |"
         )

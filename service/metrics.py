@@ -91,6 +91,14 @@ QUEUE_TIME = Histogram(
     registry=REGISTRY,
 )
 PROMPT_TOKENS = Counter("loraplex_prompt_tokens_total", "Prompt tokens prefilled.", registry=REGISTRY)
+PREFIX_CACHE_HIT_TOKENS = Counter(
+    "loraplex_prefix_cache_hit_tokens_total",
+    "Prompt tokens whose K/V came from the prefix cache instead of a prefill (included in prompt tokens).",
+    registry=REGISTRY,
+)
+PREFIX_CACHE_BLOCKS = Gauge(
+    "loraplex_prefix_cache_blocks", "Prompt blocks held by the prefix cache.", registry=REGISTRY
+)
 GENERATED_TOKENS = Counter("loraplex_generated_tokens_total", "Tokens generated.", registry=REGISTRY)
 RUNNING_REQUESTS = Gauge("loraplex_running_requests", "Requests in the running batch.", registry=REGISTRY)
 WAITING_REQUESTS = Gauge("loraplex_waiting_requests", "Requests queued for admission.", registry=REGISTRY)

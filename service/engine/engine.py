@@ -28,6 +28,7 @@ from service.adapters.catalog import AdapterCatalog
 from service.adapters.lora import AdapterBatch, LoraTables
 from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
+from service.engine.prefix import PrefixCache
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
 from service.engine.sampling import Sampler, make_generator
 from service.engine.stops import StopMatcher
@@ -59,6 +60,7 @@ class _Row:
     pinned: bool = False  # holds a pin on its adapter's LoRA part in the store (taken at admission)
     lora: bool = False  # its adapter has a LoRA part
     heads: MedusaHeads | None = None  # Medusa heads that draft for this row (greedy rows only)
+    kv_key: tuple[str, float] | None = None  # what besides the tokens shapes its K/V: the LoRA registration
     drafts: list[int] = field(default_factory=list)  # drafted tokens to verify at the next step
     accepted: int = 0  # draft tokens accepted so far
     done: bool = False
@@ -97,6 +99,7 @@ class Engine:
         self.adapters = adapters
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
         self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if adapters is not None else None
+        self.prefix = PrefixCache(self.cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
         self._waiting: deque[_Row] = deque()
@@ -303,6 +306,8 @@ class Engine:
             return False
         if not (heads_ready and (row.pinned or not row.lora)):
             return False
+        if row.lora:  # a re-registered id gets a new key: its deltas, and so its K/V, may differ
+            row.kv_key = (adapter, store.get(adapter).registered_at)
         sampling = row.request.sampling
         # Speculation serves greedy rows (output identical to plain greedy); sampled, penalized or logprob rows
         # decode one token per step, so their distribution and logprobs are exactly the plain ones.
@@ -337,31 +342,77 @@ class Engine:
             heads = rows[members[0]].heads
             assert heads is not None  # groups hold rows with heads only
             index = torch.tensor(members, device=hidden.device)
-            drafts = heads.draft(hidden.index_select(0, index), self.model.lm_head).tolist()  # [g, n_heads]
+            drafts = heads.draft(hidden.index_select(0, index), self.model.draft_head()).tolist()  # [g, n_heads]
             for b, d in zip(members, drafts, strict=True):
                 rows[b].drafts = d
 
     def _prefill(self, rows: Sequence[_Row]) -> None:
+        """Prefill the newcomers (slots ``start ..``): K/V of cached prompt blocks are copied in, the rest computed.
+
+        Row b feeds its prompt from ``cached_b`` on, at positions ``cached_b ..``, right-padded to the longest
+        remainder; padding lands beyond the row's length (clamped into the cache), where it is never read."""
         start = len(self._running) - len(rows)
-        lengths = [len(r.request.prompt_ids) for r in rows]
-        width = max(lengths)
+        prompts = [r.request.prompt_ids for r in rows]
+        self._prefill_shared_prefixes(rows, start)
+        cached = [
+            self.prefix.restore(self.prefix.lookup(p, r.kv_key, limit=len(p) - 1), start + b)
+            for b, (r, p) in enumerate(zip(rows, prompts, strict=True))
+        ]
+        width = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
         tokens = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded
-        for i, r in enumerate(rows):
-            tokens[i, : lengths[i]] = torch.tensor(r.request.prompt_ids, dtype=torch.long)
-        positions = torch.arange(width, dtype=torch.long).expand(len(rows), width)  # [B, T]
+        for b, (p, c) in enumerate(zip(prompts, cached, strict=True)):
+            tokens[b, : len(p) - c] = torch.tensor(p[c:], dtype=torch.long)
+        starts = torch.tensor(cached, dtype=torch.long)[:, None]  # [B, 1]
+        positions = (starts + torch.arange(width, dtype=torch.long)).clamp_(max=self.cache.max_len - 1)  # [B, T]
         now = time.monotonic()
         for r in rows:
             metrics.QUEUE_TIME.observe(now - r.enqueued)
-        metrics.PROMPT_TOKENS.inc(sum(lengths))
+        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(cached))
         batch = self._adapter_batch(rows, start)
-        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, start, batch)  # [B, T, H]
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        kv_len = int(positions.max()) + 1
+        hidden = self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache, start, batch, kv_len=kv_len
+        )  # [B, T, H]
+        last = torch.tensor([len(p) - c - 1 for p, c in zip(prompts, cached, strict=True)], device=self.device)
         final = hidden[torch.arange(len(rows), device=self.device), last]  # [B, H]
         logits = self.model.logits(final)  # [B, V]
-        for r, n in zip(rows, lengths, strict=True):
-            r.length = n
+        for b, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+            r.length = len(p)
+            self.prefix.insert(p, r.kv_key, start + b, len(p))
+        metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
         self._sample_and_emit(rows, logits)
         self._draft(rows, final)
+
+    def _prefill_shared_prefixes(self, rows: Sequence[_Row], start: int) -> None:
+        """Newcomers that start with the same uncached blocks (a burst of requests with one system prompt) would
+        each compute them: prefill those blocks once, for one of the rows, and cache them for the others."""
+        if len(rows) < 2 or not self.prefix.enabled:
+            return
+        chains = [self.prefix.hashes(r.request.prompt_ids, r.kv_key, limit=len(r.request.prompt_ids) - 1) for r in rows]
+        counts: dict[int, int] = {}
+        for chain in chains:
+            for h in chain:
+                counts[h] = counts.get(h, 0) + 1
+        done: set[int] = set()
+        for b, (row, chain) in enumerate(zip(rows, chains, strict=True)):
+            depth = 0
+            while depth < len(chain) and counts[chain[depth]] > 1:
+                depth += 1
+            if depth == 0 or chain[depth - 1] in done:
+                continue
+            done.add(chain[depth - 1])
+            prompt = row.request.prompt_ids
+            have = self.prefix.restore(
+                self.prefix.lookup(prompt, row.kv_key, limit=depth * self.prefix.block), start + b
+            )
+            n = depth * self.prefix.block
+            if have >= n:
+                continue
+            tokens = torch.tensor([prompt[have:n]], dtype=torch.long, device=self.device)  # [1, T]
+            positions = torch.arange(have, n, dtype=torch.long, device=self.device)[None, :]  # [1, T]
+            self.model(tokens, positions, self.cache, start + b, self._adapter_batch([row], start + b), kv_len=n)
+            self.prefix.insert(prompt, row.kv_key, start + b, n)
 
     def _decode(self) -> None:
         rows = self._running

@@ -41,7 +41,7 @@ class KVCache:
         self.num_layers = cfg.num_layers
         # One allocation for everything, so `move` is one copy for all layers.
         shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.data = _zeros(shape, dtype, self.device)  # [L, 2, slots, n_kv, max_len, D]
+        self.data = lazy_zeros(shape, dtype, self.device)  # [L, 2, slots, n_kv, max_len, D]
         self.k: list[torch.Tensor] = [self.data[i, 0] for i in range(cfg.num_layers)]  # each [slots, n_kv, max_len, D]
         self.v: list[torch.Tensor] = [self.data[i, 1] for i in range(cfg.num_layers)]
         # Flat views for writing: one index_copy_ per layer puts a whole step's K and V in place.
@@ -87,7 +87,7 @@ class KVCache:
         )
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU backed by lazily-committed anonymous pages (the kernel zero-fills on first touch)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
