@@ -104,10 +104,14 @@ async def first_token_seconds(stub: pb_grpc.GenerationStub, adapter: str | None,
 
 
 async def cold_vs_warm(target: str, names: list[str], background_tokens: int) -> dict[str, Any]:
-    """Each adapter's first (cold) then second (warm) TTFT, while a base stream runs; that stream's ITL."""
+    """Each adapter's first (cold) then second (warm) TTFT, while a base stream runs; that stream's ITL.
+
+    The base stream's gaps are split by what else was in flight when each ended: nothing (quiet), a cold request
+    (its adapter loading, then its prefill) or a warm one (its prefill only). A new request's prefill lengthens the
+    running stream's step either way; what a cold load adds is the difference between the last two."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        gaps: list[float] = []
+        gaps: list[tuple[float, float]] = []  # (end time, gap)
 
         async def background() -> None:
             req = pb.GenerateStreamRequest(
@@ -118,29 +122,36 @@ async def cold_vs_warm(target: str, names: list[str], background_tokens: int) ->
             async for _ in stub.GenerateStream(req):
                 now = time.perf_counter()
                 if last is not None:
-                    gaps.append(now - last)
+                    gaps.append((now, now - last))
                 last = now
 
-        quiet_gaps: list[float] = []
         task = asyncio.create_task(background())
         await asyncio.sleep(1.0)  # the base stream alone: its ITL without loads
-        quiet_gaps.extend(gaps)
+        windows: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": []}
         cold, warm = [], []
         for i, name in enumerate(names):
-            cold.append(await first_token_seconds(stub, name, i))
-            warm.append(await first_token_seconds(stub, name, i))
+            for kind, out in (("cold", cold), ("warm", warm)):
+                t0 = time.perf_counter()
+                out.append(await first_token_seconds(stub, name, i))
+                windows[kind].append((t0, time.perf_counter()))
+                await asyncio.sleep(0.15)  # let the stream take a quiet step between requests
         await task
-    during = gaps[len(quiet_gaps) :]
-    return {
+
+    def during(kind: str) -> list[float]:
+        return [g for end, g in gaps if any(a < end <= b + 0.005 for a, b in windows[kind])]
+
+    busy = windows["cold"] + windows["warm"]
+    quiet = [g for end, g in gaps if not any(a < end <= b + 0.005 for a, b in busy)]
+    out: dict[str, Any] = {
         "cold_ttft": summary(cold),
         "warm_ttft": summary(warm),
         "cold_over_warm": summary([c / w for c, w in zip(cold, warm, strict=True)]),
-        "itl_quiet_p50": pct(quiet_gaps, 0.5),
-        "itl_quiet_p99": pct(quiet_gaps, 0.99),
-        "itl_during_loads_p50": pct(during, 0.5),
-        "itl_during_loads_p99": pct(during, 0.99),
-        "itl_during_loads_max": max(during) if during else float("nan"),
     }
+    for kind, xs in (("quiet", quiet), ("warm", during("warm")), ("cold", during("cold"))):
+        out[f"itl_{kind}_p50"] = pct(xs, 0.5)
+        out[f"itl_{kind}_max"] = max(xs) if xs else float("nan")
+        out[f"itl_{kind}_n"] = len(xs)
+    return out
 
 
 def peft_throughput(model_dir: Path, folder: Path, names: list[str], batch: int, new_tokens: int) -> dict[str, float]:
@@ -240,13 +251,15 @@ def main() -> None:
     parser.add_argument("--register", type=int, default=1000)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/adapters.json")
+    parser.add_argument("--parts", default="abcd", help="which of (a)-(d) to run; the others keep --out's figures")
     args = parser.parse_args()
     if args.quick:
         args.runs, args.new_tokens, args.streams, args.distinct, args.register = 1, 4, 4, "1,4", 20
     distinct = [int(x) for x in args.distinct.split(",")]
     folder = WORK / "adapters"
     names = write_adapters(args.model, folder, max(distinct))
-    results: dict[str, Any] = {
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.parts != "abcd" and args.out.is_file() else {}
+    results |= {
         "model": args.model.name,
         "adapters": f"{len(names)} x r=8 q_proj,v_proj",
         "streams": args.streams,
@@ -255,7 +268,28 @@ def main() -> None:
         "load_avg_before": os.getloadavg(),
     }
 
-    # (a) throughput vs distinct adapters, base-only alternating as the reference.
+    if "a" in args.parts:
+        part_a(args, results, names, folder, distinct)
+    if "b" in args.parts:
+        part_b(args, results, names, folder, distinct)
+    if "c" in args.parts:
+        part_c(args, results, names, folder)
+    if "d" in args.parts:
+        part_d(args, results, names, folder)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if "throughput" in results:
+        print_table(results, distinct)
+    print(f"wrote {args.out}; peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
+    if args.quick:
+        assert all(results["throughput"][str(n)]["median"] > 0 for n in distinct)
+        assert results["registration"]["n"] == args.register
+
+
+def part_a(
+    args: argparse.Namespace, results: dict[str, Any], names: list[str], folder: Path, distinct: list[int]
+) -> None:
+    """(a) throughput vs distinct adapters, base-only alternating as the reference."""
     srv = OurServer(args.model, "float32", 50810, args.streams, extra=["--adapter-dir", str(folder)])
     target = f"127.0.0.1:{srv.port}"
     requests = 2 * args.streams
@@ -277,7 +311,11 @@ def main() -> None:
         srv.stop()
     results["throughput"] = {k: summary(v) for k, v in rows.items()}
 
-    # (b) peft mixed batch, same prompts and lengths.
+
+def part_b(
+    args: argparse.Namespace, results: dict[str, Any], names: list[str], folder: Path, distinct: list[int]
+) -> None:
+    """(b) peft mixed batch, same prompts and lengths."""
     pf = peft_throughput(args.model, folder, names, args.streams, args.new_tokens)
     results["peft"] = pf
     ours_mixed = results["throughput"][str(max(distinct))]["median"]
@@ -285,30 +323,28 @@ def main() -> None:
     print(f"(b) peft mixed {pf['mixed_tok_s']:.1f} tok/s, single {pf['single_tok_s']:.1f}; ours/peft mixed "
           f"{results['ours_vs_peft_mixed']:.1f}x", flush=True)  # fmt: skip
 
-    # (c) cold vs warm TTFT on a fresh server, a base stream running meanwhile.
+
+def part_c(args: argparse.Namespace, results: dict[str, Any], names: list[str], folder: Path) -> None:
+    """(c) cold vs warm TTFT on a fresh server, a base stream running meanwhile."""
     srv = OurServer(args.model, "float32", 50811, args.streams, extra=["--adapter-dir", str(folder)])
     try:
         cw = asyncio.run(cold_vs_warm(f"127.0.0.1:{srv.port}", names[: min(8, len(names))], 256))
     finally:
         srv.stop()
     results["cold_vs_warm"] = cw
-    print(f"(c) cold/warm TTFT median {cw['cold_over_warm']['median']:.2f}x; running stream ITL p99 "
-          f"{cw['itl_quiet_p99'] * 1e3:.1f} ms quiet vs {cw['itl_during_loads_p99'] * 1e3:.1f} ms during loads",
-          flush=True)  # fmt: skip
+    print(f"(c) cold/warm TTFT median {cw['cold_over_warm']['median']:.2f}x "
+          f"({cw['cold_ttft']['median'] * 1e3:.0f} / {cw['warm_ttft']['median'] * 1e3:.0f} ms); running stream ITL "
+          f"p50/max: quiet {cw['itl_quiet_p50'] * 1e3:.1f}/{cw['itl_quiet_max'] * 1e3:.1f} ms, during warm requests "
+          f"{cw['itl_warm_p50'] * 1e3:.1f}/{cw['itl_warm_max'] * 1e3:.1f} ms, during cold requests "
+          f"{cw['itl_cold_p50'] * 1e3:.1f}/{cw['itl_cold_max'] * 1e3:.1f} ms", flush=True)  # fmt: skip
 
-    # (d) registration of many adapters.
+
+def part_d(args: argparse.Namespace, results: dict[str, Any], names: list[str], folder: Path) -> None:
+    """(d) registration of many adapters."""
     reg = registration(args.model, folder / names[0], args.register)
     results["registration"] = reg
     print(f"(d) {reg['n']} registrations: median {reg['per_adapter_ms']['median']:.2f} ms, max "
           f"{reg['per_adapter_ms']['max']:.2f} ms, RSS +{reg['rss_growth_MB']:.1f} MB", flush=True)  # fmt: skip
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print_table(results, distinct)
-    print(f"wrote {args.out}; peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
-    if args.quick:
-        assert all(results["throughput"][str(n)]["median"] > 0 for n in distinct)
-        assert reg["n"] == args.register
 
 
 def print_table(results: dict[str, Any], distinct: list[int]) -> None:

@@ -13,7 +13,7 @@ from typing import Literal
 from service.adapters.registry import check_adapter_id, resolve_source
 from service.adapters.store import AdapterStore
 from service.adapters.types import AdapterInfo
-from service.errors import AdapterNotFound, InvalidAdapter
+from service.errors import AdapterNotFound, InvalidAdapter, LoraplexError
 from service.medusa.format import is_medusa_folder
 from service.medusa.registry import MedusaRegistry
 
@@ -47,6 +47,18 @@ class AdapterCatalog:
         if not heads and not lora:
             raise InvalidAdapter(f"neither {LORA_CONFIG} nor a Medusa config.json", file=folder)
         return self.kind(adapter_id)
+
+    def prefetch(self, adapter_id: str) -> None:
+        """Start loading every part of a registered adapter that is not on the device yet (quiet on any error:
+        the engine's admission reports it)."""
+        try:
+            kind = self.kind(adapter_id)
+            if kind != "medusa":
+                self.store.prefetch(adapter_id)
+            if kind != "lora":
+                self.medusa.request(adapter_id)
+        except LoraplexError:
+            pass
 
     def unregister(self, adapter_id: str) -> None:
         """``FailedPrecondition`` while requests pin the LoRA part (nothing is removed then)."""

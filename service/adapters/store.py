@@ -271,16 +271,33 @@ class AdapterStore:
                 )
                 self._cond.notify_all()
                 return False
-            if self._closed:
-                raise Unavailable("the adapter store is closed")
-            if not entry.loading:
-                entry.loading = True
-                entry.queued_at = time.perf_counter()
-                self._queue.append(adapter_id)
-                metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
-                self._start_loader()
-                self._cond.notify_all()
+            self._queue_load(adapter_id, entry)
             return False
+
+    def prefetch(self, adapter_id: str) -> None:
+        """Start loading a registered adapter that is neither resident nor loading, without a hit, a miss or a
+        pin: the engine calls it the moment a request arrives, so the read overlaps the decode step in flight.
+        Quiet for unknown ids, failed or oversized adapters and a closed store (``request`` reports those)."""
+        with self._cond:
+            entry = self._entries.get(adapter_id)
+            if entry is None or entry.error is not None or entry.device is not None or self._closed:
+                return
+            # Only into free room: evicting for a request that may wait in the queue a while could evict what
+            # the running batch needs next; under pressure, admission (``request``) decides.
+            if self._device_used + self._device_reserved + entry.device_nbytes <= self.device_budget_bytes:
+                self._queue_load(adapter_id, entry)
+
+    def _queue_load(self, adapter_id: str, entry: _Entry) -> None:
+        """Under the lock: queue ``entry``'s load unless one is queued or running."""
+        if self._closed:
+            raise Unavailable("the adapter store is closed")
+        if not entry.loading:
+            entry.loading = True
+            entry.queued_at = time.perf_counter()
+            self._queue.append(adapter_id)
+            metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
+            self._start_loader()
+            self._cond.notify_all()
 
     def failure(self, adapter_id: str) -> LoraplexError | None:
         """The error that made this adapter's load fail, or None. ``AdapterNotFound`` if not registered."""

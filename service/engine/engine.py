@@ -176,6 +176,8 @@ class Engine:
                     "retry later or spread load over more replicas"
                 )
             self._queued += 1
+        if request.adapter_id is not None and self.adapters is not None:
+            self.adapters.prefetch(request.adapter_id)  # a cold adapter's read overlaps the step in flight
         handle = RequestHandle(request)
         self._inbox.put((handle, sink))
         return handle
