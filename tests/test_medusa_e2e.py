@@ -12,6 +12,7 @@ import torch
 from adapter_files import write_peft_adapter
 from loraplex import Client, InvalidArgument
 
+from service import metrics
 from service.api.server import BackgroundServer
 from service.config import Settings
 from service.medusa.format import write_medusa
@@ -123,6 +124,27 @@ def test_speculative_greedy_equals_plain_in_mixed_batches(server: BackgroundServ
     assert off[0] == (mixed[2][0], 0)  # speculate=false: same tokens, no drafts
 
 
+TREE = "0;1;2;0.0;0.1;1.0;2.0;0.0.0;0.1.0;1.0.0;0.0.0.0"
+
+
+def test_tree_speculation_equals_plain_in_mixed_batches(served_tiny_dir: Path, roots: Path) -> None:
+    """With a draft tree (3 and 4 heads: the 4-head adapter uses the deepest node too): v1, v2, Medusa + LoRA rows
+    batched with base and LoRA rows, alone and mixed, equal plain greedy."""
+    adapters = ["v1", "v2", "both", None, "lora"]
+    jobs = [(p, adapters[i % len(adapters)], None) for i, p in enumerate(PROMPTS)]
+    with BackgroundServer(settings_for(served_tiny_dir, roots, speculate_tree=TREE)) as srv:
+        before = metrics.SPECULATIVE_ACCEPTED._value.get()
+        mixed = run_all(srv.target, jobs)
+        alone = run_all(srv.target, [(p, "v2", None) for p in PROMPTS[:6]])
+        accepted = metrics.SPECULATIVE_ACCEPTED._value.get() - before
+        reference = run_all(srv.target, [(p, "lora" if a in ("both", "lora") else None, False) for p, a, _ in jobs])
+        plain = run_all(srv.target, [(p, None, None) for p in PROMPTS[:6]])
+    for i, ((got, _), (want, _)) in enumerate(zip(mixed, reference, strict=True)):
+        assert got == want, f"row {i} adapter={jobs[i][1]}"
+    assert [t for t, _ in alone] == [t for t, _ in plain]
+    assert accepted > 0
+
+
 def test_speculate_true_without_heads_is_invalid(server: BackgroundServer) -> None:
     with Client(server.target, timeout=30) as client:
         with pytest.raises(InvalidArgument, match="Medusa"):
@@ -146,6 +168,22 @@ def test_bad_heads_are_refused_and_the_server_keeps_serving(
         with pytest.raises(InvalidArgument, match=r"medusa_lm_head\.safetensors"):
             client.load_adapter("bad-hidden", bad)
         assert client.generate("still fine", max_new_tokens=3, ignore_eos=True).usage.generated_tokens == 3
+
+
+def test_draft_threshold_gates_drafts_and_keeps_output(served_tiny_dir: Path, roots: Path) -> None:
+    """A high threshold verifies few of the random heads' drafts (1.7 % here), a tiny one every draft; either way
+    the output is plain greedy."""
+    plain = None
+    drafted = {}
+    for threshold in (0.999, 1e-12):
+        with BackgroundServer(settings_for(served_tiny_dir, roots, draft_threshold=threshold)) as srv:
+            before = metrics.SPECULATIVE_DRAFTED._value.get()
+            got = run_all(srv.target, [(p, "v2", None) for p in PROMPTS[:4]])
+            drafted[threshold] = metrics.SPECULATIVE_DRAFTED._value.get() - before
+            if plain is None:
+                plain = run_all(srv.target, [(p, None, None) for p in PROMPTS[:4]])
+        assert [t for t, _ in got] == [t for t, _ in plain]
+    assert drafted[0.999] < drafted[1e-12] / 10
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ from service.engine.sampling import Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.medusa.heads import MedusaHeads
-from service.medusa.speculative import verify_greedy
+from service.medusa.tree import DraftTree
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 from service.tokenizer import Tokenizer
@@ -99,6 +99,7 @@ class Engine:
         self.adapters = adapters
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
         self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if adapters is not None else None
+        self._trees: dict[int, DraftTree] = {}  # the draft tree per head count
         self.prefix = PrefixCache(self.cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
@@ -331,8 +332,15 @@ class Engine:
     def _speculating(self) -> bool:
         return len(self._running) <= self.settings.speculate_max_batch
 
+    def _tree(self, num_heads: int) -> DraftTree:
+        tree = self._trees.get(num_heads)
+        if tree is None:
+            tree = self._trees[num_heads] = DraftTree.parse(self.settings.speculate_tree, num_heads)
+        return tree
+
     def _draft(self, rows: Sequence[_Row], hidden: torch.Tensor) -> None:
-        """Set the drafts of rows with heads from their last hidden state ``hidden`` [len(rows), H]."""
+        """Set the drafts of rows with heads from their last hidden state ``hidden`` [len(rows), H]: the candidate
+        token of every node of the draft tree (``--speculate-tree``) down to the depth the row verifies."""
         if not any(row.heads is not None for row in rows):
             return  # the common decode step: no row drafts, nothing to reset (rows without heads never hold drafts)
         groups: dict[int, list[int]] = {}
@@ -340,13 +348,18 @@ class Engine:
             row.drafts = []
             if row.heads is not None and not row.done and self._speculating():
                 groups.setdefault(id(row.heads), []).append(b)
+        threshold = self.settings.draft_threshold
         for members in groups.values():
             heads = rows[members[0]].heads
             assert heads is not None  # groups hold rows with heads only
+            tree = self._tree(heads.num_heads)
             index = torch.tensor(members, device=hidden.device)
-            drafts = heads.draft(hidden.index_select(0, index), self.model.draft_head()).tolist()  # [g, n_heads]
-            for b, d in zip(members, drafts, strict=True):
-                rows[b].drafts = d
+            ids, probs = heads.candidates(hidden.index_select(0, index), self.model.draft_head(), tree.max_rank + 1)
+            # With a threshold, verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold.
+            depths = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist() if threshold > 0 else None
+            for i, (b, topk) in enumerate(zip(members, ids.tolist(), strict=True)):
+                nodes = tree.nodes_within(depths[i]) if depths is not None else tree.size
+                rows[b].drafts = tree.tokens(topk)[: nodes - 1]
 
     def _prefill(self, rows: Sequence[_Row]) -> None:
         """Prefill the newcomers (slots ``start ..``): K/V of cached prompt blocks are copied in, the rest computed.
@@ -433,51 +446,64 @@ class Engine:
         self._draft(rows, hidden[:, -1])
 
     def _decode_speculative(self, rows: list[_Row]) -> None:
-        """Verify every row's pending token plus its drafts in one forward pass; keep the longest accepted prefix.
+        """Verify every row's pending token plus its draft tree in one forward pass; keep the longest accepted path.
 
-        Row b feeds ``[pending, d_1 .. d_kb]`` at positions ``length .. length + kb`` (padded to the batch's k with
-        its pending token, never read back). Greedy rows keep the drafts that equal the argmax after their prefix
-        and emit the argmax after the last kept one: exactly plain greedy decoding. Rows without drafts (sampled,
-        or without heads) use position 0 like a plain decode step. The cache is rolled back by the length alone.
+        Row b feeds its pending token (the root, cache position ``L_b``) and its first ``v_b - 1`` tree nodes
+        (node i at cache position ``L_b + i``, RoPE position ``L_b + depth(i)``, attending to its ancestors only),
+        padded to the batch's widest with its pending token (K/V beyond its length, never read back). Greedy rows
+        walk the tree along the model's argmax and emit the path's tokens plus the argmax at its end: exactly
+        plain greedy decoding; the path's K/V then move to ``L_b + 1 ..``. Rows without drafts (sampled, or without
+        heads) read node 0 like a plain decode step.
         """
         limit = self.settings.max_total_tokens
-        ks = [
-            max(0, min(len(r.drafts), r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)) for r in rows
-        ]
-        k = max(ks)
-        fed = [[r.pending, *r.drafts[: ks[b]]] + [r.pending] * (k - ks[b]) for b, r in enumerate(rows)]
-        tokens = torch.tensor(fed, dtype=torch.long, device=self.device)  # [B, k+1]
+        tree = self._tree(max(r.heads.num_heads for r in rows if r.heads is not None))
+        depths = tree.depths
+        valid = []
+        for r in rows:  # nodes a row verifies: within its remaining tokens (a path of depth d emits d + 1)
+            room = min(r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)
+            valid.append(min(1 + len(r.drafts), tree.nodes_within(max(0, room))))
+        width = min(max(valid), min(limit - r.length for r in rows))  # every row's nodes stay inside the cache
+        valid = [min(v, width) for v in valid]
+        fed = [[r.pending, *r.drafts[: valid[b] - 1]] + [r.pending] * (width - valid[b]) for b, r in enumerate(rows)]
+        tokens = torch.tensor(fed, dtype=torch.long, device=self.device)  # [B, T]
         starts = torch.tensor([r.length for r in rows], device=self.device)  # [B]
-        positions = starts[:, None] + torch.arange(k + 1, device=self.device)[None, :]  # [B, k+1]
+        positions = starts[:, None] + torch.tensor(depths[:width], device=self.device)[None, :]  # [B, T]
         metrics.BATCH_SIZE.observe(len(rows))
         batch = self._adapter_batch(rows, 0)
-        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=max(r.length for r in rows) + k + 1)
-        logits = self.model.logits(hidden)  # [B, k+1, V]
-        verified = verify_greedy(tokens[:, 1:], logits, torch.tensor(ks, device=self.device))
-        accepted = verified.accepted.tolist()
-        emitted = verified.tokens.tolist()
+        kv_len = max(r.length for r in rows) + width
+        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree.visible[:width, :width])
+        logits = self.model.logits(hidden)  # [B, T, V]
         plain = [b for b, r in enumerate(rows) if r.heads is None]
-        if plain:  # sampled rows (and rows without heads): one token from position 0, as a plain step
+        if plain:  # sampled rows (and rows without heads): one token from node 0, as a plain step
             sub = [rows[b] for b in plain]
             for r in sub:
                 r.length += 1
             self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
-        drafted = sum(ks)
-        kept = sum(accepted[b] for b, r in enumerate(rows) if r.heads is not None)
-        metrics.SPECULATIVE_DRAFTED.inc(drafted)
-        metrics.SPECULATIVE_ACCEPTED.inc(kept)
-        metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.heads is not None))
+        predicted = logits.argmax(dim=-1).tolist()  # [B, T]
+        last = [0] * len(rows)  # the node whose hidden state drafts next
+        drafted = kept = 0
         for b, row in enumerate(rows):
             if row.heads is None:
                 continue
-            a = accepted[b]
+            path = tree.accept(fed[b], predicted[b], valid[b])
+            a = len(path)
+            if path != list(range(1, a + 1)):  # K/V of the kept nodes to positions L+1 .. L+a
+                src = torch.tensor([row.length + i for i in path], device=self.device)
+                dst = torch.arange(row.length + 1, row.length + 1 + a, device=self.device)
+                self.cache.data[:, :, b, :, dst] = self.cache.data[:, :, b, :, src]
+            drafted += valid[b] - 1
+            kept += a
+            last[b] = path[-1] if path else 0
             row.length += 1 + a
             row.accepted += a
-            for token in emitted[b][: a + 1]:
+            for token in [*(fed[b][i] for i in path), predicted[b][last[b]]]:
                 if row.done:
                     break
                 self._emit(row, int(token), None)
-        at = verified.accepted.to(self.device)  # [B]
+        metrics.SPECULATIVE_DRAFTED.inc(drafted)
+        metrics.SPECULATIVE_ACCEPTED.inc(kept)
+        metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.heads is not None))
+        at = torch.tensor(last, device=self.device)
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at])  # state after the last kept token
 
     def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:

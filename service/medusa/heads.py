@@ -10,6 +10,7 @@ Public API::
     heads.draft(x, lm_head) -> [B, n_heads]           int64 top-1 ids
     heads.draft_with_confidence(x, lm_head) -> (ids [B, n_heads], probabilities [B, n_heads])
     heads.topk(x, lm_head, k) -> [B, n_heads, k]      int64 ids, most likely first
+    heads.candidates(x, lm_head, k) -> (ids [B, n_heads, k], top-1 probabilities [B, n_heads])
     heads.num_heads, .num_layers, .version, .hidden_size, .nbytes, .device, .dtype
 
 ``x`` is the final-normed hidden state the base ``lm_head`` reads (``Llama.forward``'s output at one position per
@@ -142,6 +143,13 @@ class MedusaHeads:
         logits = self._project(self.hidden(x), lm_head).float()  # [B, n, V]
         top, ids = logits.max(dim=-1)  # [B, n]
         return ids, torch.exp(top - torch.logsumexp(logits, dim=-1))
+
+    @torch.inference_mode()
+    def candidates(self, x: Tensor, lm_head: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """x [B, H] -> (each head's ``k`` most likely ids [B, n, k] int64, the top-1 probability [B, n] fp32)."""
+        logits = self._project(self.hidden(x), lm_head).float()  # [B, n, V]
+        top = logits.topk(k, dim=-1)
+        return top.indices, torch.exp(top.values[..., 0] - torch.logsumexp(logits, dim=-1))
 
     @torch.inference_mode()
     def topk(self, x: Tensor, lm_head: Tensor, k: int) -> Tensor:

@@ -232,30 +232,49 @@ class Llama(nn.Module):
         adapters: AdapterHook | None = None,
         *,
         kv_len: int | None = None,
+        tree: Tensor | None = None,
     ) -> Tensor:
         """Run rows ``[slot_start, slot_start + B)`` of the cache; return final-normed hidden states [B, T, hidden].
 
         tokens, positions: [B, T] int64 on the model's device. ``kv_len`` bounds the keys attended to (must be
-        ``> positions.max()``); when ``None`` it is computed from ``positions`` (one device-to-host sync).
+        ``> positions.max()``, or with ``tree`` the last cache position written); when ``None`` it is computed
+        from ``positions`` (one device-to-host sync).
+
+        ``tree`` [T, T] bool (see ``service.medusa.tree``): the T tokens of a row are the nodes of a draft tree
+        rooted at ``positions[:, 0]`` = L. Node i's K/V goes to cache position ``L + i`` while ``positions`` carries
+        its RoPE position ``L + depth(i)``; it attends to the cache below L and to the nodes ``tree[i]`` marks.
         """
         b = tokens.shape[0]
         if positions.shape != tokens.shape:
             raise ValueError(f"positions {tuple(positions.shape)} must match tokens {tuple(tokens.shape)}")
         if slot_start < 0 or slot_start + b > cache.slots:
             raise ValueError(f"slots [{slot_start}, {slot_start + b}) are outside the cache's {cache.slots}")
-        length = int(positions.max()) + 1 if kv_len is None else kv_len
+        t = tokens.shape[1]
+        if tree is None:
+            slots_at = positions  # [B, T] cache position of each token's K/V
+        else:
+            if tuple(tree.shape) != (t, t):
+                raise ValueError(f"tree mask {tuple(tree.shape)} must be [{t}, {t}]")
+            slots_at = positions[:, :1] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]: L + i
+        length = int(slots_at.max()) + 1 if kv_len is None else kv_len
         if length > cache.max_len:
             raise ValueError(f"position {length - 1} is beyond the cache's max_len {cache.max_len}")
         self._rope_for(cache.max_len)
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         key_pos = torch.arange(length, device=tokens.device)  # [L]
-        visible = key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
+        if tree is None:
+            visible = key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
+        else:  # the cache below the root, then the query's own ancestors among the nodes
+            rel = key_pos[None, :] - positions[:, :1]  # [B, L]: key position relative to the root
+            in_tree = tree.to(tokens.device)[None, :, :].expand(b, t, t)  # [B, T, T]
+            node = rel.clamp(0, t - 1)[:, None, :].expand(b, t, length)  # [B, T, L]
+            visible = (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree.gather(2, node))
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill_(~visible, -math.inf)
         step = Step(
             cos=self._cos[positions].unsqueeze(2),  # [B, T, 1, D]
             sin=self._sin[positions].unsqueeze(2),
             mask=mask.repeat_interleave(g, dim=1).unsqueeze(1),  # [B, 1, T*G, L]
-            write_index=cache.write_index(slot_start, positions),
+            write_index=cache.write_index(slot_start, slots_at),
             adapters=adapters,
         )
 
