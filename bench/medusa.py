@@ -15,7 +15,8 @@ in float32 they must all be; in bfloat16 a verification pass computes a position
 shapes than a one-token step, and where the two best logits are closer than bf16 rounding the argmax may differ
 (as it may between two batch compositions), so a few rows can diverge after such a near-tie. Where the batch is
 larger than ``--speculate-max-batch`` the engine switches speculation off, as the server does; a ``forced`` run
-there turns it on, to show why it is off.
+there turns it on, to show why it is off. The tree runs speculate at every step; the ``auto`` run is the server's
+default, where ``service.engine.governor`` measures both kinds of step and keeps the faster (with the last tree).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main() -> None:
     print(f"{'dtype':>8} {'batch':>5} {'tree':>6} {'plain tok/s':>11} {'medusa tok/s':>12} {'speed-up':>8} "
           f"{'tokens/step':>11} {'identical':>9}")  # fmt: skip
     results = []
+    plain_by_batch: dict[tuple[str, str], list[list[int]]] = {}  # plain outputs at the first batch size
     for dtype in args.dtype:
         model, _, _ = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")
         for batch in args.batch:
@@ -100,9 +102,11 @@ def main() -> None:
             engines = {}
             for t, tree in enumerate(args.trees):
                 smb = batch if forced else args.speculate_max_batch
-                engines[f"t{t}"] = make_engine(model, tok, args, batch, tree, smb)
+                engines[f"t{t}"] = make_engine(model, tok, args, batch, tree, smb, adaptive=False)
             if forced:  # the server's behaviour: speculation off at this batch size
                 engines["off"] = make_engine(model, tok, args, batch, "chain", args.speculate_max_batch)
+            else:  # the server's default: the governor picks plain or speculative steps (with the last tree)
+                engines["auto"] = make_engine(model, tok, args, batch, args.trees[-1], args.speculate_max_batch)
             for eng in engines.values():
                 run_chunk(eng, prompts[:batch], 8, "medusa")  # warm-up
             runs: dict[str, Run] = {name: Run() for name in ["plain", *engines]}
@@ -115,8 +119,10 @@ def main() -> None:
             for eng in engines.values():
                 eng.stop()
             plain = runs.pop("plain")
+            reference = plain_by_batch.setdefault((dtype, "first"), plain.tokens)
+            same_as_first_batch = sum(a == b for a, b in zip(plain.tokens, reference, strict=True))
             for name, run in runs.items():
-                label = "off" if name == "off" else args.trees[int(name[1:])]
+                label = name if name in ("off", "auto") else args.trees[int(name[1:])]
                 row = {
                     "dtype": dtype,
                     "batch": batch,
@@ -129,13 +135,15 @@ def main() -> None:
                     "identical": run.tokens == plain.tokens,
                     "identical_rows": sum(a == b for a, b in zip(run.tokens, plain.tokens, strict=True)),
                     "rows": len(plain.tokens),
+                    "plain_rows_identical_to_first_batch_size": same_as_first_batch,
                 }
                 results.append(row)
-                shown = "chain" if label == "chain" else ("off" if label == "off" else f"{len(label.split(';'))}n")
+                shown = label if label in ("chain", "off", "auto") else f"{len(label.split(';'))}n"
                 shown += "*" if row["forced"] else ""
                 print(f"{dtype:>8} {batch:>5} {shown:>6} {plain.tok_s:>11.1f} {run.tok_s:>12.1f} "
                       f"{row['speedup']:>7.2f}x {run.tokens_per_step:>11.2f} "
-                      f"{row['identical_rows']:>4}/{row['rows']:<4}", flush=True)  # fmt: skip
+                      f"{row['identical_rows']:>4}/{row['rows']:<4} (plain vs plain at batch {args.batch[0]}: "
+                      f"{same_as_first_batch}/{row['rows']})", flush=True)  # fmt: skip
         del model
     if args.json is not None:
         meta = {
@@ -151,10 +159,12 @@ def main() -> None:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 
 
-DEFAULT_TREE = "0;1;2;0.0;0.1;1.0;0.0.0;0.1.0;1.0.0"
+DEFAULT_TREE = "0;1;2;3;0.0;0.1;0.2;1.0;0.0.0"  # scripts/design_medusa_tree.py, 9 nodes, for the demo heads
 
 
-def make_engine(model: Any, tok: Tokenizer, args: argparse.Namespace, batch: int, tree: str, smb: int) -> Engine:
+def make_engine(
+    model: Any, tok: Tokenizer, args: argparse.Namespace, batch: int, tree: str, smb: int, *, adaptive: bool = True
+) -> Engine:
     settings = Settings(
         model=args.model,
         max_batch_size=batch,
@@ -162,6 +172,7 @@ def make_engine(model: Any, tok: Tokenizer, args: argparse.Namespace, batch: int
         max_prompt_tokens=512,
         speculate_max_batch=smb,
         speculate_tree=tree,
+        speculate_adaptive=adaptive,
         draft_threshold=args.draft_threshold,
         prefix_cache_bytes=0,  # every run prefills alike
     )

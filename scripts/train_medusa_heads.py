@@ -1,7 +1,7 @@
 """Train v2 Medusa heads for SmolLM2 by self-distillation and write them as a Medusa adapter folder.
 
     .venv/bin/python scripts/train_medusa_heads.py [--model models/SmolLM2-135M-Instruct]
-        [--out adapters/demo/medusa] [--heads 3] [--prompts 320] [--max-new 96] [--threads 1]
+        [--out adapters/demo/medusa] [--heads 3] [--prompts 1640] [--max-new 128] [--dtype bfloat16]
 
 1. The frozen base model answers the chat prompts below greedily (``service.medusa.loop.generate``, batched). The
    corpus is cached under ``--work`` (``bench/.work/medusa`` by default), keyed by model, prompts and length, so a
@@ -13,7 +13,8 @@
 4. The folder gets ``config.json`` (version 2) and ``medusa_lm_head.safetensors``; the safetensors metadata
    records the corpus size and the per-head top-1 accuracy on held-out sequences.
 
-Every step is seeded; on 2 CPU cores the whole run takes a few minutes (most of it generating the corpus).
+Every step is seeded; on 2 CPU cores the whole run takes about 20 minutes (13 generating the corpus of ~178k
+tokens in bf16, 6 training); ``scripts/design_medusa_tree.py`` then picks a draft tree from the held-out part.
 """
 
 from __future__ import annotations
@@ -196,16 +197,16 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "medusa")
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=320)
-    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=1640)
+    ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32, help="generation batch size")
     ap.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32",
+        "--dtype", choices=("float32", "bfloat16"), default="bfloat16",
         help="dtype of the base model generating the corpus (bfloat16: about twice as fast on CPU; the states are "
         "stored in fp32 either way)",
     )  # fmt: skip
-    ap.add_argument("--mse-epochs", type=int, default=2)
-    ap.add_argument("--ce-epochs", type=int, default=3)
+    ap.add_argument("--mse-epochs", type=int, default=4)
+    ap.add_argument("--ce-epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--holdout", type=float, default=0.1, help="fraction of sequences kept out of training")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")

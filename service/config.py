@@ -46,6 +46,7 @@ class Settings:
     adapter_host_budget_bytes: int = 2 << 30
     # medusa
     speculate_max_batch: int = 4
+    speculate_adaptive: bool = True  # measure plain vs speculative steps per batch size, use the faster
     speculate_tree: str = "chain"  # draft tree: "chain" (top-1 per head) or paths "0;1;0.0;..." (service.medusa.tree)
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
     api_keys: tuple[str, ...] = field(default=(), repr=False)

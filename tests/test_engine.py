@@ -200,3 +200,22 @@ def test_validation_and_queue_limit(served_tiny_dir: Path) -> None:
         assert eng.generate(req("after", prompt(9, 5), n=2), timeout=30)[-1].finish is FinishReason.LENGTH
     finally:
         eng.stop()
+
+
+def test_speculation_governor_measures_then_picks_the_faster_and_probes() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4)
+    seen = []
+    for _ in range(4):  # 2 speculative steps, then 2 plain ones
+        spec = gov.choose(1)
+        seen.append(spec)
+        gov.record(1, spec, 0.1, 1 if spec else 2)  # speculative: 10 tok/s, plain: 20 tok/s
+    assert seen == [True, True, False, False]
+    assert gov.rates(1) == (20.0, 10.0)
+    picks = [gov.choose(1) for _ in range(8)]
+    assert picks == [False, False, False, True, False, False, False, True]  # every 4th step probes
+    gov.record(1, True, 0.1, 10)  # speculation got much faster (EWMA moves towards 100 tok/s)
+    gov.record(1, True, 0.1, 10)
+    assert gov.choose(1) is True
+    assert gov.choose(4) is True  # another batch size is measured on its own

@@ -55,6 +55,7 @@ def settings_for(model: Path, root: Path, **overrides: object) -> Settings:
         "max_total_tokens": 512,
         "adapter_dirs": (root,),
         "speculate_max_batch": 32,
+        "speculate_adaptive": False,  # these tests exercise the speculative path itself, whatever it costs here
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
@@ -143,6 +144,17 @@ def test_tree_speculation_equals_plain_in_mixed_batches(served_tiny_dir: Path, r
         assert got == want, f"row {i} adapter={jobs[i][1]}"
     assert [t for t, _ in alone] == [t for t, _ in plain]
     assert accepted > 0
+
+
+def test_adaptive_speculation_keeps_output(served_tiny_dir: Path, roots: Path) -> None:
+    """The server's default: the governor tries speculative and plain steps and keeps the faster; output is plain."""
+    with BackgroundServer(settings_for(served_tiny_dir, roots, speculate_adaptive=True, speculate_tree=TREE)) as srv:
+        before = metrics.SPECULATIVE_STEPS._value.get()
+        got = run_all(srv.target, [(p, "v2", None) for p in PROMPTS[:8]])
+        steps = metrics.SPECULATIVE_STEPS._value.get() - before
+        plain = run_all(srv.target, [(p, None, None) for p in PROMPTS[:8]])
+    assert [t for t, _ in got] == [t for t, _ in plain]
+    assert steps >= 8  # it measured speculation before deciding
 
 
 def test_speculate_true_without_heads_is_invalid(server: BackgroundServer) -> None:

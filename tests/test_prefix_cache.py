@@ -80,6 +80,7 @@ def test_logits_after_a_restore_match_a_full_prefill(tiny_llama_factory) -> None
     model, cfg, _ = load_model(folder, dtype=torch.float32, device="cpu")
     cache = KVCache(cfg, 2, 96, dtype=torch.float32, device=torch.device("cpu"))
     prefix = PrefixCache(cache, 1 << 24, block=8)
+
     def ids(seed: int, n: int) -> list[int]:  # within the tiny vocabulary
         return [t % cfg.vocab_size for t in prompt(seed, n)]
 

@@ -28,6 +28,7 @@ from service.adapters.catalog import AdapterCatalog
 from service.adapters.lora import AdapterBatch, LoraTables
 from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
+from service.engine.governor import SpeculationGovernor
 from service.engine.prefix import PrefixCache
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
 from service.engine.sampling import Sampler, make_generator
@@ -100,6 +101,7 @@ class Engine:
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
         self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if adapters is not None else None
         self._trees: dict[int, DraftTree] = {}  # the draft tree per head count
+        self.governor = SpeculationGovernor()
         self.prefix = PrefixCache(self.cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
@@ -330,7 +332,11 @@ class Engine:
         )
 
     def _speculating(self) -> bool:
-        return len(self._running) <= self.settings.speculate_max_batch
+        """Draft for the next step? Not above ``speculate_max_batch``; below it, as the governor measures."""
+        batch = len(self._running)
+        if batch > self.settings.speculate_max_batch:
+            return False
+        return not self.settings.speculate_adaptive or self.governor.choose(batch)
 
     def _tree(self, num_heads: int) -> DraftTree:
         tree = self._trees.get(num_heads)
@@ -344,9 +350,10 @@ class Engine:
         if not any(row.heads is not None for row in rows):
             return  # the common decode step: no row drafts, nothing to reset (rows without heads never hold drafts)
         groups: dict[int, list[int]] = {}
+        speculating = self._speculating()
         for b, row in enumerate(rows):
             row.drafts = []
-            if row.heads is not None and not row.done and self._speculating():
+            if row.heads is not None and not row.done and speculating:
                 groups.setdefault(id(row.heads), []).append(b)
         threshold = self.settings.draft_threshold
         for members in groups.values():
@@ -431,9 +438,18 @@ class Engine:
 
     def _decode(self) -> None:
         rows = self._running
-        if any(r.drafts for r in rows):
+        timed = self.settings.speculate_adaptive and any(r.heads is not None for r in rows)
+        start, before = time.perf_counter(), sum(r.generated for r in rows)
+        speculative = any(r.drafts for r in rows)
+        if speculative:
             self._decode_speculative(rows)
-            return
+        else:
+            self._decode_plain(rows)
+        if timed:  # what the governor learns from: output tokens per second of each kind of step
+            tokens = sum(r.generated for r in rows) - before
+            self.governor.record(len(rows), speculative, time.perf_counter() - start, tokens)
+
+    def _decode_plain(self, rows: list[_Row]) -> None:
         tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
         metrics.BATCH_SIZE.observe(len(rows))
