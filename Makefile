@@ -12,7 +12,7 @@ SERVE_ARGS ?=
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps model serve test test-fast lint typecheck check proto bench-load bench-serve clean distclean
+.PHONY: setup system-deps model serve test test-fast lint typecheck check proto bench-load bench-serve bench-adapters bench-medusa clean distclean
 
 ## setup: create .venv and install the server, the client package and the dev tools (idempotent)
 setup: $(VENV)/.installed
@@ -65,6 +65,14 @@ bench-load: setup model
 ## bench-serve: loraplex over gRPC vs transformers generate (see bench/README.md)
 bench-serve: setup model
 	$(PY) bench/serve.py
+
+## bench-adapters: mixed-adapter serving vs base-only and peft, cold loads, registrations (see bench/README.md)
+bench-adapters: setup model
+	$(PY) bench/adapters.py
+
+## bench-medusa: Medusa speculation (chain, tree, adaptive) vs plain decoding in the engine (see bench/README.md)
+bench-medusa: setup model
+	$(PY) bench/medusa.py --json bench/results/medusa.json
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache bench/.work
