@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train_medusa_heads import build_corpus, training_prompts  # noqa: E402
+from train_medusa_heads import add_corpus_arguments, build_corpus, training_prompts  # noqa: E402
 
 from service.medusa import MedusaHeads, index_medusa  # noqa: E402
 from service.medusa.train import head_dataset  # noqa: E402
@@ -35,15 +35,8 @@ from service.model.weights import load_model  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
+    add_corpus_arguments(ap)
     ap.add_argument("--heads", type=Path, default=ROOT / "adapters" / "demo" / "medusa")
-    ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "medusa")
-    ap.add_argument("--prompts", type=int, default=1640)
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--holdout", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--budgets", type=int, nargs="+", default=[3, 6, 9, 12, 16])
     args = ap.parse_args()

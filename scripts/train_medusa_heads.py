@@ -190,13 +190,10 @@ def build_corpus(
     return prompts, responses, hiddens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_corpus_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments that identify the cached corpus and its held-out split (shared with design_medusa_tree.py)."""
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
-    ap.add_argument("--out", type=Path, default=ROOT / "adapters" / "demo" / "medusa")
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / ".work" / "medusa")
-    ap.add_argument("--heads", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=1640)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32, help="generation batch size")
@@ -205,12 +202,20 @@ def main() -> None:
         help="dtype of the base model generating the corpus (bfloat16: about twice as fast on CPU; the states are "
         "stored in fp32 either way)",
     )  # fmt: skip
+    ap.add_argument("--holdout", type=float, default=0.1, help="fraction of sequences kept out of training")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_corpus_arguments(ap)
+    ap.add_argument("--out", type=Path, default=ROOT / "adapters" / "demo" / "medusa")
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--mse-epochs", type=int, default=4)
     ap.add_argument("--ce-epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--holdout", type=float, default=0.1, help="fraction of sequences kept out of training")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
