@@ -341,18 +341,21 @@ def part_b(
 
 
 def part_c(args: argparse.Namespace, results: dict[str, Any], names: list[str], folder: Path) -> None:
-    """(c) cold vs warm TTFT on a fresh server, a base stream running meanwhile."""
-    srv = OurServer(args.model, "float32", 50811, args.streams, extra=["--adapter-dir", str(folder)])
-    try:
-        cw = asyncio.run(cold_vs_warm(f"127.0.0.1:{srv.port}", names[: min(8, len(names))], 256))
-    finally:
-        srv.stop()
-    results["cold_vs_warm"] = cw
-    print(f"(c) cold/warm TTFT median {cw['cold_over_warm']['median']:.2f}x "
-          f"({cw['cold_ttft']['median'] * 1e3:.0f} / {cw['warm_ttft']['median'] * 1e3:.0f} ms); running stream ITL "
-          f"p50/max: quiet {cw['itl_quiet_p50'] * 1e3:.1f}/{cw['itl_quiet_max'] * 1e3:.1f} ms, during warm requests "
-          f"{cw['itl_warm_p50'] * 1e3:.1f}/{cw['itl_warm_max'] * 1e3:.1f} ms, during cold requests "
-          f"{cw['itl_cold_p50'] * 1e3:.1f}/{cw['itl_cold_max'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+    """(c) cold vs warm TTFT on a fresh server, a base stream running meanwhile; twice: as served (a warm request
+    also finds its adapter's system-prompt K/V in the prefix cache, a cold one cannot) and with the prefix cache
+    off (both prefill the whole prompt: the difference is the adapter load alone)."""
+    for key, extra in (("cold_vs_warm", []), ("cold_vs_warm_no_prefix_cache", ["--prefix-cache-bytes", "0"])):
+        srv = OurServer(args.model, "float32", 50811, args.streams, extra=["--adapter-dir", str(folder), *extra])
+        try:
+            cw = asyncio.run(cold_vs_warm(f"127.0.0.1:{srv.port}", names[: min(8, len(names))], 256))
+        finally:
+            srv.stop()
+        results[key] = cw
+        print(f"(c) {key}: cold/warm TTFT median {cw['cold_over_warm']['median']:.2f}x "
+              f"({cw['cold_ttft']['median'] * 1e3:.0f} / {cw['warm_ttft']['median'] * 1e3:.0f} ms); running stream "
+              f"ITL p50/max: quiet {cw['itl_quiet_p50'] * 1e3:.1f}/{cw['itl_quiet_max'] * 1e3:.1f} ms, during warm "
+              f"requests {cw['itl_warm_p50'] * 1e3:.1f}/{cw['itl_warm_max'] * 1e3:.1f} ms, during cold requests "
+              f"{cw['itl_cold_p50'] * 1e3:.1f}/{cw['itl_cold_max'] * 1e3:.1f} ms", flush=True)  # fmt: skip
 
 
 def part_d(args: argparse.Namespace, results: dict[str, Any], names: list[str], folder: Path) -> None:
