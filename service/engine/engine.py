@@ -438,16 +438,15 @@ class Engine:
 
     def _decode(self) -> None:
         rows = self._running
-        timed = self.settings.speculate_adaptive and any(r.heads is not None for r in rows)
-        start, before = time.perf_counter(), sum(r.generated for r in rows)
         speculative = any(r.drafts for r in rows)
-        if speculative:
-            self._decode_speculative(rows)
-        else:
-            self._decode_plain(rows)
-        if timed:  # what the governor learns from: output tokens per second of each kind of step
-            tokens = sum(r.generated for r in rows) - before
-            self.governor.record(len(rows), speculative, time.perf_counter() - start, tokens)
+        if not (self.settings.speculate_adaptive and any(r.heads is not None for r in rows)):
+            (self._decode_speculative if speculative else self._decode_plain)(rows)  # the common step: untimed
+            return
+        start, before = time.perf_counter(), sum(r.generated for r in rows)
+        (self._decode_speculative if speculative else self._decode_plain)(rows)
+        # What the governor learns from: output tokens per second of each kind of step.
+        tokens = sum(r.generated for r in rows) - before
+        self.governor.record(len(rows), speculative, time.perf_counter() - start, tokens)
 
     def _decode_plain(self, rows: list[_Row]) -> None:
         tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
