@@ -361,9 +361,13 @@ class Engine:
             assert heads is not None  # groups hold rows with heads only
             tree = self._tree(heads.num_heads)
             index = torch.tensor(members, device=hidden.device)
-            ids, probs = heads.candidates(hidden.index_select(0, index), self.model.draft_head(), tree.max_rank + 1)
-            # With a threshold, verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold.
-            depths = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist() if threshold > 0 else None
+            x, k = hidden.index_select(0, index), tree.max_rank + 1
+            depths = None
+            if threshold > 0:  # verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold
+                ids, probs = heads.candidates(x, self.model.draft_head(), k)
+                depths = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist()
+            else:
+                ids = heads.topk(x, self.model.draft_head(), k)  # [g, n_heads, k]
             for i, (b, topk) in enumerate(zip(members, ids.tolist(), strict=True)):
                 nodes = tree.nodes_within(depths[i]) if depths is not None else tree.size
                 rows[b].drafts = tree.tokens(topk)[: nodes - 1]

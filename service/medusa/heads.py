@@ -140,13 +140,13 @@ class MedusaHeads:
 
         The probabilities let a caller verify only drafts likely to be accepted (see ``loop.generate``).
         """
-        logits = self._project(self.hidden(x), lm_head).float()  # [B, n, V]
-        top, ids = logits.max(dim=-1)  # [B, n]
-        return ids, torch.exp(top - torch.logsumexp(logits, dim=-1))
+        ids, probs = self.candidates(x, lm_head, 1)
+        return ids[..., 0], probs
 
     @torch.inference_mode()
     def candidates(self, x: Tensor, lm_head: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """x [B, H] -> (each head's ``k`` most likely ids [B, n, k] int64, the top-1 probability [B, n] fp32)."""
+        """x [B, H] -> (each head's ``k`` most likely ids [B, n, k] int64, the top-1 probability [B, n] fp32).
+        The probability costs a log-sum-exp over the vocabulary: without a threshold, ``topk`` suffices."""
         logits = self._project(self.hidden(x), lm_head).float()  # [B, n, V]
         top = logits.topk(k, dim=-1)
         return top.indices, torch.exp(top.values[..., 0] - torch.logsumexp(logits, dim=-1))

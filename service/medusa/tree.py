@@ -26,8 +26,10 @@ decoding. The K/V of the accepted path are then moved to ``L + 1 .. L + a`` (a n
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -36,6 +38,8 @@ from torch import Tensor
 @dataclass(frozen=True)
 class DraftTree:
     paths: tuple[tuple[int, ...], ...]  # one per node but the root, in node order
+    # depths, parents, max_rank and visible are derived once per tree (cached_property): the engine reads them at
+    # every speculative step.
 
     @classmethod
     def parse(cls, spec: str, num_heads: int) -> DraftTree:
@@ -67,20 +71,20 @@ class DraftTree:
     def size(self) -> int:
         return len(self.paths) + 1
 
-    @property
+    @cached_property
     def depths(self) -> list[int]:
         return [0] + [len(p) for p in self.paths]
 
-    @property
+    @cached_property
     def parents(self) -> list[int]:
         index = {p: i + 1 for i, p in enumerate(self.paths)}
         return [-1] + [index.get(p[:-1], 0) for p in self.paths]
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         return max((r for p in self.paths for r in p), default=0)
 
-    @property
+    @cached_property
     def visible(self) -> Tensor:
         parents = self.parents
         out = torch.zeros(self.size, self.size, dtype=torch.bool)
@@ -92,7 +96,7 @@ class DraftTree:
         return out
 
     def nodes_within(self, depth: int) -> int:
-        return sum(1 for d in self.depths if d <= depth)
+        return bisect_right(self.depths, depth)  # depths are sorted: nodes come in order of depth
 
     def tokens(self, topk: Sequence[Sequence[int]]) -> list[int]:
         """``topk[h][r]``: head h's rank-r token -> the token of every node but the root, in node order."""
