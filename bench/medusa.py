@@ -34,6 +34,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from train_medusa_heads import HELD_OUT_PROMPTS  # noqa: E402
 
 from service.adapters.catalog import AdapterCatalog  # noqa: E402
 from service.adapters.store import AdapterStore  # noqa: E402
@@ -43,30 +46,6 @@ from service.engine.request import GenerationRequest  # noqa: E402
 from service.medusa.registry import MedusaRegistry  # noqa: E402
 from service.model.weights import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
-
-# Held out from training: different phrasings and subjects from the training script's.
-PROMPTS = (
-    "Tell me how a refrigerator keeps food cold.",
-    "What makes a good night's sleep?",
-    "Describe the life cycle of a butterfly.",
-    "How do airplanes stay in the air?",
-    "What are the benefits of learning a second language?",
-    "Give me a simple recipe for pancakes.",
-    "Why do leaves change color in autumn?",
-    "How does a computer store information?",
-    "What is the difference between weather and climate?",
-    "Explain how a bill becomes a law.",
-    "What are some ways to reduce stress at work?",
-    "How do vaccines train the body?",
-    "Describe a typical day of an astronaut on the space station.",
-    "What causes thunder and lightning?",
-    "How can I start running as a beginner?",
-    "Why is the sky blue?",
-    "What did ancient Egyptians eat?",
-    "How does a credit card work?",
-    "What are the main parts of a cell?",
-    "How do solar panels produce electricity?",
-)
 
 
 def main() -> None:
@@ -85,10 +64,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    if args.prompts > len(PROMPTS):
-        raise SystemExit(f"--prompts {args.prompts}: only {len(PROMPTS)} prompts are defined")
+    if args.prompts > len(HELD_OUT_PROMPTS):
+        raise SystemExit(f"--prompts {args.prompts}: only {len(HELD_OUT_PROMPTS)} prompts are defined")
     tok = Tokenizer.from_folder(args.model)
-    prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS[: args.prompts]]
+    prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in HELD_OUT_PROMPTS[: args.prompts]]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, heads {args.heads}")
     print(f"{len(prompts)} prompts x {args.max_new} new tokens, speculation off above batch {args.speculate_max_batch}")
     print(f"{'dtype':>8} {'batch':>5} {'tree':>6} {'plain tok/s':>11} {'medusa tok/s':>12} {'speed-up':>8} "

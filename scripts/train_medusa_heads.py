@@ -146,6 +146,32 @@ SUBJECTS = (
 )
 
 
+# Held out from training (different phrasings and subjects from TEMPLATES x SUBJECTS): what bench/medusa.py and
+# tests/test_medusa_smollm2.py measure the heads on.
+HELD_OUT_PROMPTS = (
+    "Tell me how a refrigerator keeps food cold.",
+    "What makes a good night's sleep?",
+    "Describe the life cycle of a butterfly.",
+    "How do airplanes stay in the air?",
+    "What are the benefits of learning a second language?",
+    "Give me a simple recipe for pancakes.",
+    "Why do leaves change color in autumn?",
+    "How does a computer store information?",
+    "What is the difference between weather and climate?",
+    "Explain how a bill becomes a law.",
+    "What are some ways to reduce stress at work?",
+    "How do vaccines train the body?",
+    "Describe a typical day of an astronaut on the space station.",
+    "What causes thunder and lightning?",
+    "How can I start running as a beginner?",
+    "Why is the sky blue?",
+    "What did ancient Egyptians eat?",
+    "How does a credit card work?",
+    "What are the main parts of a cell?",
+    "How do solar panels produce electricity?",
+)
+
+
 def training_prompts(count: int) -> list[str]:
     """``count`` distinct prompts, spread over every template and subject (deterministic)."""
     # Walk the subjects, each time with the next template: every subject meets several phrasings early on.

@@ -8,6 +8,7 @@ accept roughly one draft in eight steps here: see scripts/train_medusa_heads.py 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +22,17 @@ from service.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "adapters" / "demo" / "medusa"
 
-PROMPTS = (
-    "Tell me how a refrigerator keeps food cold.",
-    "What makes a good night's sleep?",
-    "Describe the life cycle of a butterfly.",
-    "How do airplanes stay in the air?",
-    "What are the benefits of learning a second language?",
-    "Give me a simple recipe for pancakes.",
-    "Why do leaves change color in autumn?",
-    "How does a computer store information?",
-    "What is the difference between weather and climate?",
-    "Explain how a bill becomes a law.",
-    "What are some ways to reduce stress at work?",
-    "How do vaccines train the body?",
-    "Describe a typical day of an astronaut on the space station.",
-    "What causes thunder and lightning?",
-    "How can I start running as a beginner?",
-    "Why is the sky blue?",
-    "What did ancient Egyptians eat?",
-    "How does a credit card work?",
-    "What are the main parts of a cell?",
-    "How do solar panels produce electricity?",
-)
+
+def _held_out_prompts() -> tuple[str, ...]:
+    """The training script's held-out prompts (loaded from its file, as tests/test_proto_generated.py does)."""
+    spec = importlib.util.spec_from_file_location("train_medusa_heads", ROOT / "scripts" / "train_medusa_heads.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.HELD_OUT_PROMPTS)
+
+
+PROMPTS = _held_out_prompts()
 
 pytestmark = pytest.mark.slow
 
