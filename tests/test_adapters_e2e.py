@@ -226,6 +226,8 @@ def test_paths_outside_the_roots_and_bad_ids(server: BackgroundServer, adapter_r
             client.load_adapter("../etc", adapter_root / "qv-r4")
         with pytest.raises(NotFound):
             client.get_adapter("never-registered")
+        with pytest.raises(NotFound, match="does not exist"):  # a missing folder inside the root
+            client.load_adapter("missing", adapter_root / "no-such-folder")
 
 
 def test_unload_while_running_is_refused_until_it_finishes(server: BackgroundServer) -> None:

@@ -10,7 +10,7 @@ Public API::
 
     check_adapter_id(adapter_id) -> None                      InvalidRequest
     resolve_source(path, roots) -> Path                       PermissionDenied outside the roots
-    index_adapter(adapter_id, path, model_config, *, roots=()) -> AdapterSpec
+    index_adapter(adapter_id, path, model_config, *, roots=()) -> AdapterSpec   NotFound: no such folder
     AdapterSpec, SlotRecords
     plan_buffer(spec, dtype, align) -> BufferPlan / plan_nbytes(spec, dtype, align) -> int
     buffer_views(spec, plan, buffer, dtype) -> {(layer, module): (A [r, in], B [out, r])}
@@ -53,7 +53,7 @@ from service.adapters.peft import (
     resolve_targets,
 )
 from service.adapters.types import MODULES
-from service.errors import InvalidAdapter, InvalidRequest, PermissionDenied
+from service.errors import InvalidAdapter, InvalidRequest, NotFound, PermissionDenied
 from service.loading import DTYPES, TensorRecord, read_safetensors_header
 from service.model.config import ModelConfig
 
@@ -190,8 +190,10 @@ def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roo
     t0 = time.perf_counter()
     check_adapter_id(adapter_id)
     folder = resolve_source(path, roots)
+    if not folder.exists():
+        raise NotFound(f"adapter folder {str(path)!r} does not exist")
     if not folder.is_dir():
-        raise InvalidAdapter("adapter folder does not exist or is not a folder", file=path)
+        raise InvalidAdapter("the adapter source is not a folder", file=path)
     config_path = folder / CONFIG_FILE
     _check_inside(config_path.resolve(), roots, config_path)
     config = read_lora_config(config_path, model_type=model_config.model_type)

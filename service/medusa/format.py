@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from service.errors import CheckpointError, InvalidAdapter
+from service.errors import CheckpointError, InvalidAdapter, NotFound
 from service.loading import CheckpointIndex, TensorRecord
 from service.model.config import ModelConfig
 
@@ -197,8 +197,10 @@ def index_medusa(
     """
     t0 = time.perf_counter()
     folder = Path(folder)
+    if not folder.exists():
+        raise NotFound(f"adapter folder {str(folder)!r} does not exist")
     if not folder.is_dir():
-        raise InvalidAdapter("adapter folder does not exist or is not a folder", file=folder)
+        raise InvalidAdapter("the adapter source is not a folder", file=folder)
     config_path = folder / CONFIG_FILE
     if check_path is not None:
         check_path(config_path.resolve())
