@@ -117,8 +117,8 @@ KV_CACHE_USAGE = Gauge(
 # --- adapters ---------------------------------------------------------------------------------------------
 ADAPTER_LOAD_DURATION = Histogram(
     "loraplex_adapter_load_duration_seconds",
-    "Adapter load time by stage (index = registration, read, layout, total = request to resident) and by the "
-    "tier the bytes came from (disk, host).",
+    "Adapter load time by stage (index = registration, read, validate = the finiteness check of what was read, "
+    "layout, total = request to resident) and by the tier the bytes came from (disk, host).",
     ["stage", "tier"],
     buckets=LOAD_BUCKETS,
     registry=REGISTRY,

@@ -30,9 +30,14 @@ an unpin when every resident adapter is pinned), then for each touched layer rea
 ``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the
 device. The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights
 file and closes it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds
-that). A failed load marks the adapter failed: ``request`` then returns False, ``failure`` returns the error
-(a ``LoraplexError``: the ``CheckpointError`` naming file and tensor, ``ResourceExhausted`` for an adapter larger
-than the whole device budget), and it stays failed until unregistered and registered again.
+that). Every read opens the file through ``integrity.open_verified`` (no symlink at the last component, its
+real path inside the roots, unchanged since it was indexed) and every tensor read is checked finite
+(``integrity.check_finite``; the ``validate`` stage of the load metrics). A file changed since registration is
+indexed again, as a new registration would, then loaded (or the adapter fails with the new error). A failed load
+marks the adapter failed: ``request`` then returns False, ``failure`` returns the error (a ``LoraplexError``: the
+``CheckpointError`` naming file and tensor, ``ResourceExhausted`` for an adapter larger than the whole device
+budget). It stays failed while its weights file stays as it was; once the file changes (looked at by ``request``,
+at most every ``RETRY_CHECK_SECONDS``), the next request clears the failure and loads it again, no unload needed.
 
 Engine protocol. Call ``request(id, pin=True)`` each step for a waiting row: the first True pins the adapter in
 the same critical section, so it cannot be evicted before the row runs; while it is False, ``failure(id)`` not
@@ -54,13 +59,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from service import metrics
+from service.adapters.integrity import AdapterFileChanged, FileStamp, check_finite, open_verified, stamp
 from service.adapters.registry import AdapterSpec, SlotRecords, buffer_views, index_adapter, plan_buffer, plan_nbytes
 from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, LoraModule, StoreState
 from service.errors import (
@@ -78,6 +84,8 @@ from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+RETRY_CHECK_SECONDS = 1.0  # a failed adapter's file is stat()ed at most this often, to retry it once it changed
+MAX_REVALIDATIONS = 2  # re-indexings of a file that keeps changing during one load before the load gives up
 HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
 DEVICE_ALIGN = 256
 _LayerList = list[LoraLayer | None]  # (the class below has a method named list)
@@ -103,6 +111,10 @@ class _Entry:
     device: tuple[LoraLayer | None, ...] | None = None  # indexed by layer
     loading: bool = False
     error: LoraplexError | None = None
+    failed_stamp: FileStamp | None = None  # the weights file when the load failed (None: it could not be stat()ed)
+    checked_at: float = 0.0  # monotonic time of the last look for a changed file of a failed adapter
+    revalidate: bool = False  # re-index the file before the next load (it changed since it was indexed)
+    revalidations: int = 0  # re-indexings during the current load (a file that keeps changing gives up)
     pins: int = 0
     hits: int = 0
     last_used: float | None = None
@@ -256,7 +268,7 @@ class AdapterStore:
         after ``close``."""
         with self._cond:
             entry = self._entry(adapter_id)
-            if entry.error is not None:
+            if entry.error is not None and not self._changed_since_failure(adapter_id, entry):
                 return False
             if entry.device is not None:
                 entry.hits += 1
@@ -264,7 +276,8 @@ class AdapterStore:
                 self._touch(adapter_id, entry)
                 metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="device").inc()
                 return True
-            if entry.device_nbytes > self.device_budget_bytes:
+            if entry.device_nbytes > self.device_budget_bytes and not entry.revalidate:
+                entry.failed_stamp = entry.spec.stamp
                 entry.error = ResourceExhausted(
                     f"adapter {adapter_id!r} needs {entry.device_nbytes} bytes on the device, more than the "
                     f"whole adapter device budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
@@ -273,6 +286,20 @@ class AdapterStore:
                 return False
             self._queue_load(adapter_id, entry)
             return False
+
+    def _changed_since_failure(self, adapter_id: str, entry: _Entry) -> bool:
+        """Under the lock: whether a failed adapter's weights file changed since it failed (looked at no more
+        often than ``RETRY_CHECK_SECONDS``). If so the failure is cleared and the next load re-indexes the file."""
+        now = time.monotonic()
+        if now - entry.checked_at < RETRY_CHECK_SECONDS:
+            return False
+        entry.checked_at = now
+        if _stamp_or_none(entry.spec.file) == entry.failed_stamp:
+            return False
+        log.info("event=adapter_retry adapter=%s reason=file_changed error=%s", adapter_id, entry.error)
+        entry.error = None
+        entry.revalidate = True
+        return True
 
     def prefetch(self, adapter_id: str) -> None:
         """Start loading a registered adapter that is neither resident nor loading, without a hit, a miss or a
@@ -287,17 +314,19 @@ class AdapterStore:
             if self._device_used + self._device_reserved + entry.device_nbytes <= self.device_budget_bytes:
                 self._queue_load(adapter_id, entry)
 
-    def _queue_load(self, adapter_id: str, entry: _Entry) -> None:
-        """Under the lock: queue ``entry``'s load unless one is queued or running."""
+    def _queue_load(self, adapter_id: str, entry: _Entry) -> bool:
+        """Under the lock: queue ``entry``'s load unless one is queued or running; True if it queued one."""
         if self._closed:
             raise Unavailable("the adapter store is closed")
-        if not entry.loading:
-            entry.loading = True
-            entry.queued_at = time.perf_counter()
-            self._queue.append(adapter_id)
-            metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
-            self._start_loader()
-            self._cond.notify_all()
+        if entry.loading:
+            return False
+        entry.loading = True
+        entry.queued_at = time.perf_counter()
+        self._queue.append(adapter_id)
+        metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
+        self._start_loader()
+        self._cond.notify_all()
+        return True
 
     def failure(self, adapter_id: str) -> LoraplexError | None:
         """The error that made this adapter's load fail, or None. ``AdapterNotFound`` if not registered."""
@@ -374,22 +403,69 @@ class AdapterStore:
                     return
                 adapter_id, entry = job
                 host = entry.host
+                revalidate = entry.revalidate
+            if revalidate:
+                self._revalidate(adapter_id, entry)
+                continue
             try:
                 loaded = self._load(entry.spec, entry, host)
+            except AdapterFileChanged as e:  # replaced or rewritten since it was indexed: index it again
+                log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
+                if entry.revalidations < MAX_REVALIDATIONS:
+                    entry.revalidations += 1
+                    self._revalidate(adapter_id, entry)
+                    continue
+                self._fail_load(adapter_id, entry, e, _stamp_or_none(entry.spec.file))
+                continue
             except Exception as e:  # the loader must survive anything; the rows waiting get the error
                 error = e if isinstance(e, LoraplexError) else _wrap(e, entry.spec)
                 if not isinstance(e, LoraplexError):
                     log.exception("event=adapter_load_error adapter=%s", adapter_id)
-                with self._cond:
-                    self._device_reserved -= entry.device_nbytes
-                    entry.loading = False
-                    entry.error = error
-                    self._cond.notify_all()
-                log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
+                self._fail_load(adapter_id, entry, error, entry.spec.stamp)  # the failure belongs to that version
                 continue
             with self._cond:
                 self._commit(adapter_id, entry, loaded)
                 self._cond.notify_all()
+
+    def _fail_load(self, adapter_id: str, entry: _Entry, error: LoraplexError, seen: FileStamp | None) -> None:
+        """Outside the lock: end a load in failure; ``seen`` is the file version it failed on (a later request
+        retries once the file differs from it)."""
+        with self._cond:
+            self._device_reserved -= entry.device_nbytes
+            entry.loading = False
+            entry.revalidate = False
+            entry.revalidations = 0
+            entry.error = error
+            entry.failed_stamp = seen
+            entry.checked_at = time.monotonic()
+            self._cond.notify_all()
+        log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
+
+    def _revalidate(self, adapter_id: str, entry: _Entry) -> None:
+        """Outside the lock: index a changed adapter folder again, as a new registration would. On success the
+        entry takes the new index (and a new ``registered_at``: its weights, so its K/V, may differ) and its load
+        is queued again at the front; otherwise the adapter fails with the new error."""
+        seen = _stamp_or_none(entry.spec.file)
+        try:
+            spec = index_adapter(adapter_id, entry.spec.source, self.model_config, roots=self.roots)
+        except LoraplexError as e:
+            self._fail_load(adapter_id, entry, e, seen)
+            return
+        metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
+        with self._cond:
+            self._device_reserved -= entry.device_nbytes
+            entry.loading = entry.revalidate = False
+            if self._entries.get(adapter_id) is not entry:
+                return
+            self._drop_host(adapter_id, entry)  # raw bytes of the old version
+            entry.spec, entry.registered_at = spec, time.time()
+            entry.host_nbytes = plan_nbytes(spec, None, HOST_ALIGN)
+            entry.device_nbytes = plan_nbytes(spec, self.dtype, DEVICE_ALIGN)
+            if self._queue_load(adapter_id, entry):
+                self._queue.remove(adapter_id)
+                self._queue.appendleft(adapter_id)  # it was at the head already
+            self._cond.notify_all()
+        log.info("event=adapter_revalidated adapter=%s bytes=%d", adapter_id, spec.file_bytes)
 
     def _next_job(self) -> tuple[str, _Entry] | None:
         """Under the lock: the next adapter to load with device room reserved for it (waits as needed)."""
@@ -430,23 +506,25 @@ class AdapterStore:
             device_buffer.record_stream(torch.cuda.default_stream(self.device))
         device_views = buffer_views(spec, device_plan, device_buffer, self.dtype)
         layers: _LayerList = [None] * spec.num_layers
-        read_s = layout_s = 0.0
+        read_s = layout_s = validate_s = 0.0
+        roots = self.roots
+
+        def opener(file: Path) -> int:  # the file indexed at registration, inside the roots, or an error
+            return open_verified(file, spec.stamp, roots)
+
         nbytes = 0
-        for layer in spec.layers:
-            slots = spec.layer_records(layer)
-            if from_disk:
+        try:
+            for layer in spec.layers:
+                slots = spec.layer_records(layer)
+                if from_disk:
+                    n, r, v = _read_layer(layer, slots, host, opener)
+                    nbytes, read_s, validate_s = nbytes + n, read_s + r, validate_s + v
                 t0 = time.perf_counter()
-                plan = {}
-                for s in slots:
-                    a, b = host.tensors[(layer, s.module)]
-                    plan[s.a.name], plan[s.b.name] = a, b
-                records = {r.name: r for s in slots for r in (s.a, s.b)}
-                stats = load_tensors(records, plan, mode="stream", threads=1)
-                nbytes += stats.bytes_read
-                read_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
-            layout_s += time.perf_counter() - t0
+                layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
+                layout_s += time.perf_counter() - t0
+        finally:  # observed on failure too: refusing a bad tensor is what the check costs
+            if from_disk:
+                metrics.ADAPTER_LOAD_DURATION.labels(stage="validate", tier="disk").observe(validate_s)
         if stream is not None:
             t0 = time.perf_counter()
             stream.synchronize()
@@ -483,6 +561,7 @@ class AdapterStore:
         if self._entries.get(adapter_id) is not entry:
             return
         total = time.perf_counter() - entry.queued_at
+        entry.revalidations = 0
         entry.device = loaded.layers
         self._device[adapter_id] = loaded.layers
         self._device_used += entry.device_nbytes
@@ -608,6 +687,35 @@ class AdapterStore:
             total_seconds=e.total_seconds,
             error=str(e.error) if e.error is not None else None,
         )
+
+
+def _read_layer(
+    layer: int, slots: Sequence[SlotRecords], host: _HostCopy, opener: Callable[[Path], int]
+) -> tuple[int, float, float]:
+    """Read one layer's tensors from disk into the host buffer and check them finite: (bytes, read s, check s).
+    A NaN or inf would reach every token of every request using the adapter: ``NonFiniteTensor`` names it."""
+    t0 = time.perf_counter()
+    plan = {}
+    for s in slots:
+        a, b = host.tensors[(layer, s.module)]
+        plan[s.a.name], plan[s.b.name] = a, b
+    records = {r.name: r for s in slots for r in (s.a, s.b)}
+    stats = load_tensors(records, plan, mode="stream", threads=1, opener=opener)
+    t1 = time.perf_counter()
+    try:
+        for s in slots:
+            for rec, tensor in zip((s.a, s.b), host.tensors[(layer, s.module)], strict=True):
+                check_finite(tensor, rec.name, rec.file)
+    finally:
+        t2 = time.perf_counter()
+    return stats.bytes_read, t1 - t0, t2 - t1
+
+
+def _stamp_or_none(file: Path) -> FileStamp | None:
+    try:
+        return stamp(file)
+    except OSError:
+        return None
 
 
 def _wrap(error: Exception, spec: AdapterSpec) -> LoraplexError:
