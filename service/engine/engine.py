@@ -33,7 +33,7 @@ from service.engine.prefix import PrefixCache
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
 from service.engine.sampling import Sampler, make_generator
 from service.engine.stops import StopMatcher
-from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
+from service.errors import AdapterNotFound, FailedPrecondition, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.medusa.heads import MedusaHeads
 from service.medusa.tree import DraftTree
 from service.model.kv_cache import KVCache
@@ -499,10 +499,14 @@ class Engine:
                 r.length += 1
             self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
         predicted = logits.argmax(dim=-1).tolist()  # [B, T]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [B, T]
         last = [0] * len(rows)  # the node whose hidden state drafts next
         drafted = kept = 0
         for b, row in enumerate(rows):
-            if row.heads is None:
+            if row.heads is None or row.done:
+                continue
+            if not all(finite[b][: valid[b]]):
+                self._fail_non_finite(row)
                 continue
             path = tree.accept(fed[b], predicted[b], valid[b])
             a = len(path)
@@ -526,6 +530,13 @@ class Engine:
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at])  # state after the last kept token
 
     def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        finite = torch.isfinite(logits).all(dim=-1)  # [B]
+        if not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
+            keep = [b for b, ok in enumerate(finite.tolist()) if ok or not self._fail_non_finite(rows[b])]
+            rows = [rows[b] for b in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not rows:
+                return
         params = [r.request.sampling for r in rows]
         needs_history = any(p.repetition_penalty != 1.0 for p in params)
         result = self.sampler.sample(
@@ -535,6 +546,21 @@ class Engine:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         for i, r in enumerate(rows):
             self._emit(r, int(tokens[i]), None if logprobs is None else float(logprobs[i]))
+
+    def _fail_non_finite(self, row: _Row) -> bool:
+        """End a row whose logits hold NaN or inf with an error naming its adapter (its K/V never poison its slot:
+        the model stores only finite values). True: the row is failed."""
+        adapter = row.request.adapter_id
+        what = f"adapter {adapter!r}" if adapter is not None else "the base model"
+        log.warning(
+            "event=non_finite_logits request=%s adapter=%s generated=%d", row.request.request_id, adapter, row.generated
+        )
+        error = FailedPrecondition(
+            f"the output of {what} became non-finite (NaN or inf logits) after {row.generated} generated tokens; "
+            "the request was stopped. Other requests are not affected; check the adapter's weights"
+        )
+        self._finish(row, FinishReason.ERROR, error=error)
+        return True
 
     def _emit(self, row: _Row, token: int, logprob: float | None) -> None:
         now = time.monotonic()
