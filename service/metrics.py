@@ -123,6 +123,13 @@ ADAPTER_LOAD_DURATION = Histogram(
     buckets=LOAD_BUCKETS,
     registry=REGISTRY,
 )
+ADAPTER_EVICTIONS_UNUSED = Counter(
+    "loraplex_adapter_evictions_unused_total",
+    "Adapters evicted from a tier before any request used them since their load: a working set thrashing the "
+    "tier (each is a wasted load; stays 0 while loads wait for room).",
+    ["tier"],
+    registry=REGISTRY,
+)
 ADAPTER_CACHE_EVENTS = Counter(
     "loraplex_adapter_cache_events_total",
     "Adapter tier events: hit / miss (device: a request found it resident or queued a load; host: a load reused "

@@ -35,11 +35,9 @@ Row isolation is structural in both: a row's input meets only its own adapter's 
 row in a ``bmm``; shared: its own group), so no value of one row (a NaN, an inf) can reach another row's output;
 nothing relies on multiplying other rows' deltas by zero.
 
-Measured with ``bench/adapters_math.py`` (SmolLM2, 32 decoding rows, r=8 on q/v, 1 CPU thread, CPU time): the LoRA
-work of a step costs, per-slot, ~8 ms whatever N (reading 32 rows' tables, 56 MiB in fp32); shared, ~0.6 ms per
-adapter (~1.5 ms at N=1, 3.5 ms at N=4, ~20 ms at N=32); a loop over adapter groups (index_select, two matmuls,
-index_add) ~40 ms at N=32 and a per-step gather of stacked weights about as much as per-slot. Whole decode
-steps, against the base-only step (~210 ms fp32, ~115 ms bf16): 0.93 fp32 / 0.87 bf16 at N=32, 0.97-1.0 at N=1.
+Which layout wins at which ``N`` is measured by ``bench/adapters_math.py --compare`` (figures in
+``bench/README.md``); the shared form costs one gather and one scatter per adapter and site, and none when a
+single adapter serves the whole span (the common case).
 
 On CPU the tables and the small matmuls are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is
 several times slower than fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype.

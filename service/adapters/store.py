@@ -39,9 +39,13 @@ marks the adapter failed: ``request`` then returns False, ``failure`` returns th
 budget). It stays failed while its weights file stays as it was; once the file changes (looked at by ``request``,
 at most every ``RETRY_CHECK_SECONDS``), the next request clears the failure and loads it again, no unload needed.
 
-Engine protocol. Call ``request(id, pin=True)`` each step for a waiting row: the first True pins the adapter in
-the same critical section, so it cannot be evicted before the row runs; while it is False, ``failure(id)`` not
-None means fail the row with that error; ``unpin`` when the row retires. ``pin``
+Engine protocol. Call ``request(id, pin=True, waiter=row)`` each step for a waiting row: the first True pins the
+adapter in the same critical section, so it cannot be evicted before the row runs; while it is False,
+``failure(id)`` not None means fail the row with that error; ``unpin`` when the row retires, ``forget(id, row)``
+when it gives up waiting (cancel, deadline). A load takes the pins of the rows waiting for it as it completes, so
+an adapter just loaded is never evicted before its rows claim it: when the working set exceeds the device budget,
+loads wait in FIFO order for room (an unpin) instead of evicting each other's fresh adapters
+(``loraplex_adapter_evictions_unused_total`` counts an eviction of an adapter not used since its load). ``pin``
 also works on an adapter that is not resident (it then cannot be evicted once loaded). ``layer`` takes no lock
 and is only valid for pinned adapters. ``unregister`` of a pinned adapter raises ``FailedPrecondition``
 (finish or cancel the requests first); an unpinned adapter that is loading is dropped when the load ends. On
@@ -60,7 +64,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -116,6 +120,9 @@ class _Entry:
     revalidate: bool = False  # re-index the file before the next load (it changed since it was indexed)
     revalidations: int = 0  # re-indexings during the current load (a file that keeps changing gives up)
     pins: int = 0
+    waiters: set[object] = field(default_factory=set)  # requests waiting for its load, a pin to be taken for each
+    promised: set[object] = field(default_factory=set)  # waiters a pin was taken for at the load, not claimed yet
+    used: bool = True  # False from a load until a request gets it: evicting it then is thrash
     hits: int = 0
     last_used: float | None = None
     loads: int = 0
@@ -258,9 +265,13 @@ class AdapterStore:
 
     # --- serving ----------------------------------------------------------------------------------------------
 
-    def request(self, adapter_id: str, *, pin: bool = False) -> bool:
+    def request(self, adapter_id: str, *, pin: bool = False, waiter: object | None = None) -> bool:
         """True if every layer is resident on the device tier (and, with ``pin``, pin it); else queue a load
         (unless one is queued or running) and return False.
+
+        ``waiter`` (with ``pin``) names the calling request: while it waits, the load it waits for takes its pin
+        the moment it completes, so nothing can evict the adapter before the request claims it with its next
+        call (True, the pin already held). A waiter that gives up calls ``forget``.
 
         False also for an adapter that cannot load: ``failure(adapter_id)`` then returns why (the load's error,
         or ``ResourceExhausted`` for an adapter larger than the whole device budget, decided here, before any
@@ -272,7 +283,13 @@ class AdapterStore:
                 return False
             if entry.device is not None:
                 entry.hits += 1
-                entry.pins += 1 if pin else 0
+                entry.used = True
+                if waiter is not None and waiter in entry.promised:
+                    entry.promised.discard(waiter)  # the pin taken for it when the load completed
+                    entry.pins += 1
+                elif pin:
+                    entry.pins += 1
+                entry.waiters.discard(waiter)
                 self._touch(adapter_id, entry)
                 metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="device").inc()
                 return True
@@ -284,8 +301,22 @@ class AdapterStore:
                 )
                 self._cond.notify_all()
                 return False
+            if pin and waiter is not None:
+                entry.waiters.add(waiter)
             self._queue_load(adapter_id, entry)
             return False
+
+    def forget(self, adapter_id: str, waiter: object) -> None:
+        """A request that waited (``request(..., waiter=...)``) gives up: drop its claim, and the pin taken for it
+        if the load completed meanwhile. Quiet for unknown ids and waiters."""
+        with self._cond:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                return
+            entry.waiters.discard(waiter)
+            if waiter in entry.promised:
+                entry.promised.discard(waiter)
+                self._cond.notify_all()  # a load waiting for room may proceed
 
     def _changed_since_failure(self, adapter_id: str, entry: _Entry) -> bool:
         """Under the lock: whether a failed adapter's weights file changed since it failed (looked at no more
@@ -562,6 +593,9 @@ class AdapterStore:
             return
         total = time.perf_counter() - entry.queued_at
         entry.revalidations = 0
+        entry.promised |= entry.waiters  # pinned for the requests that waited, before anything can evict it
+        entry.waiters.clear()
+        entry.used = False  # until a request gets it
         entry.device = loaded.layers
         self._device[adapter_id] = loaded.layers
         self._device_used += entry.device_nbytes
@@ -619,13 +653,21 @@ class AdapterStore:
     def _make_device_room(self, need: int, keep: str) -> bool:
         """Evict least recently used unpinned adapters until ``need`` more bytes fit; False if they cannot."""
         while self._device_used + self._device_reserved + need > self.device_budget_bytes:
-            victim = next((k for k in self._device_lru if k != keep and not self._entries[k].pins), None)
+            victim = next((k for k in self._device_lru if k != keep and not self._held(self._entries[k])), None)
             if victim is None:
                 return False
+            if not self._entries[victim].used:
+                metrics.ADAPTER_EVICTIONS_UNUSED.labels(tier="device").inc()
+                log.warning("event=adapter_evicted_unused tier=device adapter=%s", victim)
             self._drop_device(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="device").inc()
             log.info("event=adapter_evicted tier=device adapter=%s", victim)
         return True
+
+    @staticmethod
+    def _held(entry: _Entry) -> bool:
+        """Pinned by a running request, or for a waiting one that has not claimed it yet."""
+        return entry.pins > 0 or bool(entry.promised)
 
     def _make_host_room(self, need: int, keep: str) -> bool:
         if need > self.host_budget_bytes:
@@ -677,7 +719,7 @@ class AdapterStore:
             hits=e.hits,
             last_used=e.last_used,
             registered_at=e.registered_at,
-            pins=e.pins,
+            pins=e.pins + len(e.promised),
             loads=e.loads,
             disk_reads=e.disk_reads,
             disk_bytes=e.disk_bytes,

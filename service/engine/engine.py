@@ -298,8 +298,8 @@ class Engine:
         try:
             kind = self.adapters.kind(adapter)
             row.lora = kind != "medusa"
-            if row.lora and not row.pinned:
-                row.pinned = store.request(adapter, pin=True)
+            if row.lora and not row.pinned:  # a load completing takes the row's pin for it (no eviction before)
+                row.pinned = store.request(adapter, pin=True, waiter=row.handle)
             heads_ready = kind == "lora" or medusa.request(adapter)
             error = (store.failure(adapter) if row.lora else None) or (
                 None if kind == "lora" else medusa.failure(adapter)
@@ -633,6 +633,8 @@ class Engine:
                 self.adapters.store.unpin(row.request.adapter_id)
             except LoraplexError:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
+        elif row.lora and self.adapters is not None and row.request.adapter_id is not None:
+            self.adapters.store.forget(row.request.adapter_id, row.handle)  # it waited: drop its claim on the load
         with self._lock:
             self._queued -= 1
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
