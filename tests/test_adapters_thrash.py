@@ -16,7 +16,7 @@ import torch
 from adapter_files import write_peft_adapter
 
 from service import metrics
-from service.adapters import store as store_mod
+from service.adapters import reader as reader_mod
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.registry import index_adapter, plan_nbytes
 from service.adapters.store import DEVICE_ALIGN, AdapterStore, StoreState
@@ -149,13 +149,13 @@ def test_a_working_set_over_the_device_budget_is_served_without_thrash(
     finally:
         big.stop()
 
-    real = store_mod.load_tensors
+    real = reader_mod.load_tensors
 
     def slow(*args: Any, **kwargs: Any) -> Any:  # a disk read that takes a while, as real adapters' do
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_mod, "load_tensors", slow)
+    monkeypatch.setattr(reader_mod, "load_tensors", slow)
     engine, store = _engine(served, budget_adapters=2)  # three adapters wanted at once, room for two
     unused = _unused()
     try:

@@ -26,11 +26,11 @@ host copy (the device copy, if any, stays). An adapter that is neither on the de
 Loading. ``request`` never blocks: it returns True when every layer of the adapter is resident on the device
 tier, and otherwise queues one load on the loader thread and returns False (single flight: requests for an
 adapter already queued or loading queue nothing). The loader makes room on the device tier first (waiting for
-an unpin when every resident adapter is pinned), then for each touched layer reads that layer's tensors with one
-``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the
-device. The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights
-file and closes it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds
-that). Every read opens the file through ``integrity.open_verified`` (no symlink at the last component, its
+an unpin when every resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's
+tensors with one ``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays
+them out on the device. The store keeps file *names*, never open handles; each per-layer read opens the
+adapter's one weights file and closes it again, so the store holds at most one descriptor at a time
+(``max_open_files`` only bounds that). Every read opens the file through ``integrity.open_verified`` (no symlink at the last component, its
 real path inside the roots, unchanged since it was indexed) and every tensor read is checked finite
 (``integrity.check_finite``; the ``validate`` stage of the load metrics). A file changed since registration is
 indexed again, as a new registration would, then loaded (or the adapter fails with the new error). A failed load
@@ -58,21 +58,21 @@ Thread safety: one lock guards all state; file reads and tensor work run outside
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from service import metrics
-from service.adapters.integrity import AdapterFileChanged, FileStamp, check_finite, open_verified, stamp
-from service.adapters.registry import AdapterSpec, SlotRecords, buffer_views, index_adapter, plan_buffer, plan_nbytes
-from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, LoraModule, StoreState
+from service.adapters.integrity import AdapterFileChanged, FileStamp, stamp
+from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, HostCopy, Loaded
+from service.adapters.registry import AdapterSpec, index_adapter, plan_nbytes
+from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, StoreState
 from service.errors import (
     AdapterNotFound,
     AlreadyExists,
@@ -83,26 +83,12 @@ from service.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from service.loading import load_tensors
 from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 RETRY_CHECK_SECONDS = 1.0  # a failed adapter's file is stat()ed at most this often, to retry it once it changed
 MAX_REVALIDATIONS = 2  # re-indexings of a file that keeps changing during one load before the load gives up
-HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
-DEVICE_ALIGN = 256
-_LayerList = list[LoraLayer | None]  # (the class below has a method named list)
-
-
-@dataclass(eq=False)
-class _HostCopy:
-    buffer: torch.Tensor  # [nbytes] uint8, pinned on CUDA servers
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # raw A [r, in], B [out, r] (file dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.numel())
 
 
 @dataclass(eq=False)
@@ -111,7 +97,7 @@ class _Entry:
     registered_at: float
     host_nbytes: int  # size of the host-tier buffer (raw tensors, 64-byte aligned)
     device_nbytes: int  # size of the device-tier buffer (laid out, serving dtype, 256-byte aligned)
-    host: _HostCopy | None = None
+    host: HostCopy | None = None
     device: tuple[LoraLayer | None, ...] | None = None  # indexed by layer
     loading: bool = False
     error: LoraplexError | None = None
@@ -144,16 +130,6 @@ class _Entry:
         return "host" if self.host is not None else "registered"
 
 
-@dataclass
-class _Loaded:
-    layers: tuple[LoraLayer | None, ...]
-    host: _HostCopy
-    from_disk: bool
-    bytes_read: int
-    read_seconds: float
-    layout_seconds: float
-
-
 class AdapterStore:
     """Registered adapters and their tiers; see the module docstring for the policy and the engine protocol."""
 
@@ -179,8 +155,7 @@ class AdapterStore:
         self.host_budget_bytes = host_budget_bytes
         self.roots = tuple(Path(r) for r in roots)
         self.max_open_files = max_open_files
-        self._pin_host = self.device.type == "cuda"
-        self._stream: torch.cuda.Stream | None = None  # created by the loader thread on first use
+        self._reader = AdapterReader(self.device, dtype, self.roots)  # used by the loader thread only
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[str, _Entry] = {}
@@ -439,7 +414,7 @@ class AdapterStore:
                 self._revalidate(adapter_id, entry)
                 continue
             try:
-                loaded = self._load(entry.spec, entry, host)
+                loaded = self._reader.load(entry.spec, host)
             except AdapterFileChanged as e:  # replaced or rewritten since it was indexed: index it again
                 log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
                 if entry.revalidations < MAX_REVALIDATIONS:
@@ -518,74 +493,7 @@ class AdapterStore:
             self._device_reserved += entry.device_nbytes
             return adapter_id, entry
 
-    def _load(self, spec: AdapterSpec, entry: _Entry, host: _HostCopy | None) -> _Loaded:
-        """Outside the lock: read (unless a host copy exists) and lay out every touched layer."""
-        from_disk = host is None
-        if host is None:
-            host_plan = plan_buffer(spec, None, HOST_ALIGN)
-            buffer = torch.empty(host_plan.nbytes, dtype=torch.uint8, pin_memory=self._pin_host)
-            host = _HostCopy(buffer, buffer_views(spec, host_plan, buffer, None))
-        device_plan = plan_buffer(spec, self.dtype, DEVICE_ALIGN)
-        if self.device.type == "cuda" and self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        stream = self._stream  # the loader's own copy stream: layout never waits behind the engine's kernels
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            device_buffer = torch.empty(device_plan.nbytes, dtype=torch.uint8, device=self.device)
-        if stream is not None:
-            # Written on the loader's stream, read by the engine on the default stream: when an eviction frees
-            # it, the allocator must wait for the engine's queued kernels before handing the memory out again.
-            device_buffer.record_stream(torch.cuda.default_stream(self.device))
-        device_views = buffer_views(spec, device_plan, device_buffer, self.dtype)
-        layers: _LayerList = [None] * spec.num_layers
-        read_s = layout_s = validate_s = 0.0
-        roots = self.roots
-
-        def opener(file: Path) -> int:  # the file indexed at registration, inside the roots, or an error
-            return open_verified(file, spec.stamp, roots)
-
-        nbytes = 0
-        try:
-            for layer in spec.layers:
-                slots = spec.layer_records(layer)
-                if from_disk:
-                    n, r, v = _read_layer(layer, slots, host, opener)
-                    nbytes, read_s, validate_s = nbytes + n, read_s + r, validate_s + v
-                t0 = time.perf_counter()
-                layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
-                layout_s += time.perf_counter() - t0
-        finally:  # observed on failure too: refusing a bad tensor is what the check costs
-            if from_disk:
-                metrics.ADAPTER_LOAD_DURATION.labels(stage="validate", tier="disk").observe(validate_s)
-        if stream is not None:
-            t0 = time.perf_counter()
-            stream.synchronize()
-            layout_s += time.perf_counter() - t0
-        return _Loaded(tuple(layers), host, from_disk, nbytes, read_s, layout_s)
-
-    def _lay_out(
-        self,
-        layer: int,
-        slots: Sequence[SlotRecords],
-        host: _HostCopy,
-        device_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-        stream: torch.cuda.Stream | None,
-    ) -> LoraLayer:
-        modules: dict[str, LoraModule] = {}
-        nbytes = 0
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for s in slots:
-                a_raw, b_raw = host.tensors[(layer, s.module)]  # [r, in], [out, r] in the file's dtype
-                a, b = device_views[(layer, s.module)]  # same shapes, serving dtype, on the device
-                a.copy_(a_raw, non_blocking=True)
-                if b.dtype == torch.float32:
-                    b.copy_(b_raw, non_blocking=True).mul_(s.scaling)
-                else:  # scale in fp32, round once
-                    b.copy_(b_raw.to(self.device, non_blocking=True).float().mul_(s.scaling))
-                modules[s.module] = LoraModule(a=a, b=b)
-                nbytes += a.nbytes + b.nbytes
-        return LoraLayer(modules=modules, nbytes=nbytes)
-
-    def _commit(self, adapter_id: str, entry: _Entry, loaded: _Loaded) -> None:
+    def _commit(self, adapter_id: str, entry: _Entry, loaded: Loaded) -> None:
         """Under the lock: publish a finished load (or drop it if the adapter was unregistered meanwhile)."""
         self._device_reserved -= entry.device_nbytes
         entry.loading = False
@@ -729,28 +637,6 @@ class AdapterStore:
             total_seconds=e.total_seconds,
             error=str(e.error) if e.error is not None else None,
         )
-
-
-def _read_layer(
-    layer: int, slots: Sequence[SlotRecords], host: _HostCopy, opener: Callable[[Path], int]
-) -> tuple[int, float, float]:
-    """Read one layer's tensors from disk into the host buffer and check them finite: (bytes, read s, check s).
-    A NaN or inf would reach every token of every request using the adapter: ``NonFiniteTensor`` names it."""
-    t0 = time.perf_counter()
-    plan = {}
-    for s in slots:
-        a, b = host.tensors[(layer, s.module)]
-        plan[s.a.name], plan[s.b.name] = a, b
-    records = {r.name: r for s in slots for r in (s.a, s.b)}
-    stats = load_tensors(records, plan, mode="stream", threads=1, opener=opener)
-    t1 = time.perf_counter()
-    try:
-        for s in slots:
-            for rec, tensor in zip((s.a, s.b), host.tensors[(layer, s.module)], strict=True):
-                check_finite(tensor, rec.name, rec.file)
-    finally:
-        t2 = time.perf_counter()
-    return stats.bytes_read, t1 - t0, t2 - t1
 
 
 def _stamp_or_none(file: Path) -> FileStamp | None:
