@@ -23,21 +23,21 @@ least recently used adapter leaves it: from the device tier only adapters with n
 host copy (the device copy, if any, stays). An adapter that is neither on the device nor in the host tier is
 "registered" (disk only). The raw buffer of a disk read in progress is not counted until it joins the host tier.
 
-Loading. ``request`` never blocks: it returns True when every layer of the adapter is resident on the device
-tier, and otherwise queues one load on the loader thread and returns False (single flight: requests for an
-adapter already queued or loading queue nothing). The loader makes room on the device tier first (waiting for
-an unpin when every resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's
-tensors with one ``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays
-them out on the device. The store keeps file *names*, never open handles; each per-layer read opens the
-adapter's one weights file and closes it again, so the store holds at most one descriptor at a time
-(``max_open_files`` only bounds that). Every read opens the file through ``integrity.open_verified`` (no symlink at the last component, its
-real path inside the roots, unchanged since it was indexed) and every tensor read is checked finite
-(``integrity.check_finite``; the ``validate`` stage of the load metrics). A file changed since registration is
-indexed again, as a new registration would, then loaded (or the adapter fails with the new error). A failed load
-marks the adapter failed: ``request`` then returns False, ``failure`` returns the error (a ``LoraplexError``: the
-``CheckpointError`` naming file and tensor, ``ResourceExhausted`` for an adapter larger than the whole device
-budget). It stays failed while its weights file stays as it was; once the file changes (looked at by ``request``,
-at most every ``RETRY_CHECK_SECONDS``), the next request clears the failure and loads it again, no unload needed.
+Loading. ``request`` never blocks: it returns True when every layer of the adapter is resident on the device tier, and
+otherwise queues one load on the loader thread and returns False (single flight: requests for an adapter already
+queued or loading queue nothing). The loader makes room on the device tier first (waiting for an unpin when every
+resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's tensors with one
+``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the device.
+The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights file and closes
+it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds that). Every read opens
+the file through ``integrity.open_verified`` (no symlink at the last component, its real path inside the roots,
+unchanged since it was indexed) and every tensor read is checked finite (``integrity.check_finite``; the ``validate``
+stage of the load metrics). A file changed since registration is indexed again, as a new registration would, then
+loaded (or the adapter fails with the new error). A failed load marks the adapter failed: ``request`` then returns
+False, ``failure`` returns the error (a ``LoraplexError``: the ``CheckpointError`` naming file and tensor,
+``ResourceExhausted`` for an adapter larger than the whole device budget). It stays failed while its weights file
+stays as it was; once the file changes (looked at by ``request``, at most every ``RETRY_CHECK_SECONDS``), the next
+request clears the failure and loads it again, no unload needed.
 
 Engine protocol. Call ``request(id, pin=True, waiter=row)`` each step for a waiting row: the first True pins the
 adapter in the same critical section, so it cannot be evicted before the row runs; while it is False,
