@@ -105,6 +105,15 @@ def test_fresh_loads_are_pinned_for_their_waiters_and_loads_queue_for_room(store
     store.forget("nope", wd)
     assert store.get("d").pins == 0
 
+    # A request that gives up (its deadline) while its load waits for room takes the queued load with it.
+    store.pin("d")
+    assert store.request("a", pin=True, waiter=wa) is False
+    time.sleep(0.05)
+    assert store.state().queued == ("a",) and store.get("a").state == "loading"  # c and d are pinned
+    store.forget("a", wa)
+    st = store.state()
+    assert st.queued == () and _tiers(st)["a"] == ("registered", 0) and st.device_lru == ("c", "d")
+
 
 # --- the engine --------------------------------------------------------------------------------------------
 
@@ -183,6 +192,29 @@ def test_a_working_set_over_the_device_budget_is_served_without_thrash(
         assert _unused() == unused, "an adapter was evicted before the request that waited for it used it"
         # Each adapter loaded once: the third waited for room (an unpin) instead of evicting a fresh one.
         assert {n: store.get(n).loads for n in served["names"]} == dict.fromkeys(served["names"], 1)
+    finally:
+        engine.stop()
+        store.close()
+
+
+def test_a_request_waiting_for_room_is_bounded_by_its_deadline(served: dict[str, Any]) -> None:
+    engine, store = _engine(served, budget_adapters=1)
+    try:
+        running: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        engine.submit(_req("x-long", "x", n=100), running.put)
+        first = running.get(timeout=60)  # x is loaded and pinned by a running request
+        assert first.finish is None and store.get("x").pins == 1
+        waiting = GenerationRequest(
+            "y-late", (5, 6, 7), 4, adapter_id="y", ignore_eos=True, deadline=time.monotonic() + 0.3
+        )
+        events = engine.generate(waiting, timeout=60)
+        assert events[-1].finish is FinishReason.DEADLINE and not any(e.token_ids for e in events)
+        _wait(lambda: store.state().queued == (), "the abandoned load to leave the queue")
+        st = store.state()
+        assert st.adapters["y"].state == "registered" and st.adapters["y"].pins == 0 and st.device_lru == ("x",)
+        while first.finish is None:
+            first = running.get(timeout=60)
+        assert first.finish is FinishReason.LENGTH
     finally:
         engine.stop()
         store.close()

@@ -282,8 +282,9 @@ class AdapterStore:
             return False
 
     def forget(self, adapter_id: str, waiter: object) -> None:
-        """A request that waited (``request(..., waiter=...)``) gives up: drop its claim, and the pin taken for it
-        if the load completed meanwhile. Quiet for unknown ids and waiters."""
+        """A request that waited (``request(..., waiter=...)``) gives up: drop its claim, the pin taken for it if
+        the load completed meanwhile, and the load itself while it is still queued (waiting for room) and no other
+        request waits for it. Quiet for unknown ids and waiters."""
         with self._cond:
             entry = self._entries.get(adapter_id)
             if entry is None:
@@ -292,6 +293,10 @@ class AdapterStore:
             if waiter in entry.promised:
                 entry.promised.discard(waiter)
                 self._cond.notify_all()  # a load waiting for room may proceed
+            if not entry.waiters and adapter_id in self._queue:  # queued, not started, and nobody waits for it
+                self._queue.remove(adapter_id)
+                entry.loading = False
+                self._cond.notify_all()
 
     def _changed_since_failure(self, adapter_id: str, entry: _Entry) -> bool:
         """Under the lock: whether a failed adapter's weights file changed since it failed (looked at no more
