@@ -499,7 +499,7 @@ class Engine:
                 r.length += 1
             self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
         predicted = logits.argmax(dim=-1).tolist()  # [B, T]
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [B, T]
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
         last = [0] * len(rows)  # the node whose hidden state drafts next
         drafted = kept = 0
         for b, row in enumerate(rows):
@@ -530,7 +530,7 @@ class Engine:
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at])  # state after the last kept token
 
     def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
-        finite = torch.isfinite(logits).all(dim=-1)  # [B]
+        finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
         if not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
             keep = [b for b, ok in enumerate(finite.tolist()) if ok or not self._fail_non_finite(rows[b])]
             rows = [rows[b] for b in keep]
