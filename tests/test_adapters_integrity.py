@@ -234,3 +234,26 @@ def test_config_edit_alone_does_not_count_as_a_weights_change(
     edit_adapter_config(folder, lora_alpha=4)
     time.sleep(store_mod.RETRY_CHECK_SECONDS)
     assert store.request("c") is False and store.get("c").state == "failed"
+
+
+def test_an_adapter_too_large_for_the_budget_is_retried_once_its_files_change(
+    cfg: ModelConfig, written: dict[str, Path], tmp_path: Path
+) -> None:
+    from service.adapters.reader import DEVICE_ALIGN
+    from service.adapters.registry import index_adapter, plan_nbytes
+    from service.errors import ResourceExhausted
+
+    folder = _copy(written["r8"], tmp_path / "big")
+    small = plan_nbytes(index_adapter("s", written["r4"], cfg), torch.float32, DEVICE_ALIGN)
+    store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=small, host_budget_bytes=0)
+    try:
+        store.register("big", folder)
+        assert store.request("big") is False
+        assert isinstance(store.failure("big"), ResourceExhausted) and store.get("big").state == "failed"
+        shutil.copy(written["r4"] / WEIGHTS, folder / WEIGHTS)  # a smaller version is deployed
+        shutil.copy(written["r4"] / "adapter_config.json", folder / "adapter_config.json")
+        time.sleep(store_mod.RETRY_CHECK_SECONDS)
+        store.ensure("big", timeout=30)
+        assert store.get("big").state == "device" and store.get("big").rank == 4
+    finally:
+        store.close()

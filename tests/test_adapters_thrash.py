@@ -200,10 +200,8 @@ def test_a_working_set_over_the_device_budget_is_served_without_thrash(
 def test_a_request_waiting_for_room_is_bounded_by_its_deadline(served: dict[str, Any]) -> None:
     engine, store = _engine(served, budget_adapters=1)
     try:
-        running: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        engine.submit(_req("x-long", "x", n=100), running.put)
-        first = running.get(timeout=60)  # x is loaded and pinned by a running request
-        assert first.finish is None and store.get("x").pins == 1
+        store.ensure("x", timeout=30)
+        store.pin("x")  # held (as by a long running request): no room for y
         waiting = GenerationRequest(
             "y-late", (5, 6, 7), 4, adapter_id="y", ignore_eos=True, deadline=time.monotonic() + 0.3
         )
@@ -212,9 +210,9 @@ def test_a_request_waiting_for_room_is_bounded_by_its_deadline(served: dict[str,
         _wait(lambda: store.state().queued == (), "the abandoned load to leave the queue")
         st = store.state()
         assert st.adapters["y"].state == "registered" and st.adapters["y"].pins == 0 and st.device_lru == ("x",)
-        while first.finish is None:
-            first = running.get(timeout=60)
-        assert first.finish is FinishReason.LENGTH
+        store.unpin("x")
+        events = engine.generate(_req("y-now", "y", n=4), timeout=60)  # room now: y loads, x is evicted
+        assert events[-1].finish is FinishReason.LENGTH and store.state().device_lru == ("y",)
     finally:
         engine.stop()
         store.close()

@@ -270,10 +270,7 @@ class AdapterStore:
                 return True
             if entry.device_nbytes > self.device_budget_bytes and not entry.revalidate:
                 entry.failed_stamp = entry.spec.stamp
-                entry.error = ResourceExhausted(
-                    f"adapter {adapter_id!r} needs {entry.device_nbytes} bytes on the device, more than the "
-                    f"whole adapter device budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
-                )
+                entry.error = self._too_large(adapter_id, entry.device_nbytes)
                 self._cond.notify_all()
                 return False
             if pin and waiter is not None:
@@ -415,20 +412,22 @@ class AdapterStore:
                 adapter_id, entry = job
                 host = entry.host
                 revalidate = entry.revalidate
-            if revalidate:
+            if revalidate:  # no room was reserved: its size is known once it is indexed again
                 self._revalidate(adapter_id, entry)
                 continue
             try:
                 loaded = self._reader.load(entry.spec, host)
-            except AdapterFileChanged as e:  # replaced or rewritten since it was indexed: index it again
-                log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
-                if entry.revalidations < MAX_REVALIDATIONS:
-                    entry.revalidations += 1
-                    self._revalidate(adapter_id, entry)
-                    continue
-                self._fail_load(adapter_id, entry, e, _stamp_or_none(entry.spec.file))
-                continue
             except Exception as e:  # the loader must survive anything; the rows waiting get the error
+                with self._cond:
+                    self._device_reserved -= entry.device_nbytes
+                if isinstance(e, AdapterFileChanged):  # replaced or rewritten since it was indexed: index it again
+                    log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
+                    if entry.revalidations < MAX_REVALIDATIONS:
+                        entry.revalidations += 1
+                        self._revalidate(adapter_id, entry)
+                    else:
+                        self._fail_load(adapter_id, entry, e, _stamp_or_none(entry.spec.file))
+                    continue
                 error = e if isinstance(e, LoraplexError) else _wrap(e, entry.spec)
                 if not isinstance(e, LoraplexError):
                     log.exception("event=adapter_load_error adapter=%s", adapter_id)
@@ -439,10 +438,9 @@ class AdapterStore:
                 self._cond.notify_all()
 
     def _fail_load(self, adapter_id: str, entry: _Entry, error: LoraplexError, seen: FileStamp | None) -> None:
-        """Outside the lock: end a load in failure; ``seen`` is the file version it failed on (a later request
-        retries once the file differs from it)."""
+        """Outside the lock (its room already released): end a load in failure; ``seen`` is the file version it
+        failed on (a later request retries once the file differs from it)."""
         with self._cond:
-            self._device_reserved -= entry.device_nbytes
             entry.loading = False
             entry.revalidate = False
             entry.revalidations = 0
@@ -453,9 +451,9 @@ class AdapterStore:
         log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
 
     def _revalidate(self, adapter_id: str, entry: _Entry) -> None:
-        """Outside the lock: index a changed adapter folder again, as a new registration would. On success the
-        entry takes the new index (and a new ``registered_at``: its weights, so its K/V, may differ) and its load
-        is queued again at the front; otherwise the adapter fails with the new error."""
+        """Outside the lock, holding no room: index a changed adapter folder again, as a new registration would.
+        On success the entry takes the new index (and a new ``registered_at``: its weights, so its K/V, may
+        differ) and its load is queued again at the front; otherwise the adapter fails with the new error."""
         seen = _stamp_or_none(entry.spec.file)
         try:
             spec = index_adapter(adapter_id, entry.spec.source, self.model_config, roots=self.roots)
@@ -463,20 +461,30 @@ class AdapterStore:
             self._fail_load(adapter_id, entry, e, seen)
             return
         metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
+        device_nbytes = plan_nbytes(spec, self.dtype, DEVICE_ALIGN)
+        if device_nbytes > self.device_budget_bytes:
+            self._fail_load(adapter_id, entry, self._too_large(adapter_id, device_nbytes), spec.stamp)
+            return
         with self._cond:
-            self._device_reserved -= entry.device_nbytes
             entry.loading = entry.revalidate = False
-            if self._entries.get(adapter_id) is not entry:
+            if self._entries.get(adapter_id) is not entry or self._closed:
+                self._cond.notify_all()
                 return
             self._drop_host(adapter_id, entry)  # raw bytes of the old version
             entry.spec, entry.registered_at = spec, time.time()
             entry.host_nbytes = plan_nbytes(spec, None, HOST_ALIGN)
-            entry.device_nbytes = plan_nbytes(spec, self.dtype, DEVICE_ALIGN)
+            entry.device_nbytes = device_nbytes
             if self._queue_load(adapter_id, entry):
                 self._queue.remove(adapter_id)
                 self._queue.appendleft(adapter_id)  # it was at the head already
             self._cond.notify_all()
         log.info("event=adapter_revalidated adapter=%s bytes=%d", adapter_id, spec.file_bytes)
+
+    def _too_large(self, adapter_id: str, device_nbytes: int) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"adapter {adapter_id!r} needs {device_nbytes} bytes on the device, more than the whole adapter device "
+            f"budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
+        )
 
     def _next_job(self) -> tuple[str, _Entry] | None:
         """Under the lock: the next adapter to load with device room reserved for it (waits as needed)."""
@@ -491,6 +499,9 @@ class AdapterStore:
             if entry is None or not entry.loading:
                 self._queue.popleft()
                 continue
+            if entry.revalidate:  # indexed again first; its load is queued anew with its new size
+                self._queue.popleft()
+                return adapter_id, entry
             if not self._make_device_room(entry.device_nbytes, adapter_id):
                 self._cond.wait()  # every resident adapter is pinned: wait for an unpin or unregister
                 continue
