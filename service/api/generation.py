@@ -52,7 +52,6 @@ class _Mailbox:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.api_keys = runtime.settings.api_keys
         self._mailbox: _Mailbox | None = None
 
     def _deadline(self, context: Context) -> float | None:

@@ -102,11 +102,11 @@ class Runtime:
 
 
 def adapter_roots(s: Settings) -> tuple[Path, ...]:
-    """Folders adapters may be read from: --adapter-root; else the --adapter-dir folders and the folders holding
-    the --adapter paths (the operator's own flags). Empty: LoadAdapter is refused (see ``AdaptersServicer``)."""
-    if s.adapter_roots:
-        return s.adapter_roots
-    return (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
+    """Folders adapters may be read from: the --adapter-dir folders and the folders holding the --adapter paths (the
+    operator's own flags), plus every --adapter-root. A root only ever adds: what the operator registered at
+    start-up stays readable. Empty: LoadAdapter is refused (see ``AdaptersServicer``)."""
+    own = (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
+    return tuple(dict.fromkeys((*own, *s.adapter_roots)))
 
 
 def register_startup_adapters(store: AdapterCatalog, s: Settings) -> None:
