@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--adapter-root", dest="adapter_roots", action="append", type=Path, metavar="DIR",
-        help="folders LoadAdapter may read from (repeatable; default: the --adapter-dir folders)",
+        help="more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
     )  # fmt: skip
     serve.add_argument("--adapter-device-budget-bytes", type=int, help="device-tier adapter cache budget")
     serve.add_argument("--adapter-host-budget-bytes", type=int, help="host-tier adapter cache budget")
@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The Settings of `loraplex serve`: defaults < ``LORAPLEX_*`` variables (``env``, default os.environ) < flags."""
     fields = {
         k: v for k, v in vars(args).items() if k != "command" and v is not None and k in Settings.__dataclass_fields__
     }
@@ -168,9 +169,13 @@ def _serve(args: argparse.Namespace) -> int:
         if key in fields:
             fields[key] = tuple(fields[key])
     try:
-        settings = Settings.from_env(**fields)
+        return Settings.from_env(env, **fields)
     except ValueError as exc:  # a bad flag or LORAPLEX_* value: the message names it
         raise ConfigError(str(exc)) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = serve_settings(args)
     from service.api.server import run
 
     return run(settings)

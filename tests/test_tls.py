@@ -12,6 +12,7 @@ import pytest
 from certs import CA, Pair
 from test_server import tiny_settings
 
+from service import cli
 from service.api.server import BackgroundServer
 from service.api.tls import server_credentials
 from service.config import ConfigError, Settings
@@ -137,6 +138,23 @@ def test_tls_settings_are_checked(tmp_path: Path) -> None:
         Settings.from_env({"LORAPLEX_TLS_CLIENT_CA": "/s/ca.crt"})
     with pytest.raises(ConfigError, match=r"missing\.crt"):  # start-up fails by name, before binding
         server_credentials(Settings(tls_cert=tmp_path / "missing.crt", tls_key=tmp_path / "missing.key"))
+
+
+def test_serve_flags_and_variables_reach_the_settings() -> None:
+    flags = ["serve", "--tls-cert", "/s/tls.crt", "--tls-key", "/s/tls.key", "--max-message-bytes", "1024"]
+    flags += ["--max-connection-age-seconds", "0", "--api-key-file", "/k/keys"]
+    env = {"LORAPLEX_TLS_CLIENT_CA": "/s/ca.crt", "LORAPLEX_MAX_MESSAGE_BYTES": "99", "LORAPLEX_API_KEYS": "a,b"}
+    settings = cli.serve_settings(cli.build_parser().parse_args(flags), env)
+    assert (settings.tls_cert, settings.tls_key, settings.tls_client_ca) == (
+        Path("/s/tls.crt"),
+        Path("/s/tls.key"),
+        Path("/s/ca.crt"),
+    )
+    assert settings.max_message_bytes == 1024 and settings.max_connection_age_seconds == 0  # flags win
+    assert settings.api_key_file == Path("/k/keys") and settings.api_keys == ("a", "b")
+    assert settings.max_connection_age_grace_seconds == float("inf")
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        cli.serve_settings(cli.build_parser().parse_args(["serve", "--max-message-bytes", "0"]), {})
 
 
 def test_client_tls_arguments_are_checked(tmp_path: Path) -> None:
