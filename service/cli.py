@@ -1,7 +1,7 @@
-"""The `loraplex` command: serve, fetch-model, generate, tokenize, info, adapters.
+"""The `loraplex` command: serve, fetch-model, generate, tokenize, info, health, adapters.
 
 Settings are built here, once, from flags and ``LORAPLEX_*`` variables (flags win), and passed down.
-Client-side subcommands (generate, tokenize, info, adapters) use the `loraplex` client package only.
+Client-side subcommands (generate, tokenize, info, health, adapters) use the `loraplex` client package only.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ def _connection_flags() -> argparse.ArgumentParser:
     flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
     flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
     flags.add_argument(
+        "--tls-server-name", help="TLS: the name the server's certificate must carry, if not the --target host"
+    )
+    flags.add_argument(
         "--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
         help="sent as `authorization: Bearer KEY` (default: the LORAPLEX_API_KEY variable)",
     )  # fmt: skip
@@ -44,7 +47,11 @@ def _connection_flags() -> argparse.ArgumentParser:
 def _client(args: argparse.Namespace) -> Any:
     from loraplex import Client
 
-    return Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    options = [] if args.tls_server_name is None else [("grpc.ssl_target_name_override", args.tls_server_name)]
+    return Client(
+        args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        options=options, timeout=getattr(args, "timeout", None),
+    )  # fmt: skip
 
 
 def _serve_security_flags(serve: argparse.ArgumentParser) -> None:
@@ -144,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", parents=[connection], help="show the served model and limits")
 
+    health = sub.add_parser(
+        "health", parents=[connection], help="grpc.health.v1 check (an exec probe): exit 0 only when SERVING"
+    )
+    health.add_argument("--service", default="", help="ask about one service (default: the server as a whole)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+
     adapters = sub.add_parser(
         "adapters", parents=[connection], help="list, show, load and unload adapters on a running server"
     )
@@ -227,6 +240,13 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.health(args.service)
+    print(status.name)
+    return 0 if status.name == "SERVING" else 1
+
+
 def _plain(obj: Any) -> Any:
     """Dataclasses / lists / enums -> JSON-able values."""
     import dataclasses
@@ -275,6 +295,7 @@ COMMANDS = {
     "generate": _generate,
     "tokenize": _tokenize,
     "info": _info,
+    "health": _health,
     "adapters": _adapters,
 }
 

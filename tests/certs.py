@@ -66,8 +66,9 @@ class CA:
         path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
         return path
 
-    def issue(self, folder: Path, stem: str, *, server: bool) -> Pair:
-        """A leaf certificate signed by this CA, written to ``folder/stem.crt`` and ``folder/stem.key``."""
+    def issue(self, folder: Path, stem: str, *, server: bool, dns_name: str | None = None) -> Pair:
+        """A leaf certificate signed by this CA, written to ``folder/stem.crt`` and ``folder/stem.key``. A server
+        certificate names localhost and 127.0.0.1, or only ``dns_name`` when given."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
@@ -83,7 +84,12 @@ class CA:
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
         if server:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            names: list[x509.GeneralName] = [
+                x509.DNSName("localhost"),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]
+            if dns_name is not None:
+                names = [x509.DNSName(dns_name)]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         folder.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,21 @@ def test_mutual_tls_needs_a_client_certificate_signed_by_the_client_ca(
             model_name(srv.target)
 
 
+def test_health_command_works_as_an_exec_probe_over_mutual_tls(tmp_path: Path, served_tiny_dir: Path) -> None:
+    """In a pod the probe dials 127.0.0.1 while the certificate names the Service: --tls-server-name bridges it."""
+    server_ca, client_ca = CA("server ca"), CA("client ca")
+    ca_file, client_ca_file = server_ca.write(tmp_path / "ca.crt"), client_ca.write(tmp_path / "client-ca.crt")
+    served = server_ca.issue(tmp_path, "tls", server=True, dns_name="loraplex.prod.svc")
+    client = client_ca.issue(tmp_path, "probe", server=False)
+    with tls_server(served_tiny_dir, served, client_ca=client_ca_file) as srv:
+        probe = ["health", "--target", srv.target, "--tls-ca", str(ca_file)]
+        probe += ["--tls-cert", str(client.cert), "--tls-key", str(client.key)]
+        assert cli.main([*probe, "--tls-server-name", "loraplex.prod.svc"]) == 0
+        assert cli.main([*probe, "--tls-server-name", "loraplex.prod.svc", "--service", "loraplex.v1.Generation"]) == 0
+        assert cli.main(probe) == 1  # 127.0.0.1 is not a name in the certificate
+        assert cli.main([*probe[:5], "--tls-server-name", "loraplex.prod.svc"]) == 1  # no client certificate
+
+
 def test_the_async_client_speaks_mutual_tls(pki: dict[str, Path | Pair], served_tiny_dir: Path) -> None:
     client = _pair(pki, "client")
 
