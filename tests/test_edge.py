@@ -151,37 +151,33 @@ def test_grpc_options_follow_the_settings() -> None:
     )
 
 
+AGE = 0.05  # seconds: far shorter than a STREAM_TOKENS stream on any machine (engine steps take ~1 ms or more)
+STREAM_TOKENS = 250  # within tiny_settings max_new_tokens
+
+
 def _long_stream(target: str) -> tuple[list[pb.GenerateStreamResponse], float]:
     start = time.monotonic()
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        chunks = list(stub.GenerateStream(stream_req("a long story", 1000), timeout=120))
+        chunks = list(stub.GenerateStream(stream_req("a long story", STREAM_TOKENS), timeout=120))
         # The aged connection is replaced: the same channel keeps working.
         assert stub.Generate(text_req("after", 2), timeout=60).results[0].usage.generated_tokens == 2
     return chunks, time.monotonic() - start
 
 
 def test_connection_ageing_never_cuts_a_running_stream(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(
-        served_tiny_dir, max_new_tokens=1000, max_total_tokens=1024, max_connection_age_seconds=0.3
-    )
+    settings = tiny_settings(served_tiny_dir, max_connection_age_seconds=AGE)
     with BackgroundServer(settings) as srv:
         chunks, seconds = _long_stream(srv.target)
-    assert seconds > 0.6, "the stream must outlive the connection's age for this test to mean anything"
-    assert sum(len(c.token_ids) for c in chunks) == 1000
+    assert seconds > 3 * AGE, "the stream must outlive the connection's age for this test to mean anything"
+    assert sum(len(c.token_ids) for c in chunks) == STREAM_TOKENS
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_a_short_age_grace_does_cut_streams(served_tiny_dir: Path) -> None:
     """The control for the test above: with a grace shorter than the stream, ageing cuts it (so the test above can
     tell a cut from a finish)."""
-    settings = tiny_settings(
-        served_tiny_dir,
-        max_new_tokens=1000,
-        max_total_tokens=1024,
-        max_connection_age_seconds=0.3,
-        max_connection_age_grace_seconds=0.1,
-    )
+    settings = tiny_settings(served_tiny_dir, max_connection_age_seconds=AGE, max_connection_age_grace_seconds=AGE)
     with BackgroundServer(settings) as srv, pytest.raises(grpc.RpcError) as err:
         _long_stream(srv.target)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
