@@ -26,7 +26,9 @@ MESSAGE_LIMIT = 256 << 10
 
 @pytest.fixture(scope="module")
 def server(served_tiny_dir: Path) -> Iterator[BackgroundServer]:
-    settings = tiny_settings(served_tiny_dir, metrics_port=0, max_message_bytes=MESSAGE_LIMIT)
+    settings = tiny_settings(
+        served_tiny_dir, metrics_port=0, max_message_bytes=MESSAGE_LIMIT, max_new_tokens=1000, max_total_tokens=1024
+    )
     with BackgroundServer(settings) as srv:
         yield srv
 
@@ -94,21 +96,30 @@ def test_malformed_bytes_are_invalid_argument_without_an_error_log(
     assert stub.Generate(text_req("still fine", 2), timeout=60).results[0].usage.generated_tokens == 2
 
 
-def test_client_deadline_counts_as_deadline_exceeded(server: BackgroundServer, channel: grpc.Channel) -> None:
+def test_client_deadline_counts_as_deadline_exceeded(
+    server: BackgroundServer, channel: grpc.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Streams are cut by the deadline while a reply is on its way as often as while one is awaited: both must
+    count as DEADLINE_EXCEEDED, and neither may log an ERROR."""
     stub = pb_grpc.GenerationStub(channel)
     methods = ("GenerateStream", "Generate")
     codes = ("DEADLINE_EXCEEDED", "CANCELLED")
+    calls = 8
     before = {(m, c): requests_total(server, m, c) for m in methods for c in codes}
-    for _ in range(3):
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.GenerateStream(stream_req("slow", 250), timeout=0.15))
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Generate(text_req("slow", 250), timeout=0.15)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.3)  # the server notices the deadline a moment after the client
+    with caplog.at_level(logging.WARNING):
+        for _ in range(calls):  # 1000 tokens take far longer than the deadline on any machine
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.GenerateStream(stream_req("slow", 1000), timeout=0.15))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(text_req("slow", 1000), timeout=0.15)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.3)  # the server notices the deadline a moment after the client
     delta = {key: requests_total(server, *key) - old for key, old in before.items()}
-    assert delta == {(m, c): (3 if c == "DEADLINE_EXCEEDED" else 0) for m in methods for c in codes}
+    assert delta == {(m, c): (calls if c == "DEADLINE_EXCEEDED" else 0) for m in methods for c in codes}
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    engine = server.server.runtime.loaded.engine  # type: ignore[union-attr]
+    assert engine.in_flight == 0  # every cut stream gave its slot back
 
 
 def test_a_cancelled_call_still_counts_as_cancelled(server: BackgroundServer, channel: grpc.Channel) -> None:

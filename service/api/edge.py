@@ -27,10 +27,15 @@ Servicer = Any
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
+DEADLINE_SLACK_SECONDS = 0.05
+"""A client's own deadline fires first, so its cancel reaches the server a moment before the server's copy of the
+deadline (received as a relative timeout) passes: a cancel this close to the deadline is the deadline."""
+
+
 def _cancelled_code(context: Context) -> str:
     """Why a call was cancelled: its deadline passed (DEADLINE_EXCEEDED), or the client went away (CANCELLED)."""
     remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_SECONDS else "CANCELLED"
 
 
 async def _abort(context: Context, method: str, exc: BaseException) -> None:

@@ -5,13 +5,18 @@ field that is not UTF-8) would end as UNKNOWN with an ERROR traceback inside grp
 is wrapped: a ``DecodeError`` becomes a marker value that the wrapped method turns into INVALID_ARGUMENT, logged as
 one warning line. A caller refused by ``KeyRing.authorize`` never has its request bytes parsed.
 
-Statuses produced here are counted in ``loraplex_requests_total`` like those of ``service.api.edge``.
+Streamed replies are written here (``_write_stream``) so that a call ending while a reply is being sent counts as
+the deadline or cancellation it is, not as a grpc ERROR. Statuses produced here are counted in
+``loraplex_requests_total`` like those of ``service.api.edge``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
 import grpc
@@ -65,19 +70,27 @@ async def _refuse_malformed(method: str, request: _Malformed, context: Context) 
 
 
 def _safe_decoding(handler: Handler, method: str) -> Handler:
-    """``handler`` with its request deserializer wrapped (unary-request methods; streamed requests are left as they
-    are: only reflection has them, and it parses its own messages)."""
+    """``handler`` with its request deserializer wrapped, and its streamed replies written by ``_write_stream``
+    (unary-request methods; streamed requests are left as they are: only reflection has them, and it parses its own
+    messages)."""
     if handler.request_streaming:
         return handler
     decode = _decoder(handler.request_deserializer)
     if handler.response_streaming:
         inner_stream: Any = handler.unary_stream  # grpc's stubs type it for the sync server
+        if not inspect.isasyncgenfunction(inner_stream):  # a reader/writer handler (health's Watch) writes itself
 
-        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            async def writer(request: Any, context: Context) -> None:
+                if isinstance(request, _Malformed):
+                    await _refuse_malformed(method, request, context)
+                await inner_stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(writer, decode, handler.response_serializer)
+
+        async def stream(request: Any, context: Context) -> None:
             if isinstance(request, _Malformed):
                 await _refuse_malformed(method, request, context)
-            async for item in inner_stream(request, context):
-                yield item
+            await _write_stream(inner_stream(request, context), context)
 
         return grpc.unary_stream_rpc_method_handler(stream, decode, handler.response_serializer)
     inner_unary: Any = handler.unary_unary
@@ -88,6 +101,24 @@ def _safe_decoding(handler: Handler, method: str) -> Handler:
         return await inner_unary(request, context)
 
     return grpc.unary_unary_rpc_method_handler(unary, decode, handler.response_serializer)
+
+
+async def _write_stream(responses: AsyncGenerator[Any, None], context: Context) -> None:
+    """Write each reply of a servicer's generator, as grpc would, except when the call ends while a reply is on its
+    way (the deadline passed, the client went away): grpc would log that as an ERROR traceback, or cancel this task
+    mid-send, and close the generator later, unseen. Here the generator is cancelled at its ``yield``, as grpc
+    cancels a waiting handler, so the edge counts the call (DEADLINE_EXCEEDED / CANCELLED) and frees its engine slot
+    at once."""
+    try:
+        async for item in responses:
+            try:
+                await context.write(item)
+            except (grpc.aio.InternalError, asyncio.CancelledError):  # a failed send batch, or cancelled mid-send
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await responses.athrow(asyncio.CancelledError())
+                raise asyncio.CancelledError from None
+    finally:
+        await responses.aclose()
 
 
 def _refusal(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
