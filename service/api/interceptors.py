@@ -1,4 +1,4 @@
-"""The server interceptor: API-key roles and safe request decoding, in front of every registered RPC.
+"""The server interceptor, in front of every registered RPC: API-key roles, safe request decoding, streamed writes.
 
 grpc deserializes a request before any servicer code runs, so a malformed message (corrupt wire format, a string
 field that is not UTF-8) would end as UNKNOWN with an ERROR traceback inside grpc. Here every request deserializer
@@ -69,7 +69,7 @@ async def _refuse_malformed(method: str, request: _Malformed, context: Context) 
     )
 
 
-def _safe_decoding(handler: Handler, method: str) -> Handler:
+def _guarded(handler: Handler, method: str) -> Handler:
     """``handler`` with its request deserializer wrapped, and its streamed replies written by ``_write_stream``
     (unary-request methods; streamed requests are left as they are: only reflection has them, and it parses its own
     messages)."""
@@ -141,8 +141,8 @@ def _refusal(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
 
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
-    """Authorize by API-key role, then serve with safe request decoding. Wrapped handlers are made once per
-    method (grpc returns the same registered handler for a method every time)."""
+    """Authorize by API-key role, then serve through ``_guarded``. Wrapped handlers are made once per method (grpc
+    returns the same registered handler for a method every time)."""
 
     def __init__(self, keys: KeyRing) -> None:
         self.keys = keys
@@ -165,5 +165,5 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
             return _refusal(handler, code, str(exc))
         wrapped = self._wrapped.get(method)
         if wrapped is None:
-            wrapped = self._wrapped[method] = _safe_decoding(handler, method)
+            wrapped = self._wrapped[method] = _guarded(handler, method)
         return wrapped
