@@ -86,6 +86,7 @@ class Server:
 async def start(settings: Settings) -> Server:
     """Bind and start everything except the model load (call ``Server.load`` next)."""
     metrics.BUILD_INFO.info({"version": __version__, "python": sys.version.split()[0]})
+    metrics.ADAPTERS.reset(settings.metrics_adapter_series)
     runtime = Runtime(settings)
     server = grpc.aio.server(
         options=[
