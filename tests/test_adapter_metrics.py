@@ -3,7 +3,8 @@
 The label policy is walked step by step on its own; then a real server (tiny random Llama, SmolLM2's tokenizer)
 with five adapters registered and a cap of two serves traffic over gRPC and is scraped over HTTP: the first two
 adapters served get their own series, later ones, unknown ids and nothing else land in ``adapter="other"``, the
-base model in ``adapter=""``, and no per-adapter family ever holds more than two adapter ids.
+base model in ``adapter=""``, and no per-adapter family ever holds more than two adapter ids. Last, the real
+SmolLM2 with the image's demo adapters (caps, terse, medusa): each gets its own series after one request.
 """
 
 from __future__ import annotations
@@ -166,3 +167,28 @@ def test_per_adapter_requests_tokens_and_latency(capped_scrape: Samples) -> None
     loads = "loraplex_adapter_load_seconds_count"
     assert value(s, loads, adapter="a") == 1 and value(s, loads, adapter="b") == 1
     assert value(s, loads, adapter="other") == 3  # c, d (LoRA) and the Medusa heads
+
+
+@pytest.mark.slow
+def test_demo_adapters_get_their_own_series(smollm2_dir: Path) -> None:
+    """The image's demo adapters on the real SmolLM2, as the Kubernetes base serves them (--adapter-dir)."""
+    demo = Path(__file__).resolve().parent.parent / "adapters" / "demo"
+    settings = Settings(model=smollm2_dir, port=0, metrics_port=0, max_batch_size=2, adapter_dirs=(demo,))
+    ids = sorted(p.name for p in demo.iterdir() if p.is_dir())
+    assert ids == ["caps", "medusa", "terse"]
+    stopping = pb.StoppingCriteria(max_new_tokens=3, ignore_eos=True)
+    with BackgroundServer(settings) as srv:
+        assert srv.server is not None and srv.server.metrics_port is not None
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for adapter in ids:
+                stub.Generate(
+                    pb.GenerateRequest(inputs=[pb.Input(text="Hi")], adapter_id=adapter, stopping=stopping), timeout=120
+                )
+        samples = scrape(srv.server.metrics_port)
+    for adapter in ids:
+        assert value(samples, "loraplex_adapter_requests_total", adapter=adapter, code="OK") == 1, adapter
+        assert value(samples, "loraplex_adapter_generated_tokens_total", adapter=adapter) == 3, adapter
+        assert value(samples, "loraplex_adapter_time_to_first_token_seconds_count", adapter=adapter) == 1, adapter
+        assert value(samples, "loraplex_adapter_load_seconds_count", adapter=adapter) == 1, adapter
+    assert metrics.ADAPTERS.values == tuple(ids)
