@@ -21,9 +21,12 @@ import pytest
 import yaml
 from test_deploy import K8S, find_kubectl, one, pod_spec, server_container
 
+from service.api.server import GENERATION_SERVICE
 from service.cli import build_parser
 from service.config import Settings
 from service.metrics import REGISTRY
+
+PROBES = {"startupProbe": GENERATION_SERVICE, "readinessProbe": GENERATION_SERVICE, "livenessProbe": ""}
 
 Obj = dict[str, Any]
 COMPONENTS = ("tls", "mtls", "prometheus-adapter", "model-volume", "adapters-image")
@@ -111,6 +114,37 @@ def test_tls_files_are_in_the_mounted_secrets(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
     assert not TLS_VARIABLES & set(config(render(plain)))
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs of a command line (every flag of `loraplex health` takes a value)."""
+    rest = command[2:]
+    assert len(rest) % 2 == 0 and all(f.startswith("--") for f in rest[::2]), command
+    return dict(zip(rest[::2], rest[1::2], strict=True))
+
+
+@pytest.mark.parametrize("components", [("tls",), ("tls", "mtls")], ids=["tls", "mtls"])
+def test_tls_probes_run_loraplex_health(tmp_path: Path, components: tuple[str, ...]) -> None:
+    """Kubelet's gRPC probes cannot speak TLS: exec probes with the edge branch's `loraplex health` replace them,
+    against the same port and services as the base's probes, trusting the mounted CA (and, under mTLS, presenting
+    the mounted certificate). After the merge, also parse each command with ``build_parser()``."""
+    docs = render(tmp_path, *components)
+    container, data = server_container(docs), config(docs)
+    port = int(data["LORAPLEX_PORT"])
+    for probe, service in PROBES.items():
+        spec = container[probe]
+        assert "grpc" not in spec and spec["timeoutSeconds"] >= 5, probe
+        command = spec["exec"]["command"]
+        assert command[:2] == ["loraplex", "health"], probe
+        given = flags(command)
+        assert given["--target"] == f"127.0.0.1:{port}" and given.get("--service", "") == service, probe
+        _, ca_volume = mount_of(docs, Path(given["--tls-ca"]))
+        assert ca_volume["secret"]["secretName"] == "loraplex-tls" and given["--tls-server-name"]
+        if "mtls" in components:
+            assert (given["--tls-cert"], given["--tls-key"]) == (data["LORAPLEX_TLS_CERT"], data["LORAPLEX_TLS_KEY"])
+        else:
+            assert "--tls-cert" not in given
+        assert float(given["--timeout"]) < spec["timeoutSeconds"]
 
 
 def test_prometheus_adapter_rule_serves_the_hpa_metric(tmp_path: Path) -> None:
