@@ -133,8 +133,10 @@ def traffic(stub: pb_grpc.GenerationStub) -> None:
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as late:
         stub.Generate(
-            pb.GenerateRequest(inputs=[pb.Input(text="Long")], stopping=pb.StoppingCriteria(max_new_tokens=900)),
-            timeout=0.05,
+            pb.GenerateRequest(
+                inputs=[pb.Input(text="Long")], stopping=pb.StoppingCriteria(max_new_tokens=900, ignore_eos=True)
+            ),
+            timeout=0.5,  # 900 tokens take seconds: the deadline passes mid-generation
         )
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
