@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install -q -e './clients/python' -e '.[convert,dev]'
 	touch $@
 
-## system-deps: promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
+## system-deps: prometheus + promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
 system-deps: setup
 	bash scripts/system_deps.sh
 
