@@ -36,8 +36,9 @@ OVERLAYS = ("cpu", "gpu")
 # Not the bare names: conftest skips every test with a "gpu" keyword, and a parameter id is one.
 OVERLAY_IDS = [f"{name}_overlay" for name in OVERLAYS]
 CRD_GROUPS = ("monitoring.coreos.com/",)
-# Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and the newest schema we have.
-K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+# Every minor from the oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) to the newest
+# schema kubernetes-validate has.
+K8S_VERSIONS = tuple(f"1.{minor}.0" for minor in range(27, int(kubernetes_validate.latest_version().split(".")[1]) + 1))
 DEFAULTS = Settings()
 
 Obj = dict[str, Any]

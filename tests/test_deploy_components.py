@@ -19,7 +19,7 @@ import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
-from test_deploy import K8S, find_kubectl, one, pod_spec, server_container
+from test_deploy import K8S, K8S_VERSIONS, find_kubectl, one, pod_spec, server_container
 
 from service.api.server import GENERATION_SERVICE
 from service.cli import build_parser
@@ -30,9 +30,9 @@ PROBES = {"startupProbe": GENERATION_SERVICE, "readinessProbe": GENERATION_SERVI
 
 Obj = dict[str, Any]
 COMPONENTS = ("tls", "mtls", "prometheus-adapter", "model-volume", "adapters-image")
-# The adapters-image component uses the `image` volume source, in the schema since Kubernetes 1.31.
-VERSIONS = {name: ("1.29.0", kubernetes_validate.latest_version()) for name in COMPONENTS}
-VERSIONS["adapters-image"] = ("1.31.0", kubernetes_validate.latest_version())
+# Every minor the base is validated at; the adapters-image component's `image` volume source exists since 1.31.
+VERSIONS = {name: K8S_VERSIONS for name in COMPONENTS}
+VERSIONS["adapters-image"] = tuple(v for v in K8S_VERSIONS if int(v.split(".")[1]) >= 31)
 # Server settings the edge branch adds (TLS, the API key file); until it merges they are not Settings fields.
 TLS_VARIABLES = {"LORAPLEX_TLS_CERT", "LORAPLEX_TLS_KEY", "LORAPLEX_TLS_CLIENT_CA", "LORAPLEX_API_KEY_FILE"}
 
