@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="gRPC port (default 50051)")
     serve.add_argument("--metrics-host", help="/metrics bind address (default 127.0.0.1)")
     serve.add_argument("--metrics-port", type=int, help="/metrics port (default 9400; 0 = any free port, -1 = off)")
+    serve.add_argument(
+        "--metrics-adapter-series", type=int, metavar="N",
+        help="distinct `adapter` label values on per-adapter metrics (default 32; the rest count as \"other\")",
+    )  # fmt: skip
     serve.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     serve.add_argument("--max-batch-size", type=int, help="rows per decode step (default 32)")
     serve.add_argument("--max-queue", type=int, help="queued requests before RESOURCE_EXHAUSTED (default 256)")

@@ -54,6 +54,8 @@ class Settings:
     speculate_adaptive: bool = True  # measure plain vs speculative steps per batch size, use the faster
     speculate_tree: str = "chain"  # draft tree: "chain" (top-1 per head) or paths "0;1;0.0;..." (service.medusa.tree)
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
+    # metrics: distinct values of the `adapter` label (first come; the rest count as adapter="other")
+    metrics_adapter_series: int = 32
     # transport and access (README "Security")
     max_message_bytes: int = 4 << 20  # largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)
     max_connection_age_seconds: float = 300.0  # GOAWAY after this, so round_robin clients see new replicas; 0 = off
@@ -99,6 +101,8 @@ class Settings:
             raise ValueError("draft_threshold must be in [0, 1)")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
+        if self.metrics_adapter_series < 0:
+            raise ValueError("metrics_adapter_series must be >= 0")
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
         self._validate_transport()

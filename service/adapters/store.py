@@ -508,6 +508,7 @@ class AdapterStore:
             metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="host").inc()
         metrics.ADAPTER_LOAD_DURATION.labels(stage="layout", tier=tier).observe(loaded.layout_seconds)
         metrics.ADAPTER_LOAD_DURATION.labels(stage="total", tier=tier).observe(total)
+        metrics.ADAPTERS.loaded(adapter_id, total)
         self._touch(adapter_id, entry)
         self._publish()
         log.info(
@@ -545,6 +546,7 @@ class AdapterStore:
                 return False
             self._drop_device(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="device").inc()
+            metrics.ADAPTERS.evicted(victim, "device")
             log.info("event=adapter_evicted tier=device adapter=%s", victim)
         return True
 
@@ -555,6 +557,7 @@ class AdapterStore:
             victim = next(k for k in self._host_lru if k != keep)
             self._drop_host(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="host").inc()
+            metrics.ADAPTERS.evicted(victim, "host")
             log.info("event=adapter_evicted tier=host adapter=%s", victim)
         return True
 

@@ -13,6 +13,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service import __version__
 from service.api import convert
+from service.api.adapter_metrics import by_adapter, by_adapter_stream
 from service.api.edge import Context, streaming, unary
 from service.api.runtime import Runtime
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
@@ -71,6 +72,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.runtime.submit(request, sink), events
 
     @unary("Generate")
+    @by_adapter
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         rt = self.runtime.ready()
         if not request.inputs:
@@ -121,6 +123,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 return result
 
     @streaming("GenerateStream")
+    @by_adapter_stream
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:

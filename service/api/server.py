@@ -116,6 +116,7 @@ async def start(settings: Settings) -> Server:
     metrics.BUILD_INFO.info({"version": __version__, "python": sys.version.split()[0]})
     keys = KeyRing.from_settings(settings)  # a bad --api-key-file fails here, naming its line
     tls = server_credentials(settings)
+    metrics.ADAPTERS.reset(settings.metrics_adapter_series)
     runtime = Runtime(settings)
     server = grpc.aio.server(interceptors=[EdgeInterceptor(keys)], options=grpc_options(settings))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(runtime), server)

@@ -541,6 +541,7 @@ class Engine:
         req = row.request
         if row.generated == 0:
             metrics.TIME_TO_FIRST_TOKEN.observe(now - req.arrival)
+            metrics.ADAPTERS.first_token(req.adapter_id, now - req.arrival)
         else:
             metrics.INTER_TOKEN_LATENCY.observe(now - row.last_token_at)
         row.last_token_at = now
@@ -609,6 +610,7 @@ class Engine:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
         with self._lock:
             self._queued -= 1
+        metrics.ADAPTERS.generated(row.request.adapter_id, row.generated)
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
             metrics.REQUEST_LATENCY.observe(time.monotonic() - row.request.arrival)
 
