@@ -55,7 +55,8 @@ def prompt_of(message: pb.Input, tokenizer: Tokenizer) -> Prompt:
 
 
 def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int = 0) -> SamplingParams:
-    seed = message.seed + seed_offset if message.HasField("seed") else None
+    # Input i of a request is seeded with seed + i, wrapping modulo 2**64 (so every uint64 seed stays valid).
+    seed = (message.seed + seed_offset) % 2**64 if message.HasField("seed") else None
     params = SamplingParams(
         temperature=message.temperature,
         top_k=message.top_k,

@@ -31,7 +31,7 @@ from service.engine.detok import IncrementalDetokenizer
 from service.engine.governor import SpeculationGovernor
 from service.engine.prefix import PrefixCache
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
-from service.engine.sampling import Sampler, make_generator
+from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.medusa.heads import MedusaHeads
@@ -53,7 +53,7 @@ class _Row:
     sink: Sink
     detok: IncrementalDetokenizer
     stops: StopMatcher | None
-    generator: torch.Generator | None
+    generator: RandomStream | None
     ids: list[int]  # prompt + generated, for the repetition penalty
     length: int = 0  # tokens whose K/V are in the cache
     pending: int = -1  # last sampled token, fed at the next decode step
@@ -235,7 +235,7 @@ class Engine:
 
     def _new_row(self, handle: RequestHandle, sink: Sink) -> _Row:
         req = handle.request
-        generator = make_generator(req.sampling.seed, self.device) if req.sampling.temperature > 0 else None
+        generator = None if req.sampling.greedy else make_generator(req.sampling.seed, self.device)
         return _Row(
             handle=handle,
             sink=sink,
