@@ -107,7 +107,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
         self._waiting: deque[_Row] = deque()
         self._running: list[_Row] = []
-        self._queued = 0  # submitted, not yet admitted or finished (guarded by _lock)
+        self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,8 +136,10 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not finished yet (queued, waiting or running); exact, unlike ``state()``."""
-        return self._queued
+        """Requests submitted and neither finished nor cancelled (queued, waiting or running); exact, unlike
+        ``state()``. This is what the queue limit counts: a cancelled request stops counting at ``cancel``, while
+        its KV slot is freed at the next step."""
+        return len(self._counted)
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequest`` for anything the engine cannot run; called by ``submit`` and the edge."""
@@ -172,18 +174,23 @@ class Engine:
         if self._stop.is_set() or not self.alive:
             raise Unavailable("the engine is not running")
         self.validate(request)
+        handle = RequestHandle(request, on_cancel=self._release)
         with self._lock:
-            if self._queued >= self.settings.max_queue + self.settings.max_batch_size:
+            if len(self._counted) >= self.settings.max_queue + self.settings.max_batch_size:
                 raise QueueFull(
-                    f"{self._queued} requests are queued or running (limit {self.settings.max_queue} waiting); "
+                    f"{len(self._counted)} requests are queued or running (limit {self.settings.max_queue} waiting); "
                     "retry later or spread load over more replicas"
                 )
-            self._queued += 1
+            self._counted.add(handle)
         if request.adapter_id is not None and self.adapters is not None:
             self.adapters.prefetch(request.adapter_id)  # a cold adapter's read overlaps the step in flight
-        handle = RequestHandle(request)
         self._inbox.put((handle, sink))
         return handle
+
+    def _release(self, handle: RequestHandle) -> None:
+        """The request no longer counts against the queue limit (finished, or cancelled: any thread)."""
+        with self._lock:
+            self._counted.discard(handle)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[TokenEvent]:
         """Blocking convenience for tests and in-process benchmarks: all events of one request."""
@@ -607,8 +614,7 @@ class Engine:
                 self.adapters.store.unpin(row.request.adapter_id)
             except LoraplexError:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
-        with self._lock:
-            self._queued -= 1
+        self._release(row.handle)
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
             metrics.REQUEST_LATENCY.observe(time.monotonic() - row.request.arrival)
 
