@@ -18,6 +18,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from test_server import stream_req, text_req, tiny_settings
 
 from service.api.server import BackgroundServer
+from service.config import Settings
 from service.errors import AdapterNotFound, CheckpointError, shorten
 
 LIMITS = {"max_prompt_bytes": 4096, "max_chat_messages": 8, "max_stop_sequences": 4, "max_stop_sequence_bytes": 32}
@@ -229,3 +230,28 @@ def test_a_cancelled_request_frees_its_place_for_the_next_one(smollm2_dir: Path)
         waiting.cancel()
         holder.cancel()
         assert refused == []
+
+
+LIMIT_FLAGS = ("--max-prompt-bytes", "--max-chat-messages", "--max-stop-sequences", "--max-stop-sequence-bytes")
+
+
+def test_limit_flags_reach_the_settings_and_are_documented() -> None:
+    from service.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *(x for flag in LIMIT_FLAGS for x in (flag, "7"))])
+    fields = {k: v for k, v in vars(args).items() if k in Settings.__dataclass_fields__ and v is not None}
+    settings = Settings.from_env({}, **fields)
+    assert (settings.max_prompt_bytes, settings.max_chat_messages) == (7, 7)
+    assert (settings.max_stop_sequences, settings.max_stop_sequence_bytes) == (7, 7)
+    assert Settings.from_env({"LORAPLEX_MAX_PROMPT_BYTES": "9"}).prompt_bytes_limit == 9
+    assert Settings().prompt_bytes_limit == 128 * Settings().max_prompt_tokens == 256 << 10
+    with pytest.raises(ValueError, match="max_stop_sequences"):
+        Settings.from_env({}, max_stop_sequences=0)
+    with pytest.raises(ValueError, match="max_prompt_bytes"):
+        Settings.from_env({}, max_prompt_bytes=-1)
+    root = Path(__file__).resolve().parent.parent
+    doc, readme = (root / "docs" / "limits.md").read_text(), (root / "README.md").read_text()
+    for flag in (*LIMIT_FLAGS, "--max-batch-size", "--max-prompt-tokens", "--max-new-tokens", "--max-queue"):
+        assert f"`{flag}`" in doc, flag
+    for flag in LIMIT_FLAGS:
+        assert f"`{flag}`" in readme, flag
