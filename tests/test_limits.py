@@ -142,6 +142,7 @@ def test_tokenizing_a_large_prompt_does_not_stall_other_rpcs(served_tiny_dir: Pa
                 done.set()
 
         worker = threading.Thread(target=big)
+        began = time.perf_counter()
         worker.start()
         time.sleep(0.1)  # the prompt is on its way / being tokenized
         latencies = []
@@ -154,8 +155,14 @@ def test_tokenizing_a_large_prompt_does_not_stall_other_rpcs(served_tiny_dir: Pa
             time.sleep(0.02)
         worker.join()
         assert outcome == [grpc.StatusCode.INVALID_ARGUMENT]  # tokenized, then over the 128-token limit
-        assert len(latencies) >= 5, "the large prompt was handled too fast to measure anything"
-        assert max(latencies) < 0.1, f"health + ModelInfo took up to {max(latencies):.3f} s while tokenizing"
+        took = time.perf_counter() - began
+        assert took > 0.5, f"the large prompt took only {took:.2f} s: too fast to show a stall"
+        assert len(latencies) >= 5, f"{len(latencies)} probes answered in {took:.2f} s: the server was stalled"
+        # On the event loop the whole tokenization (seconds) was one stall. Off it, probes answer in milliseconds;
+        # the bound leaves room for a CPU shared with other work (the occasional probe waits for a core).
+        latencies.sort()
+        p90 = latencies[int(0.9 * (len(latencies) - 1))]
+        assert p90 < 0.1 and latencies[-1] < 0.5, f"health + ModelInfo: p90 {p90:.3f} s, max {latencies[-1]:.3f} s"
 
 
 def test_echoed_input_is_shortened() -> None:

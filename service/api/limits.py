@@ -10,7 +10,7 @@ docs/limits.md lists every limit; keep the two in step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from loraplex.v1 import generation_pb2 as pb
 
@@ -23,7 +23,7 @@ ADAPTER_ID_MAX_CHARS = 128  # the registry's id rule: 1-128 characters of [A-Za-
 REQUEST_ID_MAX_CHARS = 128
 
 
-def _utf8_len_over(texts: Iterable[str], limit: int) -> int | None:
+def _utf8_len_over(texts: Sequence[str], limit: int) -> int | None:
     """The texts' total UTF-8 size if it exceeds ``limit``, else None. Stops encoding once over the limit, and
     never encodes a text whose character count alone is over it (a character is at least one byte)."""
     total = 0
