@@ -3,6 +3,7 @@ the event loop, echoed input is shortened, seeds wrap, and a cancelled request's
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -163,6 +164,9 @@ def test_tokenizing_a_large_prompt_does_not_stall_other_rpcs(served_tiny_dir: Pa
         latencies.sort()
         p90 = latencies[int(0.9 * (len(latencies) - 1))]
         assert p90 < 0.1 and latencies[-1] < 0.5, f"health + ModelInfo: p90 {p90:.3f} s, max {latencies[-1]:.3f} s"
+        runtime = srv.server.runtime  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="shutdown"):  # the tokenizing pool went with the server
+        asyncio.run(runtime.off_loop(len, "x"))
 
 
 def test_echoed_input_is_shortened() -> None:
