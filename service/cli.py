@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 2048)")
     serve.add_argument("--max-new-tokens", type=int, help="largest max_new_tokens accepted (default 1024)")
     serve.add_argument("--max-total-tokens", type=int, help="prompt + generated per request (default 4096)")
+    serve.add_argument(
+        "--max-prompt-bytes", type=int,
+        help="UTF-8 bytes of one prompt, refused before tokenization (default 0 = 128 x --max-prompt-tokens)",
+    )  # fmt: skip
+    serve.add_argument("--max-chat-messages", type=int, help="chat messages in one input (default 1024)")
+    serve.add_argument("--max-stop-sequences", type=int, help="stop sequences per request (default 16)")
+    serve.add_argument("--max-stop-sequence-bytes", type=int, help="UTF-8 bytes of each stop sequence (default 1024)")
     serve.add_argument("--grace-seconds", type=float, help="drain time on SIGTERM (default 10)")
     serve.add_argument(
         "--adapter", dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH",

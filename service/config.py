@@ -17,6 +17,9 @@ from typing import Any, Literal
 LoadMode = Literal["stream", "mmap", "eager"]
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
+# The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
+# (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
+PROMPT_BYTES_PER_TOKEN = 128
 
 
 class ConfigError(ValueError):
@@ -40,6 +43,11 @@ class Settings:
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 1024
     max_total_tokens: int = 4096  # prompt + generated, per request (KV cache length)
+    # request field limits, checked before tokenization (docs/limits.md)
+    max_prompt_bytes: int = 0  # UTF-8 bytes of one prompt; 0 = PROMPT_BYTES_PER_TOKEN x max_prompt_tokens
+    max_chat_messages: int = 1024
+    max_stop_sequences: int = 16
+    max_stop_sequence_bytes: int = 1024
     grace_seconds: float = 10.0
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
@@ -66,6 +74,12 @@ class Settings:
     api_key_file: Path | None = None  # one ROLE:KEY per line (service.api.auth)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # LORAPLEX_API_KEYS: admin keys (compatibility)
 
+    @property
+    def prompt_bytes_limit(self) -> int:
+        """UTF-8 bytes one prompt may have before tokenization: ``max_prompt_bytes``, or by default enough for
+        ``max_prompt_tokens`` tokens of the longest kind, so the byte limit never refuses a prompt whose tokens fit."""
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_prompt_tokens
+
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
@@ -91,9 +105,14 @@ class Settings:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens"):
+        for name in (
+            "max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens",
+            "max_chat_messages", "max_stop_sequences", "max_stop_sequence_bytes",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_prompt_bytes < 0:
+            raise ValueError("max_prompt_bytes must be >= 0 (0 = derived from max_prompt_tokens)")
         from service.medusa.tree import DraftTree
 
         DraftTree.parse(self.speculate_tree, 64)  # ValueError names the problem

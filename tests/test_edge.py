@@ -21,7 +21,7 @@ from service.api.runtime import adapter_roots
 from service.api.server import BackgroundServer, grpc_options
 from service.config import Settings
 
-MESSAGE_LIMIT = 256 << 10
+MESSAGE_LIMIT = 8 << 10  # small enough for a reply to outgrow it from a prompt under --max-prompt-bytes
 
 
 @pytest.fixture(scope="module")
