@@ -5,7 +5,7 @@ so they evict each other) serves mixed traffic twice: base, streamed, LoRA (cold
 an unknown adapter (NOT_FOUND) and a client deadline. Between the rounds Prometheus scrapes every 0.5 s, so each
 series it stores has samples before and after an increase and every ``rate`` has something to show. Then every
 panel query (Grafana's variables substituted) goes through Prometheus' HTTP API; a query that returns nothing, or
-only NaN, fails the test. Every panel has data; the one target that waits for another branch is ``AFTER_EDGE_MERGE``.
+only NaN, fails the test. Every panel has data.
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ from service.config import Settings
 SCRAPE = "500ms"
 RATE_INTERVAL = "1m"  # covers both traffic rounds
 RANGE = "10m"
-# Needs the edge branch: a client deadline counted as DEADLINE_EXCEEDED in loraplex_requests_total (today it can
-# be CANCELLED, depending on whether gRPC or the engine notices the deadline first).
-AFTER_EDGE_MERGE = {("Error ratio", "{{code}} (all RPCs)")}
 
 
 def free_port() -> int:
@@ -197,8 +194,6 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
 def test_every_dashboard_query_has_data(prometheus: Prometheus) -> None:
     empty = []
     for title, legend, expr in dashboard_queries():
-        if (title, legend) in AFTER_EDGE_MERGE:
-            continue
         if not has_data(prometheus.query(substitute(expr))):
             empty.append(f"{title} [{legend}]: {expr}")
     assert not empty, "queries without data after the traffic:\n" + "\n".join(empty)
@@ -236,12 +231,8 @@ def test_timeouts_show_in_the_error_panel(prometheus: Prometheus) -> None:
 
 
 @pytest.mark.slow
-# Today a client deadline lands as DEADLINE_EXCEEDED only when the engine notices it before gRPC cancels the handler.
-# Once the edge branch counts it as DEADLINE_EXCEEDED always, drop this mark (and make AFTER_EDGE_MERGE empty).
-@pytest.mark.xfail(reason="needs the edge branch's DEADLINE_EXCEEDED counting in loraplex_requests_total")
 def test_client_deadlines_counted_as_deadline_exceeded(prometheus: Prometheus) -> None:
     codes = {s["metric"]["code"] for s in prometheus.query("loraplex_requests_total")}
     assert "DEADLINE_EXCEEDED" in codes, codes
-    for title, legend, expr in dashboard_queries():
-        if (title, legend) in AFTER_EDGE_MERGE:
-            assert has_data(prometheus.query(substitute(expr))), title
+    (title, _, expr) = next(q for q in dashboard_queries() if q[:2] == ("Error ratio", "{{code}} (all RPCs)"))
+    assert has_data(prometheus.query(substitute(expr))), title

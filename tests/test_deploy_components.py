@@ -86,7 +86,7 @@ def test_all_components_together(tmp_path: Path) -> None:
     docs = render(tmp_path, *COMPONENTS)
     assert "initContainers" not in pod_spec(docs)
     known = {f"LORAPLEX_{name.upper()}" for name in Settings.__dataclass_fields__}
-    assert set(config(docs)) <= known | TLS_VARIABLES
+    assert set(config(docs)) <= known
 
 
 def test_tls_files_are_in_the_mounted_secrets(tmp_path: Path) -> None:
