@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from service.errors import InvalidAdapter, PermissionDenied
+from service.errors import InvalidAdapter, PermissionDenied, shorten
 
 
 class AdapterFileChanged(InvalidAdapter):
@@ -99,8 +99,8 @@ def open_verified(
             real = _fd_path(fd, path)
             if not _inside(real, roots):
                 raise PermissionDenied(
-                    f"adapter file {str(path)!r} now resolves to {str(real)!r}, outside the allowed adapter roots "
-                    "(--adapter-root)"
+                    f"adapter file {shorten(path)!r} now resolves to {shorten(real)!r}, outside the allowed adapter "
+                    "roots (--adapter-root)"
                 )
         if expected is not None:
             now = FileStamp.of(os.fstat(fd))

@@ -56,7 +56,7 @@ from service.adapters.peft import (
     resolve_targets,
 )
 from service.adapters.types import MODULES
-from service.errors import InvalidAdapter, InvalidRequest, NotFound, PermissionDenied
+from service.errors import InvalidAdapter, InvalidRequest, NotFound, PermissionDenied, shorten
 from service.loading import DTYPES, TensorRecord, read_safetensors_header
 from service.model.config import ModelConfig
 
@@ -69,7 +69,8 @@ def check_adapter_id(adapter_id: str) -> None:
     """1-128 characters of ``[A-Za-z0-9._-]``, not starting with '.' (ids appear in paths, logs and metrics)."""
     if not isinstance(adapter_id, str) or not _ID.fullmatch(adapter_id):
         raise InvalidRequest(
-            f"invalid adapter id {adapter_id!r}: use 1-128 characters from [A-Za-z0-9._-], not starting with '.'"
+            f"invalid adapter id {shorten(adapter_id)!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "not starting with '.'"
         )
 
 
@@ -83,7 +84,7 @@ def resolve_source(path: Path, roots: Sequence[Path]) -> Path:
 def _check_inside(resolved: Path, roots: Sequence[Path], shown: Path) -> None:
     if roots and not any(resolved.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
         raise PermissionDenied(
-            f"adapter path {str(shown)!r} resolves outside the allowed adapter roots (--adapter-root); "
+            f"adapter path {shorten(shown)!r} resolves outside the allowed adapter roots (--adapter-root); "
             "symlinks and '..' are resolved before the check"
         )
 
@@ -195,7 +196,7 @@ def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roo
     check_adapter_id(adapter_id)
     folder = resolve_source(path, roots)
     if not folder.exists():
-        raise NotFound(f"adapter folder {str(path)!r} does not exist")
+        raise NotFound(f"adapter folder {shorten(path)!r} does not exist")
     if not folder.is_dir():
         raise InvalidAdapter("the adapter source is not a folder", file=path)
     config_path = folder / CONFIG_FILE

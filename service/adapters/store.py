@@ -545,6 +545,7 @@ class AdapterStore:
             metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="host").inc()
         metrics.ADAPTER_LOAD_DURATION.labels(stage="layout", tier=tier).observe(loaded.layout_seconds)
         metrics.ADAPTER_LOAD_DURATION.labels(stage="total", tier=tier).observe(total)
+        metrics.ADAPTERS.loaded(adapter_id, total)
         self._touch(adapter_id, entry)
         self._publish()
         log.info(
@@ -585,6 +586,7 @@ class AdapterStore:
                 log.warning("event=adapter_evicted_unused tier=device adapter=%s", victim)
             self._drop_device(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="device").inc()
+            metrics.ADAPTERS.evicted(victim, "device")
             log.info("event=adapter_evicted tier=device adapter=%s", victim)
         return True
 
@@ -600,6 +602,7 @@ class AdapterStore:
             victim = next(k for k in self._host_lru if k != keep)
             self._drop_host(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="host").inc()
+            metrics.ADAPTERS.evicted(victim, "host")
             log.info("event=adapter_evicted tier=host adapter=%s", victim)
         return True
 

@@ -31,7 +31,7 @@ from service.engine.detok import IncrementalDetokenizer
 from service.engine.governor import SpeculationGovernor
 from service.engine.prefix import PrefixCache
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
-from service.engine.sampling import Sampler, make_generator
+from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.errors import AdapterNotFound, FailedPrecondition, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.medusa.heads import MedusaHeads
@@ -53,7 +53,7 @@ class _Row:
     sink: Sink
     detok: IncrementalDetokenizer
     stops: StopMatcher | None
-    generator: torch.Generator | None
+    generator: RandomStream | None
     ids: list[int]  # prompt + generated, for the repetition penalty
     length: int = 0  # tokens whose K/V are in the cache
     pending: int = -1  # last sampled token, fed at the next decode step
@@ -107,7 +107,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
         self._waiting: deque[_Row] = deque()
         self._running: list[_Row] = []
-        self._queued = 0  # submitted, not yet admitted or finished (guarded by _lock)
+        self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,8 +136,10 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not finished yet (queued, waiting or running); exact, unlike ``state()``."""
-        return self._queued
+        """Requests submitted and neither finished nor cancelled (queued, waiting or running); exact, unlike
+        ``state()``. This is what the queue limit counts: a cancelled request stops counting at ``cancel``, while
+        its KV slot is freed at the next step."""
+        return len(self._counted)
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequest`` for anything the engine cannot run; called by ``submit`` and the edge."""
@@ -172,18 +174,23 @@ class Engine:
         if self._stop.is_set() or not self.alive:
             raise Unavailable("the engine is not running")
         self.validate(request)
+        handle = RequestHandle(request, on_cancel=self._release)
         with self._lock:
-            if self._queued >= self.settings.max_queue + self.settings.max_batch_size:
+            if len(self._counted) >= self.settings.max_queue + self.settings.max_batch_size:
                 raise QueueFull(
-                    f"{self._queued} requests are queued or running (limit {self.settings.max_queue} waiting); "
+                    f"{len(self._counted)} requests are queued or running (limit {self.settings.max_queue} waiting); "
                     "retry later or spread load over more replicas"
                 )
-            self._queued += 1
+            self._counted.add(handle)
         if request.adapter_id is not None and self.adapters is not None:
             self.adapters.prefetch(request.adapter_id)  # a cold adapter's read overlaps the step in flight
-        handle = RequestHandle(request)
         self._inbox.put((handle, sink))
         return handle
+
+    def _release(self, handle: RequestHandle) -> None:
+        """The request no longer counts against the queue limit (finished, or cancelled: any thread)."""
+        with self._lock:
+            self._counted.discard(handle)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[TokenEvent]:
         """Blocking convenience for tests and in-process benchmarks: all events of one request."""
@@ -235,7 +242,7 @@ class Engine:
 
     def _new_row(self, handle: RequestHandle, sink: Sink) -> _Row:
         req = handle.request
-        generator = make_generator(req.sampling.seed, self.device) if req.sampling.temperature > 0 else None
+        generator = None if req.sampling.greedy else make_generator(req.sampling.seed, self.device)
         return _Row(
             handle=handle,
             sink=sink,
@@ -567,6 +574,7 @@ class Engine:
         req = row.request
         if row.generated == 0:
             metrics.TIME_TO_FIRST_TOKEN.observe(now - req.arrival)
+            metrics.ADAPTERS.first_token(req.adapter_id, now - req.arrival)
         else:
             metrics.INTER_TOKEN_LATENCY.observe(now - row.last_token_at)
         row.last_token_at = now
@@ -635,8 +643,8 @@ class Engine:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
         elif row.lora and self.adapters is not None and row.request.adapter_id is not None:
             self.adapters.store.forget(row.request.adapter_id, row.handle)  # it waited: drop its claim on the load
-        with self._lock:
-            self._queued -= 1
+        self._release(row.handle)
+        metrics.ADAPTERS.generated(row.request.adapter_id, row.generated)
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
             metrics.REQUEST_LATENCY.observe(time.monotonic() - row.request.arrival)
 

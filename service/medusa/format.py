@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from service.adapters.integrity import FileStamp, check_finite, stamp
-from service.errors import CheckpointError, InvalidAdapter, NotFound
+from service.errors import CheckpointError, InvalidAdapter, NotFound, shorten
 from service.loading import CheckpointIndex, TensorRecord
 from service.model.config import ModelConfig
 
@@ -201,7 +201,7 @@ def index_medusa(
     t0 = time.perf_counter()
     folder = Path(folder)
     if not folder.exists():
-        raise NotFound(f"adapter folder {str(folder)!r} does not exist")
+        raise NotFound(f"adapter folder {shorten(folder)!r} does not exist")
     if not folder.is_dir():
         raise InvalidAdapter("the adapter source is not a folder", file=folder)
     config_path = folder / CONFIG_FILE

@@ -181,6 +181,7 @@ class MedusaRegistry:
             raise
         entry.load_seconds = time.perf_counter() - start
         metrics.ADAPTER_LOAD_DURATION.labels(stage="total", tier="disk").observe(entry.load_seconds)
+        metrics.ADAPTERS.loaded(adapter_id, entry.load_seconds)
         with self._lock:
             entry.heads, entry.loading = heads, None
         return heads
