@@ -162,6 +162,26 @@ def test_a_symlink_swapped_in_after_registration_cannot_escape_the_root(
     assert store.get("a").state == "failed" and store.state().device_lru == ()
 
 
+def test_a_folder_swapped_for_a_symlink_is_caught_on_the_opened_file(
+    make_store: Callable[..., AdapterStore], written: dict[str, Path], tmp_path: Path
+) -> None:
+    """The weights file outside is a hard link to the very inode registered (same stamp): only the opened
+    descriptor's real path shows that the read would leave the root."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    folder = _copy(written["r4"], root / "a")
+    store = make_store(roots=[root])
+    store.register("a", folder)
+    os.link(folder / WEIGHTS, outside / WEIGHTS)
+    shutil.copy(folder / "adapter_config.json", outside / "adapter_config.json")
+    shutil.rmtree(folder)
+    folder.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(PermissionDenied, match="outside the allowed adapter roots"):
+        store.ensure("a", timeout=30)
+    assert store.get("a").state == "failed" and store.state().device_lru == ()
+
+
 def test_a_truncated_file_once_fixed_is_retried_without_an_unload(
     make_store: Callable[..., AdapterStore], written: dict[str, Path], tmp_path: Path
 ) -> None:
