@@ -213,7 +213,9 @@ def test_non_finite_and_changed_medusa_heads(cfg: ModelConfig, tmp_path: Path) -
         bad[0, 1, 3, 5] = float("nan")
         folder = write_medusa(tmp_path / "nan", bad, bias, version=2)
         registry.register("nan", folder)
+        before = _validate_count()
         assert _wait(registry, "nan") is False
+        assert _validate_count() == before + 1  # the check's cost is in the load-stage metrics
         error = registry.failure("nan")
         assert isinstance(error, NonFiniteTensor) and error.tensor == "1.0.linear.weight"
         assert error.file == str((folder / "medusa_lm_head.safetensors").resolve())

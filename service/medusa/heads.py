@@ -25,6 +25,7 @@ v2 heads use the base ``lm_head`` and project all heads in one matmul.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from service import metrics
 from service.loading import LoadMode, load_tensors
 from service.medusa.format import MedusaSpec, check_heads_finite
 
@@ -108,7 +110,11 @@ class MedusaHeads:
             if head.out is not None and out_weight is not None:
                 plan[head.out.name] = out_weight[h]
         load_tensors(spec.records(), plan, mode=mode, unexpected="error", opener=opener)
-        check_heads_finite(spec, plan)  # in the serving dtype: a value too large for it is refused too
+        t0 = time.perf_counter()
+        try:
+            check_heads_finite(spec, plan)  # in the serving dtype: a value too large for it is refused too
+        finally:
+            metrics.ADAPTER_LOAD_DURATION.labels(stage="validate", tier="disk").observe(time.perf_counter() - t0)
         return cls(spec.version, block_weight, block_bias, out_weight)
 
     @property
