@@ -20,6 +20,7 @@ from service.adapters import store as store_mod
 from service.adapters.integrity import NonFiniteTensor
 from service.adapters.store import AdapterStore
 from service.errors import HeaderError, InvalidAdapter, PermissionDenied
+from service.medusa import registry as medusa_registry
 from service.medusa.format import write_medusa
 from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
@@ -221,7 +222,7 @@ def test_non_finite_and_changed_medusa_heads(cfg: ModelConfig, tmp_path: Path) -
         assert error.file == str((folder / "medusa_lm_head.safetensors").resolve())
         # Fixed on disk: the next request retries it without an unload.
         write_medusa(folder, weight, bias, version=2)
-        time.sleep(1.0)
+        time.sleep(medusa_registry.RETRY_CHECK_SECONDS)
         assert _wait(registry, "nan") is True and registry.failure("nan") is None
 
         # Replaced after registration by heads of another count: indexed again, then loaded as they are now.
