@@ -505,15 +505,12 @@ class Engine:
             for r in sub:
                 r.length += 1
             self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
+        self._fail_non_finite_paths(rows, logits, valid)
         predicted = logits.argmax(dim=-1).tolist()  # [B, T]
-        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
         last = [0] * len(rows)  # the node whose hidden state drafts next
         drafted = kept = 0
         for b, row in enumerate(rows):
             if row.heads is None or row.done:
-                continue
-            if not all(finite[b][: valid[b]]):
-                self._fail_non_finite(row)
                 continue
             path = tree.accept(fed[b], predicted[b], valid[b])
             a = len(path)
@@ -553,6 +550,14 @@ class Engine:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         for i, r in enumerate(rows):
             self._emit(r, int(tokens[i]), None if logprobs is None else float(logprobs[i]))
+
+    def _fail_non_finite_paths(self, rows: Sequence[_Row], logits: torch.Tensor, valid: Sequence[int]) -> None:
+        """Fail the drafting rows whose verified nodes' logits [B, T, V] hold NaN or inf (plain rows of the step
+        are checked where they are sampled)."""
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
+        for b, row in enumerate(rows):
+            if row.heads is not None and not row.done and not all(finite[b][: valid[b]]):
+                self._fail_non_finite(row)
 
     def _fail_non_finite(self, row: _Row) -> bool:
         """End a row whose logits hold NaN or inf with an error naming its adapter (its K/V never poison its slot:
