@@ -110,21 +110,53 @@ def test_continuous_batching_admits_between_steps(engine: Engine) -> None:
     wait_idle(engine)
 
 
-def test_cancellation_frees_the_slot(engine: Engine) -> None:
+def stepped_engine(folder: Path, **overrides: object) -> Engine:
+    """An engine never started: the test drives it with ``step()``."""
+    settings = Settings(model=folder, **overrides).replace()  # type: ignore[arg-type]
+    model, _, _ = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
+    return Engine(model, Tokenizer.from_folder(folder), settings)
+
+
+def test_step_runs_prefill_and_decode_and_retires_deterministically(engine: Engine, served_tiny_dir: Path) -> None:
+    alone = {
+        rid: tokens_of(engine.generate(req(rid, prompt(i, 6 + i), n=3 + 2 * i), timeout=60))
+        for i, rid in enumerate("ab")
+    }
+    eng = stepped_engine(served_tiny_dir, max_batch_size=4, max_total_tokens=256, max_prompt_tokens=64)
+    sinks = {rid: queue.SimpleQueue[TokenEvent]() for rid in "ab"}
+    for i, rid in enumerate("ab"):
+        eng.submit(req(rid, prompt(i, 6 + i), n=3 + 2 * i), sinks[rid].put)
+    assert eng.in_flight == 2 and eng.state().steps == 0
+    state = eng.step()  # prefill (one token each) and one decode step (another)
+    assert state.running == 2 and state.running_ids == ("a", "b")
+    assert [sinks[r].qsize() for r in "ab"] == [2, 2]
+    state = eng.step()
+    assert state.running == 1 and state.running_ids == ("b",)  # a: 3 tokens, finished and compacted away
+    eng.step()
+    state = eng.step()
+    assert state.running == 0 and eng.in_flight == 0 and state.steps == 4
+    for rid in "ab":
+        events = [sinks[rid].get_nowait() for _ in range(sinks[rid].qsize())]
+        assert events[-1].finish is FinishReason.LENGTH
+        assert tokens_of(events) == alone[rid]
+    eng.stop()
+
+
+def test_cancellation_frees_the_slot(served_tiny_dir: Path) -> None:
+    eng = stepped_engine(served_tiny_dir, max_batch_size=2, max_total_tokens=256, max_prompt_tokens=64)
     events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-    handle = engine.submit(req("to-cancel", prompt(3, 8), n=400), events.put)
-    events.get(timeout=30)  # running
-    end = time.monotonic() + 10
-    while "to-cancel" not in engine.state().running_ids and time.monotonic() < end:
-        time.sleep(0.001)
-    assert "to-cancel" in engine.state().running_ids
+    handle = eng.submit(req("to-cancel", prompt(3, 8), n=400), events.put)
+    other = eng.submit(req("other", prompt(4, 8), n=400), lambda e: None)
+    assert eng.step().running_ids == ("to-cancel", "other")
     handle.cancel()
-    last = events.get(timeout=30)
-    while last.finish is None:
-        last = events.get(timeout=30)
-    assert last.finish is FinishReason.CANCELLED
-    wait_idle(engine)
-    assert "to-cancel" not in engine.state().running_ids
+    assert eng.in_flight == 1  # its queue place is back at once; its slot at the next step
+    state = eng.step()
+    assert state.running_ids == ("other",)  # the last row moved into the freed slot 0
+    got = [events.get_nowait() for _ in range(events.qsize())]
+    assert got[-1].finish is FinishReason.CANCELLED and [e.finish for e in got[:-1]] == [None, None]
+    other.cancel()
+    assert eng.step().running == 0 and eng.in_flight == 0
+    eng.stop()
 
 
 def test_deadline_retires_the_request(engine: Engine) -> None:

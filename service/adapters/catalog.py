@@ -3,21 +3,21 @@
 An adapter id names a folder holding a PEFT LoRA (``adapter_config.json``), Medusa heads (``config.json`` with
 ``medusa_num_heads``) or both. Registration indexes each part it finds (config + headers only) and is all or
 nothing: when the LoRA part of a Medusa + LoRA folder is refused, the heads are not left registered either.
+``resolve`` turns an id into a per-request ``Adapter`` object; callers branch on its capabilities, never on a kind.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
+from service.adapters.handle import Adapter
 from service.adapters.registry import check_adapter_id, resolve_source
 from service.adapters.store import AdapterStore
-from service.adapters.types import AdapterInfo
+from service.adapters.types import AdapterInfo, LoraLayer
 from service.errors import AdapterNotFound, InvalidAdapter, LoraplexError
 from service.medusa.format import is_medusa_folder
 from service.medusa.registry import MedusaRegistry
 
-Kind = Literal["lora", "medusa", "medusa_lora"]
 LORA_CONFIG = "adapter_config.json"
 
 
@@ -30,7 +30,7 @@ class AdapterCatalog:
     def roots(self) -> tuple[Path, ...]:
         return self.store.roots
 
-    def register(self, adapter_id: str, path: Path) -> Kind:
+    def register(self, adapter_id: str, path: Path) -> Adapter:
         check_adapter_id(adapter_id)
         folder = resolve_source(Path(path), self.store.roots)
         heads = is_medusa_folder(folder)
@@ -46,26 +46,26 @@ class AdapterCatalog:
                 raise
         if not heads and not lora:
             raise InvalidAdapter(f"neither {LORA_CONFIG} nor a Medusa config.json", file=folder)
-        return self.kind(adapter_id)
+        return self.resolve(adapter_id)
 
     def prefetch(self, adapter_id: str) -> None:
         """Start loading every part of a registered adapter that is not on the device yet (quiet on any error:
         the engine's admission reports it)."""
         try:
-            kind = self.kind(adapter_id)
-            if kind != "medusa":
+            adapter = self.resolve(adapter_id)
+            if adapter.has_lora:
                 self.store.prefetch(adapter_id)
-            if kind != "lora":
+            if adapter.has_heads:
                 self.medusa.request(adapter_id)
         except LoraplexError:
             pass
 
     def unregister(self, adapter_id: str) -> None:
         """``FailedPrecondition`` while requests pin the LoRA part (nothing is removed then)."""
-        kind = self.kind(adapter_id)
-        if kind != "medusa":
+        adapter = self.resolve(adapter_id)
+        if adapter.has_lora:
             self.store.unregister(adapter_id)
-        if kind != "lora":
+        if adapter.has_heads:
             self.medusa.unregister(adapter_id)
 
     def has_lora(self, adapter_id: str) -> bool:
@@ -75,15 +75,16 @@ class AdapterCatalog:
             return False
         return True
 
-    def kind(self, adapter_id: str) -> Kind:
+    def resolve(self, adapter_id: str) -> Adapter:
+        """A per-request object for a registered adapter (``AdapterNotFound`` otherwise)."""
         lora, heads = self.has_lora(adapter_id), self.medusa.has(adapter_id)
-        if lora and heads:
-            return "medusa_lora"
-        if heads:
-            return "medusa"
-        if lora:
-            return "lora"
-        raise AdapterNotFound(adapter_id)
+        if not (lora or heads):
+            raise AdapterNotFound(adapter_id)
+        return Adapter(adapter_id, self.store if lora else None, self.medusa if heads else None)
+
+    def layer(self, adapter_id: str, layer: int) -> LoraLayer | None:
+        """The engine's per-layer lookup in the forward (valid for pinned adapters only; see ``AdapterStore.layer``)."""
+        return self.store.layer(adapter_id, layer)
 
     def ids(self) -> list[str]:
         return sorted({i.id for i in self.store.list()} | set(self.medusa.ids()))

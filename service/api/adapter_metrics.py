@@ -43,7 +43,7 @@ def _known(servicer: Any, adapter_id: str) -> bool:
     if not adapter_id or loaded is None:
         return False
     try:
-        loaded.adapters.kind(adapter_id)
+        loaded.adapters.resolve(adapter_id)
     except LoraplexError:
         return False
     return True

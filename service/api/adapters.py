@@ -22,7 +22,6 @@ _STATES = {
     "device": pb.ADAPTER_STATE_DEVICE,
     "failed": pb.ADAPTER_STATE_FAILED,
 }
-_KINDS = {"lora": pb.ADAPTER_KIND_LORA, "medusa": pb.ADAPTER_KIND_MEDUSA, "medusa_lora": pb.ADAPTER_KIND_MEDUSA_LORA}
 
 
 def _stamp(seconds: float | None) -> Timestamp | None:
@@ -35,17 +34,16 @@ def _stamp(seconds: float | None) -> Timestamp | None:
 
 def describe(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
     """One adapter as the API shows it: its LoRA part's store state, plus its Medusa heads if it has any."""
-    kind = catalog.kind(adapter_id)
+    adapter = catalog.resolve(adapter_id)
     info = catalog.lora_info(adapter_id)
     heads = 0
-    if kind != "lora":
+    if adapter.has_heads:
         spec = catalog.medusa.spec(adapter_id)
         heads = spec.num_heads
         if info is None:
             return _medusa_only(catalog, adapter_id)
     assert info is not None
     message = info_to_pb(info, medusa_heads=heads)
-    message.kind = _KINDS[kind]
     return message
 
 
@@ -69,7 +67,7 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
     message = pb.AdapterInfo(
         id=info.id,
         source=str(info.source),
-        kind=_KINDS.get(info.kind, pb.ADAPTER_KIND_UNSPECIFIED),
+        kind=pb.ADAPTER_KIND_MEDUSA_LORA if medusa_heads else pb.ADAPTER_KIND_LORA,
         rank=info.rank,
         alpha=info.alpha,
         target_modules=sorted(info.target_modules),

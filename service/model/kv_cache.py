@@ -7,6 +7,7 @@ Public API::
     cache.rows[layer]                  # [2 * slots * n_kv * max_len, head_dim]: the same layer, flat
     cache.write_index(slot_start, positions) -> Tensor   # where a step's K and V rows go in ``rows[layer]``
     cache.move(src_slot, dst_slot, length) -> None
+    cache.keep_path(slot, start, path) -> None           # keep a verified draft path's K/V after ``start``
     cache.nbytes, cache.slots, cache.max_len, cache.dtype, cache.device
 
 The engine keeps its running requests compacted in slots ``0..n-1`` so that every forward pass reads one
@@ -80,6 +81,23 @@ class KVCache:
         if src_slot == dst_slot or length == 0:
             return
         self.data[:, :, dst_slot, :, :length] = self.data[:, :, src_slot, :, :length]  # [L, 2, n_kv, length, D]
+
+    def keep_path(self, slot: int, start: int, path: list[int]) -> None:
+        """After a draft verification wrote tree node ``i`` of ``slot`` at position ``start + i``, keep the
+        accepted nodes ``path`` (ascending node numbers, root excluded) at ``start + 1 .. start + len(path)``.
+
+        A path that is already in place (a chain's prefix) costs nothing; what lies past it is never read.
+        """
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot={slot} is outside [0, {self.slots})")
+        a = len(path)
+        if path == list(range(1, a + 1)):
+            return
+        if start + 1 + a > self.max_len or any(not 0 < i < self.max_len - start for i in path):
+            raise ValueError(f"path {path} from position {start} does not fit max_len={self.max_len}")
+        src = torch.tensor([start + i for i in path], device=self.device)  # [a]
+        dst = torch.arange(start + 1, start + 1 + a, device=self.device)  # [a]
+        self.data[:, :, slot, :, dst] = self.data[:, :, slot, :, src]  # [L, 2, n_kv, a, D]
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,49 @@
+"""One request's state inside the engine: what the scheduler, the runner and the output processor share.
+
+A ``Row`` is created on the engine thread when a submission is taken from the inbox and lives until it is
+retired; only the engine thread touches it. ``length`` counts the tokens whose K/V are in the row's slot (the
+runner advances it); ``pending`` is the last emitted token, fed at the next decode step (the output processor
+sets it). This module imports no torch: the scheduler and its tests run without it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from service.engine.request import GenerationRequest, RequestHandle, Sink
+
+if TYPE_CHECKING:
+    from service.adapters.handle import Adapter
+    from service.engine.detok import IncrementalDetokenizer
+    from service.engine.sampling import RandomStream
+    from service.engine.stops import StopMatcher
+    from service.medusa.heads import MedusaHeads
+
+
+@dataclass(eq=False)
+class Row:
+    handle: RequestHandle
+    sink: Sink
+    detok: IncrementalDetokenizer
+    stops: StopMatcher | None
+    generator: RandomStream | None
+    ids: list[int]  # prompt + generated, for the repetition penalty
+    adapter: Adapter | None = None  # resolved once, at submit
+    length: int = 0  # tokens whose K/V are in the cache
+    pending: int = -1  # last sampled token, fed at the next decode step
+    generated: int = 0
+    lora: bool = False  # its adapter's LoRA part is pinned and applies to its rows of the batch (from admission)
+    heads: MedusaHeads | None = None  # Medusa heads that draft for this row (greedy rows only)
+    kv_key: tuple[str, float] | None = None  # what besides the tokens shapes its K/V: the LoRA registration
+    drafts: list[int] = field(default_factory=list)  # drafted tokens to verify at the next step
+    accepted: int = 0  # draft tokens accepted so far
+    done: bool = False  # leaves its slot at the next compaction
+    closed: bool = False  # its final event is delivered and its adapter released
+    enqueued: float = field(default_factory=time.monotonic)
+    last_token_at: float = 0.0
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.handle.request

@@ -1,0 +1,266 @@
+"""The runner: executes the scheduler's plan on the model and the KV cache.
+
+It builds the step's input tensors and LoRA tables, runs the forward pass, samples or verifies drafts, and lets
+rows with Medusa heads draft for the next step. It hands each row's new tokens to the output processor and
+advances ``row.length`` (the tokens whose K/V are in the row's slot); every slot move goes through the KV cache.
+It never decides who runs (the scheduler's job) and never builds events (the output processor's).
+
+Row ``b`` of a decode step lives in KV slot ``b``; newcomers of a prefill live in slots ``start + b``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from service import metrics
+from service.adapters.lora import AdapterBatch, LayerLookup, LoraTables
+from service.config import Settings
+from service.engine.outputs import OutputProcessor
+from service.engine.prefix import PrefixCache
+from service.engine.row import Row
+from service.engine.sampling import Sampler
+from service.medusa.tree import DraftTree
+from service.model.kv_cache import KVCache
+from service.model.llama import Llama
+
+
+class Runner:
+    def __init__(
+        self,
+        model: Llama,
+        cache: KVCache,
+        settings: Settings,
+        outputs: OutputProcessor,
+        layer_lookup: LayerLookup | None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.settings = settings
+        self.outputs = outputs
+        param = next(model.parameters())
+        self.device = param.device
+        self.sampler = Sampler(self.device)
+        self._lookup = layer_lookup
+        # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
+        self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if layer_lookup is not None else None
+        self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
+        self._trees: dict[int, DraftTree] = {}  # the draft tree per head count
+
+    def _adapter_batch(self, rows: Sequence[Row], slot_start: int) -> AdapterBatch | None:
+        if self._lookup is None or self.tables is None:
+            return None
+        ids = [r.request.adapter_id if r.lora else None for r in rows]
+        return AdapterBatch.build(ids, self._lookup, self.tables, slot_start=slot_start)
+
+    def tree(self, num_heads: int) -> DraftTree:
+        tree = self._trees.get(num_heads)
+        if tree is None:
+            tree = self._trees[num_heads] = DraftTree.parse(self.settings.speculate_tree, num_heads)
+        return tree
+
+    # --- prefill ----------------------------------------------------------------------------------------------
+    def prefill(self, rows: Sequence[Row], start: int, draft: bool) -> None:
+        """Prefill the newcomers (slots ``start ..``): K/V of cached prompt blocks are copied in, the rest computed.
+
+        Row b feeds its prompt from ``cached_b`` on, at positions ``cached_b ..``, right-padded to the longest
+        remainder; padding lands beyond the row's length (clamped into the cache), where it is never read."""
+        prompts = [r.request.prompt_ids for r in rows]
+        self._prefill_shared_prefixes(rows, start)
+        cached = [
+            self.prefix.restore(self.prefix.lookup(p, r.kv_key, limit=len(p) - 1), start + b)
+            for b, (r, p) in enumerate(zip(rows, prompts, strict=True))
+        ]
+        width = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
+        tokens = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded
+        for b, (p, c) in enumerate(zip(prompts, cached, strict=True)):
+            tokens[b, : len(p) - c] = torch.tensor(p[c:], dtype=torch.long)
+        starts = torch.tensor(cached, dtype=torch.long)[:, None]  # [B, 1]
+        positions = (starts + torch.arange(width, dtype=torch.long)).clamp_(max=self.cache.max_len - 1)  # [B, T]
+        now = time.monotonic()
+        for r in rows:
+            metrics.QUEUE_TIME.observe(now - r.enqueued)
+        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(cached))
+        batch = self._adapter_batch(rows, start)
+        kv_len = int(positions.max()) + 1
+        hidden = self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache, start, batch, kv_len=kv_len
+        )  # [B, T, H]
+        last = torch.tensor([len(p) - c - 1 for p, c in zip(prompts, cached, strict=True)], device=self.device)
+        final = hidden[torch.arange(len(rows), device=self.device), last]  # [B, H]
+        logits = self.model.logits(final)  # [B, V]
+        for b, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+            r.length = len(p)
+            self.prefix.insert(p, r.kv_key, start + b, len(p))
+        metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
+        self._sample(rows, logits)
+        self._draft(rows, final, draft)
+
+    def _prefill_shared_prefixes(self, rows: Sequence[Row], start: int) -> None:
+        """Newcomers that start with the same uncached blocks (a burst of requests with one system prompt) would
+        each compute them: prefill those blocks once, for one of the rows, and cache them for the others."""
+        if len(rows) < 2 or not self.prefix.enabled:
+            return
+        chains = [self.prefix.hashes(r.request.prompt_ids, r.kv_key, limit=len(r.request.prompt_ids) - 1) for r in rows]
+        counts: dict[int, int] = {}
+        for chain in chains:
+            for h in chain:
+                counts[h] = counts.get(h, 0) + 1
+        done: set[int] = set()
+        for b, (row, chain) in enumerate(zip(rows, chains, strict=True)):
+            depth = 0
+            while depth < len(chain) and counts[chain[depth]] > 1:
+                depth += 1
+            if depth == 0 or chain[depth - 1] in done:
+                continue
+            done.add(chain[depth - 1])
+            prompt = row.request.prompt_ids
+            have = self.prefix.restore(
+                self.prefix.lookup(prompt, row.kv_key, limit=depth * self.prefix.block), start + b
+            )
+            n = depth * self.prefix.block
+            if have >= n:
+                continue
+            tokens = torch.tensor([prompt[have:n]], dtype=torch.long, device=self.device)  # [1, T]
+            positions = torch.arange(have, n, dtype=torch.long, device=self.device)[None, :]  # [1, T]
+            self.model(tokens, positions, self.cache, start + b, self._adapter_batch([row], start + b), kv_len=n)
+            self.prefix.insert(prompt, row.kv_key, start + b, n)
+
+    # --- decode -----------------------------------------------------------------------------------------------
+    def decode(self, rows: list[Row], draft: bool) -> None:
+        """One decode step of every running row (slots ``0 .. len(rows)``): plain, or verifying drafts."""
+        metrics.BATCH_SIZE.observe(len(rows))
+        if any(r.drafts for r in rows):
+            self._decode_speculative(rows, draft)
+        else:
+            self._decode_plain(rows, draft)
+
+    def _decode_plain(self, rows: list[Row], draft: bool) -> None:
+        tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
+        positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
+        batch = self._adapter_batch(rows, 0)
+        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
+        logits = self.model.logits(hidden[:, -1])  # [B, V]
+        for r in rows:
+            r.length += 1
+        self._sample(rows, logits)
+        self._draft(rows, hidden[:, -1], draft)
+
+    def _decode_speculative(self, rows: list[Row], draft: bool) -> None:
+        """Verify every row's pending token plus its draft tree in one forward pass; keep the longest accepted path.
+
+        Row b feeds its pending token (the root, cache position ``L_b``) and its first ``v_b - 1`` tree nodes
+        (node i at cache position ``L_b + i``, RoPE position ``L_b + depth(i)``, attending to its ancestors only),
+        padded to the batch's widest with its pending token (K/V beyond its length, never read back). Greedy rows
+        walk the tree along the model's argmax and emit the path's tokens plus the argmax at its end: exactly
+        plain greedy decoding; the cache then keeps the path's K/V at ``L_b + 1 ..``. Rows without drafts
+        (sampled, or without heads) read node 0 like a plain decode step.
+        """
+        tree = self.tree(max(r.heads.num_heads for r in rows if r.heads is not None))
+        valid = self._verified_nodes(rows, tree)
+        width = max(valid)
+        fed = [[r.pending, *r.drafts[: valid[b] - 1]] + [r.pending] * (width - valid[b]) for b, r in enumerate(rows)]
+        tokens = torch.tensor(fed, dtype=torch.long, device=self.device)  # [B, T]
+        starts = torch.tensor([r.length for r in rows], device=self.device)  # [B]
+        positions = starts[:, None] + torch.tensor(tree.depths[:width], device=self.device)[None, :]  # [B, T]
+        batch = self._adapter_batch(rows, 0)
+        kv_len = max(r.length for r in rows) + width
+        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree.visible[:width, :width])
+        logits = self.model.logits(hidden)  # [B, T, V]
+        plain = [b for b, r in enumerate(rows) if r.heads is None]
+        if plain:  # sampled rows (and rows without heads): one token from node 0, as a plain step
+            sub = [rows[b] for b in plain]
+            for r in sub:
+                r.length += 1
+            self._sample(sub, logits[torch.tensor(plain, device=self.device), 0])
+        self._fail_non_finite_paths(rows, logits, valid)
+        predicted = logits.argmax(dim=-1).tolist()  # [B, T]
+        last = [0] * len(rows)  # the node whose hidden state drafts next
+        drafted = kept = 0
+        for b, row in enumerate(rows):
+            if row.heads is None or row.done:
+                continue
+            path = tree.accept(fed[b], predicted[b], valid[b])
+            self.cache.keep_path(b, row.length, path)
+            drafted += valid[b] - 1
+            kept += len(path)
+            last[b] = path[-1] if path else 0
+            row.length += 1 + len(path)
+            row.accepted += len(path)
+            self.outputs.emit_path(row, [*(fed[b][i] for i in path), predicted[b][last[b]]])
+        metrics.SPECULATIVE_DRAFTED.inc(drafted)
+        metrics.SPECULATIVE_ACCEPTED.inc(kept)
+        metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.heads is not None))
+        at = torch.tensor(last, device=self.device)
+        self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at], draft)  # after the last kept token
+
+    def _verified_nodes(self, rows: Sequence[Row], tree: DraftTree) -> list[int]:
+        """Nodes each row verifies: within its remaining tokens (a path of depth d emits d + 1), and every row's
+        nodes inside the cache."""
+        limit = self.settings.max_total_tokens
+        valid = []
+        for r in rows:
+            room = min(r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)
+            valid.append(min(1 + len(r.drafts), tree.nodes_within(max(0, room))))
+        width = min(max(valid), min(limit - r.length for r in rows))
+        return [min(v, width) for v in valid]
+
+    # --- sampling and drafting --------------------------------------------------------------------------------
+    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> None:
+        finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
+        if not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
+            keep = [b for b, ok in enumerate(finite.tolist()) if ok or self._fail(rows[b])]
+            rows = [rows[b] for b in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not rows:
+                return
+        params = [r.request.sampling for r in rows]
+        needs_history = any(p.repetition_penalty != 1.0 for p in params)
+        result = self.sampler.sample(
+            logits, params, [r.generator for r in rows], [r.ids for r in rows] if needs_history else None
+        )
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        self.outputs.emit_all(rows, result.tokens.tolist(), logprobs)
+
+    def _fail(self, row: Row) -> bool:
+        """Fail a row with non-finite logits; False, so a filter drops it."""
+        self.outputs.fail_non_finite(row)
+        return False
+
+    def _fail_non_finite_paths(self, rows: Sequence[Row], logits: torch.Tensor, valid: Sequence[int]) -> None:
+        """Fail the drafting rows whose verified nodes' logits [B, T, V] hold NaN or inf (plain rows of the step
+        are checked where they are sampled)."""
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
+        for b, row in enumerate(rows):
+            if row.heads is not None and not row.done and not all(finite[b][: valid[b]]):
+                self.outputs.fail_non_finite(row)
+
+    def _draft(self, rows: Sequence[Row], hidden: torch.Tensor, draft: bool) -> None:
+        """Set the drafts of rows with heads from their last hidden state ``hidden`` [len(rows), H]: the candidate
+        token of every node of the draft tree (``--speculate-tree``) down to the depth the row verifies."""
+        if not any(row.heads is not None for row in rows):
+            return  # the common decode step: no row drafts, nothing to reset (rows without heads never hold drafts)
+        groups: dict[int, list[int]] = {}
+        for b, row in enumerate(rows):
+            row.drafts = []
+            if row.heads is not None and not row.done and draft:
+                groups.setdefault(id(row.heads), []).append(b)
+        threshold = self.settings.draft_threshold
+        for members in groups.values():
+            heads = rows[members[0]].heads
+            assert heads is not None  # groups hold rows with heads only
+            tree = self.tree(heads.num_heads)
+            index = torch.tensor(members, device=hidden.device)
+            x, k = hidden.index_select(0, index), tree.max_rank + 1
+            depths = None
+            if threshold > 0:  # verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold
+                ids, probs = heads.candidates(x, self.model.draft_head(), k)
+                depths = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist()
+            else:
+                ids = heads.topk(x, self.model.draft_head(), k)  # [g, n_heads, k]
+            for i, (b, topk) in enumerate(zip(members, ids.tolist(), strict=True)):
+                nodes = tree.nodes_within(depths[i]) if depths is not None else tree.size
+                rows[b].drafts = tree.tokens(topk)[: nodes - 1]

@@ -1,0 +1,166 @@
+"""The scheduler stepped by hand over fake request state: no model, no torch tensors, no threads."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from service.adapters.handle import Adapter
+from service.engine.detok import IncrementalDetokenizer
+from service.engine.governor import SpeculationGovernor
+from service.engine.request import FinishReason, GenerationRequest, RequestHandle
+from service.engine.row import Row
+from service.engine.sampling import SamplingParams
+from service.engine.scheduler import Scheduler, SchedulerLimits
+from service.errors import CheckpointError, LoraplexError
+
+
+class FakeAdapter:
+    """What the scheduler asks of an adapter: load (command), ready / failure / kv_key / heads (queries)."""
+
+    def __init__(self, ready_after: int = 0, error: LoraplexError | None = None, heads: object = None) -> None:
+        self.id = "fake"
+        self.has_lora = True
+        self.has_heads = heads is not None
+        self.loads = 0
+        self._ready_after = ready_after
+        self._error = error
+        self._heads = heads
+
+    def load(self) -> None:
+        self.loads += 1
+
+    def ready(self) -> bool:
+        return self.loads > self._ready_after
+
+    def failure(self) -> LoraplexError | None:
+        return self._error
+
+    def kv_key(self) -> tuple[str, float]:
+        return (self.id, 1.0)
+
+    def heads(self) -> object:
+        return self._heads
+
+
+def row(rid: str, n: int = 4, adapter: FakeAdapter | None = None, **kw: object) -> Row:
+    request = GenerationRequest(request_id=rid, prompt_ids=tuple(range(1, n + 1)), max_new_tokens=8, **kw)  # type: ignore[arg-type]
+    return Row(
+        handle=RequestHandle(request),
+        sink=lambda e: None,
+        detok=cast(IncrementalDetokenizer, None),
+        stops=None,
+        generator=None,
+        ids=list(request.prompt_ids),
+        adapter=cast(Adapter, adapter),
+    )
+
+
+def scheduler(
+    batch: int = 4, budget: int = 8192, spec_batch: int = 8, adaptive: bool = False
+) -> tuple[Scheduler, list]:
+    moves: list[tuple[int, int, int]] = []
+    limits = SchedulerLimits(batch, spec_batch, adaptive, prefill_token_budget=budget)
+    return Scheduler(limits, lambda s, d, n: moves.append((s, d, n))), moves
+
+
+def ids(rows: object) -> list[str]:
+    return [r.request.request_id for r in rows]  # type: ignore[attr-defined]
+
+
+def test_admits_in_arrival_order_up_to_the_batch_size() -> None:
+    s, _ = scheduler(batch=2)
+    for name in "abc":
+        s.add(row(name))
+    plan = s.schedule(0.0)
+    assert ids(plan.prefill) == ["a", "b"] and plan.prefill_start == 0
+    assert ids(s.running) == ["a", "b"] and ids(s.waiting) == ["c"]
+    assert s.schedule(0.0).prefill == ()  # full: c waits
+    s.running[0].done = True
+    plan = s.schedule(0.0)
+    assert ids(plan.prefill) == ["c"] and plan.prefill_start == 1
+
+
+def test_prefill_token_budget_splits_a_burst() -> None:
+    s, _ = scheduler(batch=8, budget=20)
+    for name in "abcd":
+        s.add(row(name, n=8))
+    assert ids(s.schedule(0.0).prefill) == ["a", "b"]  # 3 * 8 padded tokens > 20
+    assert ids(s.schedule(0.0).prefill) == ["c", "d"]
+
+
+def test_retires_cancelled_and_expired_rows_and_compacts_their_slots() -> None:
+    s, moves = scheduler()
+    for name in "abcd":
+        s.add(row(name, deadline=5.0 if name == "b" else None))
+    s.schedule(0.0)
+    for r in s.running:
+        r.length = 10 + len(r.request.request_id)
+    s.running[0].handle.cancel()
+    plan = s.schedule(6.0)
+    assert [(r.request.request_id, why) for r, why in plan.retired] == [
+        ("a", FinishReason.CANCELLED),
+        ("b", FinishReason.DEADLINE),
+    ]
+    assert all(r.done for r, _ in plan.retired)
+    assert ids(s.running) == ["d", "c"]  # the last live row moved into each hole
+    assert moves == [(3, 0, 11), (2, 1, 11)]
+
+
+def test_a_loading_adapter_does_not_hold_up_rows_behind_it() -> None:
+    s, _ = scheduler()
+    slow = FakeAdapter(ready_after=2)
+    s.add(row("cold", adapter=slow))
+    s.add(row("base"))
+    assert ids(s.schedule(0.0).prefill) == ["base"]
+    assert ids(s.waiting) == ["cold"] and slow.loads == 1
+    assert s.schedule(0.0).prefill == ()
+    plan = s.schedule(0.0)
+    assert ids(plan.prefill) == ["cold"] and slow.loads == 3
+    admitted = plan.prefill[0]
+    assert admitted.lora and admitted.kv_key == ("fake", 1.0) and admitted.heads is None
+
+
+def test_a_failed_adapter_fails_its_row_only() -> None:
+    s, _ = scheduler()
+    error = CheckpointError("bad tensor")
+    s.add(row("broken", adapter=FakeAdapter(error=error)))
+    s.add(row("ok"))
+    plan = s.schedule(0.0)
+    assert [(r.request.request_id, e) for r, e in plan.failed] == [("broken", error)]
+    assert ids(plan.prefill) == ["ok"] and not s.waiting
+
+
+def test_heads_draft_for_plain_greedy_rows_only_and_the_governor_decides() -> None:
+    heads = object()
+    s, _ = scheduler(spec_batch=2)
+    s.add(row("greedy", adapter=FakeAdapter(heads=heads)))
+    s.add(row("sampled", adapter=FakeAdapter(heads=heads), sampling=SamplingParams(temperature=0.8)))
+    s.add(row("off", adapter=FakeAdapter(heads=heads), speculate=False))
+    plan = s.schedule(0.0)
+    assert [r.heads is heads for r in plan.prefill] == [True, False, False]
+    assert not plan.draft  # 3 running > speculate_max_batch=2
+    s.running[2].done = True
+    assert s.schedule(0.0).draft
+
+    adaptive, _ = scheduler(adaptive=True)
+    adaptive.governor = SpeculationGovernor(min_samples=1, probe_every=4)
+    adaptive.add(row("greedy", adapter=FakeAdapter(heads=heads)))
+    assert adaptive.schedule(0.0).draft  # measuring the speculative kind first
+    adaptive.governor.record(1, True, 1.0, 1)
+    adaptive.governor.record(1, False, 1.0, 5)
+    assert not adaptive.schedule(0.0).draft  # plain steps measured faster
+
+
+def test_no_heads_no_governor_question() -> None:
+    s, _ = scheduler(adaptive=True)
+    s.add(row("a"))
+    assert not s.schedule(0.0).draft
+    assert s.governor.rates(1) == (None, None)
+
+
+def test_drain_leaves_nothing() -> None:
+    s, _ = scheduler(batch=1)
+    s.add(row("a"))
+    s.add(row("b"))
+    s.schedule(0.0)
+    assert ids(s.drain()) == ["a", "b"] and not s.running and not s.waiting
