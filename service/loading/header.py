@@ -129,7 +129,7 @@ def _parse(
         raise error("header does not start with '{'")
     try:
         obj = json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, and an integer too long for int() (sys.get_int_max_str_digits)
         raise error(f"header is not valid JSON: {e}") from None
     except RecursionError:
         raise error("header JSON is nested too deeply") from None
