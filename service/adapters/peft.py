@@ -30,6 +30,7 @@ the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -105,7 +106,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise fail("file not found: a PEFT adapter folder needs adapter_config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
         raise fail(f"cannot read JSON: {e}") from None
     if not isinstance(raw, dict):
         raise fail("expected a JSON object")
@@ -143,7 +144,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     elif isinstance(layers, list) and all(_is_int(v) for v in layers):
         layers_to_transform = tuple(int(v) for v in layers)
     else:
-        raise fail(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+        raise fail(f"layers_to_transform must be an integer or a list of integers, got {_short(layers)}")
     pattern = raw.get("layers_pattern")
     layers_pattern: tuple[str, ...] | None
     if pattern is None or pattern in ("", []):
@@ -153,7 +154,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     elif isinstance(pattern, list) and all(isinstance(p, str) for p in pattern):
         layers_pattern = tuple(pattern)
     else:
-        raise fail(f"layers_pattern must be a string or a list of strings, got {pattern!r}")
+        raise fail(f"layers_pattern must be a string or a list of strings, got {_short(pattern)}")
     if isinstance(targets, str) and (layers_to_transform is not None or layers_pattern is not None):
         raise fail("layers_to_transform / layers_pattern cannot be used when target_modules is a regex string")
 
@@ -170,7 +171,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
         for key, _ in keys:
             _compile(rf"(.*\.)?({key})$", f"{name} key {key!r}", fail)
     for p in layers_pattern or ():
-        _compile(p, "layers_pattern", fail)
+        _compile(_layers_regex(p), f"layers_pattern {p!r}", fail)
 
     base = raw.get("base_model_name_or_path")
     return LoraAdapterConfig(
@@ -339,14 +340,18 @@ def _is_int(value: Any) -> bool:
 
 def _positive_int(value: Any, what: str, fail: Any) -> int:
     if not _is_int(value) or value <= 0:
-        raise fail(f"{what} must be a positive integer (the LoRA rank), got {value!r}")
+        raise fail(f"{what} must be a positive integer (the LoRA rank), got {_short(value)}")
     return int(value)
 
 
 def _number(value: Any, what: str, fail: Any) -> float:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
-        raise fail(f"{what} must be a finite number, got {value!r}")
-    return float(value)
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an integer beyond the float range stays NaN: refused
+            number = float(value)
+    if not math.isfinite(number):
+        raise fail(f"{what} must be a finite number, got {_short(value)}")
+    return number
 
 
 def _targets(value: Any, what: str, fail: Any) -> tuple[str, ...] | str | None:
@@ -356,7 +361,7 @@ def _targets(value: Any, what: str, fail: Any) -> tuple[str, ...] | str | None:
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(dict.fromkeys(value))
-    raise fail(f"{what} must be a list of module names or a regex string, got {value!r}")
+    raise fail(f"{what} must be a list of module names or a regex string, got {_short(value)}")
 
 
 def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
@@ -364,15 +369,26 @@ def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise fail(f"{key} must map module patterns to values, got {value!r}")
+        raise fail(f"{key} must map module patterns to values, got {_short(value)}")
     return value
 
 
 def _compile(pattern: str, what: str, fail: Any) -> None:
     try:
         re.compile(pattern)
-    except re.error as e:
-        raise fail(f"{what} is not a valid regular expression ({pattern!r}): {e}") from None
+    except (re.error, OverflowError, RecursionError) as e:  # the last two: repeat counts and nesting past re's limits
+        raise fail(f"{what} is not a valid regular expression ({_short(pattern)}): {e}") from None
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a config value can be any size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _layers_regex(layers_pattern: str) -> str:
+    """The name of a layer under ``layers_pattern`` (grouped, so an alternation cannot bypass the index)."""
+    return rf"(?:^|.*?\.)(?:{layers_pattern})\.(?P<idx>\d+)\."
 
 
 def _excluded(exclude: tuple[str, ...] | str | None, name: str) -> bool:
@@ -391,7 +407,7 @@ def _layer_selected(config: LoraAdapterConfig, name: str) -> bool:
         match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
     else:
         for pattern in config.layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            match = re.match(_layers_regex(pattern), name)
             if match is not None:
                 break
     return match is not None and int(match["idx"]) in config.layers_to_transform
