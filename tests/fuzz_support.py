@@ -3,7 +3,7 @@
 Two run sizes, chosen with ``LORAPLEX_FUZZ=short|long`` (default short):
 
 - ``short``: a few hundred examples per target, what ``make test`` runs (a few seconds in all);
-- ``long``: tens of thousands of examples per target, run by hand before a release (see bench/README.md,
+- ``long``: ten thousand examples per target, run by hand before a release (see bench/README.md,
   "Fuzzing").
 
 No example database is kept (``database=None``): a failure prints the ``@reproduce_failure`` blob to replay it,
@@ -27,7 +27,7 @@ T = TypeVar("T")
 _RUNS = {
     "short": settings(max_examples=200, deadline=None, database=None, print_blob=True),
     "long": settings(
-        max_examples=20_000,
+        max_examples=10_000,
         deadline=None,
         database=None,
         print_blob=True,

@@ -179,7 +179,7 @@ def test_medusa_config_found_by_the_fuzzer_are_invalid_adapter(heads_dir: Path, 
 def test_medusa_head_count_beyond_the_file_is_refused_without_listing_every_head(
     heads_dir: Path, tiny_config: ModelConfig
 ) -> None:
-    # Found by the fuzzer: medusa_num_heads=10**9 looped over every head (and listed every missing tensor).
+    # Found while fuzzing: medusa_num_heads=10**9 looped over every claimed head, listing each missing tensor.
     (heads_dir / CONFIG_FILE).write_text(json.dumps({"medusa_num_heads": 10**6, "medusa_num_layers": 1}))
     with pytest.raises(InvalidAdapter, match="hold only 6 tensor"):
         index_medusa(heads_dir, tiny_config)
