@@ -240,3 +240,11 @@ def test_a_deadline_mid_generation_frees_its_slot_and_is_counted(served_tiny_dir
         assert tokens_of(stub, "next in line", 12) == expected
         wait_for(lambda: timed_out() > counted)
         assert timed_out() == counted + 1
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_invalid_argument(stub: pb_grpc.GenerationStub) -> None:
+    # Found by the long fuzz run of request conversion: "\x16" is valid text with no token; the engine refuses it.
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.GenerateStream(stream_req("\x16", 4), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "empty" in (err.value.details() or "")
