@@ -161,7 +161,8 @@ class Tally:
     ttft: list[float] = field(default_factory=list)
     reject_latency: list[float] = field(default_factory=list)  # send -> RESOURCE_EXHAUSTED
     churn: Counter[str] = field(default_factory=Counter)
-    probes: int = 0
+    probes: int = 0  # rounds of probes compared with the first answers
+    probes_crowded_out: int = 0  # probe comparisons skipped: a full queue kept the probe out too long
     probe_mismatches: list[str] = field(default_factory=list)
 
 
@@ -204,7 +205,7 @@ class Traffic:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and first is None:
                 t.rejected += 1
                 t.reject_latency.append(time.perf_counter() - sent)
-                await asyncio.sleep(self.rng.uniform(0.01, 0.05))  # back off, then try again
+                await asyncio.sleep(self.rng.uniform(*self.args.backoff))  # back off, then try again
                 return
             if first is None:
                 t.accepted += 1  # admitted, then failed
@@ -224,18 +225,22 @@ class Traffic:
         while time.monotonic() < stop_at:
             await self.one(stub)
 
-    async def probe_answers(self, stub: pb_grpc.GenerationStub, probes: list[tuple[str, str | None]]) -> list[str]:
-        out = []
+    async def probe_answers(
+        self, stub: pb_grpc.GenerationStub, probes: list[tuple[str, str | None]]
+    ) -> list[str | None]:
+        """Each probe's text; None when a full queue kept it out for ``--request-timeout`` seconds."""
+        out: list[str | None] = []
         for prompt, adapter in probes:
             request = self.request(prompt, adapter, self.args.new_tokens)
-            for _ in range(200):  # the probe itself may meet a full queue
+            text, give_up = None, time.monotonic() + self.args.request_timeout
+            while text is None and time.monotonic() < give_up:
                 try:
-                    out.append("".join([m.text async for m in stub.GenerateStream(request, timeout=120)]))
-                    break
+                    text = "".join([m.text async for m in stub.GenerateStream(request, timeout=120)])
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise
                     await asyncio.sleep(0.05)
+            out.append(text)
         return out
 
     async def prober(self, stub: pb_grpc.GenerationStub, probes: list[tuple[str, str | None]], stop_at: float) -> None:
@@ -245,7 +250,9 @@ class Traffic:
             got = await self.probe_answers(stub, probes)
             self.tally.probes += 1
             for (prompt, adapter), want, have in zip(probes, expected, got, strict=True):
-                if want != have:
+                if want is None or have is None:
+                    self.tally.probes_crowded_out += 1
+                elif want != have:
                     self.tally.probe_mismatches.append(f"{adapter or 'base'} {prompt!r}: {want!r} -> {have!r}")
 
     async def churner(self, adapters: apb_grpc.AdaptersStub, pool: list[str], folder: Path, stop_at: float) -> None:
@@ -315,11 +322,12 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
 
 
 def report(t: Tally, rss: list[tuple[float, float]], wall: float, args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {k: getattr(t, k) for k in ("sent", "accepted", "completed", "rejected", "probes")}
+    names = ("sent", "accepted", "completed", "rejected", "probes", "probes_crowded_out")
+    out: dict[str, Any] = {k: getattr(t, k) for k in names}
     out.update(errors=dict(t.errors), churn=dict(t.churn), probe_mismatches=t.probe_mismatches)
     out.update(
         mode="soak" if args.soak else "load",
-        seconds=round(wall, 1),
+        seconds=round(wall, 1),  # traffic, plus the requests in flight at its end finishing
         model="tiny" if args.tiny else str(args.model),
         completed_per_s=round(t.completed / wall, 2),
         latency_p50_s=pct(t.latency, 0.5),
@@ -332,6 +340,7 @@ def report(t: Tally, rss: list[tuple[float, float]], wall: float, args: argparse
         rss_end_mb=rss[-1][1] if rss else float("nan"),
         rss_max_mb=max((r for _, r in rss), default=float("nan")),
         rss_slope_mb_per_min=slope_mb_per_min(rss),
+        rss_slope_second_half_mb_per_min=slope_mb_per_min(rss[len(rss) // 2 :]),  # past the first loads
         rss_samples=len(rss),
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     )
@@ -362,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16, help="clients, each with one request in flight")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--backoff", type=float, nargs=2, default=(0.05, 0.2), help="seconds a refused client waits")
     p.add_argument("--budget-fraction", type=float, default=1 / 3, help="soak: device budget / adapters' bytes")
     p.add_argument("--churn-every", type=float, default=5.0)
     p.add_argument("--probe-every", type=float, default=30.0)
