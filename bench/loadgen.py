@@ -9,7 +9,7 @@ concurrent clients than batch + queue keeps it saturated and part of the traffic
 RESOURCE_EXHAUSTED (a refused client backs off a little and tries again). Every request is greedy with
 ``ignore_eos`` and ``max_new_tokens = --new-tokens``, so an accepted request must end with exactly that many
 tokens and FINISH_REASON_LENGTH; anything else counts as an unexpected error. Traffic mixes the base model and
-``--adapters`` tiny random PEFT LoRAs (written to a work folder, rank ``--rank`` on q/k/v/o) and, in a soak, the
+``--adapters`` tiny random PEFT LoRAs (written to a work folder, rank ``--rank`` on ``--targets``) and, in a soak, the
 adapter device budget holds only about a third of them while a churn task unloads and re-registers one adapter
 every ``--churn-every`` seconds (it withdraws the adapter from the traffic and waits for its requests first, so
 churn itself causes no NOT_FOUND). Probes (fixed prompt, adapter, greedy) are answered once at the start and
@@ -79,13 +79,15 @@ def write_tiny_model(folder: Path) -> Path:
     return folder
 
 
-def write_adapters(model: Path, folder: Path, count: int, rank: int) -> tuple[list[str], int]:
-    """``count`` PEFT LoRA folders with seeded random A and B on the attention projections; (ids, bytes each)."""
+def write_adapters(model: Path, folder: Path, count: int, rank: int, targets: list[str]) -> tuple[list[str], int]:
+    """``count`` PEFT LoRA folders with seeded random A and B on ``targets`` (attention projections); (ids, bytes
+    each). The folder name records rank and targets, so a folder is reused only for the same adapters."""
     cfg = json.loads((model / "config.json").read_text())
     hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, cfg.get("num_key_value_heads", heads) * head_dim
-    features = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+    features = {m: shapes[m] for m in targets}
     ids = [f"lg{i:02d}" for i in range(count)]
     nbytes = layers * sum(rank * (i + o) for i, o in features.values()) * 4
     for n, adapter_id in enumerate(ids):
@@ -365,6 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soak", type=float, default=0.0, help="seconds of soak (churn on, small budget); >= 600 for real")
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="adapted modules (comma-separated)")
     p.add_argument("--base-fraction", type=float, default=0.25, help="share of requests without an adapter")
     p.add_argument("--max-batch-size", type=int, default=4)
     p.add_argument("--max-queue", type=int, default=4)
@@ -387,8 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(WORK / "tiny") if args.tiny else args.model
-    folder = WORK / ("adapters-tiny" if args.tiny else "adapters")
-    adapters, each = write_adapters(model, folder, args.adapters, args.rank)
+    targets = args.targets.split(",")
+    folder = WORK / f"adapters-{'tiny' if args.tiny else 'model'}-r{args.rank}-{'-'.join(targets)}"
+    adapters, each = write_adapters(model, folder, args.adapters, args.rank, targets)
     budget = max(each, int(each * args.adapters * args.budget_fraction)) if args.soak else 1 << 40
     server = Server(model, folder, args.port, args, budget)
     try:
