@@ -129,3 +129,13 @@ def test_integer_too_long_for_python_is_a_header_error(scratch: Path, digits: in
     raw = ('{"a": {"dtype": "F32", "shape": [' + "1" * digits + '], "data_offsets": [0, 4]}}').encode()
     with pytest.raises(HeaderError, match="not valid JSON"):
         read_safetensors_header(_write(scratch, raw, bytes(4)))
+
+
+@pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets"])
+def test_a_huge_bad_value_is_not_echoed_whole(scratch: Path, field: str) -> None:
+    # Seen while fuzzing: the message repeated the bad value whole, as large as the header (here ~1 MB).
+    entry: dict[str, Any] = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+    entry[field] = "x" * 1_000_000 if field == "dtype" else [-1] * 250_000
+    with pytest.raises(HeaderError) as err:
+        read_safetensors_header(_write(scratch, json.dumps({"a": entry}).encode(), bytes(4)))
+    assert len(str(err.value)) < 500
