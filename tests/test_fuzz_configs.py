@@ -30,7 +30,7 @@ NAME_PARTS = st.sampled_from(
 )
 REGEX_BITS = st.sampled_from(
     [".*", "(", ")", "[", "]", "|", "?", "+", "*", "\\", "\\d", "{2}", "{99999999999}", "(?P<idx>", "(?P<", ">",
-     "q_proj", "layers", ".", "^", "$", "\\N{LATIN}", "(?=", "\\1"]
+     "q_proj", "layers", ".", "^", "$", "\\N{LATIN}", "(?=", "\\1", "(.*)*", "(q_|k_)+"]
 )  # fmt: skip
 REGEXES = st.one_of(
     st.lists(REGEX_BITS, max_size=8).map("".join),
@@ -138,10 +138,13 @@ def test_medusa_config_parse_raises_only_typed_errors(heads_dir: Path, tiny_conf
         '{"r": 8, "target_modules": "' + "(" * 2000 + "q_proj" + ")" * 2000 + '"}',  # nesting past re's limit
         '{"r": 8, "target_modules": ["q_proj"], "rank_pattern": {"q{99999999999}": 4}}',  # repeat count overflow
         '{"r": 8, "target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "(?P<idx>l)ayers"}',
+        '{"r": 8, "target_modules": "(.*)*x"}',  # nested repetition: exponential backtracking (hours), now refused
+        '{"r": 8, "target_modules": ["q_proj"], "rank_pattern": {"(q_|k_)+proj": 4}}',
         "[" * 100_000 + "]" * 100_000,  # JSON nested past the recursion limit
         '{"r": ' + "9" * 5000 + "}",  # past int()'s digit limit
     ],
-    ids=["alpha-overflow", "regex-nesting", "regex-repeat", "layers-pattern-group",
+    ids=["alpha-overflow", "regex-nesting", "regex-repeat", "layers-pattern-group", "regex-exponential",
+         "pattern-key-exponential",
          "json-nesting", "json-digits"],
 )  # fmt: skip
 def test_lora_config_found_by_the_fuzzer_are_invalid_adapter(
@@ -183,3 +186,15 @@ def test_medusa_head_count_beyond_the_file_is_refused_without_listing_every_head
     (heads_dir / CONFIG_FILE).write_text(json.dumps({"medusa_num_heads": 10**6, "medusa_num_layers": 1}))
     with pytest.raises(InvalidAdapter, match="hold only 6 tensor"):
         index_medusa(heads_dir, tiny_config)
+
+
+@pytest.mark.parametrize(
+    "regex",
+    [r".*\.(q_proj|v_proj)", r"model\.layers\.(0|1)\.self_attn\.(q_proj|v_proj)", r".*\.layers\.\d+\.self_attn\.q_proj",
+     r"^(?!.*lm_head).*_proj$", r".*(self_attn|mlp)\.[a-z]+_proj"],
+)  # fmt: skip
+def test_ordinary_target_regexes_are_still_accepted(tmp_path: Path, tiny_config: ModelConfig, regex: str) -> None:
+    # The nested-repetition refusal must not catch the regexes people write.
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"r": 4, "target_modules": regex}), encoding="utf-8")
+    assert resolve_targets(read_lora_config(path), tiny_config, file=path)

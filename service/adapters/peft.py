@@ -19,6 +19,8 @@ matches a module whose full name equals an entry or ends with ``"." + entry`` (t
 (and ``layers_to_transform`` does not apply). ``"all-linear"`` means every projection but ``lm_head``.
 ``rank_pattern`` / ``alpha_pattern`` keys are tried in file order, each as ``(.*\\.)?(key)$`` against the full
 name; the first that matches wins. Full names are those of ``LlamaForCausalLM`` (``model.layers.{L}...``).
+A regex that repeats a group which itself repeats or alternates (``(.*)*``, ``(a+)+``, ``(ab|a)*``) is refused at
+parse time: ``re`` backtracks, and such a pattern can take hours to fail against one module name.
 
 ``fan_in_fan_out`` is accepted and ignored: PEFT resets it to False for ``nn.Linear`` targets (every Llama
 projection), and the flag never changes the stored layout of ``lora_A`` [r, in] / ``lora_B`` [out, r] anyway.
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from service.adapters.patterns import regex_problem
 from service.adapters.types import MODULES
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
@@ -169,9 +172,9 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
             _compile(entries, name, fail)
     for name, keys in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         for key, _ in keys:
-            _compile(rf"(.*\.)?({key})$", f"{name} key {key!r}", fail)
+            _compile(rf"(.*\.)?({key})$", f"{name} key {_short(key)}", fail)
     for p in layers_pattern or ():
-        _compile(_layers_regex(p), f"layers_pattern {p!r}", fail)
+        _compile(_layers_regex(p), f"layers_pattern {_short(p)}", fail)
 
     base = raw.get("base_model_name_or_path")
     return LoraAdapterConfig(
@@ -374,10 +377,9 @@ def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
 
 
 def _compile(pattern: str, what: str, fail: Any) -> None:
-    try:
-        re.compile(pattern)
-    except (re.error, OverflowError, RecursionError) as e:  # the last two: repeat counts and nesting past re's limits
-        raise fail(f"{what} is not a valid regular expression ({_short(pattern)}): {e}") from None
+    problem = regex_problem(pattern)
+    if problem is not None:
+        raise fail(f"{what} ({_short(pattern)}) {problem}")
 
 
 def _short(value: Any, limit: int = 200) -> str:
