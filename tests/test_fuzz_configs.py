@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.adapters.peft import MODULES, read_lora_config, resolve_targets
-from service.errors import InvalidAdapter, LoraplexError
+from service.errors import CheckpointError, InvalidAdapter, LoraplexError
 from service.medusa.format import CONFIG_FILE, index_medusa, is_medusa_folder, read_medusa_config, write_medusa
 from service.model.config import ModelConfig
 
@@ -64,9 +64,11 @@ LORA_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 
 
 @st.composite
-def config_texts(draw: st.DrawFn, fields: dict[str, st.SearchStrategy[Any]]) -> str:
-    """A JSON object with a random subset of ``fields`` (plus junk keys), possibly damaged as text."""
-    keys = draw(st.lists(st.sampled_from(sorted(fields)), unique=True, max_size=len(fields)))
+def config_texts(draw: st.DrawFn, fields: dict[str, st.SearchStrategy[Any]], required: tuple[str, ...] = ()) -> str:
+    """A JSON object with ``required`` and a random subset of the other ``fields`` (plus junk keys), possibly
+    damaged as text."""
+    optional = sorted(set(fields) - set(required))
+    keys = [*required, *draw(st.lists(st.sampled_from(optional), unique=True, max_size=len(optional)))]
     raw = {key: draw(fields[key]) for key in keys}
     raw.update(draw(st.dictionaries(st.text(max_size=6), SCALARS, max_size=2)))
     return draw(text_mutations(json.dumps(raw)))
@@ -198,3 +200,80 @@ def test_ordinary_target_regexes_are_still_accepted(tmp_path: Path, tiny_config:
     path = tmp_path / "adapter_config.json"
     path.write_text(json.dumps({"r": 4, "target_modules": regex}), encoding="utf-8")
     assert resolve_targets(read_lora_config(path), tiny_config, file=path)
+
+
+def _seldom(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """One time in twelve any JSON value, else ``values``: a model config has many required fields, and each
+    must usually be right for the parser to get past the first."""
+    return st.integers(0, 11).flatmap(lambda i: json_values() if i == 11 else values)
+
+
+MODEL_REQUIRED = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+                  "num_hidden_layers", "num_attention_heads", "max_position_embeddings")  # fmt: skip
+MODEL_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "architectures": _seldom(st.sampled_from([["LlamaForCausalLM"], ["MistralForCausalLM"], []])),
+    "model_type": _seldom(st.sampled_from(["llama", "mistral"])),
+    "vocab_size": _seldom(st.one_of(st.just(256), EDGE_INTS)),
+    "hidden_size": _seldom(st.one_of(st.just(64), EDGE_INTS)),
+    "intermediate_size": _seldom(st.one_of(st.just(96), EDGE_INTS)),
+    "num_hidden_layers": _seldom(st.one_of(st.just(2), EDGE_INTS)),
+    "num_attention_heads": _seldom(st.one_of(st.just(4), EDGE_INTS)),
+    "num_key_value_heads": _seldom(st.one_of(st.just(2), EDGE_INTS)),
+    "head_dim": _seldom(st.one_of(st.just(16), EDGE_INTS)),
+    "max_position_embeddings": _seldom(st.one_of(st.just(256), EDGE_INTS)),
+    "rms_norm_eps": _seldom(st.one_of(st.just(1e-5), st.floats())),
+    "rope_theta": _seldom(st.one_of(st.just(10000.0), st.floats(), EDGE_INTS)),
+    "rope_scaling": _seldom(
+        st.fixed_dictionaries(
+            {"rope_type": st.sampled_from(["llama3", "linear", "default"]), "factor": st.floats()},
+            optional={
+                "low_freq_factor": st.floats(),
+                "high_freq_factor": st.floats(),
+                "original_max_position_embeddings": EDGE_INTS,
+            },
+        )
+    ),
+    "tie_word_embeddings": _seldom(st.booleans()),
+    "hidden_act": _seldom(st.just("silu")),
+    "eos_token_id": _seldom(st.one_of(st.just(2), EDGE_INTS, st.lists(EDGE_INTS, max_size=3))),
+    "quantization_config": _seldom(st.none()),
+}
+
+
+@fuzz_settings()
+@given(text=config_texts(MODEL_FIELDS, MODEL_REQUIRED))
+def test_model_config_parse_raises_only_typed_errors(scratch: Path, text: str) -> None:
+    path = scratch / "config.json"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    outcome = typed_outcome(lambda: ModelConfig.from_hf(path))
+    if isinstance(outcome, LoraplexError):
+        assert outcome.status == "INVALID_ARGUMENT"
+    else:  # what is accepted can be built: positive sizes, finite rope parameters
+        c = outcome
+        assert min(c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) > 0
+        assert c.num_heads % c.num_kv_heads == 0 and math.isfinite(c.rope_theta) and c.rope_theta > 0
+        if c.rope_scaling is not None:
+            r = c.rope_scaling
+            assert all(math.isfinite(x) for x in (r.factor, r.low_freq_factor, r.high_freq_factor))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"rope_theta": None}, {"rope_theta": 10**400}, {"num_key_value_heads": -2}, {"head_dim": -16},
+     {"rope_scaling": {"rope_type": "linear", "factor": float("nan")}},
+     {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": float("nan"), "high_freq_factor": 4.0}},
+     {"rope_scaling": {"rope_type": "linear", "factor": 10**400}}],
+    ids=["theta-null", "theta-overflow", "kv-heads-negative", "head-dim-negative", "factor-nan", "low-nan",
+         "factor-overflow"],
+)  # fmt: skip
+def test_model_config_found_by_the_fuzzer_is_a_checkpoint_error(
+    tiny_llama_dir: Path, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    # Found by the fuzzer: TypeError / OverflowError from float(), and negative or NaN values accepted.
+    raw = json.loads((tiny_llama_dir / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw.update({"rope_theta": 10000.0, **change})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError):
+        ModelConfig.from_hf(path)
