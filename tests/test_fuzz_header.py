@@ -21,7 +21,8 @@ from fuzz_support import EDGE_INTS, fuzz_settings, json_values, text_mutations, 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.errors import HeaderError, LoraplexError
+from service.errors import HeaderError, LoraplexError, ShardError
+from service.loading import CheckpointIndex
 from service.loading.header import DTYPES, read_safetensors_header
 
 NAMES = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12).filter(lambda s: s != "__metadata__")
@@ -139,3 +140,13 @@ def test_a_huge_bad_value_is_not_echoed_whole(scratch: Path, field: str) -> None
     with pytest.raises(HeaderError) as err:
         read_safetensors_header(_write(scratch, json.dumps({"a": entry}).encode(), bytes(4)))
     assert len(str(err.value)) < 500
+
+
+@pytest.mark.parametrize(
+    "text", ['{"weight_map": {"a": "x.safetensors"}, "n": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000]
+)
+def test_a_shard_index_past_json_limits_is_a_shard_error(tmp_path: Path, text: str) -> None:
+    # The header's defect (found by its fuzzer), looked for and found in the shard index: ValueError / RecursionError.
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ShardError, match="cannot read the shard index"):
+        CheckpointIndex.open(tmp_path)
