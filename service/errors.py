@@ -16,6 +16,7 @@ An exception that is not a ``LoraplexError`` reaching the edge is a bug and beco
     ├── PermissionDenied              PERMISSION_DENIED
     ├── Unauthenticated               UNAUTHENTICATED
     ├── DeadlineExceeded              DEADLINE_EXCEEDED
+    ├── EngineStepFailed              INTERNAL (an exception escaped an engine step; logged there, once)
     └── CheckpointError               INVALID_ARGUMENT (bad files: the caller's input)
         ├── HeaderError               a safetensors header violates the format
         ├── ShardError                a sharded folder's index is inconsistent
@@ -90,6 +91,13 @@ class Unauthenticated(LoraplexError):
 
 class DeadlineExceeded(LoraplexError):
     status = "DEADLINE_EXCEEDED"
+
+
+class EngineStepFailed(LoraplexError):
+    """The engine step running a request raised (a bug or a device fault): that step's requests fail, the engine
+    goes on. The traceback is logged once by the engine (``event=engine_step_failed``), not once per request."""
+
+    status = "INTERNAL"
 
 
 class CheckpointError(LoraplexError):
