@@ -18,9 +18,8 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service import __version__
 from service.api import convert, limits
-from service.api.adapter_metrics import by_adapter, by_adapter_stream
-from service.api.edge import Context, streaming, unary
 from service.api.runtime import Runtime
+from service.api.status import Context
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
 from service.errors import DeadlineExceeded, LoraplexError, Unavailable
 
@@ -76,23 +75,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         return self.runtime.submit(request, sink), events
 
-    @unary("Generate")
-    @by_adapter
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         rt = self.runtime.ready()
-        convert.precheck(request, rt.settings)
-        request_id = convert.request_id_of(request.request_id)
+        checked = convert.precheck(request, rt.settings)
         deadline = self._deadline(context)
         prompts = await asyncio.gather(*(self.runtime.prompt(item) for item in request.inputs))
         domain = [
-            convert.generation_request(
-                request,
-                prompt,
-                request_id=f"{request_id}/{i}" if len(request.inputs) > 1 else request_id,
-                default_max_new_tokens=rt.settings.max_new_tokens,
-                deadline=deadline,
-                seed_offset=i,
-            )
+            convert.generation_request(request, checked, prompt, deadline=deadline, index=i)
             for i, prompt in enumerate(prompts)
         ]
         for item in domain:  # refuse the whole request before any part of it runs
@@ -105,7 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             for handle, _ in submitted:
                 handle.cancel()
-        return pb.GenerateResponse(results=results, request_id=request_id)
+        return pb.GenerateResponse(results=results, request_id=checked.request_id)
 
     async def _collect(self, events: asyncio.Queue[TokenEvent], options: pb.ReturnOptions) -> pb.GenerationResult:
         result = pb.GenerationResult()
@@ -125,21 +114,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 result.usage.CopyFrom(convert.usage_of(event))
                 return result
 
-    @streaming("GenerateStream")
-    @by_adapter_stream
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        rt = self.runtime.ready()
-        convert.precheck(request, rt.settings)
-        request_id = convert.request_id_of(request.request_id)
-        domain = convert.generation_request(
-            request,
-            await self.runtime.prompt(request.input),
-            request_id=request_id,
-            default_max_new_tokens=rt.settings.max_new_tokens,
-            deadline=self._deadline(context),
-        )
+        checked = convert.precheck(request, self.runtime.ready().settings)
+        prompt = await self.runtime.prompt(request.input)
+        domain = convert.generation_request(request, checked, prompt, deadline=self._deadline(context))
         handle, events = self._submit(domain)
         first = True
         try:
@@ -148,7 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 _raise_if_failed(event)
                 response = convert.stream_response(event, request.return_options)
                 if first:
-                    response.request_id = request_id
+                    response.request_id = checked.request_id
                     first = False
                 yield response
                 if event.finish is not None:
@@ -156,13 +136,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             handle.cancel()  # a no-op when finished; frees the slot when the client went away
 
-    @unary("Tokenize")
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         rt = self.runtime.ready()
         limits.check_input(request.input, rt.settings)
         return await self.runtime.off_loop(convert.tokenize_response, request.input, rt.tokenizer)
 
-    @unary("ModelInfo")
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         rt = self.runtime.ready()
         s = rt.settings

@@ -159,7 +159,6 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request.sampling.validate()
         if request.adapter_id is not None:
             if self.adapters is None:
                 raise AdapterNotFound(request.adapter_id)
