@@ -5,10 +5,12 @@ Python client's own reading is tested in tests/test_client_errors.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import loraplex
 import pytest
 import torch
 from adapter_files import rewrite_adapter_tensors, write_peft_adapter
@@ -20,6 +22,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service.api.server import BackgroundServer
 from service.config import Settings
+from service.engine.sampling import SamplingParams
 from service.errors import AdapterNotFound, CheckpointError, InvalidRequest, QueueFull
 
 ONE_TOKEN = pb.StoppingCriteria(max_new_tokens=1, ignore_eos=True)
@@ -41,7 +44,7 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path
 
 
 @pytest.fixture(scope="module")
-def channel(served_tiny_dir: Path, adapter_root: Path) -> Iterator[grpc.Channel]:
+def target(served_tiny_dir: Path, adapter_root: Path) -> Iterator[str]:
     settings = Settings(
         model=served_tiny_dir,
         port=0,
@@ -54,7 +57,13 @@ def channel(served_tiny_dir: Path, adapter_root: Path) -> Iterator[grpc.Channel]
         max_stop_sequences=2,
         adapter_roots=(adapter_root,),
     )
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as ch:
+    with BackgroundServer(settings) as srv:
+        yield srv.target
+
+
+@pytest.fixture(scope="module")
+def channel(target: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(target) as ch:
         yield ch
 
 
@@ -148,3 +157,47 @@ def test_error_classes_know_reason_and_fields() -> None:
         "file": "/m/a.safetensors",
         "tensor": "w",
     }
+
+
+def test_sampling_is_validated_once_per_input(channel: grpc.Channel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation happens once, where protobuf becomes domain types (it ran four times per Generate before)."""
+    calls: list[SamplingParams] = []
+    real = SamplingParams.validate
+
+    def counted(self: SamplingParams) -> None:
+        calls.append(self)
+        real(self)
+
+    monkeypatch.setattr(SamplingParams, "validate", counted)
+    stub = pb_grpc.GenerationStub(channel)
+    sampling = pb.SamplingParams(temperature=0.7, seed=5)
+    stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="a")], sampling=sampling, stopping=ONE_TOKEN), timeout=60)
+    assert len(calls) == 1
+    two = pb.GenerateRequest(inputs=[pb.Input(text="a"), pb.Input(text="b")], sampling=sampling, stopping=ONE_TOKEN)
+    stub.Generate(two, timeout=60)
+    assert [p.seed for p in calls[1:]] == [5, 6]  # one per input, each with its own seed
+    list(stub.GenerateStream(pb.GenerateStreamRequest(input=pb.Input(text="a"), stopping=ONE_TOKEN), timeout=60))
+    assert len(calls) == 4
+
+
+def test_the_python_clients_expose_reason_and_fields(target: str, adapter_root: Path) -> None:
+    with loraplex.Client(target, timeout=60) as client:
+        with pytest.raises(loraplex.NotFound) as missing:
+            client.generate("hi", adapter="ghost", max_new_tokens=1)
+        assert missing.value.reason == "ADAPTER_NOT_FOUND" and missing.value.domain == "loraplex"
+        assert dict(missing.value.details) == {"adapter_id": "ghost"}
+        with pytest.raises(loraplex.InvalidArgument) as bad:
+            client.load_adapter("bad", adapter_root / "misshaped")
+        assert bad.value.reason == "INVALID_ADAPTER"
+        assert bad.value.details["tensor"].endswith("q_proj.lora_A.weight")
+
+    async def stream_too_long() -> loraplex.LoraplexError:
+        async with loraplex.AsyncClient(target, timeout=60) as client:
+            with pytest.raises(loraplex.InvalidArgument) as err:
+                async for _ in client.stream("hi", max_new_tokens=1, stop=["a", "b", "c"]):
+                    pass
+            return err.value
+
+    error = asyncio.run(stream_too_long())
+    assert error.reason == "INVALID_REQUEST"
+    assert dict(error.details) == {"field": "stopping.stop_sequences", "limit": "2"}

@@ -13,20 +13,8 @@ from typing import Any, Self, TypeVar, Unpack, overload
 
 import grpc
 
-from loraplex import _convert
-from loraplex._channel import (
-    DEFAULT_TARGET,
-    HEALTH_CHECK_METHOD,
-    Metadata,
-    PathLike,
-    base_metadata,
-    channel_options,
-    check_timeout,
-    decode_health_response,
-    encode_health_request,
-    tls_credentials,
-    with_adapter,
-)
+from loraplex import _channel, _convert
+from loraplex._channel import DEFAULT_TARGET, Metadata, PathLike
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
@@ -69,16 +57,15 @@ class Client:
         tls_cert: PathLike | None = None,
         tls_key: PathLike | None = None,
     ) -> None:
-        self._timeout = check_timeout(timeout)
-        self._metadata: Metadata = base_metadata(metadata, api_key)
-        credentials = tls_credentials(credentials, tls_ca, tls_cert, tls_key)
+        self._timeout = _channel.check_timeout(timeout)
+        self._metadata: Metadata = _channel.base_metadata(metadata, api_key)
+        credentials = _channel.tls_credentials(credentials, tls_ca, tls_cert, tls_key)
         if channel is not None:
-            if target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options:
-                raise ValueError("with channel=, leave out target, credentials, load_balancing and options")
+            _channel.check_own_channel(target, credentials, load_balancing, options)
             self._channel = channel
             self._owns_channel = False
         else:
-            args = channel_options(load_balancing, options)
+            args = _channel.channel_options(load_balancing, options)
             if credentials is None:
                 self._channel = grpc.insecure_channel(target, options=args)
             else:
@@ -86,11 +73,7 @@ class Client:
             self._owns_channel = True
         self._generation = generation_pb2_grpc.GenerationStub(self._channel)
         self._adapters = adapters_pb2_grpc.AdaptersStub(self._channel)
-        self._health = self._channel.unary_unary(
-            HEALTH_CHECK_METHOD,
-            request_serializer=encode_health_request,
-            response_deserializer=decode_health_response,
-        )
+        self._health = _channel.health_check(self._channel)
 
     # --------------------------------------------------------------------------------- plumbing
 
@@ -101,7 +84,7 @@ class Client:
         timeout: float | None,
         metadata: Metadata | None = None,
     ) -> _Response:
-        deadline = check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = _channel.check_timeout(timeout) if timeout is not None else self._timeout
         try:
             return method(request, timeout=deadline, metadata=metadata or self._metadata)
         except grpc.RpcError as error:
@@ -132,7 +115,7 @@ class Client:
         inputs, single = _convert.build_inputs(prompt, chat=opts.chat)
         request = _convert.generate_request(inputs, opts)
         response: generation_pb2.GenerateResponse = self._call(
-            self._generation.Generate, request, timeout, with_adapter(self._metadata, opts.adapter_id)
+            self._generation.Generate, request, timeout, _channel.with_adapter(self._metadata, opts.adapter_id)
         )
         results = [_convert.to_generation(r, response.request_id) for r in response.results]
         if len(results) != len(inputs):
@@ -149,8 +132,8 @@ class Client:
         """
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
-        deadline = check_timeout(timeout) if timeout is not None else self._timeout
-        return self._deltas(request, deadline, with_adapter(self._metadata, opts.adapter_id))
+        deadline = _channel.check_timeout(timeout) if timeout is not None else self._timeout
+        return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
 
     def _deltas(
         self, request: generation_pb2.GenerateStreamRequest, deadline: float | None, metadata: Metadata
