@@ -1,4 +1,7 @@
-"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work)."""
+"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work).
+
+Methods raise typed errors; the interceptors (``service.api.interceptors``) turn them into statuses and count them.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Order inside every method: cheap per-field checks on the event loop (``convert.precheck``), then tokenization
 and chat templating on the runtime's worker pool (a large prompt never stalls other RPCs or health), then
-submission. A request over a limit is refused before any of its prompts is tokenized.
+submission. A request over a limit is refused before any of its prompts is tokenized. Auth, error statuses and
+metrics are the interceptors' (``service.api.interceptors``): a method raises typed errors and never builds a
+status or counts a request itself.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from service.api.runtime import Runtime
 from service.api.status import Context
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
 from service.errors import DeadlineExceeded, LoraplexError, Unavailable
+
+LIMIT_FIELDS = tuple(pb.Limits.DESCRIPTOR.fields_by_name)
+"""``ModelInfo.limits``: each field of the message is the ``Settings`` field of the same name."""
 
 
 class _Mailbox:
@@ -156,13 +161,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             device=str(rt.device),
             vocab_size=cfg.vocab_size,
             context_length=cfg.max_position_embeddings,
-            limits=pb.Limits(
-                max_batch_size=s.max_batch_size,
-                max_prompt_tokens=s.max_prompt_tokens,
-                max_new_tokens=s.max_new_tokens,
-                max_total_tokens=s.max_total_tokens,
-                max_queue=s.max_queue,
-            ),
+            limits=pb.Limits(**{name: getattr(s, name) for name in LIMIT_FIELDS}),
             features=features,
             server_version=__version__,
             load_mode=s.load_mode,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, Self, TypeVar, Unpack, overload
+from typing import NamedTuple, Self, TypeVar, Unpack, overload
 
 import grpc
 import grpc.aio
 
 from loraplex import _channel, _convert
-from loraplex._channel import DEFAULT_TARGET, Metadata, PathLike
+from loraplex._base import ClientBase
+from loraplex._channel import Metadata
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
@@ -30,37 +31,14 @@ class _Stubs(NamedTuple):
     health: Callable[..., Awaitable[HealthStatus]]
 
 
-class AsyncClient:
+class AsyncClient(ClientBase[grpc.aio.Channel]):
     """Asyncio client; arguments as for ``Client`` (``channel`` must then be a ``grpc.aio.Channel``).
 
     Every generation call sends the adapter id as the ``x-loraplex-adapter`` request header.
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        channel: grpc.aio.Channel | None = None,
-        load_balancing: str | None = None,
-        api_key: str | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        tls_ca: PathLike | None = None,
-        tls_cert: PathLike | None = None,
-        tls_key: PathLike | None = None,
-    ) -> None:
-        self._timeout = _channel.check_timeout(timeout)
-        self._metadata: Metadata = _channel.base_metadata(metadata, api_key)
-        credentials = _channel.tls_credentials(credentials, tls_ca, tls_cert, tls_key)
-        if channel is not None:
-            _channel.check_own_channel(target, credentials, load_balancing, options)
-        self._target = target
-        self._credentials = credentials
-        self._options = _channel.channel_options(load_balancing, options)
-        self._owns_channel = channel is None
-        self._channel: grpc.aio.Channel | None = channel
+    def _setup(self, channel: grpc.aio.Channel | None) -> None:
+        self._channel = channel  # None: made by ``_open``, inside the event loop
         self._stubs: _Stubs | None = None
 
     # --------------------------------------------------------------------------------- plumbing
@@ -87,7 +65,7 @@ class AsyncClient:
         timeout: float | None,
         metadata: Metadata | None = None,
     ) -> _Response:
-        deadline = _channel.check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = self._deadline(timeout)
         try:
             return await method(request, timeout=deadline, metadata=metadata or self._metadata)
         except grpc.RpcError as error:  # grpc.aio.AioRpcError is a grpc.RpcError
@@ -116,10 +94,7 @@ class AsyncClient:
         response: generation_pb2.GenerateResponse = await self._call(
             generation.Generate, request, timeout, _channel.with_adapter(self._metadata, opts.adapter_id)
         )
-        results = [_convert.to_generation(r, response.request_id) for r in response.results]
-        if len(results) != len(inputs):
-            raise RuntimeError(f"server answered {len(results)} results for {len(inputs)} prompts")
-        return results[0] if single else results
+        return _convert.generations_of(response, len(inputs), single=single)
 
     def stream(
         self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -128,7 +103,7 @@ class AsyncClient:
         first iteration. Leaving the loop early (or ``await gen.aclose()``) cancels the request."""
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
-        deadline = _channel.check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = self._deadline(timeout)
         return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
 
     async def _deltas(

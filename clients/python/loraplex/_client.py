@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack, overload
+from typing import Self, TypeVar, Unpack, overload
 
 import grpc
 
 from loraplex import _channel, _convert
-from loraplex._channel import DEFAULT_TARGET, Metadata, PathLike
+from loraplex._base import ClientBase
+from loraplex._channel import Metadata
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
@@ -23,7 +24,7 @@ from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generat
 _Response = TypeVar("_Response")
 
 
-class Client:
+class Client(ClientBase[grpc.Channel]):
     """Blocking client. Thread-safe: one client (one channel) can serve many threads.
 
     ``target``: "host:port", or e.g. "dns:///loraplex-headless.ns.svc:50051" with
@@ -42,35 +43,13 @@ class Client:
     for the base model), so a proxy can route each adapter to the replicas where it is hot.
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        channel: grpc.Channel | None = None,
-        load_balancing: str | None = None,
-        api_key: str | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        tls_ca: PathLike | None = None,
-        tls_cert: PathLike | None = None,
-        tls_key: PathLike | None = None,
-    ) -> None:
-        self._timeout = _channel.check_timeout(timeout)
-        self._metadata: Metadata = _channel.base_metadata(metadata, api_key)
-        credentials = _channel.tls_credentials(credentials, tls_ca, tls_cert, tls_key)
+    def _setup(self, channel: grpc.Channel | None) -> None:
         if channel is not None:
-            _channel.check_own_channel(target, credentials, load_balancing, options)
             self._channel = channel
-            self._owns_channel = False
+        elif self._credentials is None:
+            self._channel = grpc.insecure_channel(self._target, options=self._options)
         else:
-            args = _channel.channel_options(load_balancing, options)
-            if credentials is None:
-                self._channel = grpc.insecure_channel(target, options=args)
-            else:
-                self._channel = grpc.secure_channel(target, credentials, options=args)
-            self._owns_channel = True
+            self._channel = grpc.secure_channel(self._target, self._credentials, options=self._options)
         self._generation = generation_pb2_grpc.GenerationStub(self._channel)
         self._adapters = adapters_pb2_grpc.AdaptersStub(self._channel)
         self._health = _channel.health_check(self._channel)
@@ -84,7 +63,7 @@ class Client:
         timeout: float | None,
         metadata: Metadata | None = None,
     ) -> _Response:
-        deadline = _channel.check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = self._deadline(timeout)
         try:
             return method(request, timeout=deadline, metadata=metadata or self._metadata)
         except grpc.RpcError as error:
@@ -117,10 +96,7 @@ class Client:
         response: generation_pb2.GenerateResponse = self._call(
             self._generation.Generate, request, timeout, _channel.with_adapter(self._metadata, opts.adapter_id)
         )
-        results = [_convert.to_generation(r, response.request_id) for r in response.results]
-        if len(results) != len(inputs):
-            raise RuntimeError(f"server answered {len(results)} results for {len(inputs)} prompts")
-        return results[0] if single else results
+        return _convert.generations_of(response, len(inputs), single=single)
 
     def stream(
         self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -132,7 +108,7 @@ class Client:
         """
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
-        deadline = _channel.check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = self._deadline(timeout)
         return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
 
     def _deltas(

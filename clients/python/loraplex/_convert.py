@@ -358,6 +358,16 @@ def _usage(message: generation_pb2.Usage) -> Usage:
     )
 
 
+def generations_of(
+    response: generation_pb2.GenerateResponse, prompts: int, *, single: bool
+) -> Generation | list[Generation]:
+    """The answer of ``generate``: one ``Generation`` per prompt, in order (``single``: just the one)."""
+    results = [to_generation(r, response.request_id) for r in response.results]
+    if len(results) != prompts:
+        raise RuntimeError(f"server answered {len(results)} results for {prompts} prompts")
+    return results[0] if single else results
+
+
 def to_generation(result: generation_pb2.GenerationResult, request_id: str) -> Generation:
     return Generation(
         text=result.text,
