@@ -18,7 +18,7 @@ from loraplex.v1 import generation_pb2 as pb
 
 from service.api import limits
 from service.config import Settings
-from service.engine.request import FinishReason, GenerationRequest, TokenEvent
+from service.engine.request import FinishReason, GenerationRequest, TokenEvent, check_max_new_tokens
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
 from service.tokenizer import Tokenizer
@@ -88,12 +88,7 @@ def precheck(message: pb.GenerateRequest | pb.GenerateStreamRequest, settings: S
     limits.check_generate(message, settings)
     request_id = request_id_of(message.request_id)
     max_new = _max_new_tokens(message.stopping, settings.max_new_tokens)
-    if not 0 < max_new <= settings.max_new_tokens:
-        raise InvalidRequest(
-            f"max_new_tokens must be in [1, {settings.max_new_tokens}], got {max_new}",
-            field="stopping.max_new_tokens",
-            limit=settings.max_new_tokens,
-        )
+    check_max_new_tokens(max_new, settings.max_new_tokens)
     inputs = len(message.inputs) if isinstance(message, pb.GenerateRequest) else 1
     logprobs = message.return_options.return_logprobs
     sampling = tuple(sampling_of(message.sampling, logprobs=logprobs, seed_offset=i) for i in range(inputs))
