@@ -125,10 +125,17 @@ KV_CACHE_USAGE = Gauge(
 # --- adapters ---------------------------------------------------------------------------------------------
 ADAPTER_LOAD_DURATION = Histogram(
     "loraplex_adapter_load_duration_seconds",
-    "Adapter load time by stage (index = registration, read, layout, total = request to resident) and by the "
-    "tier the bytes came from (disk, host).",
+    "Adapter load time by stage (index = registration, read, validate = the finiteness check of what was read, "
+    "layout, total = request to resident) and by the tier the bytes came from (disk, host).",
     ["stage", "tier"],
     buckets=LOAD_BUCKETS,
+    registry=REGISTRY,
+)
+ADAPTER_EVICTIONS_UNUSED = Counter(
+    "loraplex_adapter_evictions_unused_total",
+    "Adapters evicted from a tier before any request used them since their load: a working set thrashing the "
+    "tier (each is a wasted load; stays 0 while loads wait for room).",
+    ["tier"],
     registry=REGISTRY,
 )
 ADAPTER_CACHE_EVENTS = Counter(

@@ -40,7 +40,7 @@ from service.engine.request import (
 )
 from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
-from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
+from service.errors import AdapterNotFound, FailedPrecondition, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.medusa.heads import MedusaHeads
 from service.medusa.tree import DraftTree
 from service.model.kv_cache import KVCache
@@ -310,8 +310,8 @@ class Engine:
         try:
             kind = self.adapters.kind(adapter)
             row.lora = kind != "medusa"
-            if row.lora and not row.pinned:
-                row.pinned = store.request(adapter, pin=True)
+            if row.lora and not row.pinned:  # a load completing takes the row's pin for it (no eviction before)
+                row.pinned = store.request(adapter, pin=True, waiter=row.handle)
             heads_ready = kind == "lora" or medusa.request(adapter)
             error = (store.failure(adapter) if row.lora else None) or (
                 None if kind == "lora" else medusa.failure(adapter)
@@ -510,11 +510,12 @@ class Engine:
             for r in sub:
                 r.length += 1
             self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
+        self._fail_non_finite_paths(rows, logits, valid)
         predicted = logits.argmax(dim=-1).tolist()  # [B, T]
         last = [0] * len(rows)  # the node whose hidden state drafts next
         drafted = kept = 0
         for b, row in enumerate(rows):
-            if row.heads is None:
+            if row.heads is None or row.done:
                 continue
             path = tree.accept(fed[b], predicted[b], valid[b])
             a = len(path)
@@ -538,6 +539,13 @@ class Engine:
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at])  # state after the last kept token
 
     def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
+        if not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
+            keep = [b for b, ok in enumerate(finite.tolist()) if ok or not self._fail_non_finite(rows[b])]
+            rows = [rows[b] for b in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not rows:
+                return
         params = [r.request.sampling for r in rows]
         needs_history = any(p.repetition_penalty != 1.0 for p in params)
         result = self.sampler.sample(
@@ -547,6 +555,29 @@ class Engine:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         for i, r in enumerate(rows):
             self._emit(r, int(tokens[i]), None if logprobs is None else float(logprobs[i]))
+
+    def _fail_non_finite_paths(self, rows: Sequence[_Row], logits: torch.Tensor, valid: Sequence[int]) -> None:
+        """Fail the drafting rows whose verified nodes' logits [B, T, V] hold NaN or inf (plain rows of the step
+        are checked where they are sampled)."""
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
+        for b, row in enumerate(rows):
+            if row.heads is not None and not row.done and not all(finite[b][: valid[b]]):
+                self._fail_non_finite(row)
+
+    def _fail_non_finite(self, row: _Row) -> bool:
+        """End a row whose logits hold NaN or inf with an error naming its adapter (its K/V never poison its slot:
+        the model stores only finite values). True: the row is failed."""
+        adapter = row.request.adapter_id
+        what = f"adapter {adapter!r}" if adapter is not None else "the base model"
+        log.warning(
+            "event=non_finite_logits request=%s adapter=%s generated=%d", row.request.request_id, adapter, row.generated
+        )
+        error = FailedPrecondition(
+            f"the output of {what} became non-finite (NaN or inf logits) after {row.generated} generated tokens; "
+            "the request was stopped. Other requests are not affected; check the adapter's weights"
+        )
+        self._finish(row, FinishReason.ERROR, error=error)
+        return True
 
     def _emit(self, row: _Row, token: int, logprob: float | None) -> None:
         now = time.monotonic()
@@ -620,6 +651,8 @@ class Engine:
                 self.adapters.store.unpin(row.request.adapter_id)
             except LoraplexError:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
+        elif row.lora and self.adapters is not None and row.request.adapter_id is not None:
+            self.adapters.store.forget(row.request.adapter_id, row.handle)  # it waited: drop its claim on the load
         self._release(row.handle)
         metrics.ADAPTERS.generated(row.request.adapter_id, row.generated)
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
