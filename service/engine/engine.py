@@ -30,7 +30,14 @@ from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.governor import SpeculationGovernor
 from service.engine.prefix import PrefixCache
-from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
+from service.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    RequestHandle,
+    Sink,
+    TokenEvent,
+    check_max_new_tokens,
+)
 from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.errors import (
@@ -157,8 +164,7 @@ class Engine:
             raise InvalidRequest("the prompt is empty: give at least one token of text")
         if n > s.max_prompt_tokens:
             raise InvalidRequest(f"the prompt has {n} tokens; this server accepts at most {s.max_prompt_tokens}")
-        if not 0 < request.max_new_tokens <= s.max_new_tokens:
-            raise InvalidRequest(f"max_new_tokens must be in [1, {s.max_new_tokens}], got {request.max_new_tokens}")
+        check_max_new_tokens(request.max_new_tokens, s.max_new_tokens)
         if n >= s.max_total_tokens:
             raise InvalidRequest(
                 f"the prompt has {n} tokens; prompt + generated tokens must stay under {s.max_total_tokens}"
@@ -167,7 +173,6 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request.sampling.validate()
         if request.adapter_id is not None:
             if self.adapters is None:
                 raise AdapterNotFound(request.adapter_id)
