@@ -28,13 +28,20 @@ from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
-from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
+from service.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    RequestHandle,
+    Sink,
+    TokenEvent,
+    check_max_new_tokens,
+)
 from service.engine.row import Row
 from service.engine.runner import Runner
 from service.engine.sampling import make_generator
 from service.engine.scheduler import Scheduler, SchedulerLimits, StepPlan
 from service.engine.stops import StopMatcher
-from service.errors import AdapterNotFound, InvalidRequest, QueueFull, Unavailable
+from service.errors import AdapterNotFound, EngineStepFailed, InvalidRequest, QueueFull, Unavailable
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 from service.tokenizer import Tokenizer
@@ -132,8 +139,7 @@ class Engine:
             raise InvalidRequest("the prompt is empty: give at least one token of text")
         if n > s.max_prompt_tokens:
             raise InvalidRequest(f"the prompt has {n} tokens; this server accepts at most {s.max_prompt_tokens}")
-        if not 0 < request.max_new_tokens <= s.max_new_tokens:
-            raise InvalidRequest(f"max_new_tokens must be in [1, {s.max_new_tokens}], got {request.max_new_tokens}")
+        check_max_new_tokens(request.max_new_tokens, s.max_new_tokens)
         if n >= s.max_total_tokens:
             raise InvalidRequest(
                 f"the prompt has {n} tokens; prompt + generated tokens must stay under {s.max_total_tokens}"
@@ -142,7 +148,6 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request.sampling.validate()
         if request.adapter_id is None:
             if request.speculate:
                 raise InvalidRequest("speculate=true needs an adapter with Medusa heads (adapter_id is empty)")
@@ -250,11 +255,8 @@ class Engine:
         plan = self.scheduler.schedule(time.monotonic())
         try:
             self._execute(plan)
-        except Exception as exc:  # a bug in a forward pass: fail the batch, keep serving
-            running = self.scheduler.running
-            log.exception("engine step failed; failing %d running requests", len(running))
-            for row in running:
-                self.outputs.finish(row, FinishReason.ERROR, error=exc)
+        except Exception as exc:  # a bug or a device fault in a step: fail its rows, keep serving
+            self._recover(exc)
         self.scheduler.compact()
         self.outputs.publish()
         self._publish_state()
@@ -280,6 +282,31 @@ class Engine:
         # What the governor learns from: output tokens per second of each kind of step.
         tokens = sum(r.generated for r in rows) - before
         self.scheduler.governor.record(len(rows), speculative, time.perf_counter() - start, tokens)
+
+    def _recover(self, exc: Exception) -> None:
+        """After an exception escaped the runner: fail the rows of that step and reset what it may have half-written.
+
+        Only the running rows took part in the step; waiting rows stay queued. The failed rows' slots are zeroed up
+        to the last position the step could have written (prompt, length + drafts), so nothing half-computed, NaN
+        included, stays behind in a slot. The prefix cache and the LoRA tables outlive rows and cannot tell which of
+        their writes the step finished: the runner drops both (they are caches and refill from the next requests).
+        """
+        rows = list(self.scheduler.running)
+        shown = ",".join(r.request.request_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
+        log.error(
+            "event=engine_step_failed rows=%d request_ids=%s error=%s", len(rows), shown, type(exc).__name__,
+            exc_info=exc,
+        )  # fmt: skip
+        metrics.ENGINE_STEP_FAILURES.inc()
+        error = EngineStepFailed(
+            f"the engine step running this request failed ({type(exc).__name__}); it is safe to retry"
+        )
+        written = max((max(len(r.request.prompt_ids), r.length) + len(r.drafts) + 1 for r in rows), default=0)
+        for row in rows:
+            self.outputs.finish(row, FinishReason.ERROR, error=error)
+        self.scheduler.running.clear()
+        self.cache.clear(len(rows), written)
+        self.runner.reset()
 
     def _publish_state(self) -> None:
         self._steps += 1

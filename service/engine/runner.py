@@ -49,6 +49,14 @@ class Runner:
         self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self._trees: dict[int, DraftTree] = {}  # the draft tree per head count
 
+    def reset(self) -> None:
+        """Drop the caches that outlive rows (prefix blocks, LoRA tables): after a failed step they may be half
+        written; both refill from the next requests."""
+        self.prefix.clear()
+        metrics.PREFIX_CACHE_BLOCKS.set(0)
+        if self.tables is not None:
+            self.tables.clear()
+
     def _adapter_batch(self, rows: Sequence[Row], slot_start: int) -> AdapterBatch | None:
         if self._lookup is None or self.tables is None:
             return None

@@ -8,6 +8,7 @@ Public API::
     cache.write_index(slot_start, positions) -> Tensor   # where a step's K and V rows go in ``rows[layer]``
     cache.move(src_slot, dst_slot, length) -> None
     cache.keep_path(slot, start, path) -> None           # keep a verified draft path's K/V after ``start``
+    cache.clear(slots, length) -> None                   # zero positions [0, length) of slots [0, slots)
     cache.nbytes, cache.slots, cache.max_len, cache.dtype, cache.device
 
 The engine keeps its running requests compacted in slots ``0..n-1`` so that every forward pass reads one
@@ -81,6 +82,11 @@ class KVCache:
         if src_slot == dst_slot or length == 0:
             return
         self.data[:, :, dst_slot, :, :length] = self.data[:, :, src_slot, :, :length]  # [L, 2, n_kv, length, D]
+
+    def clear(self, slots: int, length: int) -> None:
+        """Zero positions ``[0, length)`` of slots ``[0, slots)`` (after a failed step: nothing half-written stays)."""
+        slots, length = min(max(slots, 0), self.slots), min(max(length, 0), self.max_len)
+        self.data[:, :, :slots, :, :length].zero_()  # [L, 2, slots, n_kv, length, D]
 
     def keep_path(self, slot: int, start: int, path: list[int]) -> None:
         """After a draft verification wrote tree node ``i`` of ``slot`` at position ``start + i``, keep the
