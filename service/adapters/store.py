@@ -1,18 +1,7 @@
 """The adapter store: registered adapters, a device tier and a host tier with byte budgets, and a loader thread.
 
-Public API::
-
-    AdapterStore(model_config, *, device, dtype, device_budget_bytes, host_budget_bytes, roots=(), max_open_files=64)
-        .register(adapter_id, path) -> AdapterInfo        config + safetensors header only
-        .unregister(adapter_id)                           FailedPrecondition while pinned
-        .get(adapter_id) -> AdapterInfo / .list() -> list[AdapterInfo] / .state() -> StoreState
-        .request(adapter_id, *, pin=False) -> bool        non-blocking; schedules a load when not resident
-        .failure(adapter_id) -> LoraplexError | None
-        .pin(adapter_id) / .unpin(adapter_id)
-        .layer(adapter_id, layer) -> LoraLayer | None     engine thread, in the forward: O(1), no allocation
-        .ensure(adapter_id, *, timeout=None)              blocking request (tests, CLI, warm-up; not the engine)
-        .close()
-    AdapterInfo, StoreState, AdapterState             (defined in service.adapters.types)
+The budget policy (LRU order, eviction) lives in ``service.adapters.tiers``; file reading and layout in
+``service.adapters.reader``; this module owns the lock, the registry, the engine protocol and the loader thread.
 
 Tiers. The *device tier* holds ``LoraLayer`` objects on the serving device in the serving dtype, ``lora_B``
 already scaled; the *host tier* holds the raw tensors as read from the file (pinned memory when serving on CUDA).
@@ -29,7 +18,7 @@ queued or loading queue nothing). The loader makes room on the device tier first
 resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's tensors with one
 ``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the device.
 The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights file and closes
-it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds that). Every read opens
+it again, so the store holds at most one descriptor at a time . Every read opens
 the file through ``integrity.open_verified`` (no symlink at the last component, its real path inside the roots,
 unchanged since it was indexed) and every tensor read is checked finite (``integrity.check_finite``; the ``validate``
 stage of the load metrics). A file changed since registration is indexed again, as a new registration would, then
@@ -61,17 +50,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from service import metrics
 from service.adapters.integrity import AdapterFileChanged, FileStamp, stamp
-from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, HostCopy, Loaded
+from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, Loaded
 from service.adapters.registry import AdapterSpec, index_adapter, plan_nbytes
+from service.adapters.tiers import Entry, Tiers
 from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, StoreState
 from service.errors import (
     AdapterNotFound,
@@ -89,45 +78,6 @@ log = logging.getLogger(__name__)
 
 RETRY_CHECK_SECONDS = 1.0  # a failed adapter's file is stat()ed at most this often, to retry it once it changed
 MAX_REVALIDATIONS = 2  # re-indexings of a file that keeps changing during one load before the load gives up
-
-
-@dataclass(eq=False)
-class _Entry:
-    spec: AdapterSpec
-    registered_at: float
-    host_nbytes: int  # size of the host-tier buffer (raw tensors, 64-byte aligned)
-    device_nbytes: int  # size of the device-tier buffer (laid out, serving dtype, 256-byte aligned)
-    host: HostCopy | None = None
-    device: tuple[LoraLayer | None, ...] | None = None  # indexed by layer
-    loading: bool = False
-    error: LoraplexError | None = None
-    failed_stamp: FileStamp | None = None  # the weights file when the load failed (None: it could not be stat()ed)
-    checked_at: float = 0.0  # monotonic time of the last look for a changed file of a failed adapter
-    revalidate: bool = False  # re-index the file before the next load (it changed since it was indexed)
-    revalidations: int = 0  # re-indexings during the current load (a file that keeps changing gives up)
-    pins: int = 0
-    waiters: set[object] = field(default_factory=set)  # requests waiting for its load, a pin to be taken for each
-    promised: set[object] = field(default_factory=set)  # waiters a pin was taken for at the load, not claimed yet
-    used: bool = True  # False from a load until a request gets it: evicting it then is thrash
-    hits: int = 0
-    last_used: float | None = None
-    loads: int = 0
-    disk_reads: int = 0
-    disk_bytes: int = 0
-    queued_at: float = 0.0
-    read_seconds: float = 0.0
-    layout_seconds: float = 0.0
-    total_seconds: float = 0.0
-
-    @property
-    def state(self) -> AdapterState:
-        if self.error is not None:
-            return "failed"
-        if self.loading:
-            return "loading"
-        if self.device is not None:
-            return "device"
-        return "host" if self.host is not None else "registered"
 
 
 class AdapterStore:
@@ -158,13 +108,8 @@ class AdapterStore:
         self._reader = AdapterReader(self.device, dtype, self.roots)  # used by the loader thread only
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._entries: dict[str, _Entry] = {}
-        self._device: dict[str, tuple[LoraLayer | None, ...]] = {}  # read without the lock by layer()
-        self._device_lru: OrderedDict[str, None] = OrderedDict()
-        self._host_lru: OrderedDict[str, None] = OrderedDict()
-        self._device_used = 0
-        self._device_reserved = 0  # room held for the load in progress
-        self._host_used = 0
+        self._entries: dict[str, Entry] = {}
+        self._tiers = Tiers(self._entries, device_budget_bytes, host_budget_bytes)
         self._disk_reads = 0
         self._disk_bytes = 0
         self._queue: deque[str] = deque()
@@ -185,7 +130,7 @@ class AdapterStore:
                 raise AlreadyExists(f"adapter {adapter_id!r} is already registered (unload it first)")
         spec = index_adapter(adapter_id, path, self.model_config, roots=self.roots)
         metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
-        entry = _Entry(
+        entry = Entry(
             spec=spec,
             registered_at=time.time(),
             host_nbytes=plan_nbytes(spec, None, HOST_ALIGN),
@@ -195,8 +140,8 @@ class AdapterStore:
             if adapter_id in self._entries:
                 raise AlreadyExists(f"adapter {adapter_id!r} is already registered (unload it first)")
             self._entries[adapter_id] = entry
-            self._publish()
-            return self._info(entry)
+            self._tiers.publish()
+            return entry.info()
 
     def unregister(self, adapter_id: str) -> None:
         """Forget an adapter and free its tiers. ``FailedPrecondition`` while running requests pin it."""
@@ -208,31 +153,31 @@ class AdapterStore:
                     "unload it after they finish or are cancelled"
                 )
             del self._entries[adapter_id]
-            self._drop_device(adapter_id, entry)
-            self._drop_host(adapter_id, entry)
+            self._tiers.drop_device(adapter_id, entry)
+            self._tiers.drop_host(adapter_id, entry)
             if adapter_id in self._queue:
                 self._queue.remove(adapter_id)
-            self._publish()
+            self._tiers.publish()
             self._cond.notify_all()
 
     def get(self, adapter_id: str) -> AdapterInfo:
         with self._lock:
-            return self._info(self._entry(adapter_id))
+            return self._entry(adapter_id).info()
 
     def list(self) -> list[AdapterInfo]:
         with self._lock:
-            return [self._info(e) for _, e in sorted(self._entries.items())]
+            return [e.info() for _, e in sorted(self._entries.items())]
 
     def state(self) -> StoreState:
         with self._lock:
             return StoreState(
-                adapters={k: self._info(e) for k, e in sorted(self._entries.items())},
-                device_bytes=self._device_used,
-                host_bytes=self._host_used,
+                adapters={k: e.info() for k, e in sorted(self._entries.items())},
+                device_bytes=self._tiers.device_used,
+                host_bytes=self._tiers.host_used,
                 device_budget_bytes=self.device_budget_bytes,
                 host_budget_bytes=self.host_budget_bytes,
-                device_lru=tuple(self._device_lru),
-                host_lru=tuple(self._host_lru),
+                device_lru=tuple(self._tiers.device_lru),
+                host_lru=tuple(self._tiers.host_lru),
                 queued=tuple(self._queue),
                 disk_reads=self._disk_reads,
                 disk_bytes=self._disk_bytes,
@@ -265,7 +210,7 @@ class AdapterStore:
                 elif pin:
                     entry.pins += 1
                 entry.waiters.discard(waiter)
-                self._touch(adapter_id, entry)
+                self._tiers.touch(adapter_id, entry)
                 metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="device").inc()
                 return True
             if entry.device_nbytes > self.device_budget_bytes and not entry.revalidate:
@@ -295,7 +240,7 @@ class AdapterStore:
                 entry.loading = False
                 self._cond.notify_all()
 
-    def _changed_since_failure(self, adapter_id: str, entry: _Entry) -> bool:
+    def _changed_since_failure(self, adapter_id: str, entry: Entry) -> bool:
         """Under the lock: whether a failed adapter's weights file changed since it failed (looked at no more
         often than ``RETRY_CHECK_SECONDS``). If so the failure is cleared and the next load re-indexes the file."""
         now = time.monotonic()
@@ -319,10 +264,10 @@ class AdapterStore:
                 return
             # Only into free room: evicting for a request that may wait in the queue a while could evict what
             # the running batch needs next; under pressure, admission (``request``) decides.
-            if self._device_used + self._device_reserved + entry.device_nbytes <= self.device_budget_bytes:
+            if self._tiers.device_used + self._tiers.device_reserved + entry.device_nbytes <= self.device_budget_bytes:
                 self._queue_load(adapter_id, entry)
 
-    def _queue_load(self, adapter_id: str, entry: _Entry) -> bool:
+    def _queue_load(self, adapter_id: str, entry: Entry) -> bool:
         """Under the lock: queue ``entry``'s load unless one is queued or running; True if it queued one."""
         if self._closed:
             raise Unavailable("the adapter store is closed")
@@ -346,7 +291,7 @@ class AdapterStore:
         with self._lock:
             entry = self._entry(adapter_id)
             entry.pins += 1
-            self._touch(adapter_id, entry)
+            self._tiers.touch(adapter_id, entry)
 
     def unpin(self, adapter_id: str) -> None:
         with self._cond:
@@ -354,7 +299,7 @@ class AdapterStore:
             if entry.pins == 0:
                 raise FailedPrecondition(f"adapter {adapter_id!r} is not pinned")
             entry.pins -= 1
-            self._touch(adapter_id, entry)
+            self._tiers.touch(adapter_id, entry)
             if entry.pins == 0:
                 self._cond.notify_all()  # a load waiting for room may proceed
 
@@ -362,7 +307,7 @@ class AdapterStore:
         """The device-tier weights of one layer (None: the adapter does not touch it). No lock, no allocation:
         valid only while the adapter is pinned."""
         try:
-            return self._device[adapter_id][layer]
+            return self._tiers.device[adapter_id][layer]
         except KeyError:
             raise FailedPrecondition(f"adapter {adapter_id!r} is not resident on the device tier") from None
 
@@ -419,7 +364,7 @@ class AdapterStore:
                 loaded = self._reader.load(entry.spec, host)
             except Exception as e:  # the loader must survive anything; the rows waiting get the error
                 with self._cond:
-                    self._device_reserved -= entry.device_nbytes
+                    self._tiers.device_reserved -= entry.device_nbytes
                 if isinstance(e, AdapterFileChanged):  # replaced or rewritten since it was indexed: index it again
                     log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
                     if entry.revalidations < MAX_REVALIDATIONS:
@@ -437,7 +382,7 @@ class AdapterStore:
                 self._commit(adapter_id, entry, loaded)
                 self._cond.notify_all()
 
-    def _fail_load(self, adapter_id: str, entry: _Entry, error: LoraplexError, seen: FileStamp | None) -> None:
+    def _fail_load(self, adapter_id: str, entry: Entry, error: LoraplexError, seen: FileStamp | None) -> None:
         """Outside the lock (its room already released): end a load in failure; ``seen`` is the file version it
         failed on (a later request retries once the file differs from it)."""
         with self._cond:
@@ -450,7 +395,7 @@ class AdapterStore:
             self._cond.notify_all()
         log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
 
-    def _revalidate(self, adapter_id: str, entry: _Entry) -> None:
+    def _revalidate(self, adapter_id: str, entry: Entry) -> None:
         """Outside the lock, holding no room: index a changed adapter folder again, as a new registration would.
         On success the entry takes the new index (and a new ``registered_at``: its weights, so its K/V, may
         differ) and its load is queued again at the front; otherwise the adapter fails with the new error."""
@@ -470,7 +415,7 @@ class AdapterStore:
             if self._entries.get(adapter_id) is not entry or self._closed:
                 self._cond.notify_all()
                 return
-            self._drop_host(adapter_id, entry)  # raw bytes of the old version
+            self._tiers.drop_host(adapter_id, entry)  # raw bytes of the old version
             entry.spec, entry.registered_at = spec, time.time()
             entry.host_nbytes = plan_nbytes(spec, None, HOST_ALIGN)
             entry.device_nbytes = device_nbytes
@@ -486,7 +431,7 @@ class AdapterStore:
             f"budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
         )
 
-    def _next_job(self) -> tuple[str, _Entry] | None:
+    def _next_job(self) -> tuple[str, Entry] | None:
         """Under the lock: the next adapter to load with device room reserved for it (waits as needed)."""
         while True:
             if self._closed:
@@ -502,16 +447,16 @@ class AdapterStore:
             if entry.revalidate:  # indexed again first; its load is queued anew with its new size
                 self._queue.popleft()
                 return adapter_id, entry
-            if not self._make_device_room(entry.device_nbytes, adapter_id):
+            if not self._tiers.make_device_room(entry.device_nbytes, adapter_id):
                 self._cond.wait()  # every resident adapter is pinned: wait for an unpin or unregister
                 continue
             self._queue.popleft()
-            self._device_reserved += entry.device_nbytes
+            self._tiers.device_reserved += entry.device_nbytes
             return adapter_id, entry
 
-    def _commit(self, adapter_id: str, entry: _Entry, loaded: Loaded) -> None:
+    def _commit(self, adapter_id: str, entry: Entry, loaded: Loaded) -> None:
         """Under the lock: publish a finished load (or drop it if the adapter was unregistered meanwhile)."""
-        self._device_reserved -= entry.device_nbytes
+        self._tiers.device_reserved -= entry.device_nbytes
         entry.loading = False
         if self._entries.get(adapter_id) is not entry:
             return
@@ -521,8 +466,8 @@ class AdapterStore:
         entry.waiters.clear()
         entry.used = False  # until a request gets it
         entry.device = loaded.layers
-        self._device[adapter_id] = loaded.layers
-        self._device_used += entry.device_nbytes
+        self._tiers.device[adapter_id] = loaded.layers
+        self._tiers.device_used += entry.device_nbytes
         entry.loads += 1
         entry.read_seconds, entry.layout_seconds, entry.total_seconds = (
             loaded.read_seconds,
@@ -538,16 +483,16 @@ class AdapterStore:
             metrics.ADAPTER_READ_BYTES.inc(loaded.bytes_read)
             metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="host").inc()
             metrics.ADAPTER_LOAD_DURATION.labels(stage="read", tier=tier).observe(loaded.read_seconds)
-            if self._make_host_room(loaded.host.nbytes, adapter_id):
+            if self._tiers.make_host_room(loaded.host.nbytes, adapter_id):
                 entry.host = loaded.host
-                self._host_used += loaded.host.nbytes
+                self._tiers.host_used += loaded.host.nbytes
         else:
             metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="host").inc()
         metrics.ADAPTER_LOAD_DURATION.labels(stage="layout", tier=tier).observe(loaded.layout_seconds)
         metrics.ADAPTER_LOAD_DURATION.labels(stage="total", tier=tier).observe(total)
         metrics.ADAPTERS.loaded(adapter_id, total)
-        self._touch(adapter_id, entry)
-        self._publish()
+        self._tiers.touch(adapter_id, entry)
+        self._tiers.publish()
         log.info(
             "event=adapter_loaded adapter=%s from=%s read_s=%.4f layout_s=%.4f total_s=%.4f bytes=%d",
             adapter_id,
@@ -558,104 +503,13 @@ class AdapterStore:
             entry.device_nbytes,
         )
 
-    # --- tiers (all under the lock) --------------------------------------------------------------------------
+    # --- state (under the lock) -----------------------------------------------------------------------------
 
-    def _entry(self, adapter_id: str) -> _Entry:
+    def _entry(self, adapter_id: str) -> Entry:
         entry = self._entries.get(adapter_id)
         if entry is None:
             raise AdapterNotFound(adapter_id)
         return entry
-
-    def _touch(self, adapter_id: str, entry: _Entry) -> None:
-        entry.last_used = time.time()
-        if entry.device is not None:
-            self._device_lru[adapter_id] = None
-            self._device_lru.move_to_end(adapter_id)
-        if entry.host is not None:
-            self._host_lru[adapter_id] = None
-            self._host_lru.move_to_end(adapter_id)
-
-    def _make_device_room(self, need: int, keep: str) -> bool:
-        """Evict least recently used unpinned adapters until ``need`` more bytes fit; False if they cannot."""
-        while self._device_used + self._device_reserved + need > self.device_budget_bytes:
-            victim = next((k for k in self._device_lru if k != keep and not self._held(self._entries[k])), None)
-            if victim is None:
-                return False
-            if not self._entries[victim].used:
-                metrics.ADAPTER_EVICTIONS_UNUSED.labels(tier="device").inc()
-                log.warning("event=adapter_evicted_unused tier=device adapter=%s", victim)
-            self._drop_device(victim, self._entries[victim])
-            metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="device").inc()
-            metrics.ADAPTERS.evicted(victim, "device")
-            log.info("event=adapter_evicted tier=device adapter=%s", victim)
-        return True
-
-    @staticmethod
-    def _held(entry: _Entry) -> bool:
-        """Pinned by a running request, or for a waiting one that has not claimed it yet."""
-        return entry.pins > 0 or bool(entry.promised)
-
-    def _make_host_room(self, need: int, keep: str) -> bool:
-        if need > self.host_budget_bytes:
-            return False
-        while self._host_used + need > self.host_budget_bytes:
-            victim = next(k for k in self._host_lru if k != keep)
-            self._drop_host(victim, self._entries[victim])
-            metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="host").inc()
-            metrics.ADAPTERS.evicted(victim, "host")
-            log.info("event=adapter_evicted tier=host adapter=%s", victim)
-        return True
-
-    def _drop_device(self, adapter_id: str, entry: _Entry) -> None:
-        if entry.device is not None:
-            self._device.pop(adapter_id, None)
-            self._device_lru.pop(adapter_id, None)
-            self._device_used -= entry.device_nbytes
-            entry.device = None
-            self._publish()
-
-    def _drop_host(self, adapter_id: str, entry: _Entry) -> None:
-        if entry.host is not None:
-            self._host_lru.pop(adapter_id, None)
-            self._host_used -= entry.host.nbytes
-            entry.host = None
-            self._publish()
-
-    def _publish(self) -> None:
-        metrics.ADAPTERS_REGISTERED.set(len(self._entries))
-        metrics.ADAPTER_RESIDENT.labels(tier="device").set(len(self._device_lru))
-        metrics.ADAPTER_RESIDENT.labels(tier="host").set(len(self._host_lru))
-        metrics.ADAPTER_RESIDENT_BYTES.labels(tier="device").set(self._device_used)
-        metrics.ADAPTER_RESIDENT_BYTES.labels(tier="host").set(self._host_used)
-
-    def _info(self, e: _Entry) -> AdapterInfo:
-        spec = e.spec
-        return AdapterInfo(
-            id=spec.id,
-            source=spec.source,
-            kind="lora",
-            rank=spec.max_rank,
-            ranks=spec.module_ranks(),
-            alpha=spec.config.lora_alpha,
-            target_modules=spec.modules,
-            rslora=spec.config.use_rslora,
-            layers=spec.layers,
-            state=e.state,
-            host_bytes=e.host.nbytes if e.host is not None else 0,
-            device_bytes=e.device_nbytes if e.device is not None else 0,
-            hits=e.hits,
-            last_used=e.last_used,
-            registered_at=e.registered_at,
-            pins=e.pins + len(e.promised),
-            loads=e.loads,
-            disk_reads=e.disk_reads,
-            disk_bytes=e.disk_bytes,
-            index_seconds=spec.index_seconds,
-            read_seconds=e.read_seconds,
-            layout_seconds=e.layout_seconds,
-            total_seconds=e.total_seconds,
-            error=str(e.error) if e.error is not None else None,
-        )
 
 
 def _stamp_or_none(file: Path) -> FileStamp | None:
