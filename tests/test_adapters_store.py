@@ -646,3 +646,31 @@ def test_cuda_tiers(cfg: ModelConfig, base: Path, adapters: dict[str, Path]) -> 
                 torch.testing.assert_close(mod.b.float().cpu(), ref[(layer, m)][1], rtol=1e-2, atol=2e-2)
         entry = store._entries["r"]
         assert entry.host is not None and entry.host.buffer.is_pinned()
+
+
+def test_a_resolved_adapter_object_pins_on_readiness_and_releases_its_pin(
+    make_store: Callable[..., AdapterStore], adapters: dict[str, Path]
+) -> None:
+    from service.adapters.handle import Adapter
+
+    store = make_store()
+    store.register("a", adapters["a"])
+    first, second = Adapter("a", store, None), Adapter("a", store, None)
+    assert first.has_lora and not first.has_heads and not first.ready()
+    first.load()  # queues the load; the pin is taken for it when the load completes
+    deadline = time.monotonic() + 30
+    while not first.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+        first.load()
+    assert first.ready() and first.pinned and first.failure() is None
+    assert store.get("a").pins == 1 and first.kv_key() == ("a", store.get("a").registered_at)
+    second.load()  # resident: pinned at once
+    assert second.ready() and store.get("a").pins == 2
+    first.release()
+    first.release()  # a second release gives nothing back twice
+    assert store.get("a").pins == 1 and not first.pinned
+    second.release()
+    assert store.get("a").pins == 0
+    waiting = Adapter("a", store, None)
+    waiting.release()  # never pinned: drops only its claim
+    assert store.get("a").pins == 0

@@ -213,3 +213,21 @@ def test_cuda_matches_the_cpu_reference(tiny_llama_dir: Path, dtype: torch.dtype
         assert _max_diff(out, ref) < 1e-3  # TF32 may be on for the CUDA matmuls
     else:
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_kv_cache_keep_path_moves_only_the_accepted_nodes(tiny_llama_dir: Path) -> None:
+    cfg = load_ours(tiny_llama_dir).cfg
+    cache = KVCache(cfg, 2, 16, dtype=torch.float32, device=CPU)
+    for pos in range(16):
+        cache.data[:, :, 1, :, pos] = float(pos)  # slot 1: every position holds its own number
+    before = cache.data.clone()
+    cache.keep_path(1, 4, [1, 2])  # already in place: nothing moves
+    assert torch.equal(cache.data, before)
+    cache.keep_path(1, 4, [2, 5])  # tree nodes 2 and 5 (positions 6, 9) become positions 5, 6
+    got = cache.data[0, 0, 1, 0, :, 0].tolist()
+    assert got[:5] == [0, 1, 2, 3, 4] and got[5:7] == [6.0, 9.0] and got[7:] == list(range(7, 16))
+    assert torch.equal(cache.data[:, :, 0], before[:, :, 0])  # other slots untouched
+    with pytest.raises(ValueError):
+        cache.keep_path(1, 14, [3])
+    cache.clear(2, 6)
+    assert not cache.data[:, :, :2, :, :6].any() and cache.data[0, 0, 1, 0, 6, 0] == 9.0  # past length: kept
