@@ -1,9 +1,15 @@
-"""Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`."""
+"""Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
+
+Factories: `tiny_llama_factory` (tiny random Llama folders), `tiny_server` (a started `BackgroundServer` over the
+tiny served model with `helpers.TEST_SETTINGS`, closed at teardown), `free_port`. Plain helpers live in
+`helpers.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +74,27 @@ def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path)
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture
+def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
+    """``start(**settings) -> BackgroundServer``: a started server over ``served_tiny_dir`` (or ``model=``) with
+    `helpers.tiny_settings` defaults and these overrides; every server it started is stopped at teardown."""
+    from helpers import tiny_settings
+
+    from service.api.server import BackgroundServer
+
+    with ExitStack() as stack:
+
+        def start(*, model: Path = served_tiny_dir, load: bool = True, **overrides: object) -> BackgroundServer:
+            return stack.enter_context(BackgroundServer(tiny_settings(model, **overrides), load=load))
+
+        yield start
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    from helpers import free_port as pick
+
+    return pick()

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import tiny_settings
+from helpers_metrics import write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics_exposition import write_live_adapters
 
 from service import metrics
 from service.api.server import BackgroundServer
@@ -76,9 +77,8 @@ def capped_scrape(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactor
     for name in ("a", "b", "c", "d"):
         shutil.copytree(root / "lora", root / name)
     shutil.rmtree(root / "lora")
-    settings = Settings(
-        model=served_tiny_dir,
-        port=0,
+    settings = tiny_settings(
+        served_tiny_dir,
         metrics_port=0,
         max_batch_size=4,
         max_prompt_tokens=64,

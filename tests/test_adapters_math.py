@@ -6,21 +6,18 @@ modules on one, ``layers_to_transform`` on one. A mixed batch of them plus base-
 give, row by row, the logits of peft with that adapter alone (fp32, 1e-4) and the same greedy tokens.
 
 ``LoraLayer`` objects are built here from the safetensors files with ``safetensors.torch.load_file`` and the
-scaling applied by hand (``peft_lora_layers``), independently of the adapter store.
+scaling applied by hand (``adapter_files.peft_lora_layers``), independently of the adapter store.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from adapter_files import load_peft_model, write_peft_adapter
+from adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
 from tiny_models import load_ours
 
 from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode
@@ -29,7 +26,6 @@ from service.errors import InvalidAdapter
 from service.model import KVCache, Llama
 
 CPU = torch.device("cpu")
-KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
 # name -> write_peft_adapter arguments
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -51,41 +47,6 @@ ADAPTERS: dict[str, dict[str, Any]] = {
         "seed": 4,
     },
 }
-
-
-def peft_lora_layers(folder: Path, *, dtype: torch.dtype = torch.float32) -> dict[int, LoraLayer]:
-    """layer -> LoraLayer from a PEFT folder: B scaled by alpha/r (alpha/sqrt(r) with rsLoRA), patterns applied."""
-    from safetensors.torch import load_file
-
-    config = json.loads((folder / "adapter_config.json").read_text())
-    tensors = load_file(folder / "adapter_model.safetensors")
-    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = KEY.match(key)
-        assert match is not None, key
-        full, layer, module, side = match.groups()
-        pairs.setdefault((int(layer), module, full), {})[side] = tensor
-    layers: dict[int, dict[str, LoraModule]] = {}
-    for (layer, module, full), ab in pairs.items():
-        rank = ab["A"].shape[0]
-        alpha = config["lora_alpha"]
-        for pattern, value in config.get("alpha_pattern", {}).items():  # peft's get_pattern_key: first match
-            if re.match(rf"(.*\.)?({pattern})$", full):
-                alpha = value
-                break
-        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        layers.setdefault(layer, {})[module] = LoraModule(a=ab["A"].to(dtype), b=(ab["B"] * scaling).to(dtype))
-    return {
-        layer: LoraLayer(modules, sum(m.a.nbytes + m.b.nbytes for m in modules.values()))
-        for layer, modules in layers.items()
-    }
-
-
-def lookup_for(adapters: Mapping[str, Mapping[int, LoraLayer]]) -> Callable[[str, int], LoraLayer | None]:
-    def lookup(adapter_id: str, layer: int) -> LoraLayer | None:
-        return adapters[adapter_id].get(layer)
-
-    return lookup
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -24,24 +23,16 @@ from typing import Any
 
 import grpc
 import pytest
+from helpers import free_port, tiny_settings
+from helpers_metrics import load_dashboard, panels, write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from test_dashboard import load, panels
-from test_metrics_exposition import write_live_adapters
 
 from service.api.server import BackgroundServer
-from service.config import Settings
 
 SCRAPE = "500ms"
 RATE_INTERVAL = "1m"  # covers both traffic rounds
 RANGE = "10m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def prometheus_binary() -> str:
@@ -143,9 +134,8 @@ def prometheus(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     root = write_live_adapters(tmp_path_factory.mktemp("prom_adapters"), served_tiny_dir)
     shutil.copytree(root / "lora", root / "other_lora")
     one_lora = sum(f.stat().st_size for f in (root / "lora").glob("*.safetensors"))
-    settings = Settings(
-        model=served_tiny_dir,
-        port=0,
+    settings = tiny_settings(
+        served_tiny_dir,
         metrics_port=0,
         max_batch_size=4,
         max_prompt_tokens=64,
@@ -187,7 +177,7 @@ def has_data(result: list[dict[str, Any]]) -> bool:
 
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
-    return [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in panels(load()) for t in p["targets"]]
+    return [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in panels(load_dashboard()) for t in p["targets"]]
 
 
 @pytest.mark.slow
@@ -201,7 +191,7 @@ def test_every_dashboard_query_has_data(prometheus: Prometheus) -> None:
 
 @pytest.mark.slow
 def test_variables_have_values(prometheus: Prometheus) -> None:
-    for var in load()["templating"]["list"]:
+    for var in load_dashboard()["templating"]["list"]:
         if var["type"] != "query":
             continue
         metric, label = var["query"]["query"].removeprefix("label_values(").rstrip(")").split(", ")

@@ -4,7 +4,6 @@ streams finish -> exit 0 within the grace period."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,17 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import free_port
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 GRACE = 30.0
 NEW_TOKENS = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def health(channel: grpc.Channel) -> int:
