@@ -54,14 +54,18 @@ def stream_req(text: str, n: int = 16, **kw: object) -> pb.GenerateStreamRequest
 
 
 def as_stream(r: pb.GenerateRequest) -> pb.GenerateStreamRequest:
-    """The same request for GenerateStream: its first input (or an empty one), adapter, sampling, stopping, id."""
-    return pb.GenerateStreamRequest(
+    """The same request for GenerateStream: its first input (or an empty one), adapter, sampling, stopping, id,
+    speculate."""
+    stream = pb.GenerateStreamRequest(
         input=r.inputs[0] if r.inputs else pb.Input(),
         adapter_id=r.adapter_id,
         sampling=r.sampling,
         stopping=r.stopping,
         request_id=r.request_id,
     )
+    if r.HasField("speculate"):
+        stream.speculate = r.speculate
+    return stream
 
 
 def free_ports(n: int) -> list[int]:
