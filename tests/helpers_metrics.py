@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.server import BackgroundServer
+from service.config import Settings
 from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
 
@@ -82,18 +83,30 @@ def write_live_adapters(root: Path, model_dir: Path) -> Path:
     return root
 
 
+def live_metrics_settings(model_dir: Path, adapter_dir: Path, **overrides: object) -> Settings:
+    """A server with /metrics on a free port and the adapters under ``adapter_dir``; long generations allowed (so a
+    client deadline can pass mid-generation)."""
+    limits: dict[str, object] = {"max_batch_size": 4, "max_prompt_tokens": 64, "max_new_tokens": 900}
+    return tiny_settings(
+        model_dir, metrics_port=0, max_total_tokens=1000, adapter_dirs=(adapter_dir,), **{**limits, **overrides}
+    )
+
+
+def speculate_once(stub: pb_grpc.GenerationStub) -> pb.GenerateResponse:
+    """A greedy 16-token generation with the Medusa heads of ``write_live_adapters``: drafts proposed and verified."""
+    request = pb.GenerateRequest(
+        inputs=[pb.Input(text="Speculate")],
+        adapter_id="medusa",
+        speculate=True,
+        stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True),
+    )
+    return stub.Generate(request, timeout=60)
+
+
 def scrape_live_server(model_dir: Path, adapter_dir: Path) -> str:
     """Start a server on free ports with the adapters under ``adapter_dir`` (see ``write_live_adapters``), send
     base-model, LoRA (cold, then warm) and speculative (Medusa, greedy) traffic, return its /metrics text."""
-    settings = tiny_settings(
-        model_dir,
-        metrics_port=0,
-        max_batch_size=4,
-        max_queue=8,
-        max_new_tokens=32,
-        max_total_tokens=256,
-        adapter_dirs=(adapter_dir,),
-    )
+    settings = live_metrics_settings(model_dir, adapter_dir)
     stopping = pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True)
     with BackgroundServer(settings) as srv:
         assert srv.server is not None and srv.server.metrics_port is not None
@@ -115,16 +128,7 @@ def scrape_live_server(model_dir: Path, adapter_dir: Path) -> str:
                     timeout=60,
                 )
                 assert lora.results[0].usage.generated_tokens == 6
-            spec = stub.Generate(
-                pb.GenerateRequest(
-                    inputs=[pb.Input(text="Speculate")],
-                    adapter_id="medusa",
-                    speculate=True,
-                    stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True),
-                ),
-                timeout=60,
-            )
-            assert spec.results[0].usage.generated_tokens == 16
+            assert speculate_once(stub).results[0].usage.generated_tokens == 16
         url = f"http://{settings.metrics_host}:{srv.server.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             body: str = response.read().decode()

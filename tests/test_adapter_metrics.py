@@ -15,8 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import tiny_settings
-from helpers_metrics import write_live_adapters
+from helpers_metrics import live_metrics_settings, write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -77,17 +76,7 @@ def capped_scrape(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactor
     for name in ("a", "b", "c", "d"):
         shutil.copytree(root / "lora", root / name)
     shutil.rmtree(root / "lora")
-    settings = tiny_settings(
-        served_tiny_dir,
-        metrics_port=0,
-        max_batch_size=4,
-        max_prompt_tokens=64,
-        max_new_tokens=900,
-        max_total_tokens=1000,
-        adapter_dirs=(root,),
-        metrics_adapter_series=2,
-        speculate_adaptive=False,
-    )
+    settings = live_metrics_settings(served_tiny_dir, root, metrics_adapter_series=2, speculate_adaptive=False)
     stopping = pb.StoppingCriteria(max_new_tokens=5, ignore_eos=True)
     with BackgroundServer(settings) as srv:
         assert srv.server is not None and srv.server.metrics_port is not None

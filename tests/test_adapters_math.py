@@ -11,7 +11,7 @@ scaling applied by hand (``adapter_files.peft_lora_layers``), independently of t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,27 @@ def run_ours(
     return model.logits(model(tokens, positions, cache, slot_start, adapters=batch))
 
 
+Step = Callable[..., int]
+
+
+def table_walker(setup: dict[str, Any], rows: int, seed: int, counter: str, mode: Mode) -> tuple[LoraTables, Step]:
+    """``(tables, step)``: ``step(row_adapters, adapters=layers)`` runs a prefill of ``rows`` seeded 4-token prompts
+    with one LoraTables kept across steps, checks it against fresh per-slot tables (exactly in ``slots`` mode, to
+    float tolerance otherwise) and returns how much ``tables.stats.<counter>`` grew."""
+    model, layers = setup["model"], setup["layers"]
+    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(3, model.cfg.vocab_size, (rows, 4), generator=torch.Generator().manual_seed(seed))
+    tol = {"rtol": 0.0, "atol": 0.0} if mode == "slots" else {"rtol": 1e-5, "atol": 1e-4}
+
+    def step(row_adapters: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
+        before = getattr(tables.stats, counter)
+        got = run_ours(model, tokens, row_adapters, adapters, tables, mode=mode)
+        torch.testing.assert_close(got, run_ours(model, tokens, row_adapters, adapters, mode="slots"), **tol)
+        return int(getattr(tables.stats, counter) - before)
+
+    return tables, step
+
+
 ROWS: list[str | None] = ["qv", None, "all_rs", "mlp_l1", "regex", "qv", None]
 
 
@@ -153,17 +174,8 @@ def test_greedy_decode_matches_peft(setup: dict[str, Any], mode: Mode) -> None:
 
 def test_slots_rewrite_only_what_changed(setup: dict[str, Any]) -> None:
     """Walk one LoraTables through row changes; after each step it must equal a fresh table and count its copies."""
-    model, layers = setup["model"], setup["layers"]
-    n_layers = model.cfg.num_layers
-    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
-    tokens = torch.randint(3, model.cfg.vocab_size, (4, 4), generator=torch.Generator().manual_seed(3))
-
-    def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
-        before = slots.stats.slot_writes
-        got = run_ours(model, tokens, rows, adapters, slots, mode="slots")
-        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters, mode="slots"), rtol=0, atol=0)
-        return slots.stats.slot_writes - before
-
+    layers, n_layers = setup["layers"], setup["model"].cfg.num_layers
+    slots, step = table_walker(setup, rows=4, seed=3, counter="slot_writes", mode="slots")
     assert step(["qv", "qv", None, "all_rs"]) == 3 * n_layers  # the base-only row's slot stays zeros
     assert slots.layouts()[(0, "wqkv")] == {"q_proj": 8, "k_proj": 8, "v_proj": 8}
     assert step(["qv", "qv", None, "all_rs"]) == 0
@@ -208,17 +220,8 @@ def test_delta_columns_and_none(setup: dict[str, Any], mode: Mode) -> None:
 
 def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str, Any]) -> None:
     """Walk the shared layout through steps; each result must equal the per-slot one, and count its rebuilds."""
-    model, layers = setup["model"], setup["layers"]
-    n_layers = model.cfg.num_layers
-    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
-    tokens = torch.randint(3, model.cfg.vocab_size, (8, 4), generator=torch.Generator().manual_seed(6))
-
-    def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
-        before = tables.stats.shared_builds
-        got = run_ours(model, tokens, rows, adapters, tables)  # auto
-        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters, mode="slots"), rtol=1e-5, atol=1e-4)
-        return tables.stats.shared_builds - before
-
+    layers, n_layers = setup["layers"], setup["model"].cfg.num_layers
+    tables, step = table_walker(setup, rows=8, seed=6, counter="shared_builds", mode="auto")
     assert step(["qv"] * 8) == n_layers  # one adapter: shared
     assert tables.layouts() == {}  # no per-slot table was needed
     assert step(["qv"] * 8) == 0

@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import free_port, tiny_settings
-from helpers_metrics import load_dashboard, panels, write_live_adapters
+from helpers import free_port
+from helpers_metrics import live_metrics_settings, load_dashboard, panels, speculate_once, write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
@@ -107,15 +107,7 @@ def traffic(stub: pb_grpc.GenerationStub) -> None:
     list(stub.GenerateStream(pb.GenerateStreamRequest(input=pb.Input(text="Count"), stopping=short), timeout=60))
     for adapter in ("lora", "lora", "other_lora", "lora"):
         stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="A")], adapter_id=adapter, stopping=short), timeout=60)
-    stub.Generate(
-        pb.GenerateRequest(
-            inputs=[pb.Input(text="Speculate")],
-            adapter_id="medusa",
-            speculate=True,
-            stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True),
-        ),
-        timeout=60,
-    )
+    speculate_once(stub)
     with pytest.raises(grpc.RpcError) as missing:
         stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="A")], adapter_id="nope", stopping=short), timeout=60)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
@@ -134,14 +126,9 @@ def prometheus(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     root = write_live_adapters(tmp_path_factory.mktemp("prom_adapters"), served_tiny_dir)
     shutil.copytree(root / "lora", root / "other_lora")
     one_lora = sum(f.stat().st_size for f in (root / "lora").glob("*.safetensors"))
-    settings = tiny_settings(
+    settings = live_metrics_settings(
         served_tiny_dir,
-        metrics_port=0,
-        max_batch_size=4,
-        max_prompt_tokens=64,
-        max_new_tokens=900,
-        max_total_tokens=1000,
-        adapter_dirs=(root,),
+        root,
         adapter_device_budget_bytes=one_lora * 3 // 2,  # one LoRA fits, two do not: loads evict
         adapter_host_budget_bytes=one_lora * 3 // 2,
     )

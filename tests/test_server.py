@@ -175,21 +175,18 @@ def test_health_transitions_and_reflection(tiny_server: Callable[..., Background
     with grpc.insecure_channel(srv.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         gen = pb_grpc.GenerationStub(channel)
-        service = "loraplex.v1.Generation"
-        assert (
-            health.Check(health_pb2.HealthCheckRequest(service=service)).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+
+        def status(service: str = "loraplex.v1.Generation") -> int:
+            return int(health.Check(health_pb2.HealthCheckRequest(service=service)).status)
+
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as err:
             gen.Generate(text_req("too early", 2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert srv.server is not None
         srv.call(srv.server.load())
-        assert (
-            health.Check(health_pb2.HealthCheckRequest(service=service)).status
-            == health_pb2.HealthCheckResponse.SERVING
-        )
-        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        assert status("") == health_pb2.HealthCheckResponse.SERVING
 
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
@@ -202,10 +199,7 @@ def test_health_transitions_and_reflection(tiny_server: Callable[..., Background
         drained = threading.Thread(target=srv.call, args=(srv.server.drain(5.0),))
         drained.start()
         time.sleep(0.02)
-        assert (
-            health.Check(health_pb2.HealthCheckRequest(service=service)).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as refused:
             gen.Generate(text_req("too late", 2))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
