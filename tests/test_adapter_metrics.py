@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -159,22 +160,20 @@ def test_per_adapter_requests_tokens_and_latency(capped_scrape: Samples) -> None
 
 
 @pytest.mark.slow
-def test_demo_adapters_get_their_own_series(smollm2_dir: Path) -> None:
+def test_demo_adapters_get_their_own_series(tiny_server: Callable[..., BackgroundServer], smollm2_dir: Path) -> None:
     """The image's demo adapters on the real SmolLM2, as the Kubernetes base serves them (--adapter-dir)."""
     demo = Path(__file__).resolve().parent.parent / "adapters" / "demo"
-    settings = Settings(model=smollm2_dir, port=0, metrics_port=0, max_batch_size=2, adapter_dirs=(demo,))
     ids = sorted(p.name for p in demo.iterdir() if p.is_dir())
     assert ids == ["caps", "medusa", "terse"]
     stopping = pb.StoppingCriteria(max_new_tokens=3, ignore_eos=True)
-    with BackgroundServer(settings) as srv:
-        assert srv.server is not None and srv.server.metrics_port is not None
-        with grpc.insecure_channel(srv.target) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            for adapter in ids:
-                stub.Generate(
-                    pb.GenerateRequest(inputs=[pb.Input(text="Hi")], adapter_id=adapter, stopping=stopping), timeout=120
-                )
-        samples = scrape(srv.server.metrics_port)
+    srv = tiny_server(model=smollm2_dir, metrics_port=0, max_batch_size=2, adapter_dirs=(demo,))
+    assert srv.server is not None and srv.server.metrics_port is not None
+    with grpc.insecure_channel(srv.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for adapter in ids:
+            request = pb.GenerateRequest(inputs=[pb.Input(text="Hi")], adapter_id=adapter, stopping=stopping)
+            stub.Generate(request, timeout=120)
+    samples = scrape(srv.server.metrics_port)
     for adapter in ids:
         assert value(samples, "loraplex_adapter_requests_total", adapter=adapter, code="OK") == 1, adapter
         assert value(samples, "loraplex_adapter_generated_tokens_total", adapter=adapter) == 3, adapter

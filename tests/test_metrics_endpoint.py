@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
-from helpers import tiny_settings
 from helpers_metrics import scrape, value
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
@@ -13,9 +12,9 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from service.api.server import BackgroundServer
 
 
-def test_metrics_after_traffic(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir, metrics_port=0)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_metrics_after_traffic(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(metrics_port=0)
+    with grpc.insecure_channel(srv.target) as channel:
         assert srv.server is not None and srv.server.metrics_port
         before = scrape(srv.server.metrics_port)
         stub = pb_grpc.GenerationStub(channel)
