@@ -13,7 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
@@ -27,8 +26,8 @@ def health(channel: grpc.Channel) -> int:
 
 
 @pytest.fixture
-def serving(served_tiny_dir: Path) -> tuple[subprocess.Popen[str], str]:
-    port = free_port()
+def serving(served_tiny_dir: Path, free_port: int) -> tuple[subprocess.Popen[str], str]:
+    port = free_port
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", str(port)]
     cmd += ["--metrics-port", "-1", "--grace-seconds", str(GRACE), "--max-total-tokens", "1024"]
     cmd += ["--max-prompt-tokens", "256", "--max-batch-size", "8"]
