@@ -12,7 +12,7 @@ SERVE_ARGS ?=
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps model serve test test-fast lint typecheck check proto bench-load bench-serve bench-adapters bench-medusa clean distclean
+.PHONY: setup system-deps model serve test test-fast lint typecheck check proto fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak clean distclean
 
 ## setup: create .venv and install the server, the client package, fetch-model's converter and the dev tools (idempotent)
 setup: $(VENV)/.installed
@@ -58,6 +58,10 @@ check: lint typecheck test
 proto: setup
 	$(PY) scripts/gen_proto.py
 
+## fuzz-long: the property-based fuzzers with 10,000 examples per target (make test runs 200; see bench/README.md)
+fuzz-long: setup model
+	LORAPLEX_FUZZ=long $(PY) -m pytest -p no:cacheprovider tests/test_fuzz_*.py --hypothesis-show-statistics $(PYTEST_ARGS)
+
 ## bench-load: streamed loader vs safetensors / transformers (see bench/README.md)
 bench-load: setup model
 	$(PY) bench/load.py
@@ -73,6 +77,14 @@ bench-adapters: setup model
 ## bench-medusa: Medusa speculation (chain, tree, adaptive) vs plain decoding in the engine (see bench/README.md)
 bench-medusa: setup model
 	$(PY) bench/medusa.py --json bench/results/medusa.json
+
+## bench-loadgen: 60 s of mixed-adapter streaming above capacity (see bench/README.md, "Load and soak")
+bench-loadgen: setup model
+	$(PY) bench/loadgen.py --duration 60 --json bench/results/loadgen-load.json
+
+## bench-soak: 10 min with adapter churn under a device budget a third of the adapters' size
+bench-soak: setup model
+	$(PY) bench/loadgen.py --soak 600 --json bench/results/loadgen-soak.json
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache bench/.work

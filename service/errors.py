@@ -4,8 +4,14 @@ Internal code raises these; the API edge (``service.api``) maps each to its gRPC
 ``status`` attribute, so the mapping lives in one place and nothing below the servicer imports grpc.
 An exception that is not a ``LoraplexError`` reaching the edge is a bug and becomes INTERNAL.
 
+Each error also carries its structured fields (``InvalidRequest.field`` / ``limit``, ``AdapterNotFound.adapter_id``,
+``CheckpointError.file`` / ``tensor``): ``reason`` (the class name in UPPER_SNAKE) and ``details()`` are what the
+edge sends as a ``google.rpc.ErrorInfo`` (domain ``DOMAIN``), so clients read them without parsing the message.
+Every value in ``details()`` is cut by ``shorten``.
+
     LoraplexError                     status
     ├── InvalidRequest                INVALID_ARGUMENT
+    │   └── MalformedRequest          the request bytes are not a valid protobuf message
     ├── NotFound                      NOT_FOUND
     │   └── AdapterNotFound
     ├── AlreadyExists                 ALREADY_EXISTS
@@ -16,6 +22,7 @@ An exception that is not a ``LoraplexError`` reaching the edge is a bug and beco
     ├── PermissionDenied              PERMISSION_DENIED
     ├── Unauthenticated               UNAUTHENTICATED
     ├── DeadlineExceeded              DEADLINE_EXCEEDED
+    ├── EngineStepFailed              INTERNAL (an exception escaped an engine step; logged there, once)
     └── CheckpointError               INVALID_ARGUMENT (bad files: the caller's input)
         ├── HeaderError               a safetensors header violates the format
         ├── ShardError                a sharded folder's index is inconsistent
@@ -25,9 +32,12 @@ An exception that is not a ``LoraplexError`` reaching the edge is a bug and beco
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 SHORTEN_CHARS = 200
+DOMAIN = "loraplex"
+"""``google.rpc.ErrorInfo.domain`` of every error the server reports."""
 
 
 def shorten(text: object, n: int = SHORTEN_CHARS) -> str:
@@ -38,14 +48,43 @@ def shorten(text: object, n: int = SHORTEN_CHARS) -> str:
     return s if len(s) <= n else f"{s[:n]}...[{len(s) - n} more characters]"
 
 
+def _upper_snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).upper()
+
+
 class LoraplexError(Exception):
-    """Base class. ``status`` is the name of a ``grpc.StatusCode`` member."""
+    """Base class. ``status`` is the name of a ``grpc.StatusCode`` member; ``fields`` names the attributes that
+    ``details()`` reports (those that are not None)."""
 
     status = "INTERNAL"
+    fields: tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        """The class name in UPPER_SNAKE (``AdapterNotFound`` -> ``ADAPTER_NOT_FOUND``): ``ErrorInfo.reason``."""
+        return _upper_snake(type(self).__name__)
+
+    def details(self) -> dict[str, str]:
+        """The structured fields that are set, as strings: ``ErrorInfo.metadata``."""
+        values = ((name, getattr(self, name, None)) for name in self.fields)
+        return {name: shorten(value) for name, value in values if value is not None}
 
 
 class InvalidRequest(LoraplexError):
+    """A request field the server refuses. ``field``: its path in the request message (``sampling.top_p``,
+    ``stop_sequences[2]``); ``limit``: the bound it broke, where there is one."""
+
     status = "INVALID_ARGUMENT"
+    fields = ("field", "limit")
+
+    def __init__(self, message: str, *, field: str | None = None, limit: int | float | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.limit = limit
+
+
+class MalformedRequest(InvalidRequest):
+    pass
 
 
 class NotFound(LoraplexError):
@@ -53,6 +92,8 @@ class NotFound(LoraplexError):
 
 
 class AdapterNotFound(NotFound):
+    fields = ("adapter_id",)
+
     def __init__(self, adapter_id: str) -> None:
         super().__init__(
             f"adapter {shorten(adapter_id)!r} is not registered (see ListAdapters / `loraplex adapters list`)"
@@ -92,10 +133,18 @@ class DeadlineExceeded(LoraplexError):
     status = "DEADLINE_EXCEEDED"
 
 
+class EngineStepFailed(LoraplexError):
+    """The engine step running a request raised (a bug or a device fault): that step's requests fail, the engine
+    goes on. The traceback is logged once by the engine (``event=engine_step_failed``), not once per request."""
+
+    status = "INTERNAL"
+
+
 class CheckpointError(LoraplexError):
     """A weight file or folder cannot be loaded. Always names the file, and the tensor where there is one."""
 
     status = "INVALID_ARGUMENT"
+    fields = ("file", "tensor")
 
     def __init__(self, message: str, *, file: str | Path | None = None, tensor: str | None = None) -> None:
         self.file = str(file) if file is not None else None

@@ -121,6 +121,11 @@ KV_CACHE_USAGE = Gauge(
     "Fraction of KV cache slots held by running requests.",
     registry=REGISTRY,
 )
+ENGINE_STEP_FAILURES = Counter(
+    "loraplex_engine_step_failures_total",
+    "Engine steps that raised: their requests failed with INTERNAL, the engine went on.",
+    registry=REGISTRY,
+)
 
 # --- adapters ---------------------------------------------------------------------------------------------
 ADAPTER_LOAD_DURATION = Histogram(

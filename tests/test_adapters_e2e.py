@@ -234,6 +234,10 @@ def test_a_nan_adapter_fails_its_requests_alone_over_grpc(server: BackgroundServ
             t.join(60)
         assert len(errors) == 1 and "non-finite" in str(errors[0]) and "adapter_model.safetensors" in str(errors[0])
         assert "lora_B" in str(errors[0])
+        error = errors[0]
+        assert isinstance(error, InvalidArgument) and error.reason == "NON_FINITE_TENSOR"  # the ErrorInfo says it too
+        assert error.details["file"].endswith("nan-b/adapter_model.safetensors")
+        assert "lora_B" in error.details["tensor"]
         assert client.get_adapter("nan-b").state.value == "failed"
         assert got == want
         client.unload_adapter("nan-b")

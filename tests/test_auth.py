@@ -10,8 +10,10 @@ from pathlib import Path
 import grpc
 import loraplex
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 from helpers import text_req, tiny_settings
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
@@ -134,6 +136,17 @@ def test_health_and_reflection_stay_open(channel: grpc.Channel) -> None:
     assert "loraplex.v1.Generation" in {s.name for s in reply.list_services_response.service}
 
 
+def _reason(error: grpc.RpcError, key: str) -> str:
+    """The refusal's ErrorInfo reason; nothing in its trailers (the rich status included) echoes ``key``."""
+    trailers = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    assert all(key.encode() not in (v if isinstance(v, bytes) else v.encode()) for _, v in trailers)
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info) and info.domain == "loraplex" and not info.metadata
+    return info.reason
+
+
 def test_refusals_name_the_problem_and_never_the_key(
     channel: grpc.Channel, server: BackgroundServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -141,9 +154,11 @@ def test_refusals_name_the_problem_and_never_the_key(
     with caplog.at_level(logging.DEBUG), pytest.raises(grpc.RpcError) as err:
         adapters.ListAdapters(adapters_pb2.ListAdaptersRequest(), metadata=auth(GENERATE_KEY), timeout=10)
     assert "admin" in (err.value.details() or "") and GENERATE_KEY not in (err.value.details() or "")
+    assert _reason(err.value, GENERATE_KEY) == "PERMISSION_DENIED"
     with pytest.raises(grpc.RpcError) as err:
         pb_grpc.GenerationStub(channel).Generate(text_req("hi", 2), metadata=auth("wrong-key-123"), timeout=10)
     assert "authorization: Bearer" in (err.value.details() or "") and "wrong-key-123" not in (err.value.details() or "")
+    assert _reason(err.value, "wrong-key-123") == "UNAUTHENTICATED"
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert GENERATE_KEY not in logged and ADMIN_KEY not in logged
     assert GENERATE_KEY not in repr(server.settings) and LEGACY_KEY not in repr(server.settings)

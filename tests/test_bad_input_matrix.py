@@ -128,6 +128,7 @@ def _set(path: str, value: object) -> Mutation:
 FIELDS: dict[str, Mutation] = {
     "input-unset": lambda r: r.inputs[0].ClearField("text"),
     "empty-text": lambda r: setattr(r.inputs[0], "text", ""),
+    "prompt-no-tokens": lambda r: setattr(r.inputs[0], "text", "\x16"),  # valid text that tokenizes to nothing
     "prompt-tokens": lambda r: setattr(r.inputs[0], "text", "word " * 400),
     "prompt-bytes": lambda r: setattr(r.inputs[0], "text", "x" * 4097),
     "prompt-bytes-multibyte": lambda r: setattr(r.inputs[0], "text", "€" * 1366),

@@ -2,7 +2,8 @@
 
 The server registers generic handlers for every loraplex.v1 method that record what arrived (raw
 request bytes, metadata) and then abort with the status code named in the request's ``x-test-code``
-metadata, so every ``grpc.RpcError`` here is real: real status codes, messages and trailing metadata.
+metadata, so every ``grpc.RpcError`` here is real: real status codes, messages and trailing metadata (with a
+``google.rpc.Status`` carrying an ``ErrorInfo``, as the loraplex server sends).
 It never answers a generation; the real servicer is tested elsewhere. Health uses the real
 grpcio-health-checking servicer.
 """
@@ -21,6 +22,8 @@ from typing import Any
 import grpc
 import loraplex
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from loraplex.v1 import adapters_pb2, generation_pb2
 
@@ -66,7 +69,16 @@ def _abort(context: grpc.ServicerContext, metadata: dict[str, str | bytes]) -> N
     if SLEEP_HEADER in metadata:
         time.sleep(float(metadata[SLEEP_HEADER]))
     code = grpc.StatusCode[str(metadata.get(CODE_HEADER, "INTERNAL"))]
-    context.set_trailing_metadata((("x-detail", "why"), ("x-blob-bin", b"\x00\x01")))
+    info = error_details_pb2.ErrorInfo(reason="TEST_REASON", domain="loraplex", metadata={"field": "x.y", "limit": "3"})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=code.value[0], message=f"test abort {code.name}", details=[detail])
+    trailing = (
+        ("x-detail", "why"),
+        ("x-blob-bin", b"\x00\x01"),
+        ("grpc-status-details-bin", status.SerializeToString()),
+    )
+    context.set_trailing_metadata(trailing)
     context.abort(code, f"test abort {code.name}")
 
 
@@ -141,8 +153,10 @@ def _check(error: loraplex.LoraplexError, code: grpc.StatusCode) -> None:
     assert type(error) is loraplex.error_class(code)
     assert error.code is code
     assert error.message == f"test abort {code.name}"
-    assert error.details["x-detail"] == "why"
-    assert error.details["x-blob-bin"] == b"\x00\x01"
+    assert error.trailing_metadata["x-detail"] == "why"
+    assert error.trailing_metadata["x-blob-bin"] == b"\x00\x01"
+    assert error.reason == "TEST_REASON" and error.domain == "loraplex"
+    assert dict(error.details) == {"field": "x.y", "limit": "3"}
     assert code.name in str(error)
 
 
@@ -311,3 +325,11 @@ def test_async_client_maps_errors_and_sends_metadata(server: Server) -> None:
             assert await client.health(timeout=5) is loraplex.HealthStatus.SERVING
 
     asyncio.run(scenario())
+
+
+def test_undecodable_status_details_are_ignored() -> None:
+    from loraplex._errors import error_info
+
+    assert error_info(None) is None and error_info("text") is None
+    assert error_info(b"\x0a\xff\xff") is None  # truncated google.rpc.Status: no crash, just no details
+    assert error_info(status_pb2.Status(code=5, message="no details").SerializeToString()) is None

@@ -1,7 +1,8 @@
-"""``loraplex-client`` stands alone: it declares only grpcio + protobuf, imports nothing else, and its
-wheel (typed: py.typed and .pyi stubs) works with nothing but those two and their own requirements on
-the import path. No virtualenv is made: the wheel is unpacked with ``pip install --target`` and run
-with ``python -S`` and an explicit ``sys.path``."""
+"""``loraplex-client`` stands alone: it declares only grpcio, protobuf, googleapis-common-protos (error
+details) and grpcio-health-checking (health messages), imports nothing else, and its wheel (typed: py.typed
+and .pyi stubs) works with nothing but those and their own requirements on the import path. No virtualenv
+is made: the wheel is unpacked with ``pip install --target`` and run with ``python -S`` and an explicit
+``sys.path``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -40,6 +42,17 @@ def _closure(dist: str) -> set[str]:
     return seen
 
 
+def _declared() -> list[str]:
+    """The client's run-time requirements as its pyproject.toml declares them (what a wheel built now requires)."""
+    project = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())["project"]
+    return [str(r) for r in project["dependencies"]]
+
+
+def _requirements_closure() -> set[str]:
+    """Every distribution the client needs at run time: its declared requirements and theirs."""
+    return set().union(*(_closure(_name(r)) for r in _declared()))
+
+
 def _top_level(dist: str) -> set[str]:
     files = metadata.files(dist) or []
     names = set()
@@ -51,9 +64,10 @@ def _top_level(dist: str) -> set[str]:
     return names
 
 
-def test_declares_only_grpcio_and_protobuf() -> None:
-    requires = metadata.requires("loraplex-client") or []
-    assert sorted(_name(r) for r in requires) == ["grpcio", "protobuf"]
+def test_declares_only_grpc_protobuf_and_their_common_messages() -> None:
+    names = sorted(_name(r) for r in _declared())
+    assert names == ["googleapis-common-protos", "grpcio", "grpcio-health-checking", "protobuf"]
+    assert "grpcio-status" not in _requirements_closure()  # error details are read with the messages alone
 
 
 def test_importing_the_client_loads_only_stdlib_grpc_and_protobuf() -> None:
@@ -64,11 +78,11 @@ def test_importing_the_client_loads_only_stdlib_grpc_and_protobuf() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     allowed = {"loraplex"} | set(sys.stdlib_module_names)
-    for dist in _closure("loraplex-client") - {"loraplex-client"}:
+    for dist in _requirements_closure():
         allowed |= _top_level(dist)
-    # grpc itself imports grpc_tools / grpc_health / grpc_reflection when they happen to be installed
-    # (aliases kept for old code); cython's runtime modules and editable-install finders are not imports.
-    incidental = {"__main__", "_distutils_hack", "cython_runtime", "grpc_tools", "grpc_health", "grpc_reflection"}
+    # grpc itself imports grpc_tools / grpc_reflection when they happen to be installed (aliases kept for
+    # old code); cython's runtime modules and editable-install finders are not imports.
+    incidental = {"__main__", "_distutils_hack", "cython_runtime", "grpc_tools", "grpc_reflection"}
     foreign = sorted(
         m for m in set(out.split()) - allowed - incidental if not m.startswith(("__editable__", "_cython_"))
     )
@@ -98,7 +112,7 @@ def test_wheel_is_typed_complete_and_runs_with_only_its_requirements(tmp_path: P
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, capture_output=True)
     deps = tmp_path / "deps"
     deps.mkdir()
-    for dist in sorted(_closure("loraplex-client") - {"loraplex-client"}):
+    for dist in sorted(_requirements_closure()):
         for file in metadata.files(dist) or []:
             if file.parts[0].endswith(".dist-info") or file.parts[0] == "..":
                 continue

@@ -232,25 +232,27 @@ def test_repetition_penalty_requires_history() -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "match"),
+    ("fields", "match"),
     [
-        (SamplingParams(temperature=-0.1), "temperature"),
-        (SamplingParams(temperature=math.nan), "temperature"),
-        (SamplingParams(top_p=0.0), "top_p"),
-        (SamplingParams(top_p=1.5), "top_p"),
-        (SamplingParams(top_k=-1), "top_k"),
-        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
-        (SamplingParams(repetition_penalty=-1.0), "repetition_penalty"),
-        (SamplingParams(repetition_penalty=1e-45), r"repetition_penalty must be in \[0.01, 100"),
-        (SamplingParams(repetition_penalty=1e-3), "repetition_penalty"),
-        (SamplingParams(repetition_penalty=1e3), "repetition_penalty"),
-        (SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
-        (SamplingParams(seed=-5), "seed"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-45}, r"repetition_penalty must be in \[0.01, 100"),
+        ({"repetition_penalty": 1e-3}, "repetition_penalty"),
+        ({"repetition_penalty": 1e3}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"seed": -5}, "seed"),
     ],
 )
-def test_validation_messages(params: SamplingParams, match: str) -> None:
-    with pytest.raises(InvalidRequest, match=match):
-        params.validate()
+def test_invalid_params_cannot_be_built(fields: dict[str, float], match: str) -> None:
+    """Valid by construction: the constructor runs the one copy of the rules and names the field."""
+    with pytest.raises(InvalidRequest, match=match) as err:
+        SamplingParams(**fields)  # type: ignore[arg-type]
+    assert err.value.field == f"sampling.{next(iter(fields))}"
 
 
 def test_defaults_are_valid_and_greedy() -> None:

@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import as_stream, stream_req, text_req, tiny_settings
+from helpers import as_stream, stream_req, text_req
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service.api.server import BackgroundServer
-
-
-@pytest.fixture(scope="module")
-def server(served_tiny_dir: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(tiny_settings(served_tiny_dir)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def stub(server: BackgroundServer) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.GenerationStub(channel)
 
 
 def test_unary_stream_and_several_prompts_agree(stub: pb_grpc.GenerationStub) -> None:

@@ -19,6 +19,8 @@ matches a module whose full name equals an entry or ends with ``"." + entry`` (t
 (and ``layers_to_transform`` does not apply). ``"all-linear"`` means every projection but ``lm_head``.
 ``rank_pattern`` / ``alpha_pattern`` keys are tried in file order, each as ``(.*\\.)?(key)$`` against the full
 name; the first that matches wins. Full names are those of ``LlamaForCausalLM`` (``model.layers.{L}...``).
+A regex that repeats a group which itself repeats or alternates (``(.*)*``, ``(a+)+``, ``(ab|a)*``) is refused at
+parse time: ``re`` backtracks, and such a pattern can take hours to fail against one module name.
 
 ``fan_in_fan_out`` is accepted and ignored: PEFT resets it to False for ``nn.Linear`` targets (every Llama
 projection), and the flag never changes the stored layout of ``lora_A`` [r, in] / ``lora_B`` [out, r] anyway.
@@ -30,6 +32,7 @@ the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from service.adapters.patterns import regex_problem
 from service.adapters.types import MODULES
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
@@ -105,7 +109,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise fail("file not found: a PEFT adapter folder needs adapter_config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
         raise fail(f"cannot read JSON: {e}") from None
     if not isinstance(raw, dict):
         raise fail("expected a JSON object")
@@ -143,7 +147,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     elif isinstance(layers, list) and all(_is_int(v) for v in layers):
         layers_to_transform = tuple(int(v) for v in layers)
     else:
-        raise fail(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+        raise fail(f"layers_to_transform must be an integer or a list of integers, got {_short(layers)}")
     pattern = raw.get("layers_pattern")
     layers_pattern: tuple[str, ...] | None
     if pattern is None or pattern in ("", []):
@@ -153,7 +157,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     elif isinstance(pattern, list) and all(isinstance(p, str) for p in pattern):
         layers_pattern = tuple(pattern)
     else:
-        raise fail(f"layers_pattern must be a string or a list of strings, got {pattern!r}")
+        raise fail(f"layers_pattern must be a string or a list of strings, got {_short(pattern)}")
     if isinstance(targets, str) and (layers_to_transform is not None or layers_pattern is not None):
         raise fail("layers_to_transform / layers_pattern cannot be used when target_modules is a regex string")
 
@@ -168,9 +172,9 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
             _compile(entries, name, fail)
     for name, keys in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         for key, _ in keys:
-            _compile(rf"(.*\.)?({key})$", f"{name} key {key!r}", fail)
+            _compile(rf"(.*\.)?({key})$", f"{name} key {_short(key)}", fail)
     for p in layers_pattern or ():
-        _compile(p, "layers_pattern", fail)
+        _compile(_layers_regex(p), f"layers_pattern {_short(p)}", fail)
 
     base = raw.get("base_model_name_or_path")
     return LoraAdapterConfig(
@@ -339,14 +343,18 @@ def _is_int(value: Any) -> bool:
 
 def _positive_int(value: Any, what: str, fail: Any) -> int:
     if not _is_int(value) or value <= 0:
-        raise fail(f"{what} must be a positive integer (the LoRA rank), got {value!r}")
+        raise fail(f"{what} must be a positive integer (the LoRA rank), got {_short(value)}")
     return int(value)
 
 
 def _number(value: Any, what: str, fail: Any) -> float:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
-        raise fail(f"{what} must be a finite number, got {value!r}")
-    return float(value)
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an integer beyond the float range stays NaN: refused
+            number = float(value)
+    if not math.isfinite(number):
+        raise fail(f"{what} must be a finite number, got {_short(value)}")
+    return number
 
 
 def _targets(value: Any, what: str, fail: Any) -> tuple[str, ...] | str | None:
@@ -356,7 +364,7 @@ def _targets(value: Any, what: str, fail: Any) -> tuple[str, ...] | str | None:
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(dict.fromkeys(value))
-    raise fail(f"{what} must be a list of module names or a regex string, got {value!r}")
+    raise fail(f"{what} must be a list of module names or a regex string, got {_short(value)}")
 
 
 def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
@@ -364,15 +372,25 @@ def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise fail(f"{key} must map module patterns to values, got {value!r}")
+        raise fail(f"{key} must map module patterns to values, got {_short(value)}")
     return value
 
 
 def _compile(pattern: str, what: str, fail: Any) -> None:
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise fail(f"{what} is not a valid regular expression ({pattern!r}): {e}") from None
+    problem = regex_problem(pattern)
+    if problem is not None:
+        raise fail(f"{what} ({_short(pattern)}) {problem}")
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a config value can be any size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _layers_regex(layers_pattern: str) -> str:
+    """The name of a layer under ``layers_pattern`` (grouped, so an alternation cannot bypass the index)."""
+    return rf"(?:^|.*?\.)(?:{layers_pattern})\.(?P<idx>\d+)\."
 
 
 def _excluded(exclude: tuple[str, ...] | str | None, name: str) -> bool:
@@ -391,7 +409,7 @@ def _layer_selected(config: LoraAdapterConfig, name: str) -> bool:
         match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
     else:
         for pattern in config.layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            match = re.match(_layers_regex(pattern), name)
             if match is not None:
                 break
     return match is not None and int(match["idx"]) in config.layers_to_transform

@@ -1,4 +1,7 @@
-"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work)."""
+"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work).
+
+Methods raise typed errors; the interceptors (``service.api.interceptors``) turn them into statuses and count them.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ from loraplex.v1 import adapters_pb2_grpc as pb_grpc
 
 from service.adapters import AdapterInfo
 from service.adapters.catalog import AdapterCatalog
-from service.api.edge import Context, unary
 from service.api.runtime import Runtime
+from service.api.status import Context
 from service.errors import InvalidRequest, PermissionDenied
 
 _STATES = {
@@ -104,7 +107,6 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
 
-    @unary("LoadAdapter")
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
         store = self.runtime.ready().adapters
         if not request.source:
@@ -117,18 +119,15 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
         await asyncio.to_thread(store.register, request.id, Path(request.source))
         return pb.LoadAdapterResponse(adapter=describe(store, request.id))
 
-    @unary("UnloadAdapter")
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
         store = self.runtime.ready().adapters
         info = describe(store, request.id)
         store.unregister(request.id)
         return pb.UnloadAdapterResponse(adapter=info)
 
-    @unary("ListAdapters")
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Context) -> pb.ListAdaptersResponse:
         store = self.runtime.ready().adapters
         return pb.ListAdaptersResponse(adapters=[describe(store, i) for i in store.ids()])
 
-    @unary("GetAdapter")
     async def GetAdapter(self, request: pb.GetAdapterRequest, context: Context) -> pb.GetAdapterResponse:
         return pb.GetAdapterResponse(adapter=describe(self.runtime.ready().adapters, request.id))

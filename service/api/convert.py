@@ -1,8 +1,11 @@
 """Protobuf <-> domain conversion. Protobuf stops here: nothing below the servicer imports generated code.
 
-``precheck`` runs every cheap check of a request (sizes from ``service.api.limits``, sampling parameters,
-max_new_tokens) on the event loop; ``prompt_of`` and ``tokenize_response`` tokenize and template, so the servicer
-runs them on the runtime's worker pool, never on the event loop.
+Validation happens once, here, where protobuf becomes domain types: ``precheck`` runs every cheap check of a
+request (sizes from ``service.api.limits``, the request id, max_new_tokens) and builds its ``SamplingParams``
+(valid by construction) on the event loop, returning a ``Checked``; ``generation_request`` only assembles a
+``GenerationRequest`` from it and a tokenized prompt. ``prompt_of`` and ``tokenize_response`` tokenize and
+template, so the servicer runs them on the runtime's worker pool, never on the event loop. The engine's own
+``validate`` (prompt length, vocabulary, adapter) is the one check left after tokenization.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from loraplex.v1 import generation_pb2 as pb
 
 from service.api import limits
 from service.config import Settings
-from service.engine.request import FinishReason, GenerationRequest, TokenEvent
+from service.engine.request import FinishReason, GenerationRequest, TokenEvent, check_max_new_tokens
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
 from service.tokenizer import Tokenizer
@@ -44,21 +47,21 @@ def prompt_of(message: pb.Input, tokenizer: Tokenizer) -> Prompt:
     if kind == "messages":
         turns = [{"role": m.role, "content": m.content} for m in message.messages.messages]
         if not turns:
-            raise InvalidRequest("input.messages is empty: give at least one chat message")
+            raise InvalidRequest("input.messages is empty: give at least one chat message", field="input.messages")
         if any(not t["role"] for t in turns):
-            raise InvalidRequest("every chat message needs a role (e.g. 'user')")
+            raise InvalidRequest("every chat message needs a role (e.g. 'user')", field="input.messages.role")
         text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
         return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
     if kind == "text":
         if not message.text:
-            raise InvalidRequest("the prompt is empty: set input.text to some text")
+            raise InvalidRequest("the prompt is empty: set input.text to some text", field="input.text")
         if message.chat:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": message.text}], add_generation_prompt=True
             )
             return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
         return Prompt(tuple(tokenizer.encode(message.text)), message.text)
-    raise InvalidRequest("input needs either `text` or `messages`")
+    raise InvalidRequest("input needs either `text` or `messages`", field="input")
 
 
 def tokenize_response(message: pb.Input, tokenizer: Tokenizer) -> pb.TokenizeResponse:
@@ -70,13 +73,26 @@ def tokenize_response(message: pb.Input, tokenizer: Tokenizer) -> pb.TokenizeRes
     )
 
 
-def precheck(message: pb.GenerateRequest | pb.GenerateStreamRequest, settings: Settings) -> None:
+@dataclass(frozen=True)
+class Checked:
+    """A generation request's fields, every one checked, before its prompts are tokenized. ``sampling`` has one
+    entry per input (input i is seeded with seed + i)."""
+
+    request_id: str
+    max_new_tokens: int
+    sampling: tuple[SamplingParams, ...]
+
+
+def precheck(message: pb.GenerateRequest | pb.GenerateStreamRequest, settings: Settings) -> Checked:
     """Everything about a generation request that can be refused before its prompts are tokenized."""
     limits.check_generate(message, settings)
-    sampling_of(message.sampling, logprobs=message.return_options.return_logprobs)
+    request_id = request_id_of(message.request_id)
     max_new = _max_new_tokens(message.stopping, settings.max_new_tokens)
-    if not 0 < max_new <= settings.max_new_tokens:
-        raise InvalidRequest(f"max_new_tokens must be in [1, {settings.max_new_tokens}], got {max_new}")
+    check_max_new_tokens(max_new, settings.max_new_tokens)
+    inputs = len(message.inputs) if isinstance(message, pb.GenerateRequest) else 1
+    logprobs = message.return_options.return_logprobs
+    sampling = tuple(sampling_of(message.sampling, logprobs=logprobs, seed_offset=i) for i in range(inputs))
+    return Checked(request_id, max_new, sampling)
 
 
 def _max_new_tokens(stopping: pb.StoppingCriteria, default: int) -> int:
@@ -86,7 +102,7 @@ def _max_new_tokens(stopping: pb.StoppingCriteria, default: int) -> int:
 def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int = 0) -> SamplingParams:
     # Input i of a request is seeded with seed + i, wrapping modulo 2**64 (so every uint64 seed stays valid).
     seed = (message.seed + seed_offset) % 2**64 if message.HasField("seed") else None
-    params = SamplingParams(
+    return SamplingParams(  # raises InvalidRequest naming the field: valid by construction
         temperature=message.temperature,
         top_k=message.top_k,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
@@ -94,38 +110,37 @@ def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int 
         seed=seed,
         logprobs=logprobs,
     )
-    params.validate()
-    return params
 
 
 def request_id_of(given: str) -> str:
     if not given:
         return uuid.uuid4().hex[:16]
     if not _REQUEST_ID.match(given):
-        raise InvalidRequest("request_id must be 1-128 printable ASCII characters without spaces")
+        raise InvalidRequest(
+            "request_id must be 1-128 printable ASCII characters without spaces",
+            field="request_id",
+            limit=limits.REQUEST_ID_MAX_CHARS,
+        )
     return given
 
 
 def generation_request(
     message: pb.GenerateRequest | pb.GenerateStreamRequest,
+    checked: Checked,
     prompt: Prompt,
     *,
-    request_id: str,
-    default_max_new_tokens: int,
     deadline: float | None,
-    seed_offset: int = 0,
+    index: int = 0,
 ) -> GenerationRequest:
+    """Input ``index`` of ``message`` as a domain request (its id is ``<request id>/<index>`` when there are
+    several): assembly only, every field was checked by ``precheck``."""
     stopping = message.stopping
-    max_new = _max_new_tokens(stopping, default_max_new_tokens)
-    if any(not s for s in stopping.stop_sequences):
-        raise InvalidRequest("stop_sequences must not contain empty strings")
+    several = len(checked.sampling) > 1
     return GenerationRequest(
-        request_id=request_id,
+        request_id=f"{checked.request_id}/{index}" if several else checked.request_id,
         prompt_ids=prompt.ids,
-        max_new_tokens=max_new,
-        sampling=sampling_of(
-            message.sampling, logprobs=message.return_options.return_logprobs, seed_offset=seed_offset
-        ),
+        max_new_tokens=checked.max_new_tokens,
+        sampling=checked.sampling[index],
         adapter_id=message.adapter_id or None,
         stop_sequences=tuple(stopping.stop_sequences),
         ignore_eos=stopping.ignore_eos,

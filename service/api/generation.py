@@ -2,7 +2,9 @@
 
 Order inside every method: cheap per-field checks on the event loop (``convert.precheck``), then tokenization
 and chat templating on the runtime's worker pool (a large prompt never stalls other RPCs or health), then
-submission. A request over a limit is refused before any of its prompts is tokenized.
+submission. A request over a limit is refused before any of its prompts is tokenized. Auth, error statuses and
+metrics are the interceptors' (``service.api.interceptors``): a method raises typed errors and never builds a
+status or counts a request itself.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service import __version__
 from service.api import convert, limits
-from service.api.adapter_metrics import by_adapter, by_adapter_stream
-from service.api.edge import Context, streaming, unary
 from service.api.runtime import Runtime
+from service.api.status import Context
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
 from service.errors import DeadlineExceeded, LoraplexError, Unavailable
+
+LIMIT_FIELDS = tuple(pb.Limits.DESCRIPTOR.fields_by_name)
+"""``ModelInfo.limits``: each field of the message is the ``Settings`` field of the same name."""
 
 
 class _Mailbox:
@@ -76,23 +80,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
         return self.runtime.submit(request, sink), events
 
-    @unary("Generate")
-    @by_adapter
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         rt = self.runtime.ready()
-        convert.precheck(request, rt.settings)
-        request_id = convert.request_id_of(request.request_id)
+        checked = convert.precheck(request, rt.settings)
         deadline = self._deadline(context)
         prompts = await asyncio.gather(*(self.runtime.prompt(item) for item in request.inputs))
         domain = [
-            convert.generation_request(
-                request,
-                prompt,
-                request_id=f"{request_id}/{i}" if len(request.inputs) > 1 else request_id,
-                default_max_new_tokens=rt.settings.max_new_tokens,
-                deadline=deadline,
-                seed_offset=i,
-            )
+            convert.generation_request(request, checked, prompt, deadline=deadline, index=i)
             for i, prompt in enumerate(prompts)
         ]
         for item in domain:  # refuse the whole request before any part of it runs
@@ -105,7 +99,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             for handle, _ in submitted:
                 handle.cancel()
-        return pb.GenerateResponse(results=results, request_id=request_id)
+        return pb.GenerateResponse(results=results, request_id=checked.request_id)
 
     async def _collect(self, events: asyncio.Queue[TokenEvent], options: pb.ReturnOptions) -> pb.GenerationResult:
         result = pb.GenerationResult()
@@ -125,21 +119,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 result.usage.CopyFrom(convert.usage_of(event))
                 return result
 
-    @streaming("GenerateStream")
-    @by_adapter_stream
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        rt = self.runtime.ready()
-        convert.precheck(request, rt.settings)
-        request_id = convert.request_id_of(request.request_id)
-        domain = convert.generation_request(
-            request,
-            await self.runtime.prompt(request.input),
-            request_id=request_id,
-            default_max_new_tokens=rt.settings.max_new_tokens,
-            deadline=self._deadline(context),
-        )
+        checked = convert.precheck(request, self.runtime.ready().settings)
+        prompt = await self.runtime.prompt(request.input)
+        domain = convert.generation_request(request, checked, prompt, deadline=self._deadline(context))
         handle, events = self._submit(domain)
         first = True
         try:
@@ -148,7 +133,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 _raise_if_failed(event)
                 response = convert.stream_response(event, request.return_options)
                 if first:
-                    response.request_id = request_id
+                    response.request_id = checked.request_id
                     first = False
                 yield response
                 if event.finish is not None:
@@ -156,13 +141,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             handle.cancel()  # a no-op when finished; frees the slot when the client went away
 
-    @unary("Tokenize")
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         rt = self.runtime.ready()
         limits.check_input(request.input, rt.settings)
         return await self.runtime.off_loop(convert.tokenize_response, request.input, rt.tokenizer)
 
-    @unary("ModelInfo")
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:
         rt = self.runtime.ready()
         s = rt.settings
@@ -178,13 +161,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             device=str(rt.device),
             vocab_size=cfg.vocab_size,
             context_length=cfg.max_position_embeddings,
-            limits=pb.Limits(
-                max_batch_size=s.max_batch_size,
-                max_prompt_tokens=s.max_prompt_tokens,
-                max_new_tokens=s.max_new_tokens,
-                max_total_tokens=s.max_total_tokens,
-                max_queue=s.max_queue,
-            ),
+            limits=pb.Limits(**{name: getattr(s, name) for name in LIMIT_FIELDS}),
             features=features,
             server_version=__version__,
             load_mode=s.load_mode,

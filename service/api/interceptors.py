@@ -1,13 +1,20 @@
-"""The server interceptor, in front of every registered RPC: API-key roles, safe request decoding, streamed writes.
+"""The server's interceptor chain: every cross-cutting RPC concern, one interceptor each, so servicers stay thin.
 
-grpc deserializes a request before any servicer code runs, so a malformed message (corrupt wire format, a string
-field that is not UTF-8) would end as UNKNOWN with an ERROR traceback inside grpc. Here every request deserializer
-is wrapped: a ``DecodeError`` becomes a marker value that the wrapped method turns into INVALID_ARGUMENT, logged as
-one warning line. A caller refused by ``KeyRing.authorize`` never has its request bytes parsed.
+In ``grpc.aio.server(interceptors=chain(...))`` order, outermost first:
 
-Streamed replies are written here (``_write_stream``) so that a call ending while a reply is being sent counts as
-the deadline or cancellation it is, not as a grpc ERROR. Statuses produced here are counted in
-``loraplex_requests_total`` like those of ``service.api.edge``.
+1. ``AuthInterceptor`` — API-key roles. A refused caller never has its request bytes parsed.
+2. ``TransportInterceptor`` — safe request decoding (a ``DecodeError`` becomes INVALID_ARGUMENT, one warning line,
+   instead of UNKNOWN with a traceback inside grpc) and streamed writes (``_write_stream``: a call ending while a
+   reply is being sent counts as the deadline or cancellation it is, not as a grpc ERROR).
+3. ``StatusInterceptor`` — typed errors -> rich statuses (``service.api.status``) and ``loraplex_requests_total``
+   for the loraplex services (health and reflection are not counted).
+4. ``AdapterMetricsInterceptor`` — ``loraplex_adapter_requests_total`` for the generation RPCs; it sees the typed
+   error before it becomes a status and never changes what the RPC returns or raises.
+
+Invariants: every wrapped handler keeps its method's (de)serializers and kind; all but ``AuthInterceptor`` wrap a
+method's handler once and reuse it (grpc returns the same registered handler for a method every time), which is
+why ``AuthInterceptor``'s per-call refusals must stay outermost. Reader/writer handlers (health's Watch) and
+request-streaming ones (reflection) pass through 2-4 as they are.
 """
 
 from __future__ import annotations
@@ -23,13 +30,132 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from service import metrics
+from service.api import status
 from service.api.auth import KeyRing
-from service.errors import LoraplexError
+from service.api.status import Context
+from service.errors import LoraplexError, MalformedRequest
 
 log = logging.getLogger("loraplex.api")
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the type stubs
-Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["Handler | None"]]
+Around: TypeAlias = Callable[[Any, Context], contextlib.AbstractAsyncContextManager[None]]
+
+GENERATION_METHODS = frozenset({"/loraplex.v1.Generation/Generate", "/loraplex.v1.Generation/GenerateStream"})
+"""The RPCs whose request names an adapter (``adapter_id``), counted per adapter."""
+
+
+def method_name(method: str) -> str:
+    """``/loraplex.v1.Generation/Generate`` -> ``Generate`` (the ``method`` label)."""
+    return method.rpartition("/")[2]
+
+
+def _method_of(details: grpc.HandlerCallDetails) -> str:
+    method: str = details.method  # type: ignore[attr-defined]  # aio's details carry it
+    return method
+
+
+def chain(keys: KeyRing, *, services: tuple[str, ...], known_adapter: Callable[[str], bool]) -> list[Any]:
+    """The server's interceptors in order: ``services`` get error mapping and request metrics, ``known_adapter``
+    says whether an id may take one of the per-adapter label's slots."""
+    return [
+        AuthInterceptor(keys),
+        TransportInterceptor(),
+        StatusInterceptor(services),
+        AdapterMetricsInterceptor(known_adapter),
+    ]
+
+
+class _PerMethod(grpc.aio.ServerInterceptor):
+    """An interceptor that wraps each method's handler once (``wrap``), or leaves it as it is."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, Handler] = {}
+
+    def wrap(self, handler: Handler, method: str) -> Handler:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
+            return None
+        method = _method_of(handler_call_details)
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            wrapped = self._wrapped[method] = self.wrap(handler, method)
+        return wrapped
+
+
+def _around(handler: Handler, around: Around) -> Handler:
+    """``handler`` with every call run inside ``around(request, context)`` (unary-request methods whose streamed
+    replies come from an async generator; others are returned as they are)."""
+    if handler.request_streaming:
+        return handler
+    if handler.response_streaming:
+        inner_stream: Any = handler.unary_stream  # grpc's stubs type it for the sync server
+        if not inspect.isasyncgenfunction(inner_stream):
+            return handler
+
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            async with around(request, context), contextlib.aclosing(inner_stream(request, context)) as replies:
+                async for reply in replies:
+                    yield reply
+
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+    inner_unary: Any = handler.unary_unary
+
+    async def unary(request: Any, context: Context) -> Any:
+        async with around(request, context):
+            return await inner_unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+
+
+# ------------------------------------------------------------------------------------------------------ 1. auth
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authorize by API-key role; a refused call is answered by ``_refusal`` without parsing its request."""
+
+    def __init__(self, keys: KeyRing) -> None:
+        self.keys = keys
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = _method_of(handler_call_details)
+        try:
+            self.keys.authorize(method, handler_call_details.invocation_metadata)  # type: ignore[attr-defined]
+        except LoraplexError as exc:
+            return _refusal(handler, method_name(method), exc)
+        return handler
+
+
+def _refusal(handler: Handler, method: str, exc: LoraplexError) -> Handler:
+    """A handler of ``handler``'s kind that answers ``exc``'s status without parsing the request."""
+
+    async def unary(request: Any, context: Context) -> None:
+        await status.abort(context, method, exc)
+
+    async def stream(request: Any, context: Context) -> AsyncIterator[None]:
+        await status.abort(context, method, exc)
+        yield None  # pragma: no cover  (abort raises; the yield makes this an async generator)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+# -------------------------------------------------------------------------------------------------- 2. transport
 
 
 class _Malformed:
@@ -40,10 +166,6 @@ class _Malformed:
     def __init__(self, error: DecodeError, size: int) -> None:
         self.error = error
         self.size = size
-
-
-def _method_name(method: str) -> str:
-    return method.rpartition("/")[2]
 
 
 def _decoder(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -61,54 +183,50 @@ def _decoder(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 async def _refuse_malformed(method: str, request: _Malformed, context: Context) -> None:
     log.warning("event=malformed_request method=%s bytes=%d error=%s", method, request.size, request.error)
-    metrics.REQUESTS.labels(_method_name(method), grpc.StatusCode.INVALID_ARGUMENT.name).inc()
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT,
+    error = MalformedRequest(
         "the request is not a valid protobuf message for this method (corrupt bytes, or a string field that is "
-        "not UTF-8)",
+        "not UTF-8)"
     )
+    await status.abort(context, method_name(method), error)
 
 
-def _guarded(handler: Handler, method: str) -> Handler:
-    """``handler`` with its request deserializer wrapped, and its streamed replies written by ``_write_stream``
-    (unary-request methods; streamed requests are left as they are: only reflection has them, and it parses its own
-    messages)."""
-    if handler.request_streaming:
-        return handler
-    decode = _decoder(handler.request_deserializer)
-    if handler.response_streaming:
-        inner_stream: Any = handler.unary_stream  # grpc's stubs type it for the sync server
-        if not inspect.isasyncgenfunction(inner_stream):  # a reader/writer handler (health's Watch) writes itself
+class TransportInterceptor(_PerMethod):
+    """Requests decoded safely, streamed replies written by ``_write_stream`` (unary-request methods; streamed
+    requests are left as they are: only reflection has them, and it parses its own messages)."""
 
-            async def writer(request: Any, context: Context) -> None:
+    def wrap(self, handler: Handler, method: str) -> Handler:
+        if handler.request_streaming:
+            return handler
+        decode = _decoder(handler.request_deserializer)
+        if handler.response_streaming:
+            inner_stream: Any = handler.unary_stream
+            writes_itself = not inspect.isasyncgenfunction(inner_stream)  # a reader/writer handler (health's Watch)
+
+            async def stream(request: Any, context: Context) -> None:
                 if isinstance(request, _Malformed):
                     await _refuse_malformed(method, request, context)
-                await inner_stream(request, context)
+                if writes_itself:
+                    await inner_stream(request, context)
+                else:
+                    await _write_stream(inner_stream(request, context), context)
 
-            return grpc.unary_stream_rpc_method_handler(writer, decode, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(stream, decode, handler.response_serializer)
+        inner_unary: Any = handler.unary_unary
 
-        async def stream(request: Any, context: Context) -> None:
+        async def unary(request: Any, context: Context) -> Any:
             if isinstance(request, _Malformed):
                 await _refuse_malformed(method, request, context)
-            await _write_stream(inner_stream(request, context), context)
+            return await inner_unary(request, context)
 
-        return grpc.unary_stream_rpc_method_handler(stream, decode, handler.response_serializer)
-    inner_unary: Any = handler.unary_unary
-
-    async def unary(request: Any, context: Context) -> Any:
-        if isinstance(request, _Malformed):
-            await _refuse_malformed(method, request, context)
-        return await inner_unary(request, context)
-
-    return grpc.unary_unary_rpc_method_handler(unary, decode, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary, decode, handler.response_serializer)
 
 
 async def _write_stream(responses: AsyncGenerator[Any, None], context: Context) -> None:
     """Write each reply of a servicer's generator, as grpc would, except when the call ends while a reply is on its
     way (the deadline passed, the client went away): grpc would log that as an ERROR traceback, or cancel this task
     mid-send, and close the generator later, unseen. Here the generator is cancelled at its ``yield``, as grpc
-    cancels a waiting handler, so the edge counts the call (DEADLINE_EXCEEDED / CANCELLED) and frees its engine slot
-    at once."""
+    cancels a waiting handler, so the call is counted (DEADLINE_EXCEEDED / CANCELLED) and frees its engine slot at
+    once."""
     try:
         async for item in responses:
             try:
@@ -121,49 +239,66 @@ async def _write_stream(responses: AsyncGenerator[Any, None], context: Context) 
         await responses.aclose()
 
 
-def _refusal(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
-    """A handler of ``handler``'s kind that answers ``code`` without parsing the request."""
-
-    async def unary(request: Any, context: Context) -> None:
-        await context.abort(code, message)
-
-    async def stream(request: Any, context: Context) -> AsyncIterator[None]:
-        await context.abort(code, message)
-        yield None  # pragma: no cover  (abort raises; the yield makes this an async generator)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
+# ---------------------------------------------------------------------------------------------------- 3. status
 
 
-class EdgeInterceptor(grpc.aio.ServerInterceptor):
-    """Authorize by API-key role, then serve through ``_guarded``. Wrapped handlers are made once per method (grpc
-    returns the same registered handler for a method every time)."""
+class StatusInterceptor(_PerMethod):
+    """Typed errors -> rich statuses and one ``loraplex_requests_total`` sample per call of ``services``' methods.
 
-    def __init__(self, keys: KeyRing) -> None:
-        self.keys = keys
-        self._wrapped: dict[str, Handler] = {}
+    A ``LoraplexError`` becomes its class's status with its message and ``ErrorInfo``; anything else is a bug,
+    logged with its traceback and reported as INTERNAL. A cancelled call counts as DEADLINE_EXCEEDED when its
+    deadline passed, else CANCELLED."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
-            return None
-        method: str = handler_call_details.method  # type: ignore[attr-defined]  # aio's details carry it
-        try:
-            self.keys.authorize(method, handler_call_details.invocation_metadata)  # type: ignore[attr-defined]
-        except LoraplexError as exc:
-            code = grpc.StatusCode[exc.status]
-            metrics.REQUESTS.labels(_method_name(method), code.name).inc()
-            return _refusal(handler, code, str(exc))
-        wrapped = self._wrapped.get(method)
-        if wrapped is None:
-            wrapped = self._wrapped[method] = _guarded(handler, method)
-        return wrapped
+    def __init__(self, services: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = tuple(f"/{service}/" for service in services)
+
+    def wrap(self, handler: Handler, method: str) -> Handler:
+        if not method.startswith(self.prefixes):
+            return handler
+        name = method_name(method)
+
+        @contextlib.asynccontextmanager
+        async def outcome(request: Any, context: Context) -> AsyncIterator[None]:
+            try:
+                yield
+            except asyncio.CancelledError:
+                metrics.REQUESTS.labels(name, status.cancelled_code(context)).inc()
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await status.abort(context, name, exc)
+            else:
+                metrics.REQUESTS.labels(name, "OK").inc()
+
+        return _around(handler, outcome)
+
+
+# ------------------------------------------------------------------------------------------- 4. adapter metrics
+
+
+class AdapterMetricsInterceptor(_PerMethod):
+    """One ``loraplex_adapter_requests_total`` sample per generation RPC, through ``metrics.ADAPTERS`` (which bounds
+    the label; ``known_adapter`` says whether an id may take a slot: only registered ids may)."""
+
+    def __init__(self, known_adapter: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.known_adapter = known_adapter
+
+    def wrap(self, handler: Handler, method: str) -> Handler:
+        if method not in GENERATION_METHODS:
+            return handler
+        known = self.known_adapter
+
+        @contextlib.asynccontextmanager
+        async def outcome(request: Any, context: Context) -> AsyncIterator[None]:
+            adapter_id: str = request.adapter_id
+            try:
+                yield
+            except BaseException as exc:
+                metrics.ADAPTERS.request_finished(adapter_id, status.code_of(exc, context), known=known(adapter_id))
+                raise
+            metrics.ADAPTERS.request_finished(adapter_id, "OK", known=known(adapter_id))
+
+        return _around(handler, outcome)

@@ -41,9 +41,10 @@ def _utf8_len_over(texts: Sequence[str], limit: int) -> int | None:
     return None
 
 
-def check_input(message: pb.Input, settings: Settings) -> None:
+def check_input(message: pb.Input, settings: Settings, field: str = "input") -> None:
     """The prompt's size before tokenization: ``max_prompt_bytes`` of UTF-8 (text, or every chat message's role and
-    content together) and at most ``max_chat_messages`` chat messages."""
+    content together) and at most ``max_chat_messages`` chat messages. ``field``: where the input is in its
+    request (``inputs[2]``), for the error's ``field``."""
     limit = settings.prompt_bytes_limit
     kind = message.WhichOneof("kind")
     if kind == "messages":
@@ -51,7 +52,9 @@ def check_input(message: pb.Input, settings: Settings) -> None:
         if len(turns) > settings.max_chat_messages:
             raise InvalidRequest(
                 f"input.messages has {len(turns)} messages; this server accepts at most {settings.max_chat_messages} "
-                "(--max-chat-messages)"
+                "(--max-chat-messages)",
+                field=f"{field}.messages",
+                limit=settings.max_chat_messages,
             )
         texts: Sequence[str] = [s for m in turns for s in (m.role, m.content)]
     else:
@@ -60,7 +63,9 @@ def check_input(message: pb.Input, settings: Settings) -> None:
     if size is not None:
         raise InvalidRequest(
             f"the prompt has more than {limit} bytes of UTF-8 (at least {size}); this server accepts at most "
-            f"{limit} (--max-prompt-bytes)"
+            f"{limit} (--max-prompt-bytes)",
+            field=f"{field}.{kind or 'text'}",
+            limit=limit,
         )
 
 
@@ -69,17 +74,21 @@ def check_stops(stops: Sequence[str], settings: Settings) -> None:
     if len(stops) > settings.max_stop_sequences:
         raise InvalidRequest(
             f"stop_sequences has {len(stops)} entries; this server accepts at most {settings.max_stop_sequences} "
-            "(--max-stop-sequences)"
+            "(--max-stop-sequences)",
+            field="stopping.stop_sequences",
+            limit=settings.max_stop_sequences,
         )
     limit = settings.max_stop_sequence_bytes
     for i, stop in enumerate(stops):
         if not stop:
-            raise InvalidRequest("stop_sequences must not contain empty strings")
+            raise InvalidRequest("stop_sequences must not contain empty strings", field=f"stopping.stop_sequences[{i}]")
         size = _utf8_len_over([stop], limit)
         if size is not None:
             raise InvalidRequest(
                 f"stop_sequences[{i}] has more than {limit} bytes of UTF-8; this server accepts at most {limit} "
-                "per stop sequence (--max-stop-sequence-bytes)"
+                "per stop sequence (--max-stop-sequence-bytes)",
+                field=f"stopping.stop_sequences[{i}]",
+                limit=limit,
             )
 
 
@@ -87,12 +96,16 @@ def check_ids(adapter_id: str, request_id: str) -> None:
     """Length bounds of the ids (their character rules are checked where they are used)."""
     if len(adapter_id) > ADAPTER_ID_MAX_CHARS:
         raise InvalidRequest(
-            f"adapter_id has {len(adapter_id)} characters; adapter ids have at most {ADAPTER_ID_MAX_CHARS}"
+            f"adapter_id has {len(adapter_id)} characters; adapter ids have at most {ADAPTER_ID_MAX_CHARS}",
+            field="adapter_id",
+            limit=ADAPTER_ID_MAX_CHARS,
         )
     if len(request_id) > REQUEST_ID_MAX_CHARS:
         raise InvalidRequest(
             f"request_id has {len(request_id)} characters; it must be 1-{REQUEST_ID_MAX_CHARS} printable ASCII "
-            "characters without spaces"
+            "characters without spaces",
+            field="request_id",
+            limit=REQUEST_ID_MAX_CHARS,
         )
 
 
@@ -101,14 +114,16 @@ def check_generate(message: pb.GenerateRequest | pb.GenerateStreamRequest, setti
     check_ids(message.adapter_id, message.request_id)
     if isinstance(message, pb.GenerateRequest):
         if not message.inputs:
-            raise InvalidRequest("inputs is empty: give at least one input")
+            raise InvalidRequest("inputs is empty: give at least one input", field="inputs")
         if len(message.inputs) > settings.max_batch_size:
             raise InvalidRequest(
-                f"at most {settings.max_batch_size} inputs per request (--max-batch-size), got {len(message.inputs)}"
+                f"at most {settings.max_batch_size} inputs per request (--max-batch-size), got {len(message.inputs)}",
+                field="inputs",
+                limit=settings.max_batch_size,
             )
-        inputs: Sequence[pb.Input] = message.inputs
-    else:
-        inputs = [message.input]
     check_stops(message.stopping.stop_sequences, settings)
-    for item in inputs:
-        check_input(item, settings)
+    if isinstance(message, pb.GenerateRequest):
+        for i, item in enumerate(message.inputs):
+            check_input(item, settings, f"inputs[{i}]")
+    else:
+        check_input(message.input, settings)

@@ -107,6 +107,16 @@ class Runtime:
             raise Unavailable("the model is still loading; retry shortly (health reports SERVING when ready)")
         return self.loaded
 
+    def knows_adapter(self, adapter_id: str) -> bool:
+        """Whether ``adapter_id`` is registered now (False for "" and before the model is loaded)."""
+        if not adapter_id or self.loaded is None:
+            return False
+        try:
+            self.loaded.adapters.kind(adapter_id)
+        except LoraplexError:
+            return False
+        return True
+
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the worker pool, awaited from the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
@@ -116,9 +126,7 @@ class Runtime:
         return await self.off_loop(convert.prompt_of, message, self.ready().tokenizer)
 
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
-        loaded = self.ready()
-        loaded.validate(request)
-        return loaded.engine.submit(request, sink)
+        return self.ready().engine.submit(request, sink)  # the engine's own check runs there, once
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,8 @@ Start-up order: bind gRPC with health NOT_SERVING → start /metrics → load th
 SERVING. On SIGTERM/SIGINT: NOT_SERVING, new generation RPCs get UNAVAILABLE, running streams get up to
 ``grace_seconds`` to finish, then the server stops and ``run`` returns 0.
 gRPC is plaintext or TLS (``--tls-cert``; mutual with ``--tls-client-ca``); /metrics is always plain HTTP (bind it
-to a private address). Every RPC passes ``EdgeInterceptor`` (API-key roles, safe decoding) first.
+to a private address). Every RPC passes the interceptor chain of ``service.api.interceptors`` (API-key roles, safe
+decoding, error statuses, request metrics) before its servicer.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generat
 from prometheus_client import start_http_server
 
 from service import __version__, metrics
+from service.api import interceptors
 from service.api.adapters import AdaptersServicer
 from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
-from service.api.interceptors import EdgeInterceptor
 from service.api.runtime import Runtime
 from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
@@ -118,7 +119,8 @@ async def start(settings: Settings) -> Server:
     tls = server_credentials(settings)
     metrics.ADAPTERS.reset(settings.metrics_adapter_series)
     runtime = Runtime(settings)
-    server = grpc.aio.server(interceptors=[EdgeInterceptor(keys)], options=grpc_options(settings))
+    chain = interceptors.chain(keys, services=SERVICES, known_adapter=runtime.knows_adapter)
+    server = grpc.aio.server(interceptors=chain, options=grpc_options(settings))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(runtime), server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()

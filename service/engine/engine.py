@@ -30,10 +30,25 @@ from service.config import Settings
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.governor import SpeculationGovernor
 from service.engine.prefix import PrefixCache
-from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
+from service.engine.request import (
+    FinishReason,
+    GenerationRequest,
+    RequestHandle,
+    Sink,
+    TokenEvent,
+    check_max_new_tokens,
+)
 from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
-from service.errors import AdapterNotFound, FailedPrecondition, InvalidRequest, LoraplexError, QueueFull, Unavailable
+from service.errors import (
+    AdapterNotFound,
+    EngineStepFailed,
+    FailedPrecondition,
+    InvalidRequest,
+    LoraplexError,
+    QueueFull,
+    Unavailable,
+)
 from service.medusa.heads import MedusaHeads
 from service.medusa.tree import DraftTree
 from service.model.kv_cache import KVCache
@@ -149,8 +164,7 @@ class Engine:
             raise InvalidRequest("the prompt is empty: give at least one token of text")
         if n > s.max_prompt_tokens:
             raise InvalidRequest(f"the prompt has {n} tokens; this server accepts at most {s.max_prompt_tokens}")
-        if not 0 < request.max_new_tokens <= s.max_new_tokens:
-            raise InvalidRequest(f"max_new_tokens must be in [1, {s.max_new_tokens}], got {request.max_new_tokens}")
+        check_max_new_tokens(request.max_new_tokens, s.max_new_tokens)
         if n >= s.max_total_tokens:
             raise InvalidRequest(
                 f"the prompt has {n} tokens; prompt + generated tokens must stay under {s.max_total_tokens}"
@@ -159,7 +173,6 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        request.sampling.validate()
         if request.adapter_id is not None:
             if self.adapters is None:
                 raise AdapterNotFound(request.adapter_id)
@@ -215,14 +228,39 @@ class Engine:
                     break
                 try:
                     self._step()
-                except Exception as exc:  # a bug in a forward pass: fail the batch, keep serving
-                    log.exception("engine step failed; failing %d running requests", len(self._running))
-                    for row in self._running:
-                        self._finish(row, FinishReason.ERROR, error=exc)
-                    self._compact()
+                except Exception as exc:  # a bug or a device fault in a step: fail its rows, keep serving
+                    self._recover(exc)
                 self._publish_state()
         for row in [*self._running, *self._waiting]:
             self._finish(row, FinishReason.ERROR, error=Unavailable("the server is shutting down"))
+
+    def _recover(self, exc: Exception) -> None:
+        """After an exception escaped ``_step``: fail the rows of that step and reset what it may have half-written.
+
+        Only the running rows took part in the step; waiting rows stay queued. The failed rows' slots are zeroed up
+        to the last position the step could have written (prompt, length + drafts), so nothing half-computed, NaN
+        included, stays behind in a slot. The prefix cache and the LoRA tables outlive rows and cannot tell which of
+        their writes the step finished: both are dropped (they are caches and refill from the next requests).
+        """
+        rows = list(self._running)
+        shown = ",".join(r.request.request_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
+        log.error(
+            "event=engine_step_failed rows=%d request_ids=%s error=%s", len(rows), shown, type(exc).__name__,
+            exc_info=exc,
+        )  # fmt: skip
+        metrics.ENGINE_STEP_FAILURES.inc()
+        error = EngineStepFailed(
+            f"the engine step running this request failed ({type(exc).__name__}); it is safe to retry"
+        )
+        written = max((max(len(r.request.prompt_ids), r.length) + len(r.drafts) + 1 for r in rows), default=0)
+        for row in rows:
+            self._finish(row, FinishReason.ERROR, error=error)
+        self._running.clear()
+        self.cache.data[:, :, : len(rows), :, : min(written, self.cache.max_len)].zero_()  # [L, 2, n, n_kv, T, D]
+        self.prefix.clear()
+        metrics.PREFIX_CACHE_BLOCKS.set(0)
+        if self.tables is not None:
+            self.tables.clear()
 
     def _take_inbox(self, wait: float | None) -> bool:
         """Move submissions into the waiting queue, waiting up to ``wait`` seconds for the first (None: don't

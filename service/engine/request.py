@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.engine.sampling import SamplingParams
+from service.errors import InvalidRequest
 
 
 class FinishReason(enum.Enum):
@@ -37,6 +38,15 @@ class GenerationRequest:
     speculate: bool | None = None  # None: speculate when the adapter has Medusa heads
     deadline: float | None = None  # time.monotonic() instant after which the request is dropped
     arrival: float = field(default_factory=time.monotonic)
+
+
+def check_max_new_tokens(n: int, limit: int) -> None:
+    """The one rule for ``max_new_tokens`` (1 to ``limit``): the API edge runs it before tokenizing, the engine's
+    guard for programmatic callers runs the same function."""
+    if not 0 < n <= limit:
+        raise InvalidRequest(
+            f"max_new_tokens must be in [1, {limit}], got {n}", field="stopping.max_new_tokens", limit=limit
+        )
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()  # valid by construction: every holder of a SamplingParams may rely on it
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
@@ -85,22 +88,29 @@ class SamplingParams:
         """Raise ``InvalidRequest`` naming the first bad field, its value and the accepted range."""
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
-            raise InvalidRequest(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise InvalidRequest(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}", field="sampling.temperature"
+            )
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}")
+            raise InvalidRequest(
+                f"top_k must be an integer >= 0 (0 = no top-k filter), got {self.top_k!r}", field="sampling.top_k"
+            )
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1] (1 = no nucleus filter), got {p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1] (1 = no nucleus filter), got {p!r}", field="sampling.top_p")
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
             raise InvalidRequest(
                 f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
-                f"(1 = no penalty, > 1 discourages repeats), got {r!r}"
+                f"(1 = no penalty, > 1 discourages repeats), got {r!r}",
+                field="sampling.repetition_penalty",
             )
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= _MAX_SEED
         ):
-            raise InvalidRequest(f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}")
+            raise InvalidRequest(
+                f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}", field="sampling.seed"
+            )
 
 
 @dataclass(frozen=True)

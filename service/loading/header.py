@@ -86,6 +86,12 @@ def _is_uint(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a value from a header can be as large as the header."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorRecord], dict[str, str]]:
     """Parse + validate one file's header (records, __metadata__). Reads only the header bytes."""
     path = Path(path)
@@ -129,7 +135,7 @@ def _parse(
         raise error("header does not start with '{'")
     try:
         obj = json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, and an integer too long for int() (sys.get_int_max_str_digits)
         raise error(f"header is not valid JSON: {e}") from None
     except RecursionError:
         raise error("header JSON is nested too deeply") from None
@@ -152,13 +158,13 @@ def _parse(
         if not isinstance(dtype, str):
             raise error("missing or non-string 'dtype'", tensor=name)
         if dtype not in DTYPES:
-            raise error(f"unknown or unsupported dtype {dtype!r}", tensor=name)
+            raise error(f"unknown or unsupported dtype {_short(dtype)}", tensor=name)
         shape = info.get("shape")
         if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise error(f"'shape' must be a list of non-negative integers, got {shape!r}", tensor=name)
+            raise error(f"'shape' must be a list of non-negative integers, got {_short(shape)}", tensor=name)
         offsets = info.get("data_offsets")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
-            raise error(f"'data_offsets' must be [begin, end], got {offsets!r}", tensor=name)
+            raise error(f"'data_offsets' must be [begin, end], got {_short(offsets)}", tensor=name)
         begin, end = offsets
         if end < begin:
             raise error(f"data_offsets [{begin}, {end}] end before they begin", tensor=name)

@@ -78,7 +78,7 @@ def _open_sharded(index_path: Path) -> CheckpointIndex:
     root = index_path.parent
     try:
         doc = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
         raise ShardError(f"cannot read the shard index: {e}", file=index_path) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -38,7 +38,6 @@ collected and reported together, before anything is loaded.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from collections.abc import Callable
@@ -59,6 +58,7 @@ PICKLE_FILES = ("medusa_lm_head.pt", "medusa_lm_head.bin", "medusa_lm_head.pth")
 LORA_WEIGHTS_FILE = "adapter_model.safetensors"  # the LoRA half of a Medusa + LoRA folder (service.adapters.peft)
 FLOAT_CODES = ("F32", "F16", "BF16", "F64")
 PREFIX = "medusa_head."
+_NAMED_MISSING_SLACK = 1024  # tensors a config may claim beyond the file's and still get them listed by name
 CONVERT_HINT = (
     "loraplex reads only safetensors (pickled weights can run code when loaded). Convert once with "
     "`safetensors.torch.save_file(torch.load('medusa_lm_head.pt'), 'medusa_lm_head.safetensors')`"
@@ -147,7 +147,7 @@ def read_medusa_config(path: Path) -> MedusaConfig:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise fail("file not found: a Medusa adapter folder needs config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
         raise fail(f"cannot read JSON: {e}") from None
     if not isinstance(raw, dict):
         raise fail("expected a JSON object")
@@ -177,7 +177,7 @@ def is_medusa_folder(folder: Path) -> bool:
     """True when ``folder/config.json`` is a JSON object naming ``medusa_num_heads`` (a base model's never does)."""
     try:
         raw = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(raw, dict) and "medusa_num_heads" in raw
 
@@ -297,6 +297,16 @@ def _build_heads(
 ) -> tuple[int, tuple[HeadRecords, ...]]:
     n_heads, n_layers = config.num_heads, config.num_layers
     hidden, vocab = model_config.hidden_size, model_config.vocab_size
+    needed = n_heads * max(2 * n_layers, 1)  # at least: every block's weight + bias (v1 also an output per head)
+    # The loops below are as long as the config claims: a claim far beyond the file is refused before them
+    # (a small excess goes on, so the usual mistake gets the list of missing names).
+    if needed > len(records) + _NAMED_MISSING_SLACK:
+        files = sorted({str(r.file) for r in records.values()}) or [str(config_path.parent)]
+        raise InvalidAdapter(
+            f"{CONFIG_FILE} says {n_heads} head(s) x {n_layers} block(s), which needs at least {needed} tensors, "
+            f"but the Medusa file(s) hold only {len(records)} tensor(s)",
+            file=files[0] if len(files) == 1 else config_path.parent,
+        )
     dims = f"hidden_size={hidden}, vocab_size={vocab}"
     problems: list[tuple[TensorRecord | None, str]] = []
     found: dict[tuple[int, int, str], TensorRecord] = {}  # (head, index, "weight" | "bias" | "out")
@@ -400,6 +410,6 @@ def _is_int(value: Any) -> bool:
 def _version(value: Any, fail: Callable[[str], InvalidAdapter]) -> int | None:
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value in (1, 2):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (1, 2):
         return int(value)
     raise fail(f"version must be 1 or 2 when given, got {value!r}")

@@ -145,10 +145,10 @@ class ModelConfig:
         num_heads = req_int("num_attention_heads")
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
         head_dim = raw.get("head_dim") or hidden // num_heads
-        if not isinstance(num_kv_heads, int) or num_heads % num_kv_heads != 0:
-            raise fail(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-        if not isinstance(head_dim, int) or head_dim % 2 != 0:
-            raise fail(f"head_dim must be an even integer, got {head_dim!r}")
+        if not _is_positive_int(num_kv_heads) or num_heads % num_kv_heads != 0:
+            raise fail(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads!r}")
+        if not _is_positive_int(head_dim) or head_dim % 2 != 0:
+            raise fail(f"head_dim must be an even positive integer, got {head_dim!r}")
         max_pos = req_int("max_position_embeddings")
         sliding = raw.get("sliding_window")
         if sliding is not None and (not isinstance(sliding, int) or sliding < max_pos):
@@ -194,7 +194,7 @@ def _parse_rope(raw: dict[str, Any], fail: Callable[[str], CheckpointError]) -> 
         raise fail(f"rope parameters must be an object, got {params!r}")
     if params and all(isinstance(v, dict) for v in params.values()):
         raise fail("per-layer-type rope_parameters are not supported")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
+    theta = _finite(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -205,18 +205,17 @@ def _parse_rope(raw: dict[str, Any], fail: Callable[[str], CheckpointError]) -> 
         raise fail(f"rope_theta must be positive, got {theta}")
     if rope_type == "default":
         return theta, None
-    factor = params.get("factor")
-    if not isinstance(factor, (int, float)) or factor <= 0:
-        raise fail(f"rope type {rope_type!r} needs a positive 'factor', got {factor!r}")
+    factor = _finite(params.get("factor"))
+    if not factor > 0:
+        raise fail(f"rope type {rope_type!r} needs a positive 'factor', got {params.get('factor')!r}")
     if rope_type == "linear":
-        return theta, RopeScaling("linear", float(factor))
-    try:
-        low = float(params["low_freq_factor"])
-        high = float(params["high_freq_factor"])
-    except KeyError as exc:
-        raise fail(f"rope type 'llama3' needs {exc.args[0]!r}") from None
-    except (TypeError, ValueError):
-        raise fail("llama3 rope needs numeric low_freq_factor and high_freq_factor") from None
+        return theta, RopeScaling("linear", factor)
+    for key in ("low_freq_factor", "high_freq_factor"):
+        if key not in params:
+            raise fail(f"rope type 'llama3' needs {key!r}")
+    low, high = _finite(params["low_freq_factor"]), _finite(params["high_freq_factor"])
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise fail("llama3 rope needs finite numeric low_freq_factor and high_freq_factor")
     # Phi-3 style files keep it at the top level; transformers gives that one priority, and so do we.
     original = raw.get("original_max_position_embeddings") or params.get(
         "original_max_position_embeddings", raw.get("max_position_embeddings")
@@ -225,7 +224,22 @@ def _parse_rope(raw: dict[str, Any], fail: Callable[[str], CheckpointError]) -> 
         raise fail(f"llama3 rope needs a positive original_max_position_embeddings, got {original!r}")
     if high <= low:
         raise fail(f"llama3 rope needs high_freq_factor > low_freq_factor, got {high} <= {low}")
-    return theta, RopeScaling("llama3", float(factor), low, high, original)
+    return theta, RopeScaling("llama3", factor, low, high, original)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _finite(value: Any) -> float:
+    """``value`` as a float, NaN when it is not a finite number (a string, null, bool, an int past float range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    try:
+        number = float(value)
+    except OverflowError:
+        return math.nan
+    return number if math.isfinite(number) else math.nan
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -233,7 +247,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError("file not found", file=path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
         raise CheckpointError(f"cannot read JSON: {exc}", file=path) from None
     if not isinstance(data, dict):
         raise CheckpointError("expected a JSON object", file=path)

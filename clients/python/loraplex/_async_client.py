@@ -9,25 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, Self, TypeVar, Unpack, overload
+from typing import NamedTuple, Self, TypeVar, Unpack, overload
 
 import grpc
 import grpc.aio
 
-from loraplex import _convert
-from loraplex._channel import (
-    DEFAULT_TARGET,
-    HEALTH_CHECK_METHOD,
-    Metadata,
-    PathLike,
-    base_metadata,
-    channel_options,
-    check_timeout,
-    decode_health_response,
-    encode_health_request,
-    tls_credentials,
-    with_adapter,
-)
+from loraplex import _channel, _convert
+from loraplex._base import ClientBase
+from loraplex._channel import Metadata
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
@@ -42,39 +31,14 @@ class _Stubs(NamedTuple):
     health: Callable[..., Awaitable[HealthStatus]]
 
 
-class AsyncClient:
+class AsyncClient(ClientBase[grpc.aio.Channel]):
     """Asyncio client; arguments as for ``Client`` (``channel`` must then be a ``grpc.aio.Channel``).
 
     Every generation call sends the adapter id as the ``x-loraplex-adapter`` request header.
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        channel: grpc.aio.Channel | None = None,
-        load_balancing: str | None = None,
-        api_key: str | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        tls_ca: PathLike | None = None,
-        tls_cert: PathLike | None = None,
-        tls_key: PathLike | None = None,
-    ) -> None:
-        self._timeout = check_timeout(timeout)
-        self._metadata: Metadata = base_metadata(metadata, api_key)
-        credentials = tls_credentials(credentials, tls_ca, tls_cert, tls_key)
-        if channel is not None and (
-            target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options
-        ):
-            raise ValueError("with channel=, leave out target, credentials, load_balancing and options")
-        self._target = target
-        self._credentials = credentials
-        self._options = channel_options(load_balancing, options)
-        self._owns_channel = channel is None
-        self._channel: grpc.aio.Channel | None = channel
+    def _setup(self, channel: grpc.aio.Channel | None) -> None:
+        self._channel = channel  # None: made by ``_open``, inside the event loop
         self._stubs: _Stubs | None = None
 
     # --------------------------------------------------------------------------------- plumbing
@@ -90,11 +54,7 @@ class AsyncClient:
             self._stubs = _Stubs(
                 generation=generation_pb2_grpc.GenerationStub(self._channel),
                 adapters=adapters_pb2_grpc.AdaptersStub(self._channel),
-                health=self._channel.unary_unary(
-                    HEALTH_CHECK_METHOD,
-                    request_serializer=encode_health_request,
-                    response_deserializer=decode_health_response,
-                ),
+                health=_channel.health_check(self._channel),
             )
         return self._stubs
 
@@ -105,7 +65,7 @@ class AsyncClient:
         timeout: float | None,
         metadata: Metadata | None = None,
     ) -> _Response:
-        deadline = check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = self._deadline(timeout)
         try:
             return await method(request, timeout=deadline, metadata=metadata or self._metadata)
         except grpc.RpcError as error:  # grpc.aio.AioRpcError is a grpc.RpcError
@@ -132,12 +92,9 @@ class AsyncClient:
         request = _convert.generate_request(inputs, opts)
         generation = self._open().generation
         response: generation_pb2.GenerateResponse = await self._call(
-            generation.Generate, request, timeout, with_adapter(self._metadata, opts.adapter_id)
+            generation.Generate, request, timeout, _channel.with_adapter(self._metadata, opts.adapter_id)
         )
-        results = [_convert.to_generation(r, response.request_id) for r in response.results]
-        if len(results) != len(inputs):
-            raise RuntimeError(f"server answered {len(results)} results for {len(inputs)} prompts")
-        return results[0] if single else results
+        return _convert.generations_of(response, len(inputs), single=single)
 
     def stream(
         self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -146,8 +103,8 @@ class AsyncClient:
         first iteration. Leaving the loop early (or ``await gen.aclose()``) cancels the request."""
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
-        deadline = check_timeout(timeout) if timeout is not None else self._timeout
-        return self._deltas(request, deadline, with_adapter(self._metadata, opts.adapter_id))
+        deadline = self._deadline(timeout)
+        return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
 
     async def _deltas(
         self, request: generation_pb2.GenerateStreamRequest, deadline: float | None, metadata: Metadata

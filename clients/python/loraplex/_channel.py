@@ -1,7 +1,7 @@
-"""Channel options, TLS credentials, request metadata and the grpc.health.v1 codec shared by both clients.
+"""Channel options, TLS credentials, request metadata and the health check shared by both clients.
 
-The health check is called by method path with a hand-written codec for its two one-field messages,
-so the client needs neither grpcio-health-checking nor its generated modules.
+The health check uses grpcio-health-checking's messages (``grpc_health.v1.health_pb2``) and answers the
+client's own ``HealthStatus``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from loraplex._types import HealthStatus
 
@@ -31,10 +32,10 @@ HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 Metadata = tuple[tuple[str, str], ...]
 
 _HEALTH_STATUSES = {
-    0: HealthStatus.UNKNOWN,
-    1: HealthStatus.SERVING,
-    2: HealthStatus.NOT_SERVING,
-    3: HealthStatus.SERVICE_UNKNOWN,
+    health_pb2.HealthCheckResponse.UNKNOWN: HealthStatus.UNKNOWN,
+    health_pb2.HealthCheckResponse.SERVING: HealthStatus.SERVING,
+    health_pb2.HealthCheckResponse.NOT_SERVING: HealthStatus.NOT_SERVING,
+    health_pb2.HealthCheckResponse.SERVICE_UNKNOWN: HealthStatus.SERVICE_UNKNOWN,
 }
 
 
@@ -53,6 +54,14 @@ def channel_options(load_balancing: str | None, options: Sequence[tuple[str, Any
 
 
 PathLike = str | os.PathLike[str]
+
+
+def check_own_channel(
+    target: str, credentials: object, load_balancing: str | None, options: Sequence[tuple[str, Any]]
+) -> None:
+    """With a caller's ``channel=``, the arguments that would make a channel must be left out."""
+    if target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options:
+        raise ValueError("with channel=, leave out target, credentials, load_balancing and options")
 
 
 def tls_credentials(
@@ -122,60 +131,23 @@ def check_timeout(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-# -------------------------------------------------------------- grpc.health.v1, hand-encoded
-# HealthCheckRequest { string service = 1; }   HealthCheckResponse { ServingStatus status = 1; }
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("truncated or oversized varint in health response")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return result, pos
+# ------------------------------------------------------------------------------------ grpc.health.v1
 
 
 def encode_health_request(service: str) -> bytes:
-    if not service:
-        return b""
-    raw = service.encode("utf-8")
-    return b"\x0a" + _varint(len(raw)) + raw  # field 1, wire type 2 (length-delimited)
+    data: bytes = health_pb2.HealthCheckRequest(service=service).SerializeToString()  # grpc_health has no stubs
+    return data
 
 
 def decode_health_response(data: bytes) -> HealthStatus:
-    """The ``status`` field of a HealthCheckResponse; unknown fields are skipped."""
-    status = 0
-    pos = 0
-    while pos < len(data):
-        tag, pos = _read_varint(data, pos)
-        field_number, wire_type = tag >> 3, tag & 7
-        if wire_type == 0:
-            value, pos = _read_varint(data, pos)
-            if field_number == 1:
-                status = value
-        elif wire_type == 2:
-            length, pos = _read_varint(data, pos)
-            pos += length
-        elif wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
-        else:
-            raise ValueError(f"unexpected wire type {wire_type} in health response")
-    if pos > len(data):
-        raise ValueError("truncated health response")
+    """The ``status`` of a HealthCheckResponse as a ``HealthStatus`` (a status newer than this client: UNKNOWN)."""
+    status = health_pb2.HealthCheckResponse.FromString(data).status
     return _HEALTH_STATUSES.get(status, HealthStatus.UNKNOWN)
+
+
+def health_check(channel: Any) -> Any:
+    """``Health/Check`` on ``channel`` (sync or aio) as a callable taking the service name and answering a
+    ``HealthStatus`` (or, on an aio channel, an awaitable of one)."""
+    return channel.unary_unary(
+        HEALTH_CHECK_METHOD, request_serializer=encode_health_request, response_deserializer=decode_health_response
+    )

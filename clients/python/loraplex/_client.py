@@ -9,24 +9,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack, overload
+from typing import Self, TypeVar, Unpack, overload
 
 import grpc
 
-from loraplex import _convert
-from loraplex._channel import (
-    DEFAULT_TARGET,
-    HEALTH_CHECK_METHOD,
-    Metadata,
-    PathLike,
-    base_metadata,
-    channel_options,
-    check_timeout,
-    decode_health_response,
-    encode_health_request,
-    tls_credentials,
-    with_adapter,
-)
+from loraplex import _channel, _convert
+from loraplex._base import ClientBase
+from loraplex._channel import Metadata
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
@@ -35,7 +24,7 @@ from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generat
 _Response = TypeVar("_Response")
 
 
-class Client:
+class Client(ClientBase[grpc.Channel]):
     """Blocking client. Thread-safe: one client (one channel) can serve many threads.
 
     ``target``: "host:port", or e.g. "dns:///loraplex-headless.ns.svc:50051" with
@@ -54,43 +43,16 @@ class Client:
     for the base model), so a proxy can route each adapter to the replicas where it is hot.
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] = (),
-        channel: grpc.Channel | None = None,
-        load_balancing: str | None = None,
-        api_key: str | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        tls_ca: PathLike | None = None,
-        tls_cert: PathLike | None = None,
-        tls_key: PathLike | None = None,
-    ) -> None:
-        self._timeout = check_timeout(timeout)
-        self._metadata: Metadata = base_metadata(metadata, api_key)
-        credentials = tls_credentials(credentials, tls_ca, tls_cert, tls_key)
+    def _setup(self, channel: grpc.Channel | None) -> None:
         if channel is not None:
-            if target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options:
-                raise ValueError("with channel=, leave out target, credentials, load_balancing and options")
             self._channel = channel
-            self._owns_channel = False
+        elif self._credentials is None:
+            self._channel = grpc.insecure_channel(self._target, options=self._options)
         else:
-            args = channel_options(load_balancing, options)
-            if credentials is None:
-                self._channel = grpc.insecure_channel(target, options=args)
-            else:
-                self._channel = grpc.secure_channel(target, credentials, options=args)
-            self._owns_channel = True
+            self._channel = grpc.secure_channel(self._target, self._credentials, options=self._options)
         self._generation = generation_pb2_grpc.GenerationStub(self._channel)
         self._adapters = adapters_pb2_grpc.AdaptersStub(self._channel)
-        self._health = self._channel.unary_unary(
-            HEALTH_CHECK_METHOD,
-            request_serializer=encode_health_request,
-            response_deserializer=decode_health_response,
-        )
+        self._health = _channel.health_check(self._channel)
 
     # --------------------------------------------------------------------------------- plumbing
 
@@ -101,7 +63,7 @@ class Client:
         timeout: float | None,
         metadata: Metadata | None = None,
     ) -> _Response:
-        deadline = check_timeout(timeout) if timeout is not None else self._timeout
+        deadline = self._deadline(timeout)
         try:
             return method(request, timeout=deadline, metadata=metadata or self._metadata)
         except grpc.RpcError as error:
@@ -132,12 +94,9 @@ class Client:
         inputs, single = _convert.build_inputs(prompt, chat=opts.chat)
         request = _convert.generate_request(inputs, opts)
         response: generation_pb2.GenerateResponse = self._call(
-            self._generation.Generate, request, timeout, with_adapter(self._metadata, opts.adapter_id)
+            self._generation.Generate, request, timeout, _channel.with_adapter(self._metadata, opts.adapter_id)
         )
-        results = [_convert.to_generation(r, response.request_id) for r in response.results]
-        if len(results) != len(inputs):
-            raise RuntimeError(f"server answered {len(results)} results for {len(inputs)} prompts")
-        return results[0] if single else results
+        return _convert.generations_of(response, len(inputs), single=single)
 
     def stream(
         self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -149,8 +108,8 @@ class Client:
         """
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
-        deadline = check_timeout(timeout) if timeout is not None else self._timeout
-        return self._deltas(request, deadline, with_adapter(self._metadata, opts.adapter_id))
+        deadline = self._deadline(timeout)
+        return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
 
     def _deltas(
         self, request: generation_pb2.GenerateStreamRequest, deadline: float | None, metadata: Metadata

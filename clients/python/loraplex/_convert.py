@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from google.protobuf import timestamp_pb2
 
@@ -314,34 +314,28 @@ def build_inputs(prompt: object, *, chat: bool) -> tuple[list[generation_pb2.Inp
     return [build_input(prompt, chat=chat)], True  # raises the right TypeError
 
 
-def generate_request(inputs: list[generation_pb2.Input], options: GenerationOptions) -> generation_pb2.GenerateRequest:
-    request = generation_pb2.GenerateRequest(
-        inputs=inputs,
-        adapter_id=options.adapter_id,
-        sampling=options.sampling,
-        stopping=options.stopping,
-        return_options=options.return_options,
-        request_id=options.request_id,
-    )
+def _request_fields(options: GenerationOptions) -> dict[str, Any]:
+    """The fields a GenerateRequest and a GenerateStreamRequest share."""
+    fields: dict[str, Any] = {
+        "adapter_id": options.adapter_id,
+        "sampling": options.sampling,
+        "stopping": options.stopping,
+        "return_options": options.return_options,
+        "request_id": options.request_id,
+    }
     if options.speculate is not None:
-        request.speculate = options.speculate
-    return request
+        fields["speculate"] = options.speculate
+    return fields
+
+
+def generate_request(inputs: list[generation_pb2.Input], options: GenerationOptions) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(inputs=inputs, **_request_fields(options))
 
 
 def stream_request(
     prompt_input: generation_pb2.Input, options: GenerationOptions
 ) -> generation_pb2.GenerateStreamRequest:
-    request = generation_pb2.GenerateStreamRequest(
-        input=prompt_input,
-        adapter_id=options.adapter_id,
-        sampling=options.sampling,
-        stopping=options.stopping,
-        return_options=options.return_options,
-        request_id=options.request_id,
-    )
-    if options.speculate is not None:
-        request.speculate = options.speculate
-    return request
+    return generation_pb2.GenerateStreamRequest(input=prompt_input, **_request_fields(options))
 
 
 def load_adapter_request(adapter_id: object, source: object) -> adapters_pb2.LoadAdapterRequest:
@@ -362,6 +356,16 @@ def _usage(message: generation_pb2.Usage) -> Usage:
         generated_tokens=message.generated_tokens,
         accepted_draft_tokens=message.accepted_draft_tokens,
     )
+
+
+def generations_of(
+    response: generation_pb2.GenerateResponse, prompts: int, *, single: bool
+) -> Generation | list[Generation]:
+    """The answer of ``generate``: one ``Generation`` per prompt, in order (``single``: just the one)."""
+    results = [to_generation(r, response.request_id) for r in response.results]
+    if len(results) != prompts:
+        raise RuntimeError(f"server answered {len(results)} results for {prompts} prompts")
+    return results[0] if single else results
 
 
 def to_generation(result: generation_pb2.GenerationResult, request_id: str) -> Generation:

@@ -1,6 +1,7 @@
 """Errors raised by the client: one class per gRPC status a caller can act on.
 
-    LoraplexError(code, message, details)   any failed RPC; ``.code`` is the grpc.StatusCode
+    LoraplexError(code, message, details)   any failed RPC; ``.code`` is the grpc.StatusCode, ``.reason`` and
+    │                                       ``.details`` the server's google.rpc.ErrorInfo
     ├── InvalidArgument       INVALID_ARGUMENT     bad parameters, prompt too long, invalid adapter files
     ├── NotFound              NOT_FOUND            unknown adapter id, missing adapter path
     ├── AlreadyExists         ALREADY_EXISTS       adapter id taken
@@ -15,8 +16,10 @@
     └── Internal              INTERNAL             a server bug
 
 Other codes (UNKNOWN, ABORTED, OUT_OF_RANGE, DATA_LOSS) raise ``LoraplexError`` itself, with its code.
-``from_rpc_error`` is the one place a ``grpc.RpcError`` becomes one of these. Arguments the client can
-reject before calling (a negative temperature, an empty prompt list) raise ``ValueError`` / ``TypeError``.
+``from_rpc_error`` is the one place a ``grpc.RpcError`` becomes one of these; it reads the server's
+``google.rpc.ErrorInfo`` from the ``grpc-status-details-bin`` trailer with googleapis-common-protos (no
+grpcio-status needed). Arguments the client can reject before calling (a negative temperature, an empty
+prompt list) raise ``ValueError`` / ``TypeError``.
 """
 
 from __future__ import annotations
@@ -25,20 +28,41 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+"""Trailing metadata key of the serialized ``google.rpc.Status`` that carries the error details."""
 
 
 class LoraplexError(Exception):
     """A failed RPC.
 
-    ``code`` is the grpc.StatusCode, ``message`` the server's status message, and ``details`` the
-    call's trailing metadata (keys lower-case; values ``str``, or ``bytes`` for ``-bin`` keys).
+    ``code`` is the grpc.StatusCode and ``message`` the server's status message. From the server's
+    ``google.rpc.ErrorInfo``: ``reason`` (e.g. ``ADAPTER_NOT_FOUND``, ``INVALID_REQUEST``, ``QUEUE_FULL``;
+    "" when the server sent none), ``domain`` ("loraplex") and ``details``, its metadata: the error's
+    fields where it has them (``field``, ``limit``, ``adapter_id``, ``file``, ``tensor``), all ``str``.
+    ``trailing_metadata``: the call's trailing metadata as sent (keys lower-case; values ``str``, or
+    ``bytes`` for ``-bin`` keys).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, details: Mapping[str, str | bytes] | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        details: Mapping[str, str] | None = None,
+        *,
+        reason: str = "",
+        domain: str = "",
+        trailing_metadata: Mapping[str, str | bytes] | None = None,
+    ) -> None:
         super().__init__(f"{code.name}: {message}" if message else code.name)
         self.code = code
         self.message = message
-        self.details: Mapping[str, str | bytes] = MappingProxyType(dict(details or {}))
+        self.reason = reason
+        self.domain = domain
+        self.details: Mapping[str, str] = MappingProxyType(dict(details or {}))
+        self.trailing_metadata: Mapping[str, str | bytes] = MappingProxyType(dict(trailing_metadata or {}))
 
 
 class InvalidArgument(LoraplexError):
@@ -128,4 +152,28 @@ def from_rpc_error(error: grpc.RpcError) -> LoraplexError:
     for item in trailing or ():
         key, value = item[0], item[1]
         metadata[str(key)] = value if isinstance(value, bytes) else str(value)
-    return error_class(code)(code, message or "", metadata)
+    info = error_info(metadata.get(STATUS_DETAILS_KEY))
+    return error_class(code)(
+        code,
+        message or "",
+        dict(info.metadata) if info is not None else None,
+        reason=info.reason if info is not None else "",
+        domain=info.domain if info is not None else "",
+        trailing_metadata=metadata,
+    )
+
+
+def error_info(status_details: str | bytes | None) -> error_details_pb2.ErrorInfo | None:
+    """The first ``google.rpc.ErrorInfo`` in a serialized ``google.rpc.Status`` (None when there is none, or
+    the bytes do not parse: a proxy's own status must not turn into a client crash)."""
+    if not isinstance(status_details, bytes):
+        return None
+    try:
+        status = status_pb2.Status.FromString(status_details)
+    except DecodeError:
+        return None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info
+    return None
