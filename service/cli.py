@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,18 @@ from service.config import DTYPES, LOAD_MODES, Settings
 from service.errors import LoraplexError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
+# once, when torch loads. libgomp's own default (300000, milliseconds of spinning) keeps waiting threads on the
+# CPU, and beside a busy neighbour every parallel region then waits for a descheduled thread. This covers the
+# short serial gaps between the parallel regions of a decode step and sleeps soon after (bench/README.md,
+# contention). KMP_BLOCKTIME is Intel OpenMP's knob: libgomp ignores it.
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
+
+
+def openmp_defaults(env: MutableMapping[str, str]) -> None:
+    """Set ``OPENMP_DEFAULTS`` unless the environment chose a wait policy itself; call before torch is imported."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env.update(OPENMP_DEFAULTS)
 
 
 def _adapter_pair(text: str) -> tuple[str, Path]:
@@ -39,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="gRPC port (default 50051)")
     serve.add_argument("--metrics-host", help="/metrics bind address (default 127.0.0.1)")
     serve.add_argument("--metrics-port", type=int, help="/metrics port (default 9400; 0 = any free port, -1 = off)")
-    serve.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    serve.add_argument(
+        "--threads", type=int,
+        help="most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
+    )  # fmt: skip
+    serve.add_argument(
+        "--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
+        help="measure decode steps and use fewer threads while the CPUs are contended (default on)",
+    )  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, help="rows per decode step (default 32)")
     serve.add_argument("--max-queue", type=int, help="queued requests before RESOURCE_EXHAUSTED (default 256)")
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 2048)")
@@ -121,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    openmp_defaults(os.environ)  # before anything imports torch (Settings.validate does)
     fields = {
         k: v for k, v in vars(args).items() if k != "command" and v is not None and k in Settings.__dataclass_fields__
     }
