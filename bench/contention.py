@@ -1,6 +1,7 @@
 """Throughput with and without a noisy neighbour: one core taken by a busy loop, same servers, same run.
 
-    .venv/bin/python bench/contention.py                     # default variants, 3 rounds (~3-5 min on 2 cores)
+    .venv/bin/python bench/contention.py                     # the issue's table: 4 variants, 5 rounds (~6 min)
+    .venv/bin/python bench/contention.py --quick             # smoke: one short round, asserts sane numbers
     .venv/bin/python bench/contention.py --rounds 5 --streams 32 --new-tokens 32 --dtype bfloat16
     .venv/bin/python bench/contention.py --variant 'spin30k:GOMP_SPINCOUNT=30000:--threads 2 --no-adaptive-threads'
 
@@ -75,14 +76,15 @@ class Server:
     contended: list[float] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)
 
-    def start(self, model: Path, dtype: str, streams: int) -> None:
+    def start(self, model: Path, dtype: str, streams: int, log_dir: Path | None) -> None:
         env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients/python"), env.get("PYTHONPATH", "")])
         args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--dtype", dtype]
         args += ["--port", str(self.port), "--metrics-port", "-1", "--max-batch-size", str(streams)]
         args += ["--max-total-tokens", "1024", "--max-prompt-tokens", "512", *self.flags]
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = subprocess.DEVNULL if log_dir is None else (log_dir / f"{self.name}.log").open("wb")
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -222,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=ROOT / "models/SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
     parser.add_argument("--streams", type=int, default=32, help="requests in flight")
     parser.add_argument("--requests", type=int, default=0, help="requests per measurement (default 2 x streams)")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -230,15 +232,22 @@ def main() -> None:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"built-in variants: {', '.join(VARIANTS)}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=V,...:FLAGS", help="add one")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/contention.json")
+    parser.add_argument("--log-dir", type=Path, help="keep each server's log (thread switches) here")
+    parser.add_argument("--quick", action="store_true", help="1 round, 4 streams x 8 tokens, 2 variants")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.streams, args.new_tokens, args.variants, args.round_timeout = 1, 4, 8, "default,threads-1", 30
+        args.out = Path("/tmp/loraplex-contention-quick.json")
     args.requests = args.requests or 2 * args.streams
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     specs = [(n, *VARIANTS[n]) for n in args.variants.split(",") if n] + [parse_variant(v) for v in args.variant]
     servers = [Server(name, env, flags, 50870 + i) for i, (name, env, flags) in enumerate(specs)]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load_before = os.getloadavg()
     try:
         for srv in servers:
-            srv.start(args.model, args.dtype, args.streams)
+            srv.start(args.model, args.dtype, args.streams, args.log_dir)
         for srv in servers:
             wait_serving(f"127.0.0.1:{srv.port}")
         asyncio.run(run_rounds(servers, args))
@@ -264,6 +273,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if args.quick:
+        assert all(d["quiet_median"] > 0 and d["contended_median"] > 0 for d in summary.values()), summary
 
 
 if __name__ == "__main__":

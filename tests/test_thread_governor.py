@@ -178,3 +178,39 @@ def test_an_engine_reports_its_budget_and_serves_with_the_governor(served_tiny_d
         gov = engine.threads.governor
         assert gov is not None and gov.levels[0] == budget
         assert gov.estimate(step_key(1, False), gov.current) is not None  # its decode steps were measured
+
+
+def test_openmp_defaults_leave_a_chosen_wait_policy_alone() -> None:
+    from service.cli import OPENMP_DEFAULTS, openmp_defaults
+
+    env: dict[str, str] = {}
+    openmp_defaults(env)
+    assert env == OPENMP_DEFAULTS
+    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(chosen)
+        openmp_defaults(env)
+        assert env == chosen
+
+
+def test_serve_sets_the_spin_count_before_torch_is_imported() -> None:
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: too late after ``import torch``."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import os, sys\n"
+        "import service.cli as cli\n"
+        "seen = []\n"
+        "real = cli.openmp_defaults\n"
+        "cli.openmp_defaults = lambda env: (seen.append('torch' in sys.modules), real(env))\n"
+        "try:\n"
+        "    cli.main(['serve', '--draft-threshold', '2'])\n"  # rejected by Settings.validate, which imports torch
+        "except ValueError:\n"
+        "    pass\n"
+        "print(seen, os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{root / 'clients/python'}"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["[False]", "10000", "True"], out.stderr

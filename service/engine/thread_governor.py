@@ -2,7 +2,7 @@
 
 Public API::
 
-    ThreadGovernor(max_threads, min_samples=4, probe_every=100, max_probe_every=800, margin=0.05, drop=0.5)
+    ThreadGovernor(max_threads, min_samples=4, probe_every=50, max_probe_every=800, margin=0.05, drop=0.5)
     governor.choose(key) -> int                    threads for the next decode step of this kind
     governor.record(key, threads, seconds, rows)   what that step took
     governor.current, governor.levels, governor.estimate(key, threads) -> rows/s | None
@@ -65,7 +65,7 @@ class ThreadGovernor:
         self,
         max_threads: int,
         min_samples: int = 4,
-        probe_every: int = 100,
+        probe_every: int = 50,
         max_probe_every: int = 800,
         margin: float = 0.05,
         drop: float = 0.5,
@@ -187,6 +187,14 @@ class ThreadControl:
         return self.threads
 
     def after_step(self, key: Hashable, threads: int, seconds: float, rows: int) -> None:
-        if self.governor is not None:
-            self.governor.record(key, threads, seconds, rows)
-            metrics.ENGINE_THREADS.set(self.governor.current)  # the chosen count, not a one-step probe
+        if self.governor is None:
+            return
+        before = self.governor.current
+        self.governor.record(key, threads, seconds, rows)
+        now = self.governor.current
+        if now != before:
+            metrics.ENGINE_THREADS.set(now)  # the chosen count, not a one-step probe
+            log.info(
+                "event=threads_switch from=%d to=%d rows=%d rows_per_s_before=%.1f rows_per_s_after=%.1f",
+                before, now, rows, self.governor.estimate(key, before) or 0.0, self.governor.estimate(key, now) or 0.0,
+            )  # fmt: skip
