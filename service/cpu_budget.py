@@ -3,6 +3,7 @@
     read_cpu_budget(root=Path("/"), affinity=None) -> CpuBudget
     budget.threads -> int         min(CPUs in the affinity mask, cgroup CPU quota rounded down, physical cores)
     budget.source -> str          which of the three set it, for the start-up log
+    OtherLoad(cpus, root).sample() -> float | None   CPUs of ``cpus`` other processes kept busy since the last call
 
 ``os.cpu_count()`` (and torch's default) counts the node's CPUs, not this process's share: a container limited
 to 2 CPUs on a 64-core node would start 64 threads whose parallel regions each wait for a descheduled member.
@@ -22,7 +23,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-__all__ = ["CpuBudget", "read_cpu_budget"]
+__all__ = ["CpuBudget", "OtherLoad", "read_cpu_budget"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +151,41 @@ def _cgroup_dirs(root: Path) -> Iterator[tuple[tuple[Path, Path], int]]:
             relative = PurePosixPath(".")
         folder = (mount_point / str(relative)) if str(relative) != "." else mount_point
         yield (mount_point, folder if folder.is_dir() else mount_point), 2 if key == "" else 1
+
+
+class OtherLoad:
+    """How many of ``cpus`` other processes (and the hypervisor: steal) kept busy since the previous ``sample``.
+
+    From ``/proc/stat`` (busy = user + nice + system + irq + softirq + steal jiffies of those CPUs) minus this
+    process's own CPU time (``/proc/self/stat`` utime + stime), divided by the elapsed jiffies per CPU. None on
+    the first call or when the files cannot be read. Two small file reads per call.
+    """
+
+    def __init__(self, cpus: Collection[int], root: Path = Path("/")) -> None:
+        self.cpus = frozenset(f"cpu{c}" for c in cpus)
+        self.root = root
+        self._last: tuple[int, int, int] | None = None  # (busy, total, own) jiffies
+
+    def _read(self) -> tuple[int, int, int] | None:
+        stat, own = _read(self.root / "proc/stat"), _read(self.root / "proc/self/stat")
+        if stat is None or own is None:
+            return None
+        busy = total = 0
+        for line in stat.splitlines():
+            name, _, rest = line.partition(" ")
+            if name in self.cpus:
+                v = [int(x) for x in rest.split()]
+                busy += v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+                total += sum(v[:8])
+        fields = own.rsplit(")", 1)[-1].split()
+        return busy, total, int(fields[11]) + int(fields[12])
+
+    def sample(self) -> float | None:
+        now = self._read()
+        last, self._last = self._last, now
+        if now is None or last is None or not self.cpus:
+            return None
+        elapsed = (now[1] - last[1]) / len(self.cpus)  # jiffies per CPU
+        if elapsed <= 0:
+            return None
+        return max(0.0, ((now[0] - last[0]) - (now[2] - last[2])) / elapsed)

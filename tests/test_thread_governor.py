@@ -14,6 +14,7 @@ import torch
 
 from service import metrics
 from service.config import Settings
+from service.cpu_budget import OtherLoad
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest
 from service.engine.thread_governor import ThreadControl, ThreadGovernor, step_key
@@ -139,6 +140,7 @@ def test_the_engine_threads_count_governs_its_own_parallel_regions() -> None:
 
     def work() -> None:
         control = ThreadControl(Settings(threads=2))
+        control.others = None  # measured switches only: no hint from what the rest of this busy machine does
         control.start()
         for want in (2, 1, 2):
             if want != control.threads:
@@ -214,3 +216,40 @@ def test_serve_sets_the_spin_count_before_torch_is_imported() -> None:
     env["PYTHONPATH"] = f"{root}{os.pathsep}{root / 'clients/python'}"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["[False]", "10000", "True"], out.stderr
+
+
+def write_proc(root: Path, busy: tuple[int, int], idle: tuple[int, int], own: int) -> None:
+    """A fake /proc/stat (two CPUs: user jiffies ``busy``, idle jiffies ``idle``) and /proc/self/stat (utime)."""
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    lines = [f"cpu {sum(busy)} 0 0 {sum(idle)} 0 0 0 0 0 0"]
+    lines += [f"cpu{i} {b} 0 0 {d} 0 0 0 0 0 0" for i, (b, d) in enumerate(zip(busy, idle, strict=True))]
+    (root / "proc/stat").write_text("\n".join(lines) + "\n")
+    (root / "proc/self/stat").write_text(f"42 (python (x)) S {' '.join(['0'] * 10)} {own} 0 0 0 20 0\n")
+
+
+def test_other_load_counts_busy_cpus_that_are_not_ours(tmp_path: Path) -> None:
+    load = OtherLoad([0, 1], root=tmp_path)
+    write_proc(tmp_path, (1000, 1000), (1000, 1000), own=300)
+    assert load.sample() is None  # no window yet
+    write_proc(tmp_path, (1100, 1050), (1000, 1050), own=350)  # 100 jiffies per CPU: 150 busy, 50 of them ours
+    assert load.sample() == pytest.approx(1.0)
+    write_proc(tmp_path, (1100, 1050), (1000, 1050), own=350)
+    assert load.sample() is None  # no time passed
+    assert OtherLoad([0], root=tmp_path / "missing").sample() is None
+
+
+def test_a_restart_after_idle_starts_from_what_other_processes_leave_free(tmp_path: Path) -> None:
+    control = ThreadControl(Settings(threads=2))
+    control.cpus, control.others = [0, 1], OtherLoad([0, 1], root=tmp_path)
+    write_proc(tmp_path, (0, 0), (0, 0), own=0)
+    control.start()
+    gov = control.governor
+    assert gov is not None
+    write_proc(tmp_path, (100, 10), (0, 90), own=10)  # idle spell: a neighbour kept one CPU busy
+    assert control.before_step(KEY) == 1 and gov.current == 1 and gov.switches == 1
+    control.after_step(KEY, 1, 0.05, 32)
+    assert control.before_step(KEY) == 1  # no idle gap: no new look
+    control._last_step -= 1.0  # an idle second ...
+    write_proc(tmp_path, (110, 20), (190, 180), own=20)  # ... with both CPUs free
+    assert control.before_step(KEY) == 2 and gov.current == 2
+    assert metrics.ENGINE_THREADS.collect()[0].samples[0].value == 2

@@ -5,6 +5,7 @@ Public API::
     ThreadGovernor(max_threads, min_samples=4, probe_every=50, max_probe_every=800, margin=0.05, drop=0.5)
     governor.choose(key) -> int                    threads for the next decode step of this kind
     governor.record(key, threads, seconds, rows)   what that step took
+    governor.hint(threads)                         start from this many (what other processes leave free)
     governor.current, governor.levels, governor.estimate(key, threads) -> rows/s | None
     ThreadControl(settings)                        the engine's side: budget, governor, torch.set_num_threads
 
@@ -23,7 +24,10 @@ for the whole engine, since contention is a property of the machine, not of the 
   more threads is the expensive one, so it gets rare; a switch resets the interval;
 * a probe faster than the current count's estimate for the same key by ``margin`` switches to it; during the
   first ``min_samples`` steps after a switch, an average below the previous count's estimate switches back
-  (one lucky probe costs one slow step, not many).
+  (one lucky probe costs one slow step, not many);
+* when the engine starts work after being idle, ``ThreadControl`` counts the CPUs other processes kept busy
+  meanwhile (``OtherLoad``) and hints the governor to start from the threads the rest can hold, so a neighbour
+  that arrived while the engine slept costs no slow step at all; measurements correct a wrong hint as above.
 
 Outputs do not depend on the thread count beyond floating-point summation order.
 """
@@ -31,6 +35,9 @@ Outputs do not depend on the thread count beyond floating-point summation order.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -38,11 +45,13 @@ import torch
 
 from service import metrics
 from service.config import Settings
-from service.cpu_budget import read_cpu_budget
+from service.cpu_budget import OtherLoad, read_cpu_budget
 
 __all__ = ["ThreadControl", "ThreadGovernor", "step_key"]
 
 log = logging.getLogger("loraplex.engine")
+IDLE_SECONDS = 0.25  # a gap between decode steps this long is a restart: look at the other load first
+SAMPLE_SECONDS = 0.1  # while busy, restart the other-load window at most this often
 
 
 def step_key(rows: int, speculative: bool) -> tuple[int, bool]:
@@ -134,6 +143,14 @@ class ThreadGovernor:
             self._probes += 1
             self._probe = self._neighbour(down=self._probes % 2 == 1)
 
+    def hint(self, threads: int) -> None:
+        """Continue at the largest level <= ``threads`` (not a measured switch: no trial, estimates kept)."""
+        level = next((t for t in self.levels if t <= threads), self.levels[-1])
+        if level != self.current:
+            self.current, self._probe, self._trial = level, None, 0
+            self._since_probe, self.interval = 0, self.probe_every
+            self.switches += 1
+
     def _neighbour(self, down: bool) -> int | None:
         i = self.levels.index(self.current)
         if i == 0:
@@ -171,15 +188,22 @@ class ThreadControl:
         adaptive = settings.adaptive_threads and self.max_threads > 1
         self.governor = ThreadGovernor(self.max_threads) if adaptive else None
         self.threads = self.max_threads  # what torch runs with on the engine thread now
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.others = OtherLoad(self.cpus) if self.governor is not None else None
+        self._last_step = self._last_sample = 0.0
 
     def start(self) -> None:
         """On the engine thread, before its first forward pass (torch's thread count is per calling thread)."""
         torch.set_num_threads(self.max_threads)
         metrics.ENGINE_THREADS_BUDGET.set(self.max_threads)
         metrics.ENGINE_THREADS.set(self.max_threads)
+        if self.others is not None:
+            self.others.sample()  # the baseline of the first restart's window
 
     def before_step(self, key: Hashable) -> int:
         if self.governor is not None:
+            if self.others is not None and time.monotonic() - self._last_step > IDLE_SECONDS:
+                self._resume()
             threads = self.governor.choose(key)
             if threads != self.threads:
                 torch.set_num_threads(threads)
@@ -189,6 +213,10 @@ class ThreadControl:
     def after_step(self, key: Hashable, threads: int, seconds: float, rows: int) -> None:
         if self.governor is None:
             return
+        self._last_step = now = time.monotonic()
+        if self.others is not None and now - self._last_sample > SAMPLE_SECONDS:
+            self._last_sample = now
+            self.others.sample()  # the window a restart looks at begins about here
         before = self.governor.current
         self.governor.record(key, threads, seconds, rows)
         now = self.governor.current
@@ -198,3 +226,17 @@ class ThreadControl:
                 "event=threads_switch from=%d to=%d rows=%d rows_per_s_before=%.1f rows_per_s_after=%.1f",
                 before, now, rows, self.governor.estimate(key, before) or 0.0, self.governor.estimate(key, now) or 0.0,
             )  # fmt: skip
+
+    def _resume(self) -> None:
+        """After an idle spell: start from the threads that the CPUs other processes leave free can hold."""
+        if self.governor is None or self.others is None:
+            return
+        busy = self.others.sample()
+        if busy is None:
+            return
+        free = len(self.cpus) - busy
+        before = self.governor.current
+        self.governor.hint(max(1, min(self.max_threads, math.floor(free + 0.5))))
+        if self.governor.current != before:
+            metrics.ENGINE_THREADS.set(self.governor.current)
+            log.info("event=threads_switch from=%d to=%d other_cpus_busy=%.2f", before, self.governor.current, busy)
