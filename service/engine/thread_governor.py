@@ -144,11 +144,11 @@ class ThreadGovernor:
             self._probe = self._neighbour(down=self._probes % 2 == 1)
 
     def hint(self, threads: int) -> None:
-        """Continue at the largest level <= ``threads`` (not a measured switch: no trial, estimates kept)."""
+        """Continue at the largest level <= ``threads`` (not a measured switch: no trial, estimates and the probe
+        interval kept, so probes up that kept losing stay rare across idle spells)."""
         level = next((t for t in self.levels if t <= threads), self.levels[-1])
         if level != self.current:
-            self.current, self._probe, self._trial = level, None, 0
-            self._since_probe, self.interval = 0, self.probe_every
+            self.current, self._probe, self._trial, self._since_probe = level, None, 0, 0
             self.switches += 1
 
     def _neighbour(self, down: bool) -> int | None:
