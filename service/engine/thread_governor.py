@@ -18,8 +18,9 @@ for the whole engine, since contention is a property of the machine, not of the 
 
 * a step at the current count much slower than its estimate (< ``drop`` x) replaces that estimate and makes
   the next step a probe with fewer threads (a collapse is seen in one step);
-* every ``probe_every`` steps one step runs at a neighbouring count on the ladder ``max, max/2, ..., 1`` (down
-  from the top, up from the bottom, alternating in between), so that the end of contention is noticed too.
+* every ``interval`` steps (``probe_every`` at first) one step runs at a neighbouring count on the ladder
+  ``max, max/2, ..., 1`` (down from the top, up from the bottom, alternating in between), so that the end of
+  contention is noticed too.
   A probe up that loses doubles the interval (up to ``max_probe_every``): under lasting contention a probe with
   more threads is the expensive one, so it gets rare; a switch resets the interval;
 * a probe faster than the current count's estimate for the same key by ``margin`` switches to it; during the
@@ -219,12 +220,13 @@ class ThreadControl:
             self.others.sample()  # the window a restart looks at begins about here
         before = self.governor.current
         self.governor.record(key, threads, seconds, rows)
-        now = self.governor.current
-        if now != before:
-            metrics.ENGINE_THREADS.set(now)  # the chosen count, not a one-step probe
+        after = self.governor.current
+        if after != before:
+            metrics.ENGINE_THREADS.set(after)  # the chosen count, not a one-step probe
             log.info(
                 "event=threads_switch from=%d to=%d rows=%d rows_per_s_before=%.1f rows_per_s_after=%.1f",
-                before, now, rows, self.governor.estimate(key, before) or 0.0, self.governor.estimate(key, now) or 0.0,
+                before, after, rows, self.governor.estimate(key, before) or 0.0,
+                self.governor.estimate(key, after) or 0.0,
             )  # fmt: skip
 
     def _resume(self) -> None:
