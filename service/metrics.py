@@ -1,14 +1,18 @@
 """Every Prometheus metric loraplex exports, defined once.
 
 Conventions: base units (``_seconds``, ``_bytes``), counters end in ``_total``, labels are bounded
-(stage, mode, status code, tier): never an adapter id on a histogram. The table in README.md documents
-each metric; ``tests/test_metrics_doc.py`` keeps that table and this module in step.
+(stage, mode, status code, tier). An ``adapter`` label exists only on the per-adapter families at the end, and
+only through ``ADAPTERS`` (``AdapterLabels``), which caps its distinct values at ``--metrics-adapter-series``.
+The table in README.md documents each metric; ``tests/test_metrics_doc.py`` keeps that table and this module in
+step.
 
 All metrics live in ``REGISTRY`` (not prometheus_client's global one) so the exposition contains exactly
 what this module declares plus the process collector.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,16 +24,20 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from service.config import Settings
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
 # Load times span 10 ms (a small file, warm cache) to minutes (a 70B model, cold disk).
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-# Request latencies: sub-millisecond GPU steps to multi-second CPU generations.
+# Request latencies: sub-millisecond GPU steps to multi-second CPU generations, up to an hour (a queue wait plus
+# max_new_tokens on a slow CPU). A quantile past the top finite bucket reads as that bucket; the dashboard's
+# overflow panel shows the share of observations there.
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
 )  # fmt: skip
 
 BUILD_INFO = Info("loraplex_build", "Version and runtime of this server.", registry=REGISTRY)
@@ -127,10 +135,17 @@ ENGINE_THREADS_BUDGET = Gauge(
 # --- adapters ---------------------------------------------------------------------------------------------
 ADAPTER_LOAD_DURATION = Histogram(
     "loraplex_adapter_load_duration_seconds",
-    "Adapter load time by stage (index = registration, read, layout, total = request to resident) and by the "
-    "tier the bytes came from (disk, host).",
+    "Adapter load time by stage (index = registration, read, validate = the finiteness check of what was read, "
+    "layout, total = request to resident) and by the tier the bytes came from (disk, host).",
     ["stage", "tier"],
     buckets=LOAD_BUCKETS,
+    registry=REGISTRY,
+)
+ADAPTER_EVICTIONS_UNUSED = Counter(
+    "loraplex_adapter_evictions_unused_total",
+    "Adapters evicted from a tier before any request used them since their load: a working set thrashing the "
+    "tier (each is a wasted load; stays 0 while loads wait for room).",
+    ["tier"],
     registry=REGISTRY,
 )
 ADAPTER_CACHE_EVENTS = Counter(
@@ -181,3 +196,109 @@ SPECULATIVE_STEPS = Counter(
     "Row-steps that verified drafts; accepted / steps + 1 = mean tokens per step of a speculating row.",
     registry=REGISTRY,
 )
+
+# --- per adapter (labels only through ADAPTERS below) -----------------------------------------------------------
+ADAPTER_REQUESTS = Counter(
+    "loraplex_adapter_requests",
+    "Finished generation RPCs by adapter and gRPC status code (client deadlines as DEADLINE_EXCEEDED).",
+    ["adapter", "code"],
+    registry=REGISTRY,
+)
+ADAPTER_GENERATED_TOKENS = Counter(
+    "loraplex_adapter_generated_tokens",
+    "Tokens generated, by adapter; counted when the request finishes.",
+    ["adapter"],
+    registry=REGISTRY,
+)
+ADAPTER_TIME_TO_FIRST_TOKEN = Histogram(
+    "loraplex_adapter_time_to_first_token_seconds",
+    "From request arrival to its first generated token, by adapter.",
+    ["adapter"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+ADAPTER_LOAD_SECONDS = Histogram(
+    "loraplex_adapter_load_seconds",
+    "Adapter load time, request to resident (LoRA) or read to ready (Medusa heads), by adapter.",
+    ["adapter"],
+    buckets=LOAD_BUCKETS,
+    registry=REGISTRY,
+)
+ADAPTER_EVICTIONS = Counter(
+    "loraplex_adapter_evictions",
+    "Adapter evictions by adapter and the tier it left (device: to the host tier; host: to disk only).",
+    ["adapter", "tier"],
+    registry=REGISTRY,
+)
+PER_ADAPTER = (
+    ADAPTER_REQUESTS,
+    ADAPTER_GENERATED_TOKENS,
+    ADAPTER_TIME_TO_FIRST_TOKEN,
+    ADAPTER_LOAD_SECONDS,
+    ADAPTER_EVICTIONS,
+)
+
+
+class AdapterLabels:
+    """The values the ``adapter`` label may take: at most ``cap`` adapter ids, first come first served, for the
+    life of the process; every other adapter is counted under ``OTHER``. The base model is ``BASE`` (""), which
+    no adapter id can be (ids have 1-128 characters). An adapter whose id is ``other`` shares the overflow series.
+
+    ``admit=False`` maps an id that holds no slot to ``OTHER`` without taking one: the request path uses it for
+    ids that are not registered, so unknown ids sent by clients never use up the cap."""
+
+    BASE = ""
+    OTHER = "other"
+
+    def __init__(self, cap: int) -> None:
+        self._lock = threading.Lock()
+        self.cap = cap
+        self._slots: dict[str, None] = {}
+
+    def reset(self, cap: int) -> None:
+        """A new cap and no slots; clears the per-adapter series (a server starts them afresh)."""
+        if cap < 0:
+            raise ValueError("metrics_adapter_series must be >= 0")
+        with self._lock:
+            self.cap = cap
+            self._slots.clear()
+            for family in PER_ADAPTER:
+                family.clear()
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """Adapter ids that hold a slot, in the order they took it."""
+        with self._lock:
+            return tuple(self._slots)
+
+    def label(self, adapter_id: str | None, *, admit: bool = True) -> str:
+        if not adapter_id:
+            return self.BASE
+        with self._lock:
+            if adapter_id in self._slots:
+                return adapter_id
+            if admit and len(self._slots) < self.cap:
+                self._slots[adapter_id] = None
+                return adapter_id
+        return self.OTHER
+
+    # One call per event, from wherever it happens (servicer, engine thread, adapter loader).
+    def request_finished(self, adapter_id: str | None, code: str, *, known: bool) -> None:
+        ADAPTER_REQUESTS.labels(self.label(adapter_id, admit=known), code).inc()
+
+    def first_token(self, adapter_id: str | None, seconds: float) -> None:
+        ADAPTER_TIME_TO_FIRST_TOKEN.labels(self.label(adapter_id)).observe(seconds)
+
+    def generated(self, adapter_id: str | None, tokens: int) -> None:
+        if tokens:
+            ADAPTER_GENERATED_TOKENS.labels(self.label(adapter_id)).inc(tokens)
+
+    def loaded(self, adapter_id: str, seconds: float) -> None:
+        ADAPTER_LOAD_SECONDS.labels(self.label(adapter_id)).observe(seconds)
+
+    def evicted(self, adapter_id: str, tier: str) -> None:
+        ADAPTER_EVICTIONS.labels(self.label(adapter_id), tier).inc()
+
+
+# The cap is the Settings default until a server starts (service.api.server.start calls ADAPTERS.reset).
+ADAPTERS = AdapterLabels(Settings().metrics_adapter_series)

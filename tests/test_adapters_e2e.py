@@ -213,6 +213,41 @@ def test_bad_adapters_are_refused_and_the_server_keeps_serving(
         assert len(generate_ids(client, PROMPTS[0], None)) == NEW_TOKENS
 
 
+def test_a_nan_adapter_fails_its_requests_alone_over_grpc(server: BackgroundServer, adapter_root: Path) -> None:
+    """A registered adapter whose lora_B is all NaN: its requests get INVALID_ARGUMENT naming file and tensor (it
+    goes FAILED when its tensors are read); requests of other tenants running at the same time are unchanged."""
+    from adapter_files import rewrite_adapter_tensors
+
+    folder = adapter_root / "nan-b"
+    if not folder.exists():
+        shutil.copytree(adapter_root / "qv-r4", folder)
+        nan = float("nan")
+        rewrite_adapter_tensors(folder, lambda t: {k: v.fill_(nan) if "lora_B" in k else v for k, v in t.items()})
+    with Client(server.target, timeout=60) as client:
+        want = {a: generate_ids(client, PROMPTS[0], a) for a in (None, "qv-r4")}
+        client.load_adapter("nan-b", folder)  # headers only: nothing to see yet
+        got: dict[str | None, list[int]] = {}
+        errors: list[BaseException] = []
+
+        def other(adapter: str | None) -> None:
+            got[adapter] = generate_ids(client, PROMPTS[0], adapter)
+
+        threads = [threading.Thread(target=other, args=(a,)) for a in want]
+        for t in threads:
+            t.start()
+        try:
+            generate_ids(client, PROMPTS[1], "nan-b")
+        except InvalidArgument as e:
+            errors.append(e)
+        for t in threads:
+            t.join(60)
+        assert len(errors) == 1 and "non-finite" in str(errors[0]) and "adapter_model.safetensors" in str(errors[0])
+        assert "lora_B" in str(errors[0])
+        assert client.get_adapter("nan-b").state.value == "failed"
+        assert got == want
+        client.unload_adapter("nan-b")
+
+
 def test_paths_outside_the_roots_and_bad_ids(server: BackgroundServer, adapter_root: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     shutil.copytree(adapter_root / "qv-r4", outside)
@@ -226,6 +261,8 @@ def test_paths_outside_the_roots_and_bad_ids(server: BackgroundServer, adapter_r
             client.load_adapter("../etc", adapter_root / "qv-r4")
         with pytest.raises(NotFound):
             client.get_adapter("never-registered")
+        with pytest.raises(NotFound, match="does not exist"):  # a missing folder inside the root
+            client.load_adapter("missing", adapter_root / "no-such-folder")
 
 
 def test_unload_while_running_is_refused_until_it_finishes(server: BackgroundServer) -> None:

@@ -345,7 +345,9 @@ def test_demo_adapters_on_smollm2_match_peft(smollm2_dir: Path) -> None:
     logits = model.logits(model(tokens, torch.arange(n).expand(len(rows), n), cache, 0, adapters=batch))
     for row, adapter in enumerate(rows):
         ref = peft_logits(peft_model, adapter, tokens[row])
-        assert float((logits[row] - ref).abs().max()) < 1e-4, f"row {row} ({adapter})"
+        # fp32 over 30 layers: 1e-4 absolute plus 1e-5 of each logit (logits reach ~30; the CPU's kernel choice,
+        # AMX or AVX-512, moves the last digits).
+        torch.testing.assert_close(logits[row], ref, atol=1e-4, rtol=1e-5, msg=f"row {row} ({adapter})")
     got = [logits[:, -1].argmax(-1)]
     for step in range(new - 1):
         batch = AdapterBatch.build(rows, lookup_for(layers), tables)

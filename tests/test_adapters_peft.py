@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from service.adapters.peft import module_key, parse_lora_key, read_lora_config, resolve_targets
 from service.adapters.registry import check_adapter_id, index_adapter
-from service.errors import HeaderError, InvalidAdapter, InvalidRequest, PermissionDenied
+from service.errors import HeaderError, InvalidAdapter, InvalidRequest, NotFound, PermissionDenied
 from service.model.config import ModelConfig
 
 
@@ -319,5 +319,8 @@ def test_paths_must_stay_inside_the_roots(good: Path, cfg4: ModelConfig, tmp_pat
     os.symlink(good / "adapter_model.safetensors", sneaky / "adapter_model.safetensors")
     with pytest.raises(PermissionDenied):
         index_adapter("a", sneaky, cfg4, roots=[root])
-    with pytest.raises(InvalidAdapter, match="does not exist"):
+    with pytest.raises(NotFound, match="does not exist"):  # the proto promises NOT_FOUND for a missing path
         index_adapter("a", root / "missing", cfg4, roots=[root])
+    (root / "plain-file").write_text("x")
+    with pytest.raises(InvalidAdapter, match="not a folder"):
+        index_adapter("a", root / "plain-file", cfg4, roots=[root])

@@ -21,7 +21,7 @@ import torch
 from adapter_files import load_peft_model, rewrite_adapter_tensors, write_peft_adapter
 
 from service import metrics
-from service.adapters import store as store_mod
+from service.adapters import reader as reader_mod
 from service.adapters.peft import module_key
 from service.adapters.store import AdapterStore, StoreState
 from service.errors import (
@@ -424,14 +424,14 @@ def test_single_flight(
     make_store: Callable[..., AdapterStore], adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    real = store_mod.load_tensors
+    real = reader_mod.load_tensors
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         calls.append(threading.get_ident())
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_mod, "load_tensors", slow)
+    monkeypatch.setattr(reader_mod, "load_tensors", slow)
     store = make_store()
     store.register("a", adapters["a"])
     barrier = threading.Barrier(4)
@@ -462,13 +462,13 @@ def test_loading_never_blocks_requests_for_other_adapters(
     store.register("cold", adapters["b"])
     store.ensure("warm")
     gate = threading.Event()
-    real = store_mod.load_tensors
+    real = reader_mod.load_tensors
 
     def stalled(*args: Any, **kwargs: Any) -> Any:
         gate.wait(10)  # a very slow disk
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_mod, "load_tensors", stalled)
+    monkeypatch.setattr(reader_mod, "load_tensors", stalled)
     assert store.request("cold") is False
     time.sleep(0.02)
     assert store.get("cold").state == "loading"
@@ -540,13 +540,13 @@ def test_unregister_while_loading_drops_the_load(
     make_store: Callable[..., AdapterStore], adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    real = store_mod.load_tensors
+    real = reader_mod.load_tensors
 
     def stalled(*args: Any, **kwargs: Any) -> Any:
         gate.wait(10)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_mod, "load_tensors", stalled)
+    monkeypatch.setattr(reader_mod, "load_tensors", stalled)
     store = make_store()
     store.register("a", adapters["a"])
     assert store.request("a") is False

@@ -203,6 +203,7 @@ def test_channel_options_and_client_arguments() -> None:
     assert _channel.channel_options("round_robin", [("grpc.max_receive_message_length", 1 << 24)]) == [
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.max_receive_message_length", 1 << 24),
+        ("grpc.max_send_message_length", loraplex.DEFAULT_MAX_MESSAGE_BYTES),  # the server's default limit
     ]
     with pytest.raises(ValueError):
         loraplex.Client(timeout=0)

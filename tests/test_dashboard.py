@@ -16,9 +16,11 @@ from typing import Any
 
 import promql_parser
 import pytest
+from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 from test_metrics_exposition import scrape_live_server, series_names, write_live_adapters
 
+from service import metrics
 from service.metrics import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,6 +208,25 @@ def test_required_panels_are_there() -> None:
     if "loraplex_adapter_load_duration_seconds" in declared:
         assert any("loraplex_adapter_load_duration_seconds" in e and "stage" in e for e in exprs)
         assert "loraplex_adapter_cache_events_total" in used
+
+
+def test_overflow_panel_uses_each_histograms_top_bucket() -> None:
+    """The share past the top finite bucket, for every request latency whose quantiles the dashboard plots."""
+    (panel,) = [p for p in panels(load()) if p["title"].startswith("Latency observations past the top bucket")]
+    histograms = {m._name: m for m in vars(metrics).values() if isinstance(m, Histogram)}
+    covered = set()
+    for target in panel["targets"]:
+        found = re.search(r'(\w+)_bucket\{le="([^"]+)"', target["expr"])
+        assert found is not None, target["expr"]
+        name, le = found.groups()
+        assert float(le) == histograms[name]._upper_bounds[-2], name  # the last finite bound ([-1] is +Inf)
+        assert f"{name}_count" in target["expr"]
+        covered.add(name)
+    assert covered == {
+        "loraplex_time_to_first_token_seconds",
+        "loraplex_request_queue_seconds",
+        "loraplex_request_duration_seconds",
+    }
 
 
 def ratios(dashboard: Obj) -> set[tuple[frozenset[str], frozenset[str]]]:

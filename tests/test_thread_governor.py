@@ -249,7 +249,10 @@ def test_a_restart_after_idle_starts_from_what_other_processes_leave_free(tmp_pa
     assert control.before_step(KEY) == 1 and gov.current == 1 and gov.switches == 1
     control.after_step(KEY, 1, 0.05, 32)
     assert control.before_step(KEY) == 1  # no idle gap: no new look
-    control._last_step -= 1.0  # an idle second ...
-    write_proc(tmp_path, (110, 20), (190, 180), own=20)  # ... with both CPUs free
+    control._last_step -= 1.0  # an idle second: the neighbour ran for most of it, then left
+    write_proc(tmp_path, (190, 30), (10, 170), own=20)
+    control._last_sample -= 1.0
+    control.idle()  # the engine's idle wait restarts the window here
+    write_proc(tmp_path, (195, 35), (105, 165), own=20)  # the last moments: both CPUs free
     assert control.before_step(KEY) == 2 and gov.current == 2
     assert metrics.ENGINE_THREADS.collect()[0].samples[0].value == 2

@@ -13,8 +13,9 @@ Public API::
 
 A batch with no adapter row has no ``AdapterBatch`` (``build`` returns ``None``) and pays nothing. Otherwise only
 rows ``[lo, hi)``, from the first to the last row with an adapter, are touched; a base-only row inside that span
-meets zero weights, so its output is unchanged bit for bit. Each (layer, site) is computed one of two ways, chosen
-per batch from the number ``N`` of distinct adapters among the ``b`` rows of the span:
+meets zero weights (per-slot) or no weights at all (shared), so its output is unchanged bit for bit. Each
+(layer, site) is computed one of two ways, chosen per batch from the number ``N`` of distinct adapters among the
+``b`` rows of the span:
 
 - **per-slot** (``4 * N > b``, e.g. 32 rows with 32 adapters): every KV slot owns a row of a table laid out for
   ``torch.bmm``: ``at[s]`` = the slot's adapter's ``A^T`` for every module of the site side by side ``[in, R]``
@@ -23,17 +24,20 @@ per batch from the number ``N`` of distinct adapters among the ``b`` rows of the
   one bmm plus one bmm and one add per module, whatever the mix of ranks and target subsets. The table survives
   across steps and only slots whose adapter (``LoraLayer`` object) changed are rewritten: the engine keeps rows
   compacted in slots, so a retiring request changes one slot and an admitted one fills one.
-- **shared** (``N == 1`` or ``4 * N <= b``, many rows per adapter): the distinct adapters' ``A`` concatenated
-  along the rank axis ``[sum r, in]`` and per module their ``B`` ``[out_m, sum r_m]``, kept while the set of
-  adapters at the layer is unchanged. ``h = x @ A^T``, masked so each row keeps only its own adapter's rank
-  columns, then ``out[..., cols_m] += h[..., seg_m] @ B_m^T``. Reads each adapter's weights once per step where
-  per-slot reads one copy per row; costs ``N`` times the (tiny) flops.
+- **shared** (``N == 1`` or ``4 * N <= b``, many rows per adapter): per distinct adapter, its modules' ``A``
+  stacked along the rank axis ``[R, in]`` and per module its ``B`` ``[out_m, r_m]``, kept while the set of
+  adapters at the layer is unchanged. For each adapter, only its own rows are gathered (``index_select``; no
+  gather when it serves the whole span): ``h = x_a @ A^T``, ``d_m = h[..., seg_m] @ B_m^T`` and ``d_m`` is
+  scattered back into its rows' columns (``index_add_``). Reads each adapter's weights once per step where
+  per-slot reads one copy per row.
 
-Measured with ``bench/adapters_math.py`` (SmolLM2, 32 decoding rows, r=8 on q/v, 1 CPU thread, CPU time): the LoRA
-work of a step costs, per-slot, ~8 ms whatever N (reading 32 rows' tables, 56 MiB in fp32); shared, ~0.6 ms per
-adapter (~1.5 ms at N=1, 3.5 ms at N=4, ~20 ms at N=32); a loop over adapter groups (index_select, two matmuls,
-index_add) ~40 ms at N=32 and a per-step gather of stacked weights about as much as per-slot. Whole decode
-steps, against the base-only step (~210 ms fp32, ~115 ms bf16): 0.93 fp32 / 0.87 bf16 at N=32, 0.97-1.0 at N=1.
+Row isolation is structural in both: a row's input meets only its own adapter's weights (per-slot: its own table
+row in a ``bmm``; shared: its own group), so no value of one row (a NaN, an inf) can reach another row's output;
+nothing relies on multiplying other rows' deltas by zero.
+
+Which layout wins at which ``N`` is measured by ``bench/adapters_math.py --compare`` (figures in
+``bench/README.md``); the shared form costs one gather and one scatter per adapter and site, and none when a
+single adapter serves the whole span (the common case).
 
 On CPU the tables and the small matmuls are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is
 several times slower than fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype.
@@ -123,16 +127,27 @@ class _SlotTable:
 
 
 @dataclass
-class _SharedTable:
-    """Shared (layer, site) table of N distinct adapters: ``a`` [R, in], per module ``b`` [out_m, R_m]."""
+class _GroupTable:
+    """One adapter's weights of one (layer, site) for the shared math: ``a`` [R, in] (its modules' A stacked
+    along the rank axis) and per module (module, start, stop of its columns of ``h``, B [out_m, r_m])."""
 
     a: Tensor
-    segs: list[tuple[str, int, int, Tensor]]  # (module, start, stop) of its columns of ``h``, B_cat [out_m, R_m]
-    owner: Tensor  # [R] int64: which of the N adapters each rank column belongs to
+    segs: list[tuple[str, int, int, Tensor]]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, self.owner, *(s[3] for s in self.segs)))
+        return sum(t.numel() * t.element_size() for t in (self.a, *(s[3] for s in self.segs)))
+
+
+@dataclass
+class _SharedTable:
+    """Shared (layer, site) table of N distinct adapters: one ``_GroupTable`` each (None: it skips the site)."""
+
+    groups: list[_GroupTable | None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups if g is not None)
 
 
 @dataclass
@@ -193,24 +208,21 @@ class LoraTables:
         tables: dict[str, _SharedTable] = {}
         dt = self.compute_dtype
         for site, names in SITES.items():
-            a_parts: list[Tensor] = []
-            owner: list[int] = []
-            segs: list[tuple[str, int, int, Tensor]] = []
-            for name in names:
-                b_parts = []
-                start = len(owner)
-                for i, lora in enumerate(distinct):
+            groups: list[_GroupTable | None] = []
+            for lora in distinct:
+                a_parts: list[Tensor] = []
+                segs: list[tuple[str, int, int, Tensor]] = []
+                width = 0
+                for name in names:
                     module = None if lora is None else lora.modules.get(name)
                     if module is not None:
                         self._check(name, module)
                         a_parts.append(module.a)
-                        b_parts.append(module.b)
-                        owner += [i] * module.rank
-                if b_parts:
-                    segs.append((name, start, len(owner), torch.cat(b_parts, 1).to(dt)))  # [out_m, R_m]
-            if a_parts:
-                a = torch.cat(a_parts).to(dt)  # [R, in]
-                tables[site] = _SharedTable(a, segs, torch.tensor(owner, device=self.device))
+                        segs.append((name, width, width + module.rank, module.b.to(dt)))  # B [out_m, r_m]
+                        width += module.rank
+                groups.append(_GroupTable(torch.cat(a_parts).to(dt), segs) if a_parts else None)  # A [R, in]
+            if any(g is not None for g in groups):
+                tables[site] = _SharedTable(groups)
         sets.insert(0, (tuple(None if lora is None else weakref.ref(lora) for lora in distinct), tables))
         del sets[SHARED_SETS_KEPT:]
         self.stats.shared_builds += 1
@@ -363,12 +375,13 @@ class AdapterBatch:
         n = len(self._distinct)
         auto = n == 1 or n * SHARED_MIN_ROWS_PER_ADAPTER <= len(span_ids)
         self.shared = mode == "shared" or (mode == "auto" and auto)
-        self._row_index: Tensor | None = None  # [b] int64: the row's adapter in ``_distinct``, -1 for none
-        self._full = all(a is not None for a in span_ids)  # no base-only row in the span
-        if self.shared and not (n == 1 and self._full):
-            index = {a: i for i, a in enumerate(self._distinct)}
-            ids = [-1 if a is None else index[a] for a in span_ids]
-            self._row_index = torch.tensor(ids, device=tables.device)
+        # Shared math: per distinct adapter, the span rows it serves ([n_i] int64), None when it serves them all.
+        self._group_rows: list[Tensor | None] = []
+        if self.shared:
+            for a in self._distinct:
+                mine = [i for i, row in enumerate(span_ids) if row == a]
+                whole = len(mine) == len(span_ids)
+                self._group_rows.append(None if whole else torch.tensor(mine, device=tables.device))
         self._synced = [False] * tables.num_layers
         self._shared_of: list[dict[str, _SharedTable]] = [{} for _ in range(tables.num_layers)]
 
@@ -447,14 +460,21 @@ class AdapterBatch:
             out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
 
     def _add_shared(self, out: Tensor, x: Tensor, table: _SharedTable) -> None:
-        # x [b, T, in], out [b, T, out_fused]: views of the span's rows
-        h = F.linear(x.to(self.tables.compute_dtype), table.a)  # [b, T, R]: every row times every adapter's A
-        if self._row_index is not None:
-            keep = table.owner[None, :] == self._row_index[:, None]  # [b, R]: the row's own rank columns
-            h = h * keep[:, None, :].to(h.dtype)
-        for module, start, stop, b in table.segs:
-            c0, c1 = self.tables.modules[module].cols
-            out[..., c0:c1] += F.linear(h[..., start:stop], b)  # [b, T, out_m]
+        # x [b, T, in], out [b, T, out_fused]: views of the span's rows. Each adapter's rows only: a row's values
+        # never meet another adapter's weights (no masking by zero, where 0 * NaN would leak across rows).
+        xc = x.to(self.tables.compute_dtype)
+        for group, rows in zip(table.groups, self._group_rows, strict=True):
+            if group is None:
+                continue
+            xg = xc if rows is None else xc.index_select(0, rows)  # [n, T, in]
+            h = F.linear(xg, group.a)  # [n, T, R]
+            for module, start, stop, b in group.segs:
+                c0, c1 = self.tables.modules[module].cols
+                d = F.linear(h[..., start:stop], b)  # [n, T, out_m]
+                if rows is None:
+                    out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
+                else:
+                    out[..., c0:c1].index_add_(0, rows, d.to(out.dtype))
 
     def delta(self, layer: int, site: ProjName, x: Tensor) -> Tensor | None:
         """The delta ``[B, T, out_fused]`` to add to projection ``site`` of ``layer``, or ``None`` if it has none.

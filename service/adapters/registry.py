@@ -10,7 +10,7 @@ Public API::
 
     check_adapter_id(adapter_id) -> None                      InvalidRequest
     resolve_source(path, roots) -> Path                       PermissionDenied outside the roots
-    index_adapter(adapter_id, path, model_config, *, roots=()) -> AdapterSpec
+    index_adapter(adapter_id, path, model_config, *, roots=()) -> AdapterSpec   NotFound: no such folder
     AdapterSpec, SlotRecords
     plan_buffer(spec, dtype, align) -> BufferPlan / plan_nbytes(spec, dtype, align) -> int
     buffer_views(spec, plan, buffer, dtype) -> {(layer, module): (A [r, in], B [out, r])}
@@ -21,7 +21,9 @@ views. Registration keeps only ``plan_nbytes`` (the budgets need it); offsets ar
 
 Path policy: with ``roots`` given, the folder *and* the files read from it are resolved (symlinks followed) and
 must lie inside one root; anything else is ``PermissionDenied`` (a traversal such as ``root/../x`` and a symlink
-pointing out of a root look the same after resolution). Without roots any readable folder is accepted.
+pointing out of a root look the same after resolution). Without roots any readable folder is accepted. The spec
+records the weights file's ``FileStamp``; the store reads through ``integrity.open_verified``, so the roots and
+the stamp are checked again at every read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from service.adapters.integrity import FileStamp, stamp
 from service.adapters.peft import (
     CONFIG_FILE,
     CONVERT_HINT,
@@ -53,7 +56,7 @@ from service.adapters.peft import (
     resolve_targets,
 )
 from service.adapters.types import MODULES
-from service.errors import InvalidAdapter, InvalidRequest, PermissionDenied
+from service.errors import InvalidAdapter, InvalidRequest, NotFound, PermissionDenied, shorten
 from service.loading import DTYPES, TensorRecord, read_safetensors_header
 from service.model.config import ModelConfig
 
@@ -66,7 +69,8 @@ def check_adapter_id(adapter_id: str) -> None:
     """1-128 characters of ``[A-Za-z0-9._-]``, not starting with '.' (ids appear in paths, logs and metrics)."""
     if not isinstance(adapter_id, str) or not _ID.fullmatch(adapter_id):
         raise InvalidRequest(
-            f"invalid adapter id {adapter_id!r}: use 1-128 characters from [A-Za-z0-9._-], not starting with '.'"
+            f"invalid adapter id {shorten(adapter_id)!r}: use 1-128 characters from [A-Za-z0-9._-], "
+            "not starting with '.'"
         )
 
 
@@ -80,7 +84,7 @@ def resolve_source(path: Path, roots: Sequence[Path]) -> Path:
 def _check_inside(resolved: Path, roots: Sequence[Path], shown: Path) -> None:
     if roots and not any(resolved.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
         raise PermissionDenied(
-            f"adapter path {str(shown)!r} resolves outside the allowed adapter roots (--adapter-root); "
+            f"adapter path {shorten(shown)!r} resolves outside the allowed adapter roots (--adapter-root); "
             "symlinks and '..' are resolved before the check"
         )
 
@@ -114,6 +118,7 @@ class AdapterSpec:
     b_dtype: array[int]
     scaling: array[float]
     file_bytes: int  # the size of the weights file when it was indexed
+    stamp: FileStamp  # the weights file's identity when its header was read: every later read checks it
     index_seconds: float
 
     @property
@@ -190,8 +195,10 @@ def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roo
     t0 = time.perf_counter()
     check_adapter_id(adapter_id)
     folder = resolve_source(path, roots)
+    if not folder.exists():
+        raise NotFound(f"adapter folder {shorten(path)!r} does not exist")
     if not folder.is_dir():
-        raise InvalidAdapter("adapter folder does not exist or is not a folder", file=path)
+        raise InvalidAdapter("the adapter source is not a folder", file=path)
     config_path = folder / CONFIG_FILE
     _check_inside(config_path.resolve(), roots, config_path)
     config = read_lora_config(config_path, model_type=model_config.model_type)
@@ -204,8 +211,9 @@ def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roo
         raise InvalidAdapter(f"no {WEIGHTS_FILE} in the adapter folder", file=folder / WEIGHTS_FILE)
 
     targets = resolve_targets(config, model_config, file=config_path)
+    before = stamp(weights)  # taken first: a change after this point shows at the next read
     records, _ = read_safetensors_header(weights)
-    return _build_index(adapter_id, folder, weights, config, model_config, targets, records, t0)
+    return _build_index(adapter_id, folder, weights, config, model_config, targets, records, before, t0)
 
 
 def _build_index(
@@ -216,6 +224,7 @@ def _build_index(
     model_config: ModelConfig,
     targets: dict[tuple[int, str], tuple[int, float]],
     records: dict[str, TensorRecord],
+    file_stamp: FileStamp,
     t0: float,
 ) -> AdapterSpec:
     n_slots = model_config.num_layers * N_MODULES
@@ -296,7 +305,8 @@ def _build_index(
         a_dtype=a_dtype,
         b_dtype=b_dtype,
         scaling=scaling,
-        file_bytes=weights.stat().st_size,
+        file_bytes=file_stamp.size,
+        stamp=file_stamp,
         index_seconds=time.perf_counter() - t0,
     )
 

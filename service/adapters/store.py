@@ -23,20 +23,29 @@ least recently used adapter leaves it: from the device tier only adapters with n
 host copy (the device copy, if any, stays). An adapter that is neither on the device nor in the host tier is
 "registered" (disk only). The raw buffer of a disk read in progress is not counted until it joins the host tier.
 
-Loading. ``request`` never blocks: it returns True when every layer of the adapter is resident on the device
-tier, and otherwise queues one load on the loader thread and returns False (single flight: requests for an
-adapter already queued or loading queue nothing). The loader makes room on the device tier first (waiting for
-an unpin when every resident adapter is pinned), then for each touched layer reads that layer's tensors with one
-``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the
-device. The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights
-file and closes it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds
-that). A failed load marks the adapter failed: ``request`` then returns False, ``failure`` returns the error
-(a ``LoraplexError``: the ``CheckpointError`` naming file and tensor, ``ResourceExhausted`` for an adapter larger
-than the whole device budget), and it stays failed until unregistered and registered again.
+Loading. ``request`` never blocks: it returns True when every layer of the adapter is resident on the device tier, and
+otherwise queues one load on the loader thread and returns False (single flight: requests for an adapter already
+queued or loading queue nothing). The loader makes room on the device tier first (waiting for an unpin when every
+resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's tensors with one
+``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the device.
+The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights file and closes
+it again, so the store holds at most one descriptor at a time (``max_open_files`` only bounds that). Every read opens
+the file through ``integrity.open_verified`` (no symlink at the last component, its real path inside the roots,
+unchanged since it was indexed) and every tensor read is checked finite (``integrity.check_finite``; the ``validate``
+stage of the load metrics). A file changed since registration is indexed again, as a new registration would, then
+loaded (or the adapter fails with the new error). A failed load marks the adapter failed: ``request`` then returns
+False, ``failure`` returns the error (a ``LoraplexError``: the ``CheckpointError`` naming file and tensor,
+``ResourceExhausted`` for an adapter larger than the whole device budget). It stays failed while its weights file
+stays as it was; once the file changes (looked at by ``request``, at most every ``RETRY_CHECK_SECONDS``), the next
+request clears the failure and loads it again, no unload needed.
 
-Engine protocol. Call ``request(id, pin=True)`` each step for a waiting row: the first True pins the adapter in
-the same critical section, so it cannot be evicted before the row runs; while it is False, ``failure(id)`` not
-None means fail the row with that error; ``unpin`` when the row retires. ``pin``
+Engine protocol. Call ``request(id, pin=True, waiter=row)`` each step for a waiting row: the first True pins the
+adapter in the same critical section, so it cannot be evicted before the row runs; while it is False,
+``failure(id)`` not None means fail the row with that error; ``unpin`` when the row retires, ``forget(id, row)``
+when it gives up waiting (cancel, deadline). A load takes the pins of the rows waiting for it as it completes, so
+an adapter just loaded is never evicted before its rows claim it: when the working set exceeds the device budget,
+loads wait in FIFO order for room (an unpin) instead of evicting each other's fresh adapters
+(``loraplex_adapter_evictions_unused_total`` counts an eviction of an adapter not used since its load). ``pin``
 also works on an adapter that is not resident (it then cannot be evicted once loaded). ``layer`` takes no lock
 and is only valid for pinned adapters. ``unregister`` of a pinned adapter raises ``FailedPrecondition``
 (finish or cancel the requests first); an unpinned adapter that is loading is dropped when the load ends. On
@@ -49,20 +58,21 @@ Thread safety: one lock guards all state; file reads and tensor work run outside
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from service import metrics
-from service.adapters.registry import AdapterSpec, SlotRecords, buffer_views, index_adapter, plan_buffer, plan_nbytes
-from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, LoraModule, StoreState
+from service.adapters.integrity import AdapterFileChanged, FileStamp, stamp
+from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, HostCopy, Loaded
+from service.adapters.registry import AdapterSpec, index_adapter, plan_nbytes
+from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, StoreState
 from service.errors import (
     AdapterNotFound,
     AlreadyExists,
@@ -73,24 +83,12 @@ from service.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from service.loading import load_tensors
 from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
-DEVICE_ALIGN = 256
-_LayerList = list[LoraLayer | None]  # (the class below has a method named list)
-
-
-@dataclass(eq=False)
-class _HostCopy:
-    buffer: torch.Tensor  # [nbytes] uint8, pinned on CUDA servers
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # raw A [r, in], B [out, r] (file dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.numel())
+RETRY_CHECK_SECONDS = 1.0  # a failed adapter's file is stat()ed at most this often, to retry it once it changed
+MAX_REVALIDATIONS = 2  # re-indexings of a file that keeps changing during one load before the load gives up
 
 
 @dataclass(eq=False)
@@ -99,11 +97,18 @@ class _Entry:
     registered_at: float
     host_nbytes: int  # size of the host-tier buffer (raw tensors, 64-byte aligned)
     device_nbytes: int  # size of the device-tier buffer (laid out, serving dtype, 256-byte aligned)
-    host: _HostCopy | None = None
+    host: HostCopy | None = None
     device: tuple[LoraLayer | None, ...] | None = None  # indexed by layer
     loading: bool = False
     error: LoraplexError | None = None
+    failed_stamp: FileStamp | None = None  # the weights file when the load failed (None: it could not be stat()ed)
+    checked_at: float = 0.0  # monotonic time of the last look for a changed file of a failed adapter
+    revalidate: bool = False  # re-index the file before the next load (it changed since it was indexed)
+    revalidations: int = 0  # re-indexings during the current load (a file that keeps changing gives up)
     pins: int = 0
+    waiters: set[object] = field(default_factory=set)  # requests waiting for its load, a pin to be taken for each
+    promised: set[object] = field(default_factory=set)  # waiters a pin was taken for at the load, not claimed yet
+    used: bool = True  # False from a load until a request gets it: evicting it then is thrash
     hits: int = 0
     last_used: float | None = None
     loads: int = 0
@@ -123,16 +128,6 @@ class _Entry:
         if self.device is not None:
             return "device"
         return "host" if self.host is not None else "registered"
-
-
-@dataclass
-class _Loaded:
-    layers: tuple[LoraLayer | None, ...]
-    host: _HostCopy
-    from_disk: bool
-    bytes_read: int
-    read_seconds: float
-    layout_seconds: float
 
 
 class AdapterStore:
@@ -160,8 +155,7 @@ class AdapterStore:
         self.host_budget_bytes = host_budget_bytes
         self.roots = tuple(Path(r) for r in roots)
         self.max_open_files = max_open_files
-        self._pin_host = self.device.type == "cuda"
-        self._stream: torch.cuda.Stream | None = None  # created by the loader thread on first use
+        self._reader = AdapterReader(self.device, dtype, self.roots)  # used by the loader thread only
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[str, _Entry] = {}
@@ -246,9 +240,13 @@ class AdapterStore:
 
     # --- serving ----------------------------------------------------------------------------------------------
 
-    def request(self, adapter_id: str, *, pin: bool = False) -> bool:
+    def request(self, adapter_id: str, *, pin: bool = False, waiter: object | None = None) -> bool:
         """True if every layer is resident on the device tier (and, with ``pin``, pin it); else queue a load
         (unless one is queued or running) and return False.
+
+        ``waiter`` (with ``pin``) names the calling request: while it waits, the load it waits for takes its pin
+        the moment it completes, so nothing can evict the adapter before the request claims it with its next
+        call (True, the pin already held). A waiter that gives up calls ``forget``.
 
         False also for an adapter that cannot load: ``failure(adapter_id)`` then returns why (the load's error,
         or ``ResourceExhausted`` for an adapter larger than the whole device budget, decided here, before any
@@ -256,23 +254,60 @@ class AdapterStore:
         after ``close``."""
         with self._cond:
             entry = self._entry(adapter_id)
-            if entry.error is not None:
+            if entry.error is not None and not self._changed_since_failure(adapter_id, entry):
                 return False
             if entry.device is not None:
                 entry.hits += 1
-                entry.pins += 1 if pin else 0
+                entry.used = True
+                if waiter is not None and waiter in entry.promised:
+                    entry.promised.discard(waiter)  # the pin taken for it when the load completed
+                    entry.pins += 1
+                elif pin:
+                    entry.pins += 1
+                entry.waiters.discard(waiter)
                 self._touch(adapter_id, entry)
                 metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="device").inc()
                 return True
-            if entry.device_nbytes > self.device_budget_bytes:
-                entry.error = ResourceExhausted(
-                    f"adapter {adapter_id!r} needs {entry.device_nbytes} bytes on the device, more than the "
-                    f"whole adapter device budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
-                )
+            if entry.device_nbytes > self.device_budget_bytes and not entry.revalidate:
+                entry.failed_stamp = entry.spec.stamp
+                entry.error = self._too_large(adapter_id, entry.device_nbytes)
                 self._cond.notify_all()
                 return False
+            if pin and waiter is not None:
+                entry.waiters.add(waiter)
             self._queue_load(adapter_id, entry)
             return False
+
+    def forget(self, adapter_id: str, waiter: object) -> None:
+        """A request that waited (``request(..., waiter=...)``) gives up: drop its claim, the pin taken for it if
+        the load completed meanwhile, and the load itself while it is still queued (waiting for room) and no other
+        request waits for it. Quiet for unknown ids and waiters."""
+        with self._cond:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                return
+            entry.waiters.discard(waiter)
+            if waiter in entry.promised:
+                entry.promised.discard(waiter)
+                self._cond.notify_all()  # a load waiting for room may proceed
+            if not entry.waiters and adapter_id in self._queue:  # queued, not started, and nobody waits for it
+                self._queue.remove(adapter_id)
+                entry.loading = False
+                self._cond.notify_all()
+
+    def _changed_since_failure(self, adapter_id: str, entry: _Entry) -> bool:
+        """Under the lock: whether a failed adapter's weights file changed since it failed (looked at no more
+        often than ``RETRY_CHECK_SECONDS``). If so the failure is cleared and the next load re-indexes the file."""
+        now = time.monotonic()
+        if now - entry.checked_at < RETRY_CHECK_SECONDS:
+            return False
+        entry.checked_at = now
+        if _stamp_or_none(entry.spec.file) == entry.failed_stamp:
+            return False
+        log.info("event=adapter_retry adapter=%s reason=file_changed error=%s", adapter_id, entry.error)
+        entry.error = None
+        entry.revalidate = True
+        return True
 
     def prefetch(self, adapter_id: str) -> None:
         """Start loading a registered adapter that is neither resident nor loading, without a hit, a miss or a
@@ -287,17 +322,19 @@ class AdapterStore:
             if self._device_used + self._device_reserved + entry.device_nbytes <= self.device_budget_bytes:
                 self._queue_load(adapter_id, entry)
 
-    def _queue_load(self, adapter_id: str, entry: _Entry) -> None:
-        """Under the lock: queue ``entry``'s load unless one is queued or running."""
+    def _queue_load(self, adapter_id: str, entry: _Entry) -> bool:
+        """Under the lock: queue ``entry``'s load unless one is queued or running; True if it queued one."""
         if self._closed:
             raise Unavailable("the adapter store is closed")
-        if not entry.loading:
-            entry.loading = True
-            entry.queued_at = time.perf_counter()
-            self._queue.append(adapter_id)
-            metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
-            self._start_loader()
-            self._cond.notify_all()
+        if entry.loading:
+            return False
+        entry.loading = True
+        entry.queued_at = time.perf_counter()
+        self._queue.append(adapter_id)
+        metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
+        self._start_loader()
+        self._cond.notify_all()
+        return True
 
     def failure(self, adapter_id: str) -> LoraplexError | None:
         """The error that made this adapter's load fail, or None. ``AdapterNotFound`` if not registered."""
@@ -374,22 +411,80 @@ class AdapterStore:
                     return
                 adapter_id, entry = job
                 host = entry.host
+                revalidate = entry.revalidate
+            if revalidate:  # no room was reserved: its size is known once it is indexed again
+                self._revalidate(adapter_id, entry)
+                continue
             try:
-                loaded = self._load(entry.spec, entry, host)
+                loaded = self._reader.load(entry.spec, host)
             except Exception as e:  # the loader must survive anything; the rows waiting get the error
+                with self._cond:
+                    self._device_reserved -= entry.device_nbytes
+                if isinstance(e, AdapterFileChanged):  # replaced or rewritten since it was indexed: index it again
+                    log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
+                    if entry.revalidations < MAX_REVALIDATIONS:
+                        entry.revalidations += 1
+                        self._revalidate(adapter_id, entry)
+                    else:
+                        self._fail_load(adapter_id, entry, e, _stamp_or_none(entry.spec.file))
+                    continue
                 error = e if isinstance(e, LoraplexError) else _wrap(e, entry.spec)
                 if not isinstance(e, LoraplexError):
                     log.exception("event=adapter_load_error adapter=%s", adapter_id)
-                with self._cond:
-                    self._device_reserved -= entry.device_nbytes
-                    entry.loading = False
-                    entry.error = error
-                    self._cond.notify_all()
-                log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
+                self._fail_load(adapter_id, entry, error, entry.spec.stamp)  # the failure belongs to that version
                 continue
             with self._cond:
                 self._commit(adapter_id, entry, loaded)
                 self._cond.notify_all()
+
+    def _fail_load(self, adapter_id: str, entry: _Entry, error: LoraplexError, seen: FileStamp | None) -> None:
+        """Outside the lock (its room already released): end a load in failure; ``seen`` is the file version it
+        failed on (a later request retries once the file differs from it)."""
+        with self._cond:
+            entry.loading = False
+            entry.revalidate = False
+            entry.revalidations = 0
+            entry.error = error
+            entry.failed_stamp = seen
+            entry.checked_at = time.monotonic()
+            self._cond.notify_all()
+        log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
+
+    def _revalidate(self, adapter_id: str, entry: _Entry) -> None:
+        """Outside the lock, holding no room: index a changed adapter folder again, as a new registration would.
+        On success the entry takes the new index (and a new ``registered_at``: its weights, so its K/V, may
+        differ) and its load is queued again at the front; otherwise the adapter fails with the new error."""
+        seen = _stamp_or_none(entry.spec.file)
+        try:
+            spec = index_adapter(adapter_id, entry.spec.source, self.model_config, roots=self.roots)
+        except LoraplexError as e:
+            self._fail_load(adapter_id, entry, e, seen)
+            return
+        metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
+        device_nbytes = plan_nbytes(spec, self.dtype, DEVICE_ALIGN)
+        if device_nbytes > self.device_budget_bytes:
+            self._fail_load(adapter_id, entry, self._too_large(adapter_id, device_nbytes), spec.stamp)
+            return
+        with self._cond:
+            entry.loading = entry.revalidate = False
+            if self._entries.get(adapter_id) is not entry or self._closed:
+                self._cond.notify_all()
+                return
+            self._drop_host(adapter_id, entry)  # raw bytes of the old version
+            entry.spec, entry.registered_at = spec, time.time()
+            entry.host_nbytes = plan_nbytes(spec, None, HOST_ALIGN)
+            entry.device_nbytes = device_nbytes
+            if self._queue_load(adapter_id, entry):
+                self._queue.remove(adapter_id)
+                self._queue.appendleft(adapter_id)  # it was at the head already
+            self._cond.notify_all()
+        log.info("event=adapter_revalidated adapter=%s bytes=%d", adapter_id, spec.file_bytes)
+
+    def _too_large(self, adapter_id: str, device_nbytes: int) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"adapter {adapter_id!r} needs {device_nbytes} bytes on the device, more than the whole adapter device "
+            f"budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
+        )
 
     def _next_job(self) -> tuple[str, _Entry] | None:
         """Under the lock: the next adapter to load with device room reserved for it (waits as needed)."""
@@ -404,6 +499,9 @@ class AdapterStore:
             if entry is None or not entry.loading:
                 self._queue.popleft()
                 continue
+            if entry.revalidate:  # indexed again first; its load is queued anew with its new size
+                self._queue.popleft()
+                return adapter_id, entry
             if not self._make_device_room(entry.device_nbytes, adapter_id):
                 self._cond.wait()  # every resident adapter is pinned: wait for an unpin or unregister
                 continue
@@ -411,78 +509,17 @@ class AdapterStore:
             self._device_reserved += entry.device_nbytes
             return adapter_id, entry
 
-    def _load(self, spec: AdapterSpec, entry: _Entry, host: _HostCopy | None) -> _Loaded:
-        """Outside the lock: read (unless a host copy exists) and lay out every touched layer."""
-        from_disk = host is None
-        if host is None:
-            host_plan = plan_buffer(spec, None, HOST_ALIGN)
-            buffer = torch.empty(host_plan.nbytes, dtype=torch.uint8, pin_memory=self._pin_host)
-            host = _HostCopy(buffer, buffer_views(spec, host_plan, buffer, None))
-        device_plan = plan_buffer(spec, self.dtype, DEVICE_ALIGN)
-        if self.device.type == "cuda" and self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        stream = self._stream  # the loader's own copy stream: layout never waits behind the engine's kernels
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            device_buffer = torch.empty(device_plan.nbytes, dtype=torch.uint8, device=self.device)
-        if stream is not None:
-            # Written on the loader's stream, read by the engine on the default stream: when an eviction frees
-            # it, the allocator must wait for the engine's queued kernels before handing the memory out again.
-            device_buffer.record_stream(torch.cuda.default_stream(self.device))
-        device_views = buffer_views(spec, device_plan, device_buffer, self.dtype)
-        layers: _LayerList = [None] * spec.num_layers
-        read_s = layout_s = 0.0
-        nbytes = 0
-        for layer in spec.layers:
-            slots = spec.layer_records(layer)
-            if from_disk:
-                t0 = time.perf_counter()
-                plan = {}
-                for s in slots:
-                    a, b = host.tensors[(layer, s.module)]
-                    plan[s.a.name], plan[s.b.name] = a, b
-                records = {r.name: r for s in slots for r in (s.a, s.b)}
-                stats = load_tensors(records, plan, mode="stream", threads=1)
-                nbytes += stats.bytes_read
-                read_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
-            layout_s += time.perf_counter() - t0
-        if stream is not None:
-            t0 = time.perf_counter()
-            stream.synchronize()
-            layout_s += time.perf_counter() - t0
-        return _Loaded(tuple(layers), host, from_disk, nbytes, read_s, layout_s)
-
-    def _lay_out(
-        self,
-        layer: int,
-        slots: Sequence[SlotRecords],
-        host: _HostCopy,
-        device_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-        stream: torch.cuda.Stream | None,
-    ) -> LoraLayer:
-        modules: dict[str, LoraModule] = {}
-        nbytes = 0
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for s in slots:
-                a_raw, b_raw = host.tensors[(layer, s.module)]  # [r, in], [out, r] in the file's dtype
-                a, b = device_views[(layer, s.module)]  # same shapes, serving dtype, on the device
-                a.copy_(a_raw, non_blocking=True)
-                if b.dtype == torch.float32:
-                    b.copy_(b_raw, non_blocking=True).mul_(s.scaling)
-                else:  # scale in fp32, round once
-                    b.copy_(b_raw.to(self.device, non_blocking=True).float().mul_(s.scaling))
-                modules[s.module] = LoraModule(a=a, b=b)
-                nbytes += a.nbytes + b.nbytes
-        return LoraLayer(modules=modules, nbytes=nbytes)
-
-    def _commit(self, adapter_id: str, entry: _Entry, loaded: _Loaded) -> None:
+    def _commit(self, adapter_id: str, entry: _Entry, loaded: Loaded) -> None:
         """Under the lock: publish a finished load (or drop it if the adapter was unregistered meanwhile)."""
         self._device_reserved -= entry.device_nbytes
         entry.loading = False
         if self._entries.get(adapter_id) is not entry:
             return
         total = time.perf_counter() - entry.queued_at
+        entry.revalidations = 0
+        entry.promised |= entry.waiters  # pinned for the requests that waited, before anything can evict it
+        entry.waiters.clear()
+        entry.used = False  # until a request gets it
         entry.device = loaded.layers
         self._device[adapter_id] = loaded.layers
         self._device_used += entry.device_nbytes
@@ -508,6 +545,7 @@ class AdapterStore:
             metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="host").inc()
         metrics.ADAPTER_LOAD_DURATION.labels(stage="layout", tier=tier).observe(loaded.layout_seconds)
         metrics.ADAPTER_LOAD_DURATION.labels(stage="total", tier=tier).observe(total)
+        metrics.ADAPTERS.loaded(adapter_id, total)
         self._touch(adapter_id, entry)
         self._publish()
         log.info(
@@ -540,13 +578,22 @@ class AdapterStore:
     def _make_device_room(self, need: int, keep: str) -> bool:
         """Evict least recently used unpinned adapters until ``need`` more bytes fit; False if they cannot."""
         while self._device_used + self._device_reserved + need > self.device_budget_bytes:
-            victim = next((k for k in self._device_lru if k != keep and not self._entries[k].pins), None)
+            victim = next((k for k in self._device_lru if k != keep and not self._held(self._entries[k])), None)
             if victim is None:
                 return False
+            if not self._entries[victim].used:
+                metrics.ADAPTER_EVICTIONS_UNUSED.labels(tier="device").inc()
+                log.warning("event=adapter_evicted_unused tier=device adapter=%s", victim)
             self._drop_device(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="device").inc()
+            metrics.ADAPTERS.evicted(victim, "device")
             log.info("event=adapter_evicted tier=device adapter=%s", victim)
         return True
+
+    @staticmethod
+    def _held(entry: _Entry) -> bool:
+        """Pinned by a running request, or for a waiting one that has not claimed it yet."""
+        return entry.pins > 0 or bool(entry.promised)
 
     def _make_host_room(self, need: int, keep: str) -> bool:
         if need > self.host_budget_bytes:
@@ -555,6 +602,7 @@ class AdapterStore:
             victim = next(k for k in self._host_lru if k != keep)
             self._drop_host(victim, self._entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="host").inc()
+            metrics.ADAPTERS.evicted(victim, "host")
             log.info("event=adapter_evicted tier=host adapter=%s", victim)
         return True
 
@@ -598,7 +646,7 @@ class AdapterStore:
             hits=e.hits,
             last_used=e.last_used,
             registered_at=e.registered_at,
-            pins=e.pins,
+            pins=e.pins + len(e.promised),
             loads=e.loads,
             disk_reads=e.disk_reads,
             disk_bytes=e.disk_bytes,
@@ -608,6 +656,13 @@ class AdapterStore:
             total_seconds=e.total_seconds,
             error=str(e.error) if e.error is not None else None,
         )
+
+
+def _stamp_or_none(file: Path) -> FileStamp | None:
+    try:
+        return stamp(file)
+    except OSError:
+        return None
 
 
 def _wrap(error: Exception, spec: AdapterSpec) -> LoraplexError:

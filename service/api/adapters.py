@@ -103,7 +103,6 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
 class AdaptersServicer(pb_grpc.AdaptersServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.api_keys = runtime.settings.api_keys
 
     @unary("LoadAdapter")
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:

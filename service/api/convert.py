@@ -1,4 +1,9 @@
-"""Protobuf <-> domain conversion. Protobuf stops here: nothing below the servicer imports generated code."""
+"""Protobuf <-> domain conversion. Protobuf stops here: nothing below the servicer imports generated code.
+
+``precheck`` runs every cheap check of a request (sizes from ``service.api.limits``, sampling parameters,
+max_new_tokens) on the event loop; ``prompt_of`` and ``tokenize_response`` tokenize and template, so the servicer
+runs them on the runtime's worker pool, never on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ from dataclasses import dataclass
 
 from loraplex.v1 import generation_pb2 as pb
 
+from service.api import limits
+from service.config import Settings
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
 from service.tokenizer import Tokenizer
 
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+_REQUEST_ID = re.compile(rf"^[\x21-\x7e]{{1,{limits.REQUEST_ID_MAX_CHARS}}}$")
 
 FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -54,8 +61,31 @@ def prompt_of(message: pb.Input, tokenizer: Tokenizer) -> Prompt:
     raise InvalidRequest("input needs either `text` or `messages`")
 
 
+def tokenize_response(message: pb.Input, tokenizer: Tokenizer) -> pb.TokenizeResponse:
+    prompt = prompt_of(message, tokenizer)
+    return pb.TokenizeResponse(
+        token_ids=prompt.ids,
+        tokens=[tokenizer.id_to_token(i) or "" for i in prompt.ids],
+        rendered_text=prompt.rendered,
+    )
+
+
+def precheck(message: pb.GenerateRequest | pb.GenerateStreamRequest, settings: Settings) -> None:
+    """Everything about a generation request that can be refused before its prompts are tokenized."""
+    limits.check_generate(message, settings)
+    sampling_of(message.sampling, logprobs=message.return_options.return_logprobs)
+    max_new = _max_new_tokens(message.stopping, settings.max_new_tokens)
+    if not 0 < max_new <= settings.max_new_tokens:
+        raise InvalidRequest(f"max_new_tokens must be in [1, {settings.max_new_tokens}], got {max_new}")
+
+
+def _max_new_tokens(stopping: pb.StoppingCriteria, default: int) -> int:
+    return stopping.max_new_tokens if stopping.HasField("max_new_tokens") else default
+
+
 def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int = 0) -> SamplingParams:
-    seed = message.seed + seed_offset if message.HasField("seed") else None
+    # Input i of a request is seeded with seed + i, wrapping modulo 2**64 (so every uint64 seed stays valid).
+    seed = (message.seed + seed_offset) % 2**64 if message.HasField("seed") else None
     params = SamplingParams(
         temperature=message.temperature,
         top_k=message.top_k,
@@ -86,7 +116,7 @@ def generation_request(
     seed_offset: int = 0,
 ) -> GenerationRequest:
     stopping = message.stopping
-    max_new = stopping.max_new_tokens if stopping.HasField("max_new_tokens") else default_max_new_tokens
+    max_new = _max_new_tokens(stopping, default_max_new_tokens)
     if any(not s for s in stopping.stop_sequences):
         raise InvalidRequest("stop_sequences must not contain empty strings")
     return GenerationRequest(

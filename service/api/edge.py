@@ -1,14 +1,15 @@
-"""The API edge: typed errors -> gRPC status codes, API-key checks and per-RPC metrics, in one place.
+"""The API edge: typed errors -> gRPC status codes and per-RPC metrics, in one place.
 
 Every servicer method is wrapped by ``unary`` or ``streaming``. A ``LoraplexError`` becomes its class's status
-with its message; anything else is a bug, logged with its traceback and reported as INTERNAL.
+with its message; anything else is a bug, logged with its traceback and reported as INTERNAL. A call cancelled
+because its deadline passed is counted as DEADLINE_EXCEEDED, any other cancellation as CANCELLED.
+API keys and request decoding are checked before this, by ``service.api.interceptors``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from service import metrics
-from service.errors import LoraplexError, Unauthenticated
+from service.errors import LoraplexError
 
 log = logging.getLogger("loraplex.api")
 
@@ -26,15 +27,15 @@ Servicer = Any
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def check_api_key(context: Context, keys: tuple[str, ...]) -> None:
-    if not keys:
-        return
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            given = value.removeprefix("Bearer ").strip()
-            if any(hmac.compare_digest(given, k) for k in keys):
-                return
-    raise Unauthenticated("missing or wrong API key: send `authorization: Bearer <key>` metadata")
+DEADLINE_SLACK_SECONDS = 0.05
+"""A client's own deadline fires first, so its cancel reaches the server a moment before the server's copy of the
+deadline (received as a relative timeout) passes: a cancel this close to the deadline is the deadline."""
+
+
+def _cancelled_code(context: Context) -> str:
+    """Why a call was cancelled: its deadline passed (DEADLINE_EXCEEDED), or the client went away (CANCELLED)."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_SECONDS else "CANCELLED"
 
 
 async def _abort(context: Context, method: str, exc: BaseException) -> None:
@@ -61,10 +62,9 @@ def unary(
         @functools.wraps(fn)
         async def handler(self: Servicer, request: Req, context: Context) -> Resp:
             try:
-                check_api_key(context, self.api_keys)
                 response = await fn(self, request, context)
             except asyncio.CancelledError:
-                metrics.REQUESTS.labels(method, "CANCELLED").inc()
+                metrics.REQUESTS.labels(method, _cancelled_code(context)).inc()
                 raise
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):
@@ -91,11 +91,10 @@ def streaming(
         @functools.wraps(fn)
         async def handler(self: Servicer, request: Req, context: Context) -> AsyncIterator[Resp]:
             try:
-                check_api_key(context, self.api_keys)
                 async for item in fn(self, request, context):
                     yield item
             except asyncio.CancelledError:
-                metrics.REQUESTS.labels(method, "CANCELLED").inc()
+                metrics.REQUESTS.labels(method, _cancelled_code(context)).inc()
                 raise
             except Exception as exc:
                 if isinstance(exc, grpc.aio.AbortError):

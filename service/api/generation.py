@@ -1,4 +1,9 @@
-"""The `loraplex.v1.Generation` servicer: thin methods that convert, submit to the engine and relay events."""
+"""The `loraplex.v1.Generation` servicer: thin methods that convert, submit to the engine and relay events.
+
+Order inside every method: cheap per-field checks on the event loop (``convert.precheck``), then tokenization
+and chat templating on the runtime's worker pool (a large prompt never stalls other RPCs or health), then
+submission. A request over a limit is refused before any of its prompts is tokenized.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service import __version__
-from service.api import convert
+from service.api import convert, limits
+from service.api.adapter_metrics import by_adapter, by_adapter_stream
 from service.api.edge import Context, streaming, unary
 from service.api.runtime import Runtime
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
-from service.errors import DeadlineExceeded, InvalidRequest, LoraplexError, Unavailable
+from service.errors import DeadlineExceeded, LoraplexError, Unavailable
 
 
 class _Mailbox:
@@ -52,7 +58,6 @@ class _Mailbox:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.api_keys = runtime.settings.api_keys
         self._mailbox: _Mailbox | None = None
 
     def _deadline(self, context: Context) -> float | None:
@@ -72,24 +77,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.runtime.submit(request, sink), events
 
     @unary("Generate")
+    @by_adapter
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         rt = self.runtime.ready()
-        if not request.inputs:
-            raise InvalidRequest("inputs is empty: give at least one input")
-        if len(request.inputs) > rt.settings.max_batch_size:
-            raise InvalidRequest(f"at most {rt.settings.max_batch_size} inputs per request, got {len(request.inputs)}")
+        convert.precheck(request, rt.settings)
         request_id = convert.request_id_of(request.request_id)
         deadline = self._deadline(context)
+        prompts = await asyncio.gather(*(self.runtime.prompt(item) for item in request.inputs))
         domain = [
             convert.generation_request(
                 request,
-                convert.prompt_of(item, rt.tokenizer),
+                prompt,
                 request_id=f"{request_id}/{i}" if len(request.inputs) > 1 else request_id,
                 default_max_new_tokens=rt.settings.max_new_tokens,
                 deadline=deadline,
                 seed_offset=i,
             )
-            for i, item in enumerate(request.inputs)
+            for i, prompt in enumerate(prompts)
         ]
         for item in domain:  # refuse the whole request before any part of it runs
             rt.validate(item)
@@ -122,14 +126,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 return result
 
     @streaming("GenerateStream")
+    @by_adapter_stream
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         rt = self.runtime.ready()
+        convert.precheck(request, rt.settings)
         request_id = convert.request_id_of(request.request_id)
         domain = convert.generation_request(
             request,
-            convert.prompt_of(request.input, rt.tokenizer),
+            await self.runtime.prompt(request.input),
             request_id=request_id,
             default_max_new_tokens=rt.settings.max_new_tokens,
             deadline=self._deadline(context),
@@ -153,12 +159,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     @unary("Tokenize")
     async def Tokenize(self, request: pb.TokenizeRequest, context: Context) -> pb.TokenizeResponse:
         rt = self.runtime.ready()
-        prompt = convert.prompt_of(request.input, rt.tokenizer)
-        return pb.TokenizeResponse(
-            token_ids=prompt.ids,
-            tokens=[rt.tokenizer.id_to_token(i) or "" for i in prompt.ids],
-            rendered_text=prompt.rendered,
-        )
+        limits.check_input(request.input, rt.settings)
+        return await self.runtime.off_loop(convert.tokenize_response, request.input, rt.tokenizer)
 
     @unary("ModelInfo")
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: Context) -> pb.ModelInfoResponse:

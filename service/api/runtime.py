@@ -2,20 +2,30 @@
 
 ``Runtime.load`` runs on a worker thread while the gRPC server is already up (health NOT_SERVING); until it
 finishes, and while draining, generation RPCs get UNAVAILABLE.
+
+The runtime owns a small worker pool for CPU work that servicers must not do on the event loop (tokenization,
+chat templating); it is shut down with the runtime. The engine has its own thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from loraplex.v1 import generation_pb2 as pb
 
 from service.adapters import AdapterStore
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.registry import resolve_source
+from service.api import convert
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest, RequestHandle, Sink
@@ -25,6 +35,12 @@ from service.model.config import ModelConfig
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.runtime")
+
+T = TypeVar("T")
+
+# Threads tokenizing / templating prompts. Small on purpose: the work is CPU-bound (the Rust tokenizer releases
+# the GIL, jinja does not), and more threads would only compete with the engine's step for the cores.
+TOKENIZE_WORKERS = 2
 
 ADAPTER_MARKERS = ("adapter_config.json", "config.json")  # a LoRA, or Medusa heads
 
@@ -50,6 +66,7 @@ class Runtime:
         self.loaded: Loaded | None = None
         self.draining = False
         self.load_error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(max_workers=TOKENIZE_WORKERS, thread_name_prefix="loraplex-tokenize")
 
     def load(self) -> Loaded:
         """Load tokenizer and weights, start the engine. Blocking: call it off the event loop."""
@@ -90,23 +107,32 @@ class Runtime:
             raise Unavailable("the model is still loading; retry shortly (health reports SERVING when ready)")
         return self.loaded
 
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the worker pool, awaited from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def prompt(self, message: pb.Input) -> convert.Prompt:
+        """One input's token ids (chat template applied where asked), computed on the worker pool."""
+        return await self.off_loop(convert.prompt_of, message, self.ready().tokenizer)
+
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
         loaded = self.ready()
         loaded.validate(request)
         return loaded.engine.submit(request, sink)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.loaded is not None:
             self.loaded.engine.stop()
             self.loaded.adapters.close()
 
 
 def adapter_roots(s: Settings) -> tuple[Path, ...]:
-    """Folders adapters may be read from: --adapter-root; else the --adapter-dir folders and the folders holding
-    the --adapter paths (the operator's own flags). Empty: LoadAdapter is refused (see ``AdaptersServicer``)."""
-    if s.adapter_roots:
-        return s.adapter_roots
-    return (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
+    """Folders adapters may be read from: the --adapter-dir folders and the folders holding the --adapter paths (the
+    operator's own flags), plus every --adapter-root. A root only ever adds: what the operator registered at
+    start-up stays readable. Empty: LoadAdapter is refused (see ``AdaptersServicer``)."""
+    own = (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
+    return tuple(dict.fromkeys((*own, *s.adapter_roots)))
 
 
 def register_startup_adapters(store: AdapterCatalog, s: Settings) -> None:

@@ -3,12 +3,15 @@
 Start-up order: bind gRPC with health NOT_SERVING → start /metrics → load the model on a worker thread →
 SERVING. On SIGTERM/SIGINT: NOT_SERVING, new generation RPCs get UNAVAILABLE, running streams get up to
 ``grace_seconds`` to finish, then the server stops and ``run`` returns 0.
+gRPC is plaintext or TLS (``--tls-cert``; mutual with ``--tls-client-ca``); /metrics is always plain HTTP (bind it
+to a private address). Every RPC passes ``EdgeInterceptor`` (API-key roles, safe decoding) first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
 import threading
@@ -24,8 +27,11 @@ from prometheus_client import start_http_server
 
 from service import __version__, metrics
 from service.api.adapters import AdaptersServicer
+from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
+from service.api.interceptors import EdgeInterceptor
 from service.api.runtime import Runtime
+from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
 
 log = logging.getLogger("loraplex.server")
@@ -45,6 +51,7 @@ class Server:
     health: health.aio.HealthServicer
     port: int
     metrics_http: WSGIServer | None
+    tls: CertificateFiles | None = None  # the watched certificate files when serving TLS
 
     @property
     def metrics_port(self) -> int | None:
@@ -83,21 +90,35 @@ class Server:
             self.metrics_http.server_close()
 
 
+def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+    """Channel arguments of the gRPC server: message size both ways, connection ageing."""
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    if settings.max_connection_age_seconds > 0:
+        # Clients balancing with round_robin only see replicas added by a scale-up when they reconnect: age
+        # connections out. The GOAWAY stops new calls on the connection; calls running on it may finish for the
+        # grace period, unlimited by default, so a long stream is never cut by ageing.
+        options.append(("grpc.max_connection_age_ms", _millis(settings.max_connection_age_seconds)))
+        if math.isfinite(settings.max_connection_age_grace_seconds):
+            options.append(("grpc.max_connection_age_grace_ms", _millis(settings.max_connection_age_grace_seconds)))
+    return options
+
+
+def _millis(seconds: float) -> int:
+    return min(int(seconds * 1000), (1 << 31) - 1)
+
+
 async def start(settings: Settings) -> Server:
     """Bind and start everything except the model load (call ``Server.load`` next)."""
     metrics.BUILD_INFO.info({"version": __version__, "python": sys.version.split()[0]})
+    keys = KeyRing.from_settings(settings)  # a bad --api-key-file fails here, naming its line
+    tls = server_credentials(settings)
+    metrics.ADAPTERS.reset(settings.metrics_adapter_series)
     runtime = Runtime(settings)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),
-            # Clients balancing with round_robin only see replicas added by a scale-up when they reconnect:
-            # age connections out (streams get a grace period to finish first).
-            ("grpc.max_connection_age_ms", 300_000),
-            ("grpc.max_connection_age_grace_ms", 120_000),
-        ]
-    )
+    server = grpc.aio.server(interceptors=[EdgeInterceptor(keys)], options=grpc_options(settings))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(runtime), server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runtime), server)
     health_servicer = health.aio.HealthServicer()
@@ -105,16 +126,17 @@ async def start(settings: Settings) -> Server:
     reflection.enable_server_reflection(
         (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls[0])
     if port == 0:
-        raise OSError(f"could not bind gRPC to {settings.host}:{settings.port}")
+        raise OSError(f"could not bind gRPC to {address}")
     await server.start()
     metrics_http = None
     if settings.metrics_port >= 0:
         metrics_http, _ = start_http_server(
             settings.metrics_port, addr=settings.metrics_host, registry=metrics.REGISTRY
         )
-    running = Server(settings, runtime, server, health_servicer, port, metrics_http)
+    running = Server(settings, runtime, server, health_servicer, port, metrics_http, None if tls is None else tls[1])
     await running.set_serving(False)
     return running
 
@@ -125,7 +147,10 @@ async def serve(settings: Settings, *, announce: bool = True) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("event=listening grpc=%s:%d metrics_port=%s", settings.host, server.port, server.metrics_port)
+    log.info(
+        "event=listening grpc=%s:%d tls=%s mtls=%s metrics_port=%s",
+        settings.host, server.port, server.tls is not None, settings.tls_client_ca is not None, server.metrics_port,
+    )  # fmt: skip
     loading = asyncio.create_task(server.load())
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)

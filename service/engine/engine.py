@@ -31,10 +31,10 @@ from service.engine.detok import IncrementalDetokenizer
 from service.engine.governor import SpeculationGovernor
 from service.engine.prefix import PrefixCache
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, Sink, TokenEvent
-from service.engine.sampling import Sampler, make_generator
+from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
 from service.engine.thread_governor import ThreadControl, step_key
-from service.errors import AdapterNotFound, InvalidRequest, LoraplexError, QueueFull, Unavailable
+from service.errors import AdapterNotFound, FailedPrecondition, InvalidRequest, LoraplexError, QueueFull, Unavailable
 from service.medusa.heads import MedusaHeads
 from service.medusa.tree import DraftTree
 from service.model.kv_cache import KVCache
@@ -54,7 +54,7 @@ class _Row:
     sink: Sink
     detok: IncrementalDetokenizer
     stops: StopMatcher | None
-    generator: torch.Generator | None
+    generator: RandomStream | None
     ids: list[int]  # prompt + generated, for the repetition penalty
     length: int = 0  # tokens whose K/V are in the cache
     pending: int = -1  # last sampled token, fed at the next decode step
@@ -109,7 +109,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
         self._waiting: deque[_Row] = deque()
         self._running: list[_Row] = []
-        self._queued = 0  # submitted, not yet admitted or finished (guarded by _lock)
+        self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,8 +138,10 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        """Requests submitted and not finished yet (queued, waiting or running); exact, unlike ``state()``."""
-        return self._queued
+        """Requests submitted and neither finished nor cancelled (queued, waiting or running); exact, unlike
+        ``state()``. This is what the queue limit counts: a cancelled request stops counting at ``cancel``, while
+        its KV slot is freed at the next step."""
+        return len(self._counted)
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise ``InvalidRequest`` for anything the engine cannot run; called by ``submit`` and the edge."""
@@ -174,18 +176,23 @@ class Engine:
         if self._stop.is_set() or not self.alive:
             raise Unavailable("the engine is not running")
         self.validate(request)
+        handle = RequestHandle(request, on_cancel=self._release)
         with self._lock:
-            if self._queued >= self.settings.max_queue + self.settings.max_batch_size:
+            if len(self._counted) >= self.settings.max_queue + self.settings.max_batch_size:
                 raise QueueFull(
-                    f"{self._queued} requests are queued or running (limit {self.settings.max_queue} waiting); "
+                    f"{len(self._counted)} requests are queued or running (limit {self.settings.max_queue} waiting); "
                     "retry later or spread load over more replicas"
                 )
-            self._queued += 1
+            self._counted.add(handle)
         if request.adapter_id is not None and self.adapters is not None:
             self.adapters.prefetch(request.adapter_id)  # a cold adapter's read overlaps the step in flight
-        handle = RequestHandle(request)
         self._inbox.put((handle, sink))
         return handle
+
+    def _release(self, handle: RequestHandle) -> None:
+        """The request no longer counts against the queue limit (finished, or cancelled: any thread)."""
+        with self._lock:
+            self._counted.discard(handle)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> list[TokenEvent]:
         """Blocking convenience for tests and in-process benchmarks: all events of one request."""
@@ -205,6 +212,8 @@ class Engine:
             while not self._stop.is_set():
                 # Block for new work when nothing runs; poll briefly while rows only wait for adapter loads.
                 wait = None if self._running else (0.002 if self._waiting else 0.5)
+                if wait == 0.5:
+                    self.threads.idle()  # what other processes do while nothing runs: the last half second only
                 if not self._take_inbox(wait):
                     break
                 try:
@@ -236,7 +245,7 @@ class Engine:
 
     def _new_row(self, handle: RequestHandle, sink: Sink) -> _Row:
         req = handle.request
-        generator = make_generator(req.sampling.seed, self.device) if req.sampling.temperature > 0 else None
+        generator = None if req.sampling.greedy else make_generator(req.sampling.seed, self.device)
         return _Row(
             handle=handle,
             sink=sink,
@@ -299,8 +308,8 @@ class Engine:
         try:
             kind = self.adapters.kind(adapter)
             row.lora = kind != "medusa"
-            if row.lora and not row.pinned:
-                row.pinned = store.request(adapter, pin=True)
+            if row.lora and not row.pinned:  # a load completing takes the row's pin for it (no eviction before)
+                row.pinned = store.request(adapter, pin=True, waiter=row.handle)
             heads_ready = kind == "lora" or medusa.request(adapter)
             error = (store.failure(adapter) if row.lora else None) or (
                 None if kind == "lora" else medusa.failure(adapter)
@@ -500,11 +509,12 @@ class Engine:
             for r in sub:
                 r.length += 1
             self._sample_and_emit(sub, logits[torch.tensor(plain, device=self.device), 0])
+        self._fail_non_finite_paths(rows, logits, valid)
         predicted = logits.argmax(dim=-1).tolist()  # [B, T]
         last = [0] * len(rows)  # the node whose hidden state drafts next
         drafted = kept = 0
         for b, row in enumerate(rows):
-            if row.heads is None:
+            if row.heads is None or row.done:
                 continue
             path = tree.accept(fed[b], predicted[b], valid[b])
             a = len(path)
@@ -528,6 +538,13 @@ class Engine:
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at])  # state after the last kept token
 
     def _sample_and_emit(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
+        if not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
+            keep = [b for b, ok in enumerate(finite.tolist()) if ok or not self._fail_non_finite(rows[b])]
+            rows = [rows[b] for b in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not rows:
+                return
         params = [r.request.sampling for r in rows]
         needs_history = any(p.repetition_penalty != 1.0 for p in params)
         result = self.sampler.sample(
@@ -538,11 +555,35 @@ class Engine:
         for i, r in enumerate(rows):
             self._emit(r, int(tokens[i]), None if logprobs is None else float(logprobs[i]))
 
+    def _fail_non_finite_paths(self, rows: Sequence[_Row], logits: torch.Tensor, valid: Sequence[int]) -> None:
+        """Fail the drafting rows whose verified nodes' logits [B, T, V] hold NaN or inf (plain rows of the step
+        are checked where they are sampled)."""
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
+        for b, row in enumerate(rows):
+            if row.heads is not None and not row.done and not all(finite[b][: valid[b]]):
+                self._fail_non_finite(row)
+
+    def _fail_non_finite(self, row: _Row) -> bool:
+        """End a row whose logits hold NaN or inf with an error naming its adapter (its K/V never poison its slot:
+        the model stores only finite values). True: the row is failed."""
+        adapter = row.request.adapter_id
+        what = f"adapter {adapter!r}" if adapter is not None else "the base model"
+        log.warning(
+            "event=non_finite_logits request=%s adapter=%s generated=%d", row.request.request_id, adapter, row.generated
+        )
+        error = FailedPrecondition(
+            f"the output of {what} became non-finite (NaN or inf logits) after {row.generated} generated tokens; "
+            "the request was stopped. Other requests are not affected; check the adapter's weights"
+        )
+        self._finish(row, FinishReason.ERROR, error=error)
+        return True
+
     def _emit(self, row: _Row, token: int, logprob: float | None) -> None:
         now = time.monotonic()
         req = row.request
         if row.generated == 0:
             metrics.TIME_TO_FIRST_TOKEN.observe(now - req.arrival)
+            metrics.ADAPTERS.first_token(req.adapter_id, now - req.arrival)
         else:
             metrics.INTER_TOKEN_LATENCY.observe(now - row.last_token_at)
         row.last_token_at = now
@@ -609,8 +650,10 @@ class Engine:
                 self.adapters.store.unpin(row.request.adapter_id)
             except LoraplexError:
                 log.exception("unpin of adapter %s failed", row.request.adapter_id)
-        with self._lock:
-            self._queued -= 1
+        elif row.lora and self.adapters is not None and row.request.adapter_id is not None:
+            self.adapters.store.forget(row.request.adapter_id, row.handle)  # it waited: drop its claim on the load
+        self._release(row.handle)
+        metrics.ADAPTERS.generated(row.request.adapter_id, row.generated)
         if reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE):
             metrics.REQUEST_LATENCY.observe(time.monotonic() - row.request.arrival)
 

@@ -58,16 +58,23 @@ Sink = Callable[[TokenEvent], None]
 
 
 class RequestHandle:
-    """The submitter's side of a request: cancel it; the engine retires it at its next step."""
+    """The submitter's side of a request: cancel it; the engine retires it (and frees its KV slot) at its next
+    step. ``on_cancel`` runs at the first ``cancel``, on the caller's thread: the engine releases the request's
+    place in the queue there, so a client re-using its capacity at once is not refused."""
 
-    __slots__ = ("_cancelled", "request")
+    __slots__ = ("_cancelled", "_on_cancel", "request")
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, on_cancel: Callable[[RequestHandle], None] | None = None) -> None:
         self.request = request
         self._cancelled = threading.Event()
+        self._on_cancel = on_cancel
 
     def cancel(self) -> None:
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)  # idempotent: two racing first cancels release once
 
     @property
     def cancelled(self) -> bool:

@@ -4,10 +4,16 @@ The processing order and the semantics of every step match transformers' ``gener
 (``RepetitionPenaltyLogitsProcessor`` → ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` →
 ``TopPLogitsWarper``), so a request sampled here sees the same distribution it would see there.
 
-Randomness is per request: the engine gives every sampled row its own ``torch.Generator`` (seeded from the
-request's seed when it has one) and each row draws exactly one uniform number per step from it. The token is
+Randomness is per request: the engine gives every sampled row its own ``RandomStream`` (seeded from all 64 bits
+of the request's seed when it has one; torch's CPU generator keeps only the low 32) and each row draws exactly one
+uniform number per step from it. The token is
 then found by inverse-CDF lookup in that row's distribution, so a row's output depends only on its own logits,
 parameters and generator — never on which other requests share the batch.
+
+Numerics: logits are processed in float32 and every softmax / log-probability is the max-shifted kind
+(``torch.softmax``, ``logsumexp``). Temperatures below ``GREEDY_TEMPERATURE`` are greedy (dividing by them would
+overflow float32 into inf and NaN), and the repetition penalty is refused outside
+[``MIN_REPETITION_PENALTY``, ``MAX_REPETITION_PENALTY``] for the same reason, so processed logits stay finite.
 
 The hot path (every decode step of an all-greedy batch without penalties) is a single ``argmax``.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,9 +31,25 @@ from torch import Tensor
 
 from service.errors import InvalidRequest
 
-__all__ = ["SampleResult", "Sampler", "SamplingParams", "greedy", "make_generator"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "MAX_REPETITION_PENALTY",
+    "MIN_REPETITION_PENALTY",
+    "RandomStream",
+    "SampleResult",
+    "Sampler",
+    "SamplingParams",
+    "greedy",
+    "make_generator",
+]
 
 _MAX_SEED = 2**64 - 1
+# Below this a temperature means greedy decoding: logits / 1e-5 stay far inside float32 (|logit| * 1e5 < 3e38),
+# while 1e-38 or 1e-45 turn every logit into +-inf and the softmax into NaN. Its distribution is one-hot anyway.
+GREEDY_TEMPERATURE = 1e-5
+# The repetition penalty divides or multiplies logits: within [1/100, 100] they stay finite in float32.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 # Top-p looks for the nucleus among this many most likely tokens before sorting the whole vocabulary.
 _TOP_P_CANDIDATES = 1024
 # Inverse-CDF sampling works on blocks of this many ids.
@@ -37,7 +60,8 @@ _CDF_BLOCK = 256
 class SamplingParams:
     """How one request picks its next token.
 
-    ``temperature == 0`` means greedy decoding (then ``top_k`` / ``top_p`` have no effect); ``top_k == 0`` and
+    ``temperature < GREEDY_TEMPERATURE`` (0 included) means greedy decoding (then ``top_k`` / ``top_p`` have no
+    effect); ``top_k == 0`` and
     ``top_p == 1`` switch those filters off; ``repetition_penalty == 1`` switches the penalty off. ``seed``
     makes a sampled request reproducible; ``logprobs`` asks for the log-probability of each chosen token.
     """
@@ -51,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalized(self) -> bool:
@@ -68,9 +92,10 @@ class SamplingParams:
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1] (1 = no nucleus filter), got {p!r}")
         r = self.repetition_penalty
-        if not isinstance(r, (int, float)) or math.isnan(r) or math.isinf(r) or r <= 0:
+        if not isinstance(r, (int, float)) or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
             raise InvalidRequest(
-                f"repetition_penalty must be a finite number > 0 (1 = no penalty, > 1 discourages repeats), got {r!r}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+                f"(1 = no penalty, > 1 discourages repeats), got {r!r}"
             )
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= _MAX_SEED
@@ -87,11 +112,34 @@ class SampleResult:
     logprobs: Tensor | None = None
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh random stream for one request: seeded from ``seed``, or from the OS when it has none."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-    return gen
+class RandomStream:
+    """One request's stream of U[0, 1) draws, seeded with every bit of a 64-bit seed.
+
+    ``torch.Generator.manual_seed`` on CPU seeds its Mersenne Twister with the seed's low 32 bits, so seeds s,
+    s + 2**32 and s + 2**63 gave identical output; Python's ``random.Random`` seeds its Mersenne Twister with the
+    whole integer. Draws are float64 with 53 random bits and the same on every platform.
+    """
+
+    __slots__ = ("_rng", "seed")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._rng = random.Random(seed)
+
+    def uniforms(self, count: int) -> list[float]:
+        return [self._rng.random() for _ in range(count)]
+
+
+Generator = RandomStream | torch.Generator
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> RandomStream:
+    """A fresh random stream for one request: seeded from ``seed``, or from the OS when it has none.
+
+    ``device`` is accepted for symmetry with torch generators; draws are made on the host (one per row per step)
+    and moved to the logits' device with the rest of the batch's."""
+    del device
+    return RandomStream(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
 def greedy(logits: Tensor) -> Tensor:
@@ -113,7 +161,7 @@ class Sampler:
         self,
         logits: Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
+        generators: Sequence[Generator | None] | None = None,
         history: History | None = None,
     ) -> SampleResult:
         """Pick the next token of every row.
@@ -194,7 +242,7 @@ class Sampler:
             probs = probs.index_copy(0, rows, one_hot)
         return probs
 
-    def draw(self, probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    def draw(self, probs: Tensor, generators: Sequence[Generator | None]) -> Tensor:
         """[B, V] probabilities (any non-negative weights) → [B] int64 ids, one uniform per row from that row's
         generator. For speculative decoding's residual distributions, e.g. normalise(max(0, p - q))."""
         if len(generators) != probs.shape[0]:
@@ -239,12 +287,17 @@ class Sampler:
         return x
 
     @staticmethod
-    def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:
-        """One U[0, 1) float64 per row, each from its own generator (on the generator's device)."""
+    def _uniforms(generators: Sequence[Generator | None], device: torch.device) -> Tensor:
+        """One U[0, 1) float64 per row, each from its own stream (a torch generator draws on its own device)."""
+        if all(isinstance(gen, RandomStream) for gen in generators):  # the engine's case: one host tensor
+            values = [u for gen in generators if isinstance(gen, RandomStream) for u in gen.uniforms(1)]
+            return torch.tensor(values, dtype=torch.float64, device=device)  # [S]
         draws = []
         for gen in generators:
             if gen is None:
                 draws.append(torch.rand((1,), dtype=torch.float64))
+            elif isinstance(gen, RandomStream):
+                draws.append(torch.tensor(gen.uniforms(1), dtype=torch.float64))
             else:
                 draws.append(torch.rand((1,), dtype=torch.float64, generator=gen, device=gen.device))
         return torch.cat([d.to(device) for d in draws])  # [S]

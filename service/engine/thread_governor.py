@@ -27,8 +27,9 @@ for the whole engine, since contention is a property of the machine, not of the 
   first ``min_samples`` steps after a switch, an average below the previous count's estimate switches back
   (one lucky probe costs one slow step, not many);
 * when the engine starts work after being idle, ``ThreadControl`` counts the CPUs other processes kept busy
-  meanwhile (``OtherLoad``) and hints the governor to start from the threads the rest can hold, so a neighbour
-  that arrived while the engine slept costs no slow step at all; measurements correct a wrong hint as above.
+  in the last moments before (``OtherLoad``, a window restarted at every idle wait) and hints the governor to
+  start from the threads the rest can hold, so a neighbour that arrived while the engine slept costs no slow
+  step at all; measurements correct a wrong hint as above.
 
 Outputs do not depend on the thread count beyond floating-point summation order.
 """
@@ -228,6 +229,14 @@ class ThreadControl:
                 before, after, rows, self.governor.estimate(key, before) or 0.0,
                 self.governor.estimate(key, after) or 0.0,
             )  # fmt: skip
+
+    def idle(self) -> None:
+        """Called while the engine waits for work: restart the other-load window, so that the next restart sees
+        what other processes do now, not what they did during the whole idle spell."""
+        now = time.monotonic()
+        if self.others is not None and now - self._last_sample > SAMPLE_SECONDS:
+            self._last_sample = now
+            self.others.sample()
 
     def _resume(self) -> None:
         """After an idle spell: start from the threads that the CPUs other processes leave free can hold."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -56,11 +56,14 @@ def load_tensors(
     unexpected: Literal["error", "ignore"] = "ignore",
     ignore_unexpected: Collection[str] = (),
     threads: int = 0,
+    opener: Callable[[Path], int] | None = None,
 ) -> LoadStats:
     """Fill each ``plan[name]`` (any dtype/device, possibly a view such as rows of a fused parameter; same
     shape as the record) with checkpoint tensor ``name``. ``unexpected="error"`` makes checkpoint tensors
     absent from the plan an error, except names equal to or fully matching a pattern of
-    ``ignore_unexpected``. ``threads``: host reader threads (0 = up to 4, one per core)."""
+    ``ignore_unexpected``. ``threads``: host reader threads (0 = up to 4, one per core). ``opener(file)``
+    returns a read-only descriptor for ``file`` (default ``os.open``); ``stream`` mode reads through it, so a
+    caller can check the opened file itself (``fstat``, its real path) before any byte is read."""
     t0 = time.perf_counter()
     if mode not in ("stream", "mmap", "eager"):
         raise ValueError(f"mode must be 'stream', 'mmap' or 'eager', got {mode!r}")
@@ -72,7 +75,7 @@ def load_tensors(
         by_file.setdefault(job.record.file, []).append(job)
 
     if mode == "stream":
-        header, read, convert, nbytes = 0.0, *_load_stream(by_file, threads)
+        header, read, convert, nbytes = 0.0, *_load_stream(by_file, threads, opener)
     else:
         header, read, convert, nbytes = _load_reference(by_file, mode)
     return LoadStats(
@@ -145,10 +148,10 @@ def _validate(
     return jobs
 
 
-def _open_checked(file: Path, jobs: list[Job]) -> int:
+def _open_checked(file: Path, jobs: list[Job], opener: Callable[[Path], int] | None = None) -> int:
     """Open a file for reading and check it still holds every planned byte range (before reading any)."""
     try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = opener(file) if opener is not None else os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise HeaderError(f"cannot open: {e}", file=file) from e
     size = os.fstat(fd).st_size
@@ -166,13 +169,15 @@ def _open_checked(file: Path, jobs: list[Job]) -> int:
     return fd
 
 
-def _load_stream(by_file: dict[Path, list[Job]], threads: int) -> tuple[float, float, int]:
+def _load_stream(
+    by_file: dict[Path, list[Job]], threads: int, opener: Callable[[Path], int] | None
+) -> tuple[float, float, int]:
     from service.loading.stream import stream_to_host
 
     fds: list[tuple[Path, int, list[Job]]] = []
     try:
         for file, jobs in by_file.items():
-            fds.append((file, _open_checked(file, jobs), jobs))
+            fds.append((file, _open_checked(file, jobs, opener), jobs))
         host = [(f, fd, [j for j in jobs if j.dest.device.type == "cpu"]) for f, fd, jobs in fds]
         dev = [(f, fd, [j for j in jobs if j.dest.device.type == "cuda"]) for f, fd, jobs in fds]
         n_threads = threads if threads > 0 else min(4, os.cpu_count() or 1)

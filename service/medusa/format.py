@@ -12,7 +12,8 @@ Public API::
     read_medusa_config(path) -> MedusaConfig
     is_medusa_folder(folder) -> bool               config.json names medusa_num_heads
     weight_files(folder) -> tuple[Path, ...]       the Medusa safetensors files of a folder
-    index_medusa(folder, model_config, *, check_path=None) -> MedusaSpec
+    index_medusa(folder, model_config, *, check_path=None) -> MedusaSpec   NotFound: no such folder
+    check_heads_finite(spec, tensors) -> None      NonFiniteTensor naming file and tensor
     write_medusa(folder, block_weight, block_bias, out_weight=None, *, version=None, base_model=None,
                  metadata=None) -> Path
     MedusaSpec, HeadRecords, BlockRecords
@@ -47,7 +48,8 @@ from typing import Any
 
 import torch
 
-from service.errors import CheckpointError, InvalidAdapter
+from service.adapters.integrity import FileStamp, check_finite, stamp
+from service.errors import CheckpointError, InvalidAdapter, NotFound, shorten
 from service.loading import CheckpointIndex, TensorRecord
 from service.model.config import ModelConfig
 
@@ -104,6 +106,7 @@ class MedusaSpec:
     vocab_size: int
     heads: tuple[HeadRecords, ...]
     file_bytes: tuple[int, ...]  # each file's size when it was indexed
+    stamps: tuple[FileStamp, ...]  # each file's identity when its header was read: every later read checks it
     index_seconds: float
 
     @property
@@ -197,8 +200,10 @@ def index_medusa(
     """
     t0 = time.perf_counter()
     folder = Path(folder)
+    if not folder.exists():
+        raise NotFound(f"adapter folder {shorten(folder)!r} does not exist")
     if not folder.is_dir():
-        raise InvalidAdapter("adapter folder does not exist or is not a folder", file=folder)
+        raise InvalidAdapter("the adapter source is not a folder", file=folder)
     config_path = folder / CONFIG_FILE
     if check_path is not None:
         check_path(config_path.resolve())
@@ -210,9 +215,11 @@ def index_medusa(
             raise InvalidAdapter(f"pickled Medusa heads are refused. {CONVERT_HINT}", file=folder / pickles[0])
         raise InvalidAdapter(f"no {WEIGHTS_FILE} (or other Medusa .safetensors file) in the folder", file=folder)
     records: dict[str, TensorRecord] = {}
+    stamps: list[FileStamp] = []
     for file in files:
         if check_path is not None:
             check_path(file)
+        stamps.append(stamp(file))  # before the header: a change after this shows at the next read
         for name, rec in _read_header(file).items():
             if name in records:
                 raise InvalidAdapter(f"tensor is also in {records[name].file}", file=file, tensor=name)
@@ -226,9 +233,17 @@ def index_medusa(
         hidden_size=model_config.hidden_size,
         vocab_size=model_config.vocab_size,
         heads=heads,
-        file_bytes=tuple(f.stat().st_size for f in files),
+        file_bytes=tuple(st.size for st in stamps),
+        stamps=tuple(stamps),
         index_seconds=time.perf_counter() - t0,
     )
+
+
+def check_heads_finite(spec: MedusaSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse loaded head tensors (by record name) holding NaN or inf: ``NonFiniteTensor`` naming file and tensor."""
+    records = spec.records()
+    for name, tensor in tensors.items():
+        check_finite(tensor, name, records[name].file)
 
 
 def write_medusa(

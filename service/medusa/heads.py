@@ -3,7 +3,7 @@
 Public API::
 
     MedusaHeads(version, block_weight, block_bias, out_weight=None)
-    MedusaHeads.load(spec, *, device, dtype, mode="stream") -> MedusaHeads
+    MedusaHeads.load(spec, *, device, dtype, mode="stream", opener=None) -> MedusaHeads
     heads.hidden(x) -> [B, n_heads, hidden]           after each head's residual blocks
     residual_blocks(x, block_weight, block_bias) -> [B, n_heads, hidden]   the same, differentiable
     heads.logits(x, lm_head) -> [B, n_heads, vocab]   fp32
@@ -25,12 +25,17 @@ v2 heads use the base ``lm_head`` and project all heads in one matmul.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from service import metrics
 from service.loading import LoadMode, load_tensors
-from service.medusa.format import MedusaSpec
+from service.medusa.format import MedusaSpec, check_heads_finite
 
 
 def residual_blocks(x: Tensor, block_weight: Tensor, block_bias: Tensor) -> Tensor:
@@ -82,9 +87,16 @@ class MedusaHeads:
 
     @classmethod
     def load(
-        cls, spec: MedusaSpec, *, device: torch.device | str, dtype: torch.dtype, mode: LoadMode = "stream"
+        cls,
+        spec: MedusaSpec,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        mode: LoadMode = "stream",
+        opener: Callable[[Path], int] | None = None,
     ) -> MedusaHeads:
-        """Allocate the stacked buffers on ``device`` in ``dtype`` and stream the spec's tensors into their views."""
+        """Allocate the stacked buffers on ``device`` in ``dtype`` and stream the spec's tensors into their views
+        (files opened by ``opener``, see ``load_tensors``); refuse a tensor with NaN or inf (``NonFiniteTensor``)."""
         device = torch.device(device)
         n, layers, hidden = spec.num_heads, spec.num_layers, spec.hidden_size
         block_weight = torch.empty(layers, n, hidden, hidden, dtype=dtype, device=device)
@@ -97,7 +109,12 @@ class MedusaHeads:
                 plan[block.bias.name] = block_bias[layer, h]
             if head.out is not None and out_weight is not None:
                 plan[head.out.name] = out_weight[h]
-        load_tensors(spec.records(), plan, mode=mode, unexpected="error")
+        load_tensors(spec.records(), plan, mode=mode, unexpected="error", opener=opener)
+        t0 = time.perf_counter()
+        try:
+            check_heads_finite(spec, plan)  # in the serving dtype: a value too large for it is refused too
+        finally:
+            metrics.ADAPTER_LOAD_DURATION.labels(stage="validate", tier="disk").observe(time.perf_counter() - t0)
         return cls(spec.version, block_weight, block_bias, out_weight)
 
     @property

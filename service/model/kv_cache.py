@@ -15,10 +15,11 @@ with ``move``. A row's length is the engine's business: the model writes K/V at 
 attends only to positions ``<=`` the query's own, so whatever lies beyond a row's length (a rolled-back draft, a
 former occupant, the tail of a padded prompt) is never read into a result.
 
-The buffer starts zeroed, never uninitialised: attention multiplies masked-out values by a probability of 0,
-and ``0 * NaN`` would still be NaN. On the CPU the zeros come from an anonymous memory map, so the cache costs
-resident memory only for the pages requests actually write: a 32-slot, 4096-token cache is sized for the worst
-case without zero-filling gigabytes at start-up.
+Masked attention is NaN-safe by what the cache holds: it starts zeroed, never uninitialised, and the model writes
+only finite values bounded by ``llama.KV_LIMIT`` (``llama.finite_kv``), so a masked-out key scores exactly -inf and
+its value is weighted by exactly 0 (``0 * NaN`` would be NaN), whoever occupied the slot before. On the CPU the
+zeros come from an anonymous memory map, so the cache costs resident memory only for the pages requests actually
+write: a 32-slot, 4096-token cache is sized for the worst case without zero-filling gigabytes at start-up.
 """
 
 from __future__ import annotations

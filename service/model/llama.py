@@ -6,7 +6,7 @@ Public API::
     Llama.forward(tokens, positions, cache, slot_start, adapters=None, *, kv_len=None) -> hidden [B, T, hidden]
     Llama.logits(hidden) -> fp32 logits [..., vocab]
     Llama.gather_last(hidden, lengths) -> hidden [B, hidden] at position ``lengths - 1`` of each row
-    AdapterHook (Protocol), ProjName, proj(...)
+    AdapterHook (Protocol), ProjName, proj(...), finite_kv(kv), KV_LIMIT
 
 Parameters are allocated with ``torch.empty`` in their final, fused layout and filled by
 ``service.model.weights``: per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows (see
@@ -57,6 +57,19 @@ def proj(
     if adapters is not None:
         out = adapters.add_delta(out, x, layer, name)
     return out
+
+
+# Bound of every value the KV cache holds (the fp16 maximum). K/V past a row's length stay in its slot and are
+# read, masked, by the next occupant whenever it shares a batch with a longer row: a masked score must be exactly
+# -inf and a masked value weighted by exactly 0, which NaN, inf or a score that overflows to inf would break.
+KV_LIMIT = 65504.0
+
+
+def finite_kv(kv: Tensor) -> Tensor:
+    """K/V as the cache stores them: NaN -> 0, everything else clamped to +-KV_LIMIT. The identity on the values of
+    any healthy row (it only touches this step's new K/V, a few KB); a row that produced non-finite values fails
+    on its own logits, while its slot keeps nothing that could poison the slot's next occupant."""
+    return torch.nan_to_num(kv, nan=0.0, posinf=KV_LIMIT, neginf=-KV_LIMIT).clamp_(-KV_LIMIT, KV_LIMIT)
 
 
 # --- RoPE -----------------------------------------------------------------------------------------------
@@ -157,7 +170,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv.narrow(2, 0, h + kv), step.cos, step.sin)  # [B, T, H + KV, D]
         # This step's K and V go to their positions first; then the slot range is read back as a plain slice.
         new_kv = torch.cat((qk.narrow(2, h, kv), qkv.narrow(2, h + kv, kv)), dim=2)  # [B, T, 2 * KV, D]
-        kv_rows.index_copy_(0, step.write_index, new_kv.view(-1, d))
+        kv_rows.index_copy_(0, step.write_index, finite_kv(new_kv).view(-1, d))
         length = step.mask.shape[-1]
         k = k_cache.narrow(2, 0, length)  # [B, KV, L, D]
         v = v_cache.narrow(2, 0, length)

@@ -15,7 +15,7 @@ use); this package needs only ``grpcio`` and ``protobuf``.
 from __future__ import annotations
 
 from loraplex._async_client import AsyncClient
-from loraplex._channel import ADAPTER_HEADER
+from loraplex._channel import ADAPTER_HEADER, DEFAULT_MAX_MESSAGE_BYTES
 from loraplex._client import Client
 from loraplex._convert import GenerateOptions
 from loraplex._errors import (
@@ -58,6 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADAPTER_HEADER",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "AdapterInfo",
     "AdapterKind",
     "AdapterState",

@@ -19,11 +19,13 @@ from loraplex._channel import (
     DEFAULT_TARGET,
     HEALTH_CHECK_METHOD,
     Metadata,
+    PathLike,
     base_metadata,
     channel_options,
     check_timeout,
     decode_health_response,
     encode_health_request,
+    tls_credentials,
     with_adapter,
 )
 from loraplex._convert import GenerateOptions, Prompt
@@ -57,9 +59,13 @@ class AsyncClient:
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls_ca: PathLike | None = None,
+        tls_cert: PathLike | None = None,
+        tls_key: PathLike | None = None,
     ) -> None:
         self._timeout = check_timeout(timeout)
         self._metadata: Metadata = base_metadata(metadata, api_key)
+        credentials = tls_credentials(credentials, tls_ca, tls_cert, tls_key)
         if channel is not None and (
             target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options
         ):

@@ -1,4 +1,4 @@
-"""Channel options, request metadata and the grpc.health.v1 codec shared by both clients.
+"""Channel options, TLS credentials, request metadata and the grpc.health.v1 codec shared by both clients.
 
 The health check is called by method path with a hand-written codec for its two one-field messages,
 so the client needs neither grpcio-health-checking nor its generated modules.
@@ -6,8 +6,12 @@ so the client needs neither grpcio-health-checking nor its generated modules.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import grpc
 
 from loraplex._types import HealthStatus
 
@@ -18,6 +22,10 @@ Proxies can route on it (e.g. a consistent hash per adapter) so that each adapte
 replicas; the server itself reads the id from the request message."""
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+"""Largest message a client sends or receives unless its ``options`` say otherwise (the server's default
+``--max-message-bytes``)."""
+_MESSAGE_LIMITS = ("grpc.max_receive_message_length", "grpc.max_send_message_length")
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 
 Metadata = tuple[tuple[str, str], ...]
@@ -31,14 +39,51 @@ _HEALTH_STATUSES = {
 
 
 def channel_options(load_balancing: str | None, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """gRPC channel arguments: ``load_balancing`` (e.g. "round_robin") as the LB policy, then ``options``."""
+    """gRPC channel arguments: ``load_balancing`` (e.g. "round_robin") as the LB policy, then ``options``, then
+    the message size limits ``options`` left out (``DEFAULT_MAX_MESSAGE_BYTES`` both ways)."""
     result: list[tuple[str, Any]] = []
     if load_balancing is not None:
         if not isinstance(load_balancing, str) or not load_balancing:
             raise ValueError(f"load_balancing must be a policy name like 'round_robin', got {load_balancing!r}")
         result.append(("grpc.lb_policy_name", load_balancing))
     result.extend((str(key), value) for key, value in options)
+    given = {key for key, _ in result}
+    result.extend((key, DEFAULT_MAX_MESSAGE_BYTES) for key in _MESSAGE_LIMITS if key not in given)
     return result
+
+
+PathLike = str | os.PathLike[str]
+
+
+def tls_credentials(
+    credentials: grpc.ChannelCredentials | None,
+    tls_ca: PathLike | None,
+    tls_cert: PathLike | None,
+    tls_key: PathLike | None,
+) -> grpc.ChannelCredentials | None:
+    """The channel's credentials: ``credentials`` as given, or TLS from PEM files (``tls_ca``: the CA that signed
+    the server's certificate, default the system's roots; ``tls_cert`` + ``tls_key``: a client certificate for
+    mutual TLS), or None (plaintext) when none of them is given."""
+    if tls_ca is None and tls_cert is None and tls_key is None:
+        return credentials
+    if credentials is not None:
+        raise ValueError("give either credentials= or tls_ca= / tls_cert= / tls_key=, not both")
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together (the client certificate and its private key)")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(tls_ca, "tls_ca"),
+        private_key=_read_pem(tls_key, "tls_key"),
+        certificate_chain=_read_pem(tls_cert, "tls_cert"),
+    )
+
+
+def _read_pem(path: PathLike | None, name: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{name}={str(path)!r}: cannot read it ({exc.strerror})") from None
 
 
 def base_metadata(metadata: Sequence[tuple[str, str]], api_key: str | None) -> Metadata:

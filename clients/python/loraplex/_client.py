@@ -18,11 +18,13 @@ from loraplex._channel import (
     DEFAULT_TARGET,
     HEALTH_CHECK_METHOD,
     Metadata,
+    PathLike,
     base_metadata,
     channel_options,
     check_timeout,
     decode_health_response,
     encode_health_request,
+    tls_credentials,
     with_adapter,
 )
 from loraplex._convert import GenerateOptions, Prompt
@@ -40,9 +42,12 @@ class Client:
     ``load_balancing="round_robin"`` to spread calls over every replica behind a headless Service.
     ``timeout``: default deadline in seconds for every call (None = none); a call's own ``timeout=``
     wins. ``metadata``: (key, value) pairs sent with every call. ``api_key``: sent as
-    ``authorization: Bearer <key>``. ``credentials``: TLS channel credentials (default: plaintext).
-    ``options``: extra gRPC channel arguments. ``channel``: use this channel instead of making one
-    (then ``target``, ``credentials``, ``load_balancing`` and ``options`` must be left out, and
+    ``authorization: Bearer <key>``. ``tls_ca``: TLS, trusting the CA in this PEM file (default: the
+    system's roots when ``tls_cert`` is given); ``tls_cert`` + ``tls_key``: a client certificate for
+    mutual TLS (PEM files). ``credentials``: any gRPC channel credentials instead (default: plaintext).
+    ``options``: extra gRPC channel arguments (message size limits default to
+    ``DEFAULT_MAX_MESSAGE_BYTES``, like the server's). ``channel``: use this channel instead of making
+    one (then ``target``, the TLS arguments, ``load_balancing`` and ``options`` must be left out, and
     ``close`` leaves the channel open).
 
     Every generation call sends the adapter id as the ``x-loraplex-adapter`` request header (empty
@@ -60,9 +65,13 @@ class Client:
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls_ca: PathLike | None = None,
+        tls_cert: PathLike | None = None,
+        tls_key: PathLike | None = None,
     ) -> None:
         self._timeout = check_timeout(timeout)
         self._metadata: Metadata = base_metadata(metadata, api_key)
+        credentials = tls_credentials(credentials, tls_ca, tls_cert, tls_key)
         if channel is not None:
             if target != DEFAULT_TARGET or credentials is not None or load_balancing is not None or options:
                 raise ValueError("with channel=, leave out target, credentials, load_balancing and options")

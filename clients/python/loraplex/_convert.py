@@ -67,11 +67,12 @@ class GenerateOptions(TypedDict, total=False):
     adapter             registered adapter id; None / "" = the base model. Also sent as the
                         ``x-loraplex-adapter`` request header for adapter-aware routing.
     sampling            a ``SamplingParams``; the five keywords below override its fields.
-    temperature         >= 0; 0 (default) = greedy.
+    temperature         >= 0; 0 (default) = greedy (the server treats below 1e-5 as greedy).
     top_k               0 (default) = off.
     top_p               in (0, 1]; None (default) = off.
-    repetition_penalty  > 0; None (default) = off.
-    seed                0 <= seed < 2**64; None = random. Prompt i of a batch is seeded with seed + i.
+    repetition_penalty  > 0 (the server accepts [0.01, 100]); None (default) = off.
+    seed                0 <= seed < 2**64; None = random. Prompt i of a batch is seeded with
+                        (seed + i) mod 2**64.
     max_new_tokens      >= 1; None = the server's limit (``ModelInfo.limits.max_new_tokens``).
     stop                a stop sequence or a list of them; the text ends before the match.
     ignore_eos          keep generating past end-of-sequence (benchmarks). Default False.

@@ -73,8 +73,9 @@ class _AdapterStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdapterS
     ADAPTER_STATE_LOADING: _AdapterState.ValueType  # 4
     """Being read from disk (or the host tier) for a request; requests for it wait, others keep running."""
     ADAPTER_STATE_FAILED: _AdapterState.ValueType  # 5
-    """Its last load failed (AdapterInfo.error says why); requests for it fail with that error until it
-    is unloaded and loaded again.
+    """Its last load failed (AdapterInfo.error says why: a file that changed, holds NaN/inf, left the
+    roots...); requests for it fail with that error until its weights file changes (the next request
+    then indexes and loads it again) or it is unloaded and loaded again.
     """
 
 class AdapterState(_AdapterState, metaclass=_AdapterStateEnumTypeWrapper):
@@ -91,8 +92,9 @@ ADAPTER_STATE_DEVICE: AdapterState.ValueType  # 3
 ADAPTER_STATE_LOADING: AdapterState.ValueType  # 4
 """Being read from disk (or the host tier) for a request; requests for it wait, others keep running."""
 ADAPTER_STATE_FAILED: AdapterState.ValueType  # 5
-"""Its last load failed (AdapterInfo.error says why); requests for it fail with that error until it
-is unloaded and loaded again.
+"""Its last load failed (AdapterInfo.error says why: a file that changed, holds NaN/inf, left the
+roots...); requests for it fail with that error until its weights file changes (the next request
+then indexes and loads it again) or it is unloaded and loaded again.
 """
 Global___AdapterState: _TypeAlias = AdapterState  # noqa: Y015
 

@@ -128,7 +128,9 @@ class Input(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """Prompt text. Used as is, or wrapped as one "user" message when `chat` is true."""
+    """Prompt text. Used as is, or wrapped as one "user" message when `chat` is true. At most the server's
+    --max-prompt-bytes of UTF-8 (refused before tokenization; see docs/limits.md).
+    """
     chat: _builtins.bool
     """Only with `text`: apply the chat template to it as a single user turn. Default false (raw
     completion). INVALID_ARGUMENT when the model has no chat template.
@@ -167,7 +169,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 (default) = greedy: the argmax token, and top_k / top_p / seed are
-    ignored.
+    ignored. Below 1e-5 is greedy too (dividing by it would overflow float32).
     """
     top_k: _builtins.int
     """Keep only the k most likely tokens before sampling. 0 (default) = off."""
@@ -177,12 +179,12 @@ class SamplingParams(_message.Message):
     """
     repetition_penalty: _builtins.float
     """Penalty for tokens already in the prompt or the output (CTRL-style: positive logits divided by it,
-    negative ones multiplied). > 0; unset or 1 = off. Applies to greedy decoding too.
+    negative ones multiplied). In [0.01, 100]; unset or 1 = off. Applies to greedy decoding too.
     """
     seed: _builtins.int
     """Seed of the request's random generator; unset = random. With the same seed, parameters, adapter
     and server build the output is reproducible, whatever else is in the batch. In a Generate request
-    with several inputs, input i is seeded with seed + i.
+    with several inputs, input i is seeded with (seed + i) mod 2^64. All 64 bits matter.
     """
     def __init__(
         self,
@@ -231,7 +233,8 @@ class StoppingCriteria(_message.Message):
     @_builtins.property
     def stop_sequences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop as soon as the generated text contains one of these (matched on text, across token
-        boundaries). The returned text ends before the match. Empty strings are INVALID_ARGUMENT.
+        boundaries). The returned text ends before the match. Empty strings are INVALID_ARGUMENT, and so
+        are more than the server's --max-stop-sequences or one longer than --max-stop-sequence-bytes.
         """
 
     def __init__(

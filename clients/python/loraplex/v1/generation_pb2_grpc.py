@@ -82,7 +82,7 @@ class GenerationServicer:
 
     def Tokenize(self, request, context):
         """Tokenizes an input exactly as Generate would (chat template included when asked for).
-        Errors: INVALID_ARGUMENT (empty input, no chat template).
+        Errors: INVALID_ARGUMENT (empty input, no chat template, input over the server's prompt size limits).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -61,7 +61,7 @@ class GenerationStub:
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]
     """Tokenizes an input exactly as Generate would (chat template included when asked for).
-    Errors: INVALID_ARGUMENT (empty input, no chat template).
+    Errors: INVALID_ARGUMENT (empty input, no chat template, input over the server's prompt size limits).
     """
     ModelInfo: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ModelInfoRequest, _generation_pb2.ModelInfoResponse]
     """Describes the served model, the server's limits and its features."""
@@ -84,7 +84,7 @@ class GenerationAsyncStub(GenerationStub):
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Tokenizes an input exactly as Generate would (chat template included when asked for).
-    Errors: INVALID_ARGUMENT (empty input, no chat template).
+    Errors: INVALID_ARGUMENT (empty input, no chat template, input over the server's prompt size limits).
     """
     ModelInfo: _aio.UnaryUnaryMultiCallable[_generation_pb2.ModelInfoRequest, _generation_pb2.ModelInfoResponse]  # type: ignore[assignment]
     """Describes the served model, the server's limits and its features."""
@@ -122,7 +122,7 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]:
         """Tokenizes an input exactly as Generate would (chat template included when asked for).
-        Errors: INVALID_ARGUMENT (empty input, no chat template).
+        Errors: INVALID_ARGUMENT (empty input, no chat template, input over the server's prompt size limits).
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,164 @@
+"""Reading one adapter: its tensors from disk into a host copy, checked, then laid out on the serving device.
+
+Mechanism only: no tiers, no budgets, no lock (the store decides what to load and when, and calls this from its
+loader thread). Every read opens the weights file through ``integrity.open_verified`` (the file indexed at
+registration, inside the roots) and every tensor read is checked finite (``integrity.check_finite``) before it
+is laid out; the check's time is the ``validate`` stage of ``loraplex_adapter_load_duration_seconds``.
+
+Public API::
+
+    HOST_ALIGN, DEVICE_ALIGN                      byte alignment of every view in a host / device buffer
+    HostCopy(buffer, tensors)                     raw tensors of one adapter as read (host tier)
+    Loaded                                        one finished load: layers on the device + the host copy + timings
+    AdapterReader(device, dtype, roots).load(spec, host) -> Loaded
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service import metrics
+from service.adapters.integrity import check_finite, open_verified
+from service.adapters.registry import AdapterSpec, SlotRecords, buffer_views, plan_buffer
+from service.adapters.types import LoraLayer, LoraModule
+from service.loading import load_tensors
+
+HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
+DEVICE_ALIGN = 256
+
+
+@dataclass(eq=False)
+class HostCopy:
+    """One adapter's tensors as read from its file, in one flat buffer (the host tier)."""
+
+    buffer: torch.Tensor  # [nbytes] uint8, pinned on CUDA servers
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # raw A [r, in], B [out, r] (file dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+
+@dataclass
+class Loaded:
+    """A finished load: what the store publishes."""
+
+    layers: tuple[LoraLayer | None, ...]
+    host: HostCopy
+    from_disk: bool
+    bytes_read: int
+    read_seconds: float
+    layout_seconds: float
+
+
+class AdapterReader:
+    """Reads and lays out whole adapters for the store's loader thread (one thread: the CUDA copy stream is its own).
+
+    ``load(spec, host)`` reads every touched layer from disk into a new host copy (``host`` None), or reuses
+    ``host``, and lays it out on the device in the serving dtype, ``lora_B`` scaled."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, roots: Sequence[Path]) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.roots = tuple(roots)
+        self._pin_host = device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None  # created on the loader thread on first use
+
+    def load(self, spec: AdapterSpec, host: HostCopy | None) -> Loaded:
+        """Read (unless a host copy exists) and lay out every touched layer. Raises the typed errors of the
+        checks: ``AdapterFileChanged``, ``PermissionDenied``, ``NonFiniteTensor``, ``HeaderError``."""
+        from_disk = host is None
+        if host is None:
+            host_plan = plan_buffer(spec, None, HOST_ALIGN)
+            buffer = torch.empty(host_plan.nbytes, dtype=torch.uint8, pin_memory=self._pin_host)
+            host = HostCopy(buffer, buffer_views(spec, host_plan, buffer, None))
+        device_plan = plan_buffer(spec, self.dtype, DEVICE_ALIGN)
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self._stream  # the loader's own copy stream: layout never waits behind the engine's kernels
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            device_buffer = torch.empty(device_plan.nbytes, dtype=torch.uint8, device=self.device)
+        if stream is not None:
+            # Written on the loader's stream, read by the engine on the default stream: when an eviction frees
+            # it, the allocator must wait for the engine's queued kernels before handing the memory out again.
+            device_buffer.record_stream(torch.cuda.default_stream(self.device))
+        device_views = buffer_views(spec, device_plan, device_buffer, self.dtype)
+        layers: list[LoraLayer | None] = [None] * spec.num_layers
+        read_s = layout_s = validate_s = 0.0
+        roots = self.roots
+
+        def opener(file: Path) -> int:  # the file indexed at registration, inside the roots, or an error
+            return open_verified(file, spec.stamp, roots)
+
+        nbytes = 0
+        try:
+            for layer in spec.layers:
+                slots = spec.layer_records(layer)
+                if from_disk:
+                    n, r, v = _read_layer(layer, slots, host, opener)
+                    nbytes, read_s, validate_s = nbytes + n, read_s + r, validate_s + v
+                t0 = time.perf_counter()
+                layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
+                layout_s += time.perf_counter() - t0
+        finally:  # observed on failure too: refusing a bad tensor is what the check costs
+            if from_disk:
+                metrics.ADAPTER_LOAD_DURATION.labels(stage="validate", tier="disk").observe(validate_s)
+        if stream is not None:
+            t0 = time.perf_counter()
+            stream.synchronize()
+            layout_s += time.perf_counter() - t0
+        return Loaded(tuple(layers), host, from_disk, nbytes, read_s, layout_s)
+
+    def _lay_out(
+        self,
+        layer: int,
+        slots: Sequence[SlotRecords],
+        host: HostCopy,
+        device_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        stream: torch.cuda.Stream | None,
+    ) -> LoraLayer:
+        modules: dict[str, LoraModule] = {}
+        nbytes = 0
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for s in slots:
+                a_raw, b_raw = host.tensors[(layer, s.module)]  # [r, in], [out, r] in the file's dtype
+                a, b = device_views[(layer, s.module)]  # same shapes, serving dtype, on the device
+                a.copy_(a_raw, non_blocking=True)
+                if b.dtype == torch.float32:
+                    b.copy_(b_raw, non_blocking=True).mul_(s.scaling)
+                else:  # scale in fp32, round once
+                    b.copy_(b_raw.to(self.device, non_blocking=True).float().mul_(s.scaling))
+                modules[s.module] = LoraModule(a=a, b=b)
+                nbytes += a.nbytes + b.nbytes
+        return LoraLayer(modules=modules, nbytes=nbytes)
+
+
+def _read_layer(
+    layer: int, slots: Sequence[SlotRecords], host: HostCopy, opener: Callable[[Path], int]
+) -> tuple[int, float, float]:
+    """Read one layer's tensors from disk into the host buffer and check them finite: (bytes, read s, check s).
+    A NaN or inf would reach every token of every request using the adapter: ``NonFiniteTensor`` names it."""
+    t0 = time.perf_counter()
+    plan = {}
+    for s in slots:
+        a, b = host.tensors[(layer, s.module)]
+        plan[s.a.name], plan[s.b.name] = a, b
+    records = {r.name: r for s in slots for r in (s.a, s.b)}
+    stats = load_tensors(records, plan, mode="stream", threads=1, opener=opener)
+    t1 = time.perf_counter()
+    try:
+        for s in slots:
+            for rec, tensor in zip((s.a, s.b), host.tensors[(layer, s.module)], strict=True):
+                check_finite(tensor, rec.name, rec.file)
+    finally:
+        t2 = time.perf_counter()
+    return stats.bytes_read, t1 - t0, t2 - t1
+
+
+__all__ = ["DEVICE_ALIGN", "HOST_ALIGN", "AdapterReader", "HostCopy", "Loaded"]
