@@ -152,6 +152,9 @@ class Neighbour:
 async def run_round(servers: list[Server], args: argparse.Namespace, record: bool) -> None:
     for srv in servers:
         target = f"127.0.0.1:{srv.port}"
+        # "Quiet" means quiet: the previous server and neighbour are done, and this server's idle engine has
+        # seen them stop (its thread governor looks at the last idle wait's CPU use when work resumes).
+        await asyncio.sleep(1.0)
         quiet, q_cut = await measure(target, args.streams, args.requests, args.new_tokens, args.round_timeout)
         if q_cut:
             await asyncio.sleep(3.0)  # let the server retire the cancelled rows
