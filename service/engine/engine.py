@@ -40,6 +40,7 @@ from service.engine.request import (
 )
 from service.engine.sampling import RandomStream, Sampler, make_generator
 from service.engine.stops import StopMatcher
+from service.engine.thread_governor import ThreadControl, step_key
 from service.errors import (
     AdapterNotFound,
     EngineStepFailed,
@@ -117,6 +118,7 @@ class Engine:
         self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if adapters is not None else None
         self._trees: dict[int, DraftTree] = {}  # the draft tree per head count
         self.governor = SpeculationGovernor()
+        self.threads = ThreadControl(settings)
         self.prefix = PrefixCache(self.cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink] | None] = queue.SimpleQueue()
@@ -218,12 +220,13 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.settings.threads > 0:
-            torch.set_num_threads(self.settings.threads)
+        self.threads.start()
         with torch.inference_mode():
             while not self._stop.is_set():
                 # Block for new work when nothing runs; poll briefly while rows only wait for adapter loads.
                 wait = None if self._running else (0.002 if self._waiting else 0.5)
+                if wait == 0.5:
+                    self.threads.idle()  # what other processes do while nothing runs: the last half second only
                 if not self._take_inbox(wait):
                     break
                 try:
@@ -488,14 +491,15 @@ class Engine:
     def _decode(self) -> None:
         rows = self._running
         speculative = any(r.drafts for r in rows)
-        if not (self.settings.speculate_adaptive and any(r.heads is not None for r in rows)):
-            (self._decode_speculative if speculative else self._decode_plain)(rows)  # the common step: untimed
-            return
-        start, before = time.perf_counter(), sum(r.generated for r in rows)
+        n, key = len(rows), step_key(len(rows), speculative)
+        spec_governed = self.settings.speculate_adaptive and any(r.heads is not None for r in rows)
+        threads = self.threads.before_step(key)
+        start, before = time.perf_counter(), sum(r.generated for r in rows) if spec_governed else 0
         (self._decode_speculative if speculative else self._decode_plain)(rows)
-        # What the governor learns from: output tokens per second of each kind of step.
-        tokens = sum(r.generated for r in rows) - before
-        self.governor.record(len(rows), speculative, time.perf_counter() - start, tokens)
+        seconds = time.perf_counter() - start
+        self.threads.after_step(key, threads, seconds, n)
+        if spec_governed:  # what the speculation governor learns from: output tokens / s of each kind of step
+            self.governor.record(n, speculative, seconds, sum(r.generated for r in rows) - before)
 
     def _decode_plain(self, rows: list[_Row]) -> None:
         tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
