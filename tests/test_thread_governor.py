@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_engine import make_engine, req, tokens_of
 
 from service import metrics
 from service.config import Settings
 from service.cpu_budget import OtherLoad
-from service.engine.engine import Engine
-from service.engine.request import GenerationRequest
 from service.engine.thread_governor import ThreadControl, ThreadGovernor, step_key
-from service.model.weights import load_model
-from service.tokenizer import Tokenizer
 
 KEY = step_key(32, False)
 
@@ -164,14 +161,9 @@ def test_the_engine_threads_count_governs_its_own_parallel_regions() -> None:
 
 
 def test_an_engine_reports_its_budget_and_serves_with_the_governor(served_tiny_dir: Path) -> None:
-    model, _, _ = load_model(served_tiny_dir, dtype=torch.float32, device=torch.device("cpu"))
-    settings = Settings(model=served_tiny_dir, max_batch_size=4, max_total_tokens=256, max_prompt_tokens=64)
-    engine = Engine(model, Tokenizer.from_folder(served_tiny_dir), settings)
-    engine.start()
+    engine = make_engine(served_tiny_dir, max_batch_size=4, max_total_tokens=256, max_prompt_tokens=64)
     try:
-        req = GenerationRequest(request_id="t", prompt_ids=(5, 6, 7), max_new_tokens=8, ignore_eos=True)
-        events = engine.generate(req, timeout=60)
-        assert sum(len(e.token_ids) for e in events) == 8
+        assert len(tokens_of(engine.generate(req("t", [5, 6, 7], n=8), timeout=60))) == 8
     finally:
         engine.stop()
     budget = engine.threads.max_threads
