@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,18 @@ from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
+# once, when torch loads. libgomp's own default (300000, milliseconds of spinning) keeps waiting threads on the
+# CPU, and beside a busy neighbour every parallel region then waits for a descheduled thread. This covers the
+# short serial gaps between the parallel regions of a decode step and sleeps soon after (bench/README.md,
+# contention). KMP_BLOCKTIME is Intel OpenMP's knob: libgomp ignores it.
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
+
+
+def openmp_defaults(env: MutableMapping[str, str]) -> None:
+    """Set ``OPENMP_DEFAULTS`` unless the environment chose a wait policy itself; call before torch is imported."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env.update(OPENMP_DEFAULTS)
 
 
 def _adapter_pair(text: str) -> tuple[str, Path]:
@@ -91,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-adapter-series", type=int, metavar="N",
         help="distinct `adapter` label values on per-adapter metrics (default 32; the rest count as \"other\")",
     )  # fmt: skip
-    serve.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    serve.add_argument(
+        "--threads", type=int,
+        help="most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
+    )  # fmt: skip
+    serve.add_argument(
+        "--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
+        help="measure decode steps and use fewer threads while the CPUs are contended (default on)",
+    )  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, help="rows per decode step (default 32)")
     serve.add_argument("--max-queue", type=int, help="queued requests before RESOURCE_EXHAUSTED (default 256)")
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 2048)")
@@ -199,6 +218,7 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 
 def _serve(args: argparse.Namespace) -> int:
+    openmp_defaults(os.environ)  # before anything imports torch (Settings.validate does)
     settings = serve_settings(args)
     from service.api.server import run
 

@@ -36,7 +36,8 @@ class Settings:
     port: int = 50051
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9400
-    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    threads: int = 0  # most torch intra-op threads; 0 = min(affinity, cgroup CPU quota, physical cores)
+    adaptive_threads: bool = True  # measure decode steps and use fewer threads while the CPUs are contended
     # engine limits
     max_batch_size: int = 32
     max_queue: int = 256

@@ -126,6 +126,16 @@ ENGINE_STEP_FAILURES = Counter(
     "Engine steps that raised: their requests failed with INTERNAL, the engine went on.",
     registry=REGISTRY,
 )
+ENGINE_THREADS = Gauge(
+    "loraplex_engine_threads",
+    "Intra-op threads the engine's decode steps run with now (below the budget while the CPUs are contended).",
+    registry=REGISTRY,
+)
+ENGINE_THREADS_BUDGET = Gauge(
+    "loraplex_engine_threads_budget",
+    "Most intra-op threads the engine may use: --threads, or min(affinity, cgroup CPU quota, physical cores).",
+    registry=REGISTRY,
+)
 
 # --- adapters ---------------------------------------------------------------------------------------------
 ADAPTER_LOAD_DURATION = Histogram(

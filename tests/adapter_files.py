@@ -6,6 +6,8 @@
     load_peft_model(base, adapter_dirs: Mapping[str, Path]) -> peft.PeftModel   (fp32, eval, the reference)
     edit_adapter_config(folder, **changes) -> None
     rewrite_adapter_tensors(folder, edit: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> None
+    peft_lora_layers(folder, *, dtype=torch.float32) -> dict[int, LoraLayer]   (read by hand: the reference)
+    lookup_for(adapters: Mapping[str, Mapping[int, LoraLayer]]) -> Callable[[str, int], LoraLayer | None]
 
 ``base`` is a base-model folder (e.g. ``tiny_models.write_tiny_llama``) or an already loaded transformers model,
 which is wrapped, saved from and restored with ``unload()``, so one loaded SmolLM2 can produce many adapters.
@@ -17,11 +19,17 @@ output. ``infix="default"`` renames keys to the older ``lora_A.default.weight`` 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from service.adapters.types import LoraLayer, LoraModule
+
+KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
 
 def _load_base(base: Path) -> Any:
@@ -124,3 +132,38 @@ def rewrite_adapter_tensors(folder: Path, edit: Callable[[dict[str, torch.Tensor
     path = Path(folder) / "adapter_model.safetensors"
     tensors = edit(load_file(path))
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def peft_lora_layers(folder: Path, *, dtype: torch.dtype = torch.float32) -> dict[int, LoraLayer]:
+    """layer -> LoraLayer from a PEFT folder: B scaled by alpha/r (alpha/sqrt(r) with rsLoRA), patterns applied."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(folder / "adapter_model.safetensors")
+    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = KEY.match(key)
+        assert match is not None, key
+        full, layer, module, side = match.groups()
+        pairs.setdefault((int(layer), module, full), {})[side] = tensor
+    layers: dict[int, dict[str, LoraModule]] = {}
+    for (layer, module, full), ab in pairs.items():
+        rank = ab["A"].shape[0]
+        alpha = config["lora_alpha"]
+        for pattern, value in config.get("alpha_pattern", {}).items():  # peft's get_pattern_key: first match
+            if re.match(rf"(.*\.)?({pattern})$", full):
+                alpha = value
+                break
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        layers.setdefault(layer, {})[module] = LoraModule(a=ab["A"].to(dtype), b=(ab["B"] * scaling).to(dtype))
+    return {
+        layer: LoraLayer(modules, sum(m.a.nbytes + m.b.nbytes for m in modules.values()))
+        for layer, modules in layers.items()
+    }
+
+
+def lookup_for(adapters: Mapping[str, Mapping[int, LoraLayer]]) -> Callable[[str, int], LoraLayer | None]:
+    def lookup(adapter_id: str, layer: int) -> LoraLayer | None:
+        return adapters[adapter_id].get(layer)
+
+    return lookup

@@ -1,9 +1,16 @@
-"""Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`."""
+"""Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
+
+Factories: `tiny_llama_factory` (tiny random Llama folders), `tiny_server` (a started `BackgroundServer` over the
+tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `free_port`; and
+one default `server` (with its `stub`) per module that does not define its own. Plain helpers live in
+`helpers.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +75,49 @@ def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path)
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def server(served_tiny_dir: Path) -> Iterator[Any]:
+    """One started server per test module over ``served_tiny_dir`` with `helpers.TEST_SETTINGS` (a module that
+    needs other settings defines its own ``server``)."""
+    from helpers import tiny_settings
+
+    from service.api.server import BackgroundServer
+
+    with BackgroundServer(tiny_settings(served_tiny_dir)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def stub(server: Any) -> Iterator[Any]:
+    """A Generation stub on a channel to this module's ``server``."""
+    import grpc
+    from loraplex.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+@pytest.fixture
+def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
+    """``start(**settings) -> BackgroundServer``: a started server over ``served_tiny_dir`` (or ``model=``) with
+    `helpers.tiny_settings` defaults and these overrides; every server it started is stopped at teardown."""
+    from helpers import tiny_settings
+
+    from service.api.server import BackgroundServer
+
+    with ExitStack() as stack:
+
+        def start(*, model: Path = served_tiny_dir, load: bool = True, **overrides: object) -> BackgroundServer:
+            return stack.enter_context(BackgroundServer(tiny_settings(model, **overrides), load=load))
+
+        yield start
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    from helpers import free_port as pick
+
+    return pick()

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import shutil
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from helpers_metrics import live_metrics_settings, write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics_exposition import write_live_adapters
 
 from service import metrics
 from service.api.server import BackgroundServer
@@ -76,18 +77,7 @@ def capped_scrape(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactor
     for name in ("a", "b", "c", "d"):
         shutil.copytree(root / "lora", root / name)
     shutil.rmtree(root / "lora")
-    settings = Settings(
-        model=served_tiny_dir,
-        port=0,
-        metrics_port=0,
-        max_batch_size=4,
-        max_prompt_tokens=64,
-        max_new_tokens=900,
-        max_total_tokens=1000,
-        adapter_dirs=(root,),
-        metrics_adapter_series=2,
-        speculate_adaptive=False,
-    )
+    settings = live_metrics_settings(served_tiny_dir, root, metrics_adapter_series=2, speculate_adaptive=False)
     stopping = pb.StoppingCriteria(max_new_tokens=5, ignore_eos=True)
     with BackgroundServer(settings) as srv:
         assert srv.server is not None and srv.server.metrics_port is not None
@@ -170,22 +160,20 @@ def test_per_adapter_requests_tokens_and_latency(capped_scrape: Samples) -> None
 
 
 @pytest.mark.slow
-def test_demo_adapters_get_their_own_series(smollm2_dir: Path) -> None:
+def test_demo_adapters_get_their_own_series(tiny_server: Callable[..., BackgroundServer], smollm2_dir: Path) -> None:
     """The image's demo adapters on the real SmolLM2, as the Kubernetes base serves them (--adapter-dir)."""
     demo = Path(__file__).resolve().parent.parent / "adapters" / "demo"
-    settings = Settings(model=smollm2_dir, port=0, metrics_port=0, max_batch_size=2, adapter_dirs=(demo,))
     ids = sorted(p.name for p in demo.iterdir() if p.is_dir())
     assert ids == ["caps", "medusa", "terse"]
     stopping = pb.StoppingCriteria(max_new_tokens=3, ignore_eos=True)
-    with BackgroundServer(settings) as srv:
-        assert srv.server is not None and srv.server.metrics_port is not None
-        with grpc.insecure_channel(srv.target) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            for adapter in ids:
-                stub.Generate(
-                    pb.GenerateRequest(inputs=[pb.Input(text="Hi")], adapter_id=adapter, stopping=stopping), timeout=120
-                )
-        samples = scrape(srv.server.metrics_port)
+    srv = tiny_server(model=smollm2_dir, metrics_port=0, max_batch_size=2, adapter_dirs=(demo,))
+    assert srv.server is not None and srv.server.metrics_port is not None
+    with grpc.insecure_channel(srv.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for adapter in ids:
+            request = pb.GenerateRequest(inputs=[pb.Input(text="Hi")], adapter_id=adapter, stopping=stopping)
+            stub.Generate(request, timeout=120)
+    samples = scrape(srv.server.metrics_port)
     for adapter in ids:
         assert value(samples, "loraplex_adapter_requests_total", adapter=adapter, code="OK") == 1, adapter
         assert value(samples, "loraplex_adapter_generated_tokens_total", adapter=adapter) == 3, adapter

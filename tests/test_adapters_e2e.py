@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 from adapter_files import load_peft_model, write_peft_adapter
+from helpers import tiny_settings
 from loraplex import AlreadyExists, Client, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 from service.api.server import BackgroundServer
@@ -43,18 +44,8 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path
 
 
 def settings_for(model: Path, root: Path, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "model": model,
-        "port": 0,
-        "metrics_port": -1,
-        "max_batch_size": 16,
-        "max_prompt_tokens": 128,
-        "max_new_tokens": 64,
-        "max_total_tokens": 256,
-        "adapter_roots": (root,),
-    }
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+    limits: dict[str, object] = {"max_batch_size": 16, "max_queue": 256, "max_new_tokens": 64, "max_total_tokens": 256}
+    return tiny_settings(model, **{**limits, "adapter_roots": (root,), **overrides})
 
 
 @pytest.fixture(scope="module")

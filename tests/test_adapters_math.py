@@ -6,21 +6,18 @@ modules on one, ``layers_to_transform`` on one. A mixed batch of them plus base-
 give, row by row, the logits of peft with that adapter alone (fp32, 1e-4) and the same greedy tokens.
 
 ``LoraLayer`` objects are built here from the safetensors files with ``safetensors.torch.load_file`` and the
-scaling applied by hand (``peft_lora_layers``), independently of the adapter store.
+scaling applied by hand (``adapter_files.peft_lora_layers``), independently of the adapter store.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from adapter_files import load_peft_model, write_peft_adapter
+from adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
 from tiny_models import load_ours
 
 from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode
@@ -29,7 +26,6 @@ from service.errors import InvalidAdapter
 from service.model import KVCache, Llama
 
 CPU = torch.device("cpu")
-KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 
 # name -> write_peft_adapter arguments
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -51,41 +47,6 @@ ADAPTERS: dict[str, dict[str, Any]] = {
         "seed": 4,
     },
 }
-
-
-def peft_lora_layers(folder: Path, *, dtype: torch.dtype = torch.float32) -> dict[int, LoraLayer]:
-    """layer -> LoraLayer from a PEFT folder: B scaled by alpha/r (alpha/sqrt(r) with rsLoRA), patterns applied."""
-    from safetensors.torch import load_file
-
-    config = json.loads((folder / "adapter_config.json").read_text())
-    tensors = load_file(folder / "adapter_model.safetensors")
-    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = KEY.match(key)
-        assert match is not None, key
-        full, layer, module, side = match.groups()
-        pairs.setdefault((int(layer), module, full), {})[side] = tensor
-    layers: dict[int, dict[str, LoraModule]] = {}
-    for (layer, module, full), ab in pairs.items():
-        rank = ab["A"].shape[0]
-        alpha = config["lora_alpha"]
-        for pattern, value in config.get("alpha_pattern", {}).items():  # peft's get_pattern_key: first match
-            if re.match(rf"(.*\.)?({pattern})$", full):
-                alpha = value
-                break
-        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        layers.setdefault(layer, {})[module] = LoraModule(a=ab["A"].to(dtype), b=(ab["B"] * scaling).to(dtype))
-    return {
-        layer: LoraLayer(modules, sum(m.a.nbytes + m.b.nbytes for m in modules.values()))
-        for layer, modules in layers.items()
-    }
-
-
-def lookup_for(adapters: Mapping[str, Mapping[int, LoraLayer]]) -> Callable[[str, int], LoraLayer | None]:
-    def lookup(adapter_id: str, layer: int) -> LoraLayer | None:
-        return adapters[adapter_id].get(layer)
-
-    return lookup
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +89,27 @@ def run_ours(
     cache = KVCache(model.cfg, slot_start + b, t, dtype=model.dtype, device=model.device)
     positions = torch.arange(t)[None, :].expand(b, t)
     return model.logits(model(tokens, positions, cache, slot_start, adapters=batch))
+
+
+Step = Callable[..., int]
+
+
+def table_walker(setup: dict[str, Any], rows: int, seed: int, counter: str, mode: Mode) -> tuple[LoraTables, Step]:
+    """``(tables, step)``: ``step(row_adapters, adapters=layers)`` runs a prefill of ``rows`` seeded 4-token prompts
+    with one LoraTables kept across steps, checks it against fresh per-slot tables (exactly in ``slots`` mode, to
+    float tolerance otherwise) and returns how much ``tables.stats.<counter>`` grew."""
+    model, layers = setup["model"], setup["layers"]
+    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(3, model.cfg.vocab_size, (rows, 4), generator=torch.Generator().manual_seed(seed))
+    tol = {"rtol": 0.0, "atol": 0.0} if mode == "slots" else {"rtol": 1e-5, "atol": 1e-4}
+
+    def step(row_adapters: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
+        before = getattr(tables.stats, counter)
+        got = run_ours(model, tokens, row_adapters, adapters, tables, mode=mode)
+        torch.testing.assert_close(got, run_ours(model, tokens, row_adapters, adapters, mode="slots"), **tol)
+        return int(getattr(tables.stats, counter) - before)
+
+    return tables, step
 
 
 ROWS: list[str | None] = ["qv", None, "all_rs", "mlp_l1", "regex", "qv", None]
@@ -192,17 +174,8 @@ def test_greedy_decode_matches_peft(setup: dict[str, Any], mode: Mode) -> None:
 
 def test_slots_rewrite_only_what_changed(setup: dict[str, Any]) -> None:
     """Walk one LoraTables through row changes; after each step it must equal a fresh table and count its copies."""
-    model, layers = setup["model"], setup["layers"]
-    n_layers = model.cfg.num_layers
-    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
-    tokens = torch.randint(3, model.cfg.vocab_size, (4, 4), generator=torch.Generator().manual_seed(3))
-
-    def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
-        before = slots.stats.slot_writes
-        got = run_ours(model, tokens, rows, adapters, slots, mode="slots")
-        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters, mode="slots"), rtol=0, atol=0)
-        return slots.stats.slot_writes - before
-
+    layers, n_layers = setup["layers"], setup["model"].cfg.num_layers
+    slots, step = table_walker(setup, rows=4, seed=3, counter="slot_writes", mode="slots")
     assert step(["qv", "qv", None, "all_rs"]) == 3 * n_layers  # the base-only row's slot stays zeros
     assert slots.layouts()[(0, "wqkv")] == {"q_proj": 8, "k_proj": 8, "v_proj": 8}
     assert step(["qv", "qv", None, "all_rs"]) == 0
@@ -247,17 +220,8 @@ def test_delta_columns_and_none(setup: dict[str, Any], mode: Mode) -> None:
 
 def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str, Any]) -> None:
     """Walk the shared layout through steps; each result must equal the per-slot one, and count its rebuilds."""
-    model, layers = setup["model"], setup["layers"]
-    n_layers = model.cfg.num_layers
-    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
-    tokens = torch.randint(3, model.cfg.vocab_size, (8, 4), generator=torch.Generator().manual_seed(6))
-
-    def step(rows: list[str | None], adapters: Mapping[str, Mapping[int, LoraLayer]] = layers) -> int:
-        before = tables.stats.shared_builds
-        got = run_ours(model, tokens, rows, adapters, tables)  # auto
-        torch.testing.assert_close(got, run_ours(model, tokens, rows, adapters, mode="slots"), rtol=1e-5, atol=1e-4)
-        return tables.stats.shared_builds - before
-
+    layers, n_layers = setup["layers"], setup["model"].cfg.num_layers
+    tables, step = table_walker(setup, rows=8, seed=6, counter="shared_builds", mode="auto")
     assert step(["qv"] * 8) == n_layers  # one adapter: shared
     assert tables.layouts() == {}  # no per-slot table was needed
     assert step(["qv"] * 8) == 0

@@ -8,7 +8,6 @@ plotted or named in docs/operations.md's list of metrics left off the dashboard.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,39 +15,28 @@ from typing import Any
 
 import promql_parser
 import pytest
+from helpers_metrics import (
+    DASHBOARD,
+    Obj,
+    load_dashboard,
+    panels,
+    scrape_live_server,
+    series_names,
+    write_live_adapters,
+)
 from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics_exposition import scrape_live_server, series_names, write_live_adapters
 
 from service import metrics
 from service.metrics import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
-DASHBOARD = ROOT / "deploy" / "grafana" / "loraplex.json"
 OPERATIONS = ROOT / "docs" / "operations.md"
 LEFT_OUT_HEADING = "### Metrics not on the dashboard"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 # Grafana's interval variables become durations; any other variable sits in a regex matcher and becomes ".*".
 INTERVALS = re.compile(r"\$(?:\{(?:__rate_interval|__interval|__range)\}|__rate_interval|__interval|__range)\b")
 VARIABLE = re.compile(r"\$(?:\{\w+(?::\w+)?\}|\w+)")
-
-Obj = dict[str, Any]
-
-
-def load() -> Obj:
-    dashboard: Obj = json.loads(DASHBOARD.read_text())
-    return dashboard
-
-
-def panels(dashboard: Obj) -> list[Obj]:
-    """Every non-row panel, including those nested in collapsed rows."""
-    out: list[Obj] = []
-    for panel in dashboard["panels"]:
-        if panel["type"] == "row":
-            out += panel.get("panels", [])
-        else:
-            out.append(panel)
-    return out
 
 
 def queries(dashboard: Obj) -> Iterator[tuple[str, str]]:
@@ -116,7 +104,7 @@ def live_series(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def test_dashboard_is_portable_grafana_json() -> None:
-    dashboard = load()
+    dashboard = load_dashboard()
     assert dashboard["uid"] == "loraplex" and dashboard["title"]
     assert isinstance(dashboard["schemaVersion"], int)
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
@@ -134,7 +122,7 @@ def test_dashboard_is_portable_grafana_json() -> None:
 
 
 def test_layout_ids_and_grid() -> None:
-    dashboard = load()
+    dashboard = load_dashboard()
     ids = [p["id"] for p in dashboard["panels"]] + [n["id"] for p in dashboard["panels"] for n in p.get("panels", [])]
     assert len(ids) == len(set(ids))
     cells: dict[tuple[int, int], str] = {}
@@ -148,7 +136,7 @@ def test_layout_ids_and_grid() -> None:
 
 
 def test_every_query_parses() -> None:
-    exprs = list(queries(load()))
+    exprs = list(queries(load_dashboard()))
     assert len(exprs) >= 20
     for title, expr in exprs:
         try:
@@ -164,7 +152,7 @@ def test_parser_rejects_a_broken_query() -> None:
 
 def test_quantiles_aggregate_buckets_by_le() -> None:
     found = 0
-    for title, expr in queries(load()):
+    for title, expr in queries(load_dashboard()):
 
         def visit(node: Any, title: str = title) -> None:
             nonlocal found
@@ -182,7 +170,7 @@ def test_quantiles_aggregate_buckets_by_le() -> None:
 
 
 def test_required_panels_are_there() -> None:
-    dashboard = load()
+    dashboard = load_dashboard()
     exprs = [expr for _, expr in queries(dashboard)]
 
     def quantiles_of(metric: str) -> set[str]:
@@ -212,7 +200,8 @@ def test_required_panels_are_there() -> None:
 
 def test_overflow_panel_uses_each_histograms_top_bucket() -> None:
     """The share past the top finite bucket, for every request latency whose quantiles the dashboard plots."""
-    (panel,) = [p for p in panels(load()) if p["title"].startswith("Latency observations past the top bucket")]
+    overflow = "Latency observations past the top bucket"
+    (panel,) = [p for p in panels(load_dashboard()) if p["title"].startswith(overflow)]
     histograms = {m._name: m for m in vars(metrics).values() if isinstance(m, Histogram)}
     covered = set()
     for target in panel["targets"]:
@@ -244,7 +233,7 @@ def ratios(dashboard: Obj) -> set[tuple[frozenset[str], frozenset[str]]]:
 
 def test_speculative_panels() -> None:
     """Acceptance rate = accepted / drafted; tokens per step = 1 + accepted / steps (service/metrics.py's docs)."""
-    dashboard = load()
+    dashboard = load_dashboard()
     found = ratios(dashboard)
     accepted = frozenset({"loraplex_speculative_accepted_tokens_total"})
     assert (accepted, frozenset({"loraplex_speculative_drafted_tokens_total"})) in found
@@ -265,7 +254,7 @@ def left_out_metrics() -> dict[str, str]:
 
 
 def test_every_declared_metric_is_plotted_or_consciously_left_out() -> None:
-    used = dashboard_metrics(load())
+    used = dashboard_metrics(load_dashboard())
     left_out = left_out_metrics()
     unaccounted, doubly = [], []
     for family in REGISTRY.collect():
@@ -283,7 +272,7 @@ def test_every_declared_metric_is_plotted_or_consciously_left_out() -> None:
 
 def test_queries_use_declared_metrics() -> None:
     declared = series_names(REGISTRY.collect())
-    missing = dashboard_metrics(load()) - declared
+    missing = dashboard_metrics(load_dashboard()) - declared
     assert not missing, f"the dashboard plots series service.metrics does not declare: {sorted(missing)}"
 
 
@@ -298,5 +287,5 @@ def test_declared_series_check_is_exact() -> None:
 
 @pytest.mark.slow
 def test_queries_use_metrics_a_running_server_exports(live_series: set[str]) -> None:
-    missing = dashboard_metrics(load()) - live_series
+    missing = dashboard_metrics(load_dashboard()) - live_series
     assert not missing, f"a running server does not export: {sorted(missing)}"

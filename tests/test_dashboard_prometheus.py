@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -24,24 +23,16 @@ from typing import Any
 
 import grpc
 import pytest
+from helpers import free_port
+from helpers_metrics import live_metrics_settings, load_dashboard, panels, speculate_once, write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from test_dashboard import load, panels
-from test_metrics_exposition import write_live_adapters
 
 from service.api.server import BackgroundServer
-from service.config import Settings
 
 SCRAPE = "500ms"
 RATE_INTERVAL = "1m"  # covers both traffic rounds
 RANGE = "10m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def prometheus_binary() -> str:
@@ -116,15 +107,7 @@ def traffic(stub: pb_grpc.GenerationStub) -> None:
     list(stub.GenerateStream(pb.GenerateStreamRequest(input=pb.Input(text="Count"), stopping=short), timeout=60))
     for adapter in ("lora", "lora", "other_lora", "lora"):
         stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="A")], adapter_id=adapter, stopping=short), timeout=60)
-    stub.Generate(
-        pb.GenerateRequest(
-            inputs=[pb.Input(text="Speculate")],
-            adapter_id="medusa",
-            speculate=True,
-            stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True),
-        ),
-        timeout=60,
-    )
+    speculate_once(stub)
     with pytest.raises(grpc.RpcError) as missing:
         stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="A")], adapter_id="nope", stopping=short), timeout=60)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
@@ -143,15 +126,9 @@ def prometheus(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     root = write_live_adapters(tmp_path_factory.mktemp("prom_adapters"), served_tiny_dir)
     shutil.copytree(root / "lora", root / "other_lora")
     one_lora = sum(f.stat().st_size for f in (root / "lora").glob("*.safetensors"))
-    settings = Settings(
-        model=served_tiny_dir,
-        port=0,
-        metrics_port=0,
-        max_batch_size=4,
-        max_prompt_tokens=64,
-        max_new_tokens=900,
-        max_total_tokens=1000,
-        adapter_dirs=(root,),
+    settings = live_metrics_settings(
+        served_tiny_dir,
+        root,
         adapter_device_budget_bytes=one_lora * 3 // 2,  # one LoRA fits, two do not: loads evict
         adapter_host_budget_bytes=one_lora * 3 // 2,
     )
@@ -187,7 +164,7 @@ def has_data(result: list[dict[str, Any]]) -> bool:
 
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
-    return [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in panels(load()) for t in p["targets"]]
+    return [(p["title"], t.get("legendFormat", ""), t["expr"]) for p in panels(load_dashboard()) for t in p["targets"]]
 
 
 @pytest.mark.slow
@@ -201,7 +178,7 @@ def test_every_dashboard_query_has_data(prometheus: Prometheus) -> None:
 
 @pytest.mark.slow
 def test_variables_have_values(prometheus: Prometheus) -> None:
-    for var in load()["templating"]["list"]:
+    for var in load_dashboard()["templating"]["list"]:
         if var["type"] != "query":
             continue
         metric, label = var["query"]["query"].removeprefix("label_values(").rstrip(")").split(", ")

@@ -15,44 +15,37 @@ import copy
 import dataclasses
 import json
 import re
-import shlex
-import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+from helpers_deploy import (
+    K8S,
+    K8S_VERSIONS,
+    ROOT,
+    Obj,
+    dockerfile_entrypoint,
+    dockerfile_instructions,
+    dockerfile_user,
+    find_kubectl,
+    image_paths,
+    one,
+    pod_spec,
+    server_container,
+)
 
 from service.api.server import GENERATION_SERVICE
 from service.cli import build_parser
 from service.config import Settings
 from service.metrics import REGISTRY
 
-ROOT = Path(__file__).resolve().parent.parent
-K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
 # Not the bare names: conftest skips every test with a "gpu" keyword, and a parameter id is one.
 OVERLAY_IDS = [f"{name}_overlay" for name in OVERLAYS]
 CRD_GROUPS = ("monitoring.coreos.com/",)
-# Every minor from the oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) to the newest
-# schema kubernetes-validate has.
-K8S_VERSIONS = tuple(f"1.{minor}.0" for minor in range(27, int(kubernetes_validate.latest_version().split(".")[1]) + 1))
 DEFAULTS = Settings()
-
-Obj = dict[str, Any]
-
-
-def find_kubectl() -> str:
-    """A kubectl whose embedded kustomize is v4+ (the overlays use ``patches:``): PATH first, then .venv."""
-    for candidate in (shutil.which("kubectl"), str(ROOT / ".venv" / "bin" / "kubectl")):
-        if candidate is None or not Path(candidate).is_file():
-            continue
-        out = subprocess.run([candidate, "version", "--client"], capture_output=True, text=True, timeout=60)
-        if re.search(r"^Kustomize Version: v([4-9]|[1-9]\d)\.", out.stdout, re.MULTILINE):
-            return candidate
-    pytest.fail("no kubectl with kustomize >= v4: run scripts/system_deps.sh (as root for the apt part)")
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +60,6 @@ def rendered() -> dict[str, list[Obj]]:
         assert "deprecated" not in proc.stderr.lower(), proc.stderr
         out[overlay] = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
     return out
-
-
-def one(docs: list[Obj], kind: str) -> Obj:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
-
-
-def pod_spec(docs: list[Obj]) -> Obj:
-    spec: Obj = one(docs, "Deployment")["spec"]["template"]["spec"]
-    return spec
-
-
-def server_container(docs: list[Obj]) -> Obj:
-    (container,) = [c for c in pod_spec(docs)["containers"] if c["name"] == "loraplex"]
-    return container
 
 
 def config_data(docs: list[Obj]) -> dict[str, str]:
@@ -212,17 +189,6 @@ def test_overlays_pick_device_image_and_gpu(rendered: dict[str, list[Obj]]) -> N
         images = {c["image"] for c in pod_spec(docs)["containers"] + pod_spec(docs).get("initContainers", [])}
         assert len(images) == 1, images
     assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(rendered["gpu"])["tolerations"])
-
-
-def image_paths() -> dict[str, Path]:
-    """Destination -> source of the runtime stage's COPY instructions (what the image ships, by path)."""
-    runtime = dockerfile_stages()[-1]
-    out: dict[str, Path] = {}
-    for word, args in runtime.steps:
-        if word == "COPY":
-            *sources, dest = [a for a in shlex.split(args) if not a.startswith("--")]
-            out[dest] = Path(sources[0])
-    return out
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
@@ -359,52 +325,6 @@ def test_pods_run_as_the_images_user(rendered: dict[str, list[Obj]], overlay: st
 
 
 # ------------------------------------------------------------------------------------------ Dockerfile
-
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """``(INSTRUCTION, arguments)`` pairs, continuation lines joined and comments dropped."""
-    lines: list[tuple[str, str]] = []
-    pending = ""
-    for raw in (ROOT / "Dockerfile").read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        pending += line[:-1] + " " if line.endswith("\\") else line
-        if not line.endswith("\\"):
-            word, _, rest = pending.partition(" ")
-            lines.append((word.upper(), rest.strip()))
-            pending = ""
-    return lines
-
-
-@dataclasses.dataclass
-class Stage:
-    name: str
-    base: str  # the FROM image or the name of an earlier stage
-    steps: list[tuple[str, str]]
-
-
-def dockerfile_stages() -> list[Stage]:
-    stages: list[Stage] = []
-    for word, args in dockerfile_instructions():
-        if word == "FROM":
-            base, _, name = args.partition(" AS ")
-            stages.append(Stage(name.strip(), base.strip(), []))
-        elif stages:
-            stages[-1].steps.append((word, args))
-    return stages
-
-
-def dockerfile_entrypoint() -> list[str]:
-    """The runtime (last) stage's entrypoint."""
-    (entry,) = [args for word, args in dockerfile_stages()[-1].steps if word == "ENTRYPOINT"]
-    command: list[str] = json.loads(entry)  # exec form: signals reach the server, not a shell
-    return command
-
-
-def dockerfile_user() -> str:
-    users = [args for word, args in dockerfile_stages()[-1].steps if word == "USER"]
-    return users[-1]
 
 
 def test_dockerfile_base_ports_user_and_entrypoint() -> None:

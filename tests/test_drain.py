@@ -4,7 +4,6 @@ streams finish -> exit 0 within the grace period."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,20 +20,14 @@ GRACE = 30.0
 NEW_TOKENS = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def health(channel: grpc.Channel) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     return int(stub.Check(health_pb2.HealthCheckRequest(service="loraplex.v1.Generation"), timeout=2).status)
 
 
 @pytest.fixture
-def serving(served_tiny_dir: Path) -> tuple[subprocess.Popen[str], str]:
-    port = free_port()
+def serving(served_tiny_dir: Path, free_port: int) -> tuple[subprocess.Popen[str], str]:
+    port = free_port
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", str(port)]
     cmd += ["--metrics-port", "-1", "--grace-seconds", str(GRACE), "--max-total-tokens", "1024"]
     cmd += ["--max-prompt-tokens", "256", "--max-batch-size", "8"]

@@ -16,12 +16,12 @@ import torch
 from adapter_files import rewrite_adapter_tensors, write_peft_adapter
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from helpers import tiny_settings
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service.api.server import BackgroundServer
-from service.config import Settings
 from service.engine.sampling import SamplingParams
 from service.errors import AdapterNotFound, CheckpointError, InvalidRequest, QueueFull
 
@@ -45,12 +45,9 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path
 
 @pytest.fixture(scope="module")
 def target(served_tiny_dir: Path, adapter_root: Path) -> Iterator[str]:
-    settings = Settings(
-        model=served_tiny_dir,
-        port=0,
-        metrics_port=-1,
+    settings = tiny_settings(
+        served_tiny_dir,
         max_batch_size=4,
-        max_queue=4,
         max_prompt_tokens=64,
         max_new_tokens=8,
         max_total_tokens=128,

@@ -14,34 +14,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import stream_req
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from test_server import stream_req, tiny_settings
 
 from service import metrics
 from service.api.server import BackgroundServer
 from service.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def server(served_tiny_dir: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(tiny_settings(served_tiny_dir)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def stub(server: BackgroundServer) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.GenerationStub(channel)
 
 
 def engine_of(server: BackgroundServer) -> Engine:
@@ -138,9 +126,9 @@ def test_a_failing_step_fails_only_its_rows_and_the_engine_goes_on(
     assert engine.alive
 
 
-def test_waiting_requests_survive_a_failing_step(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir, max_batch_size=1, max_queue=2)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_waiting_requests_survive_a_failing_step(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(max_batch_size=1, max_queue=2)
+    with grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         engine = engine_of(srv)
         expected = tokens_of(stub, "queued behind", 16)
@@ -198,9 +186,11 @@ def test_a_model_that_cannot_be_read_never_serves_and_exits_non_zero(
 LONG = {"max_batch_size": 1, "max_queue": 1, "max_new_tokens": 1000, "max_total_tokens": 1024}
 
 
-def test_a_client_that_goes_away_frees_its_slot_for_the_next_request(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir, **LONG)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_a_client_that_goes_away_frees_its_slot_for_the_next_request(
+    tiny_server: Callable[..., BackgroundServer],
+) -> None:
+    srv = tiny_server(**LONG)
+    with grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         engine = engine_of(srv)
         expected = tokens_of(stub, "next in line", 12)
@@ -216,9 +206,9 @@ def test_a_client_that_goes_away_frees_its_slot_for_the_next_request(served_tiny
         assert sample("loraplex_requests_total", method="GenerateStream", code="CANCELLED") == cancelled + 1
 
 
-def test_a_deadline_mid_generation_frees_its_slot_and_is_counted(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir, **LONG)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_a_deadline_mid_generation_frees_its_slot_and_is_counted(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(**LONG)
+    with grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         engine = engine_of(srv)
         expected = tokens_of(stub, "next in line", 12)

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import as_stream, stream_req, text_req, tiny_settings, wait_until
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from test_server import stream_req, text_req, tiny_settings
 
 from service.api.server import BackgroundServer
 from service.config import Settings
@@ -72,9 +72,7 @@ def test_each_limit_is_invalid_argument_naming_its_flag(
 ) -> None:
     r = text_req("fine prompt", 4)
     mutate(r)
-    stream = pb.GenerateStreamRequest(
-        input=r.inputs[0], adapter_id=r.adapter_id, sampling=r.sampling, stopping=r.stopping, request_id=r.request_id
-    )
+    stream = as_stream(r)
     for call in (lambda: stub.Generate(r, timeout=30), lambda: list(stub.GenerateStream(stream, timeout=30))):
         with pytest.raises(grpc.RpcError) as err:
             call()
@@ -209,34 +207,27 @@ def test_seeds_wrap_and_use_all_64_bits(stub: pb_grpc.GenerationStub) -> None:
     assert sample(5) != sample(5 + 2**63)  # identical before: the high bits were dropped
 
 
-def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.0005)
-    return True
-
-
-def test_a_cancelled_request_frees_its_place_for_the_next_one(smollm2_dir: Path) -> None:
+def test_a_cancelled_request_frees_its_place_for_the_next_one(
+    tiny_server: Callable[..., BackgroundServer], smollm2_dir: Path
+) -> None:
     # The real model's decode steps take tens of ms: before, the place came back only at the next step, and a
     # client re-using it at once was refused (87 times out of 100).
-    settings = tiny_settings(smollm2_dir, max_batch_size=1, max_queue=1, max_new_tokens=1000, max_total_tokens=1024)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as ch:
+    srv = tiny_server(model=smollm2_dir, max_batch_size=1, max_queue=1, max_new_tokens=1000, max_total_tokens=1024)
+    with grpc.insecure_channel(srv.target) as ch:
         stub = pb_grpc.GenerationStub(ch)
         engine = srv.server.runtime.loaded.engine  # type: ignore[union-attr]
         holder = stub.GenerateStream(stream_req("occupy", 1000), timeout=120)
         next(holder)  # running in the only slot
         waiting = stub.GenerateStream(stream_req("mine", 1000), timeout=120)
-        assert _wait(lambda: engine.in_flight == 2)  # the queue is full
+        assert wait_until(lambda: engine.in_flight == 2)  # the queue is full
         refused = []
         for i in range(6):
             waiting.cancel()
             again = stub.GenerateStream(stream_req(f"again {i}", 1000), timeout=120)
             # A refusal comes back within milliseconds; an accepted request waits for the slot.
-            if _wait(again.done, timeout=0.5):
+            if wait_until(again.done, timeout=0.5):
                 refused.append(again.code())
-            assert _wait(lambda: engine.in_flight == 2)
+            assert wait_until(lambda: engine.in_flight == 2)
             waiting = again
         waiting.cancel()
         holder.cancel()

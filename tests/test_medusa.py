@@ -488,8 +488,7 @@ def test_kv_cache_is_consistent_after_partial_accepts(predictable: dict[str, Any
 
 def test_medusa_with_lora_rows(predictable: dict[str, Any], tmp_path: Path) -> None:
     """Medusa + LoRA: heads and a peft-written LoRA on the same rows, next to base rows and LoRA-only rows."""
-    from adapter_files import write_peft_adapter
-    from test_adapters_math import lookup_for, peft_lora_layers
+    from adapter_files import lookup_for, peft_lora_layers, write_peft_adapter
 
     from service.adapters.lora import AdapterBatch, LoraTables
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from adapter_files import write_peft_adapter
+from helpers import tiny_settings
 from loraplex import Client, InvalidArgument
 
 from service import metrics
@@ -46,19 +47,13 @@ def roots(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 def settings_for(model: Path, root: Path, **overrides: object) -> Settings:
     values: dict[str, object] = {
-        "model": model,
-        "port": 0,
-        "metrics_port": -1,
         "max_batch_size": 32,
-        "max_prompt_tokens": 128,
-        "max_new_tokens": 256,
-        "max_total_tokens": 512,
+        "max_queue": 256,
         "adapter_dirs": (root,),
         "speculate_max_batch": 32,
         "speculate_adaptive": False,  # these tests exercise the speculative path itself, whatever it costs here
     }
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+    return tiny_settings(model, **{**values, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import urllib.request
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
+from helpers_metrics import scrape, value
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.server import BackgroundServer
-from service.config import Settings
 
 
-def scrape(port: int) -> dict[str, list[tuple[str, dict[str, str], float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    families: dict[str, list[tuple[str, dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        families[family.name] = [(s.name, s.labels, s.value) for s in family.samples]
-    return families
-
-
-def value(families: dict[str, list[tuple[str, dict[str, str], float]]], sample: str, **labels: str) -> float:
-    family = sample.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
-    for name, lab, v in families.get(family, []):
-        if name == sample and all(lab.get(k) == x for k, x in labels.items()):
-            return v
-    raise AssertionError(f"{sample}{labels} not in the scrape")
-
-
-def test_metrics_after_traffic(served_tiny_dir: Path) -> None:
-    settings = Settings(model=served_tiny_dir, port=0, metrics_port=0, max_total_tokens=512, max_prompt_tokens=128)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_metrics_after_traffic(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(metrics_port=0)
+    with grpc.insecure_channel(srv.target) as channel:
         assert srv.server is not None and srv.server.metrics_port
         before = scrape(srv.server.metrics_port)
         stub = pb_grpc.GenerationStub(channel)

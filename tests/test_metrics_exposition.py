@@ -11,111 +11,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-import torch
-from adapter_files import write_peft_adapter
-from loraplex.v1 import generation_pb2 as pb
-from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from helpers_metrics import scrape_live_server, series_names, write_live_adapters
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.api.server import BackgroundServer
-from service.config import Settings
-from service.medusa.format import write_medusa
 from service.metrics import REGISTRY
-from service.model.config import ModelConfig
-
-# The series names a family of each type puts in the text exposition (prometheus_client names a counter's
-# family without its ``_total``; an info metric is exposed as a gauge called ``<name>_info``).
-SERIES_SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_count", "_sum", "_created"),
-    "gaugehistogram": ("_bucket", "_gcount", "_gsum"),
-    "summary": ("", "_count", "_sum", "_created"),
-    "info": ("_info",),
-    "gauge": ("",),
-    "stateset": ("",),
-    "enum": ("",),
-    "unknown": ("",),
-}
-
-
-def series_names(families: Iterable[Metric]) -> set[str]:
-    """Every series name these families expose, whether or not a labelled family has children yet."""
-    names: set[str] = set()
-    for family in families:
-        names.update(family.name + suffix for suffix in SERIES_SUFFIXES[family.type])
-        names.update(sample.name for sample in family.samples)
-    return names
-
-
-def write_live_adapters(root: Path, model_dir: Path) -> Path:
-    """``root/lora`` (PEFT LoRA on q/v) and ``root/medusa`` (three Medusa v2 heads, seeded random) for ``model_dir``."""
-    write_peft_adapter(root / "lora", model_dir, r=4, alpha=8, seed=3, scale=0.5)
-    cfg = ModelConfig.from_hf(model_dir)
-    g = torch.Generator().manual_seed(4)
-    n_heads, h = 3, cfg.hidden_size
-    weight = torch.randn(1, n_heads, h, h, generator=g) * 0.05  # [layers, heads, H, H]
-    bias = torch.randn(1, n_heads, h, generator=g) * 0.05  # [layers, heads, H]
-    write_medusa(root / "medusa", weight, bias, version=2)
-    return root
-
-
-def scrape_live_server(model_dir: Path, adapter_dir: Path) -> str:
-    """Start a server on free ports with the adapters under ``adapter_dir`` (see ``write_live_adapters``), send
-    base-model, LoRA (cold, then warm) and speculative (Medusa, greedy) traffic, return its /metrics text."""
-    settings = Settings(
-        model=model_dir,
-        port=0,
-        metrics_port=0,
-        max_batch_size=4,
-        max_queue=8,
-        max_prompt_tokens=128,
-        max_new_tokens=32,
-        max_total_tokens=256,
-        adapter_dirs=(adapter_dir,),
-    )
-    stopping = pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True)
-    with BackgroundServer(settings) as srv:
-        assert srv.server is not None and srv.server.metrics_port is not None
-        with grpc.insecure_channel(srv.target) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            stub.Generate(
-                pb.GenerateRequest(inputs=[pb.Input(text="Hello"), pb.Input(text="Hi there")], stopping=stopping),
-                timeout=60,
-            )
-            chunks = list(
-                stub.GenerateStream(
-                    pb.GenerateStreamRequest(input=pb.Input(text="Count"), stopping=stopping), timeout=60
-                )
-            )
-            assert chunks and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-            for text in ("Cold adapter", "Warm adapter"):  # the first request loads the LoRA, the second hits
-                lora = stub.Generate(
-                    pb.GenerateRequest(inputs=[pb.Input(text=text)], adapter_id="lora", stopping=stopping),
-                    timeout=60,
-                )
-                assert lora.results[0].usage.generated_tokens == 6
-            spec = stub.Generate(
-                pb.GenerateRequest(
-                    inputs=[pb.Input(text="Speculate")],
-                    adapter_id="medusa",
-                    speculate=True,
-                    stopping=pb.StoppingCriteria(max_new_tokens=16, ignore_eos=True),
-                ),
-                timeout=60,
-            )
-            assert spec.results[0].usage.generated_tokens == 16
-        url = f"http://{settings.metrics_host}:{srv.server.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            body: str = response.read().decode()
-    return body
 
 
 def promtool() -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import make_engine, prompt, req, tokens_of, wait_idle
+from helpers_engine import make_engine, prompt, req, tokens_of, wait_idle
 from tiny_models import TINY_DEFAULTS
 
 from service import metrics

@@ -26,6 +26,7 @@ from string import Template
 
 import pytest
 from adapter_files import write_peft_adapter
+from helpers import free_port, free_ports
 from loraplex import ADAPTER_HEADER, Client, HealthStatus, NotFound
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,22 +37,6 @@ REPLICAS = 3
 ADAPTERS = [f"tenant-{i:02d}" for i in range(12)]
 GENERATION_SERVICE = "loraplex.v1.Generation"
 START_TIMEOUT = 120.0  # three processes importing torch at once on two cores
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all bound at once, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:

@@ -4,63 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import as_stream, stream_req, text_req
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service.api.server import BackgroundServer
-from service.config import Settings
-
-
-def tiny_settings(folder: Path, **overrides: object) -> Settings:
-    base: dict[str, object] = {
-        "model": folder,
-        "port": 0,
-        "metrics_port": -1,
-        "max_batch_size": 8,
-        "max_queue": 4,
-        "max_prompt_tokens": 128,
-        "max_new_tokens": 256,
-        "max_total_tokens": 512,
-    }
-    base.update(overrides)
-    return Settings(**base)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def server(served_tiny_dir: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(tiny_settings(served_tiny_dir)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def stub(server: BackgroundServer) -> Iterator[pb_grpc.GenerationStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.GenerationStub(channel)
-
-
-def text_req(text: str, n: int = 16, **kw: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        inputs=[pb.Input(text=text)],
-        stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True),
-        return_options=pb.ReturnOptions(return_token_ids=True),
-        **kw,  # type: ignore[arg-type]
-    )
-
-
-def stream_req(text: str, n: int = 16, **kw: object) -> pb.GenerateStreamRequest:
-    return pb.GenerateStreamRequest(
-        input=pb.Input(text=text),
-        stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True),
-        return_options=pb.ReturnOptions(return_token_ids=True),
-        **kw,  # type: ignore[arg-type]
-    )
 
 
 def test_unary_stream_and_several_prompts_agree(stub: pb_grpc.GenerationStub) -> None:
@@ -166,21 +121,14 @@ def test_bad_input_gets_the_right_status(stub: pb_grpc.GenerationStub, mutate, c
 
 def _as_stream(stub: pb_grpc.GenerationStub):  # type: ignore[no-untyped-def]
     def call(r: pb.GenerateRequest) -> list[pb.GenerateStreamResponse]:
-        s = pb.GenerateStreamRequest(
-            input=r.inputs[0] if r.inputs else pb.Input(),
-            adapter_id=r.adapter_id,
-            sampling=r.sampling,
-            stopping=r.stopping,
-            request_id=r.request_id,
-        )
-        return list(stub.GenerateStream(s, timeout=60))
+        return list(stub.GenerateStream(as_stream(r), timeout=60))
 
     return call
 
 
-def test_queue_full_is_resource_exhausted(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir, max_batch_size=1, max_queue=1, max_new_tokens=1000, max_total_tokens=1024)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_queue_full_is_resource_exhausted(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(max_batch_size=1, max_queue=1, max_new_tokens=1000, max_total_tokens=1024)
+    with grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         engine = srv.server.runtime.loaded.engine  # type: ignore[union-attr]
         running = [stub.Generate.future(text_req("occupy", 1000), timeout=60) for _ in range(2)]
@@ -210,27 +158,23 @@ def test_tokenize_and_model_info(stub: pb_grpc.GenerationStub, served_tiny_dir: 
     assert "chat_template" in info.features and 2 in info.eos_token_ids
 
 
-def test_health_transitions_and_reflection(served_tiny_dir: Path) -> None:
-    settings = tiny_settings(served_tiny_dir)
-    srv = BackgroundServer(settings, load=False)
-    with srv, grpc.insecure_channel(srv.target) as channel:
+def test_health_transitions_and_reflection(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(load=False)
+    with grpc.insecure_channel(srv.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         gen = pb_grpc.GenerationStub(channel)
-        service = "loraplex.v1.Generation"
-        assert (
-            health.Check(health_pb2.HealthCheckRequest(service=service)).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+
+        def status(service: str = "loraplex.v1.Generation") -> int:
+            return int(health.Check(health_pb2.HealthCheckRequest(service=service)).status)
+
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as err:
             gen.Generate(text_req("too early", 2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert srv.server is not None
         srv.call(srv.server.load())
-        assert (
-            health.Check(health_pb2.HealthCheckRequest(service=service)).status
-            == health_pb2.HealthCheckResponse.SERVING
-        )
-        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        assert status("") == health_pb2.HealthCheckResponse.SERVING
 
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
@@ -243,10 +187,7 @@ def test_health_transitions_and_reflection(served_tiny_dir: Path) -> None:
         drained = threading.Thread(target=srv.call, args=(srv.server.drain(5.0),))
         drained.start()
         time.sleep(0.02)
-        assert (
-            health.Check(health_pb2.HealthCheckRequest(service=service)).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as refused:
             gen.Generate(text_req("too late", 2))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -258,9 +199,9 @@ def test_health_transitions_and_reflection(served_tiny_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_real_model_answers_paris(smollm2_dir: Path) -> None:
-    settings = tiny_settings(smollm2_dir, max_prompt_tokens=512, max_total_tokens=1024)
-    with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+def test_real_model_answers_paris(tiny_server: Callable[..., BackgroundServer], smollm2_dir: Path) -> None:
+    srv = tiny_server(model=smollm2_dir, max_prompt_tokens=512, max_total_tokens=1024)
+    with grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         r = pb.GenerateRequest(
             inputs=[pb.Input(text="What is the capital of France?", chat=True)],

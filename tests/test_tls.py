@@ -10,7 +10,7 @@ from pathlib import Path
 import loraplex
 import pytest
 from certs import CA, Pair
-from test_server import tiny_settings
+from helpers import tiny_settings
 
 from service import cli
 from service.api.server import BackgroundServer

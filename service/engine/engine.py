@@ -41,6 +41,7 @@ from service.engine.runner import Runner
 from service.engine.sampling import make_generator
 from service.engine.scheduler import Scheduler, SchedulerLimits, StepPlan
 from service.engine.stops import StopMatcher
+from service.engine.thread_governor import ThreadControl, step_key
 from service.errors import AdapterNotFound, EngineStepFailed, InvalidRequest, QueueFull, Unavailable
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
@@ -81,6 +82,7 @@ class Engine:
         self.runner = Runner(model, self.cache, settings, self.outputs, lookup)
         limits = SchedulerLimits(settings.max_batch_size, settings.speculate_max_batch, settings.speculate_adaptive)
         self.scheduler = Scheduler(limits, self.cache.move)
+        self.threads = ThreadControl(settings)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink, Adapter | None] | None] = queue.SimpleQueue()
         self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)
         self._lock = threading.Lock()
@@ -195,13 +197,14 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.settings.threads > 0:
-            torch.set_num_threads(self.settings.threads)
+        self.threads.start()
         with torch.inference_mode():
             while not self._stop.is_set():
                 # Block for new work when nothing runs; poll briefly while rows only wait for adapter loads.
                 sched = self.scheduler
                 wait = None if sched.running else (0.002 if sched.waiting else 0.5)
+                if wait == 0.5:
+                    self.threads.idle()  # what other processes do while nothing runs: the last half second only
                 if not self._take_inbox(wait):
                     break
                 self._run_step()
@@ -271,17 +274,21 @@ class Engine:
             self.runner.prefill(plan.prefill, plan.prefill_start, plan.draft)
             self.scheduler.compact()
         rows = self.scheduler.running
-        if not rows:
-            return
-        if not (self.settings.speculate_adaptive and any(r.heads is not None for r in rows)):
-            self.runner.decode(rows, plan.draft)  # the common step: untimed
-            return
+        if rows:
+            self._decode(rows, plan.draft)
+
+    def _decode(self, rows: list[Row], draft: bool) -> None:
+        """One decode step, timed for the governors: threads per step kind, speculation by output tokens / s."""
         speculative = any(r.drafts for r in rows)
-        start, before = time.perf_counter(), sum(r.generated for r in rows)
-        self.runner.decode(rows, plan.draft)
-        # What the governor learns from: output tokens per second of each kind of step.
-        tokens = sum(r.generated for r in rows) - before
-        self.scheduler.governor.record(len(rows), speculative, time.perf_counter() - start, tokens)
+        n, key = len(rows), step_key(len(rows), speculative)
+        spec_governed = self.settings.speculate_adaptive and any(r.heads is not None for r in rows)
+        threads = self.threads.before_step(key)
+        start, before = time.perf_counter(), sum(r.generated for r in rows) if spec_governed else 0
+        self.runner.decode(rows, draft)
+        seconds = time.perf_counter() - start
+        self.threads.after_step(key, threads, seconds, n)
+        if spec_governed:  # what the speculation governor learns from: output tokens / s of each kind of step
+            self.scheduler.governor.record(n, speculative, seconds, sum(r.generated for r in rows) - before)
 
     def _recover(self, exc: Exception) -> None:
         """After an exception escaped the runner: fail the rows of that step and reset what it may have half-written.
