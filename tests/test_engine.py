@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_engine import make_engine, prompt, req, tokens_of, wait_idle
 
 from service.config import Settings
 from service.engine.engine import Engine
@@ -20,42 +21,11 @@ from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 
 
-def make_engine(folder: Path, **overrides: object) -> Engine:
-    settings = Settings(model=folder, **overrides).replace()  # type: ignore[arg-type]
-    model, _, _ = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
-    engine = Engine(model, Tokenizer.from_folder(folder), settings)
-    engine.start()
-    return engine
-
-
 @pytest.fixture(scope="module")
 def engine(served_tiny_dir: Path) -> Iterator[Engine]:
     eng = make_engine(served_tiny_dir, max_batch_size=24, max_total_tokens=512, max_prompt_tokens=256)
     yield eng
     eng.stop()
-
-
-def req(rid: str, prompt: list[int], n: int = 24, **kw: object) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, prompt_ids=tuple(prompt), max_new_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
-
-
-def tokens_of(events: list[TokenEvent]) -> list[int]:
-    return [t for e in events for t in e.token_ids]
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 49152, (length,), generator=g).tolist()
-
-
-def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        state = engine.state()  # published after each step: also wait for cancelled rows to leave their slots
-        if engine.in_flight == 0 and state.running == 0 and state.waiting == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"engine not idle: {engine.state()}")
 
 
 def test_output_does_not_depend_on_the_batch(engine: Engine) -> None:
@@ -212,7 +182,7 @@ def test_stop_sequence_ends_generation(engine: Engine) -> None:
 
 
 def test_validation_and_queue_limit(served_tiny_dir: Path) -> None:
-    eng = make_engine(served_tiny_dir, max_batch_size=1, max_queue=1, max_total_tokens=256, max_prompt_tokens=64)
+    eng = stepped_engine(served_tiny_dir, max_batch_size=1, max_queue=1, max_total_tokens=256, max_prompt_tokens=64)
     try:
         with pytest.raises(InvalidRequest, match="empty"):
             eng.submit(req("e", []), lambda e: None)
@@ -228,9 +198,13 @@ def test_validation_and_queue_limit(served_tiny_dir: Path) -> None:
             eng.submit(req("overflow", prompt(9, 5)), lambda e: None)
         for h in handles:
             h.cancel()
-        wait_idle(eng)
+        state = eng.step()  # both retired in one step
+        assert state.running == state.waiting == eng.in_flight == 0
         # Capacity is back once the others are gone.
-        assert eng.generate(req("after", prompt(9, 5), n=2), timeout=30)[-1].finish is FinishReason.LENGTH
+        after: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        eng.submit(req("after", prompt(9, 5), n=2), after.put)
+        eng.step()  # prefill + one decode step: both tokens
+        assert [after.get_nowait().finish for _ in range(2)] == [None, FinishReason.LENGTH]
     finally:
         eng.stop()
 
@@ -238,11 +212,11 @@ def test_validation_and_queue_limit(served_tiny_dir: Path) -> None:
 def test_a_cancelled_request_frees_its_queue_place_at_once(served_tiny_dir: Path) -> None:
     # The place used to come back only when the engine retired the row at its next step: a client re-using it
     # right after cancelling was refused (87 of 100 times over gRPC).
-    eng = make_engine(served_tiny_dir, max_batch_size=1, max_queue=2, max_total_tokens=256, max_prompt_tokens=64)
+    eng = stepped_engine(served_tiny_dir, max_batch_size=1, max_queue=2, max_total_tokens=256, max_prompt_tokens=64)
     try:
         sinks = [queue.SimpleQueue[TokenEvent]() for _ in range(3)]
         handles = [eng.submit(req(f"q{i}", prompt(i, 5), n=200), sinks[i].put) for i in range(3)]
-        sinks[0].get(timeout=30)  # q0 runs; q1, q2 wait: the queue is full
+        assert eng.step().running_ids == ("q0",)  # q0 runs; q1, q2 wait: the queue is full
         for round_ in range(20):
             with pytest.raises(QueueFull):
                 eng.submit(req("overflow", prompt(9, 5)), lambda e: None)
@@ -257,8 +231,8 @@ def test_a_cancelled_request_frees_its_queue_place_at_once(served_tiny_dir: Path
         assert eng.in_flight == 2
         for h in handles:
             h.cancel()
-        wait_idle(eng)
-        assert eng.in_flight == 0
+        state = eng.step()
+        assert eng.in_flight == 0 and state.running == state.waiting == 0
     finally:
         eng.stop()
 

@@ -1,21 +1,11 @@
 """The slot KV cache: one row ("slot") per running request, indexed by token position.
 
-Public API::
-
-    KVCache(cfg: ModelConfig, slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device)
-    cache.k[layer], cache.v[layer]     # [slots, n_kv, max_len, head_dim] views into one buffer
-    cache.rows[layer]                  # [2 * slots * n_kv * max_len, head_dim]: the same layer, flat
-    cache.write_index(slot_start, positions) -> Tensor   # where a step's K and V rows go in ``rows[layer]``
-    cache.move(src_slot, dst_slot, length) -> None
-    cache.keep_path(slot, start, path) -> None           # keep a verified draft path's K/V after ``start``
-    cache.clear(slots, length) -> None                   # zero positions [0, length) of slots [0, slots)
-    cache.nbytes, cache.slots, cache.max_len, cache.dtype, cache.device
-
 The engine keeps its running requests compacted in slots ``0..n-1`` so that every forward pass reads one
 contiguous slot range as a plain slice (no gather). When a request retires, the last row is moved into the hole
-with ``move``. A row's length is the engine's business: the model writes K/V at the positions it is given and
-attends only to positions ``<=`` the query's own, so whatever lies beyond a row's length (a rolled-back draft, a
-former occupant, the tail of a padded prompt) is never read into a result.
+with ``move``; a verified draft path is kept with ``keep_path`` and a failed step's slots are zeroed with
+``clear`` (the cache owns every slot move). A row's length is the engine's business: the model writes K/V at the
+positions it is given and attends only to positions ``<=`` the query's own, so whatever lies beyond a row's length
+(a rolled-back draft, a former occupant, the tail of a padded prompt) is never read into a result.
 
 Masked attention is NaN-safe by what the cache holds: it starts zeroed, never uninitialised, and the model writes
 only finite values bounded by ``llama.KV_LIMIT`` (``llama.finite_kv``), so a masked-out key scores exactly -inf and
