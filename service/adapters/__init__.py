@@ -5,6 +5,7 @@ Public names are re-exported here; the implementation lives in the submodules.
 
 from __future__ import annotations
 
+from service.adapters.handle import Adapter
 from service.adapters.peft import LoraAdapterConfig, read_lora_config
 from service.adapters.registry import AdapterSpec, check_adapter_id, index_adapter
 from service.adapters.store import AdapterInfo, AdapterState, AdapterStore, StoreState
@@ -12,6 +13,7 @@ from service.adapters.types import MODULES, LoraLayer, LoraModule
 
 __all__ = [
     "MODULES",
+    "Adapter",
     "AdapterInfo",
     "AdapterSpec",
     "AdapterState",

@@ -92,3 +92,6 @@ class Adapter:
 
     def __repr__(self) -> str:
         return f"Adapter({self.id!r}, lora={self.has_lora}, heads={self.has_heads}, pinned={self._pinned})"
+
+
+__all__ = ["Adapter"]

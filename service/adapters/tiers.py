@@ -169,3 +169,6 @@ class Tiers:
         metrics.ADAPTER_RESIDENT.labels(tier="host").set(len(self.host_lru))
         metrics.ADAPTER_RESIDENT_BYTES.labels(tier="device").set(self.device_used)
         metrics.ADAPTER_RESIDENT_BYTES.labels(tier="host").set(self.host_used)
+
+
+__all__ = ["Entry", "Tiers"]

@@ -172,3 +172,6 @@ class OutputProcessor:
             metrics.ADAPTERS.generated(adapter, tokens)
             if latency is not None:
                 metrics.REQUEST_LATENCY.observe(latency)
+
+
+__all__ = ["OutputProcessor", "StepStats"]

@@ -47,3 +47,6 @@ class Row:
     @property
     def request(self) -> GenerationRequest:
         return self.handle.request
+
+
+__all__ = ["Row"]

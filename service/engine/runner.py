@@ -272,3 +272,6 @@ class Runner:
             for i, (b, topk) in enumerate(zip(members, ids.tolist(), strict=True)):
                 nodes = tree.nodes_within(depths[i]) if depths is not None else tree.size
                 rows[b].drafts = tree.tokens(topk)[: nodes - 1]
+
+
+__all__ = ["Runner"]

@@ -167,3 +167,6 @@ class Scheduler:
         rows = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
         return rows
+
+
+__all__ = ["PREFILL_TOKEN_BUDGET", "Scheduler", "SchedulerLimits", "StepPlan"]
