@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from safetensors_cases import sample_tensors, write_sharded
 
+from service.config import LOAD_MODES
 from service.errors import HeaderError, TensorMismatch
-from service.loading import CheckpointIndex, load_tensors
+from service.loading import CheckpointIndex, LoadMode, load_tensors
 from service.loading import stream as stream_mod
 
 MODES = ["stream", "mmap", "eager"]
@@ -38,6 +40,11 @@ def _garbage_like(t: torch.Tensor) -> torch.Tensor:
     if out.numel():
         out.reshape(-1).view(torch.uint8).fill_(0xA5)
     return out
+
+
+def test_every_load_mode_is_a_settings_choice() -> None:
+    """``LoadMode`` is defined once (the loader); the CLI / settings choices must list each of its values."""
+    assert sorted(LOAD_MODES) == sorted(get_args(LoadMode))
 
 
 @pytest.mark.parametrize("mode", MODES)

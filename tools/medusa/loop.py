@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from service.medusa.heads import MedusaHeads
-from service.medusa.speculative import verify_greedy
 from service.model import AdapterHook, KVCache, Llama
+from tools.medusa.speculative import verify_greedy
 
 AdapterHookFactory = Callable[[Sequence[int]], AdapterHook | None]
 
@@ -107,7 +107,7 @@ def generate(
     every draft. Unlikely drafts cost verification compute and almost never pay.
     ``cache``: use this KV cache (slots ``0..len(prompts)-1``) instead of a fresh one, e.g. to inspect it after.
     ``record_hidden``: also return, per prompt, the final hidden state that produced each new token (training data
-    for heads: ``service.medusa.train``), on the CPU in fp32.
+    for heads: ``tools.medusa.train``), on the CPU in fp32.
     """
     n = len(prompts)
     if n == 0:
