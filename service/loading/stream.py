@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,15 +252,15 @@ class _Readahead:
 
 
 def _run_threaded(items: Iterator[_Item], n_threads: int, result: StreamResult, ahead: _Readahead | None) -> None:
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    """``n_threads`` pool workers drain ``items`` in file order, each with its own staging buffer; the first
+    failure stops the others after their current item and is raised here."""
+    lock = threading.Lock()  # guards ``items``: a generator is not thread-safe
+    failed = threading.Event()
 
-    def worker() -> None:
+    def drain() -> None:
         staging = _Staging()
-        while True:
+        while not failed.is_set():
             with lock:
-                if errors:
-                    return
                 item = next(items, None)
             if item is None:
                 return
@@ -267,18 +268,15 @@ def _run_threaded(items: Iterator[_Item], n_threads: int, result: StreamResult, 
                 ahead.consumed(_item_bytes(item))
             try:
                 _run(item, staging, result)
-            except BaseException as e:
-                with lock:
-                    errors.append(e)
-                return
+            except BaseException:
+                failed.set()
+                raise
 
-    workers = [threading.Thread(target=worker, name=f"loraplex-load-{i}", daemon=True) for i in range(n_threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(n_threads, thread_name_prefix="loraplex-load") as pool:
+        workers = [pool.submit(drain) for _ in range(n_threads)]
+        done, _ = wait(workers, return_when=FIRST_EXCEPTION)
+    for future in (*done, *workers):  # the failures that stopped the pool first, then any later one
+        future.result()
 
 
 def pread_into(fd: int, views: Sequence[memoryview], offset: int, piece: Piece) -> None:
