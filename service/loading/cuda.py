@@ -21,6 +21,8 @@ import torch
 from service.loading.plan import Job, Piece, byte_view, host_bytes, pieces, segments
 from service.loading.stream import pread_into
 
+__all__ = ["CudaResult", "stream_to_cuda"]
+
 BUFFER_BYTES = 64 << 20
 N_BUFFERS = 3
 _ALIGN = 256  # bytes; keeps every piece's start aligned for any dtype view

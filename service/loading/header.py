@@ -23,6 +23,8 @@ import torch
 
 from service.errors import HeaderError
 
+__all__ = ["DTYPES", "MAX_HEADER_BYTES", "TensorRecord", "read_safetensors_header"]
+
 MAX_HEADER_BYTES = 100_000_000  # same bound as the safetensors crate
 _LEN = struct.Struct("<Q")
 
