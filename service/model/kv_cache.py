@@ -1,14 +1,5 @@
 """The slot KV cache: one row ("slot") per running request, indexed by token position.
 
-Public API::
-
-    KVCache(cfg: ModelConfig, slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device)
-    cache.k[layer], cache.v[layer]     # [slots, n_kv, max_len, head_dim] views into one buffer
-    cache.rows[layer]                  # [2 * slots * n_kv * max_len, head_dim]: the same layer, flat
-    cache.write_index(slot_start, positions) -> Tensor   # where a step's K and V rows go in ``rows[layer]``
-    cache.move(src_slot, dst_slot, length) -> None
-    cache.nbytes, cache.slots, cache.max_len, cache.dtype, cache.device
-
 The engine keeps its running requests compacted in slots ``0..n-1`` so that every forward pass reads one
 contiguous slot range as a plain slice (no gather). When a request retires, the last row is moved into the hole
 with ``move``. A row's length is the engine's business: the model writes K/V at the positions it is given and
@@ -29,6 +20,8 @@ import mmap
 import torch
 
 from service.model.config import ModelConfig
+
+__all__ = ["KVCache", "lazy_zeros"]
 
 
 class KVCache:
