@@ -46,8 +46,8 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check service tests bench clients/python/loraplex scripts
-	$(VENV)/bin/ruff format --check service tests bench clients/python/loraplex scripts
+	$(VENV)/bin/ruff check service tools tests bench clients/python/loraplex scripts
+	$(VENV)/bin/ruff format --check service tools tests bench clients/python/loraplex scripts
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -3,12 +3,12 @@
     .venv/bin/python scripts/train_medusa_heads.py [--model models/SmolLM2-135M-Instruct]
         [--out adapters/demo/medusa] [--heads 3] [--prompts 1640] [--max-new 128] [--dtype bfloat16]
 
-1. The frozen base model answers the chat prompts below greedily (``service.medusa.loop.generate``, batched). The
+1. The frozen base model answers the chat prompts below greedily (``tools.medusa.loop.generate``, batched). The
    corpus is cached under ``--work`` (``bench/.work/medusa`` by default), keyed by model, prompts and length, so a
    rerun only trains.
 2. The final hidden state that produced each response token is recorded while generating (no gradient, no
    second pass).
-3. The heads' residual blocks are trained on those states (``service.medusa.train``): first a hidden-space
+3. The heads' residual blocks are trained on those states (``tools.medusa.train``): first a hidden-space
    regression, then cross-entropy through the frozen ``lm_head`` against the base model's own greedy tokens.
 4. The folder gets ``config.json`` (version 2) and ``medusa_lm_head.safetensors``; the safetensors metadata
    records the corpus size and the per-head top-1 accuracy on held-out sequences.
@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 from service.medusa.format import write_medusa  # noqa: E402
 from service.medusa.heads import MedusaHeads  # noqa: E402
-from service.medusa.loop import generate  # noqa: E402
-from service.medusa.train import head_accuracy, head_dataset, train_v2_heads  # noqa: E402
 from service.model.weights import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
+from tools.medusa.loop import generate  # noqa: E402
+from tools.medusa.train import head_accuracy, head_dataset, train_v2_heads  # noqa: E402
 
 TEMPLATES = (
     "Explain {} in simple terms.",

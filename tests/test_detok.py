@@ -103,7 +103,7 @@ def test_window_stays_bounded_over_long_generations(tok: Tokenizer) -> None:
     det = IncrementalDetokenizer(tok)
     for i in ids:
         det.push(i)
-        assert len(det._ids) <= 48  # the ids it may decode again, not the whole generation
+        assert len(det._context) + len(det._held) <= 48  # the ids it may decode again, not the whole generation
         assert det.held_tokens <= 3
     det.flush()
     assert det.text == tok.decode(ids)
@@ -160,3 +160,32 @@ def test_byte_fallback_tokens(tmp_path: Path) -> None:
     det = IncrementalDetokenizer(tok, prompt)
     full = tok.decode(prompt + gen)
     assert "".join(_stream(det, gen)) == full[len(tok.decode(prompt)) :] == " a é 😀"
+
+
+@pytest.mark.slow
+def test_unfinished_character_at_the_end_is_flushed(tok: Tokenizer) -> None:
+    # DecodeStream alone has no flush: the ids of a cut-off emoji never come out of it. flush() emits them as
+    # the full decode does (U+FFFD), and restarts the stream, so text pushed afterwards is not emitted twice.
+    ids = tok.encode("hi 😀")[:-1]
+    step = tok.decode_stream()
+    assert [step(i) for i in ids][-1] is None
+    det = IncrementalDetokenizer(tok)
+    deltas = _stream(det, ids)
+    assert "".join(deltas) == tok.decode(ids) and deltas[-1].endswith("\ufffd")
+    more = tok.encode(" there")
+    assert "".join(_stream(det, more)) == " there"
+    assert det.text == tok.decode(ids) + " there"
+
+
+@pytest.mark.slow
+def test_invalid_bytes_are_not_held_for_ever(tok: Tokenizer) -> None:
+    stray = tok.token_to_id("Ģ")  # byte 0x80: a continuation byte, on its own never a character
+    assert stray is not None
+    ids = tok.encode("hi") + [stray] * 12 + tok.encode(" there")
+    det = IncrementalDetokenizer(tok)
+    deltas = []
+    for i in ids:
+        deltas.append(det.push(i))
+        assert det.held_tokens < 8
+    deltas.append(det.flush())
+    assert "".join(deltas) == tok.decode(ids) == "hi" + "\ufffd" * 12 + " there"

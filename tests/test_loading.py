@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from safetensors_cases import sample_tensors, write_sharded
 
+from service.config import LOAD_MODES
 from service.errors import HeaderError, TensorMismatch
-from service.loading import CheckpointIndex, load_tensors
+from service.loading import CheckpointIndex, LoadMode, load_tensors
 from service.loading import stream as stream_mod
+from service.loading.plan import Job
 
 MODES = ["stream", "mmap", "eager"]
 
@@ -38,6 +41,11 @@ def _garbage_like(t: torch.Tensor) -> torch.Tensor:
     if out.numel():
         out.reshape(-1).view(torch.uint8).fill_(0xA5)
     return out
+
+
+def test_every_load_mode_is_a_settings_choice() -> None:
+    """``LoadMode`` is defined once (the loader); the CLI / settings choices must list each of its values."""
+    assert sorted(LOAD_MODES) == sorted(get_args(LoadMode))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -223,6 +231,39 @@ def test_file_truncated_after_open_is_caught_before_reading(tmp_path: Path) -> N
         load_tensors(index, plan)
     assert info.value.file == str(path)
     assert _untouched(plan)
+
+
+def test_a_failing_reader_thread_stops_the_pool_and_raises_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two files read by two pool workers: the first file ends early (its descriptor is a truncated copy, so only
+    the read itself can notice). The EOF error reaches the caller with its file and tensor, the first file's
+    complete tensors are filled, and the pool stops: the second file, queued behind, is never read."""
+    monkeypatch.setattr(stream_mod, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(stream_mod, "MIN_THREADED_BYTES", 0)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        save_file({f"{name}{i}": torch.ones(1024) for i in range(8)}, str(tmp_path / name / "model.safetensors"))
+    files = []
+    for name in ("a", "b"):
+        index = CheckpointIndex.open(tmp_path / name)
+        recs = sorted(index.tensors.values(), key=lambda r: r.start)
+        jobs = [Job(r, torch.full(r.shape, float("nan"))) for r in recs]
+        path = tmp_path / name / "model.safetensors"
+        if name == "a":  # cut inside a3: a0..a2 complete, four whole tensors after the cut
+            short = tmp_path / "short.safetensors"
+            short.write_bytes(path.read_bytes()[: recs[3].start + 100])
+            path = short
+        files.append((path, os.open(path, os.O_RDONLY), jobs))
+    try:
+        with pytest.raises(HeaderError) as info:
+            stream_mod.stream_to_host(files, threads=2)
+    finally:
+        for _, fd, _ in files:
+            os.close(fd)
+    assert info.value.tensor in {"a3", "a4", "a5", "a6", "a7"}
+    assert all(torch.equal(j.dest, torch.ones(1024)) for j in files[0][2][:3])
+    assert _untouched({j.record.name: j.dest for j in files[1][2]})
 
 
 @pytest.mark.slow

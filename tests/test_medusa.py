@@ -8,7 +8,7 @@ against the exact target distribution.
 
 To make drafts right often enough that partial acceptance is exercised, the "predictable" tiny model scales the
 attention and MLP outputs down (the residual stream then mostly carries the current token, so the greedy text is
-learnable) and its heads are trained by ``service.medusa.train`` on the model's own greedy text.
+learnable) and its heads are trained by ``tools.medusa.train`` on the model's own greedy text.
 """
 
 from __future__ import annotations
@@ -26,19 +26,11 @@ import torch.nn.functional as F
 from tiny_models import greedy_generate, load_ours
 
 from service.errors import InvalidAdapter
-from service.medusa import (
-    PAD,
-    MedusaHeads,
-    generate,
-    index_medusa,
-    is_medusa_folder,
-    read_medusa_config,
-    verify_greedy,
-    verify_sampling,
-)
+from service.medusa import MedusaHeads, index_medusa, is_medusa_folder, read_medusa_config
 from service.medusa.format import weight_files, write_medusa
-from service.medusa.train import head_accuracy, head_dataset, teacher_hidden, train_v2_heads
 from service.model import KVCache, ModelConfig
+from tools.medusa import PAD, generate, verify_greedy, verify_sampling
+from tools.medusa.train import head_accuracy, head_dataset, teacher_hidden, train_v2_heads
 
 EOS = 2
 

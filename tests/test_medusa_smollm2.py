@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.medusa import MedusaHeads, generate, index_medusa
+from service.medusa import MedusaHeads, index_medusa
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
+from tools.medusa import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "adapters" / "demo" / "medusa"

@@ -18,7 +18,7 @@ queued or loading queue nothing). The loader makes room on the device tier first
 resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's tensors with one
 ``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the device.
 The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights file and closes
-it again, so the store holds at most one descriptor at a time . Every read opens
+it again, so the store holds at most one descriptor at a time. Every read opens
 the file through ``integrity.open_verified`` (no symlink at the last component, its real path inside the roots,
 unchanged since it was indexed) and every tensor read is checked finite (``integrity.check_finite``; the ``validate``
 stage of the load metrics). A file changed since registration is indexed again, as a new registration would, then
@@ -92,19 +92,15 @@ class AdapterStore:
         device_budget_bytes: int,
         host_budget_bytes: int,
         roots: Sequence[Path] = (),
-        max_open_files: int = 64,
     ) -> None:
         if device_budget_bytes < 0 or host_budget_bytes < 0:
             raise ValueError("adapter budgets must be >= 0 bytes")
-        if max_open_files < 1:
-            raise ValueError("max_open_files must be >= 1")
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.roots = tuple(Path(r) for r in roots)
-        self.max_open_files = max_open_files
         self._reader = AdapterReader(self.device, dtype, self.roots)  # used by the loader thread only
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)

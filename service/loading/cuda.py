@@ -21,6 +21,8 @@ import torch
 from service.loading.plan import Job, Piece, byte_view, host_bytes, pieces, segments
 from service.loading.stream import pread_into
 
+__all__ = ["CudaResult", "stream_to_cuda"]
+
 BUFFER_BYTES = 64 << 20
 N_BUFFERS = 3
 _ALIGN = 256  # bytes; keeps every piece's start aligned for any dtype view
@@ -77,22 +79,7 @@ def _stream_device(device: torch.device, files: list[tuple[Path, int, list[Job]]
             return
         i = k % n_bufs
         t1 = time.perf_counter()
-        with torch.cuda.stream(side), torch.no_grad():
-            for piece, at in batch:
-                host = pinned[i][at : at + piece.nbytes]  # [piece bytes], pinned
-                rec, dest = piece.job.record, piece.job.dest
-                if _is_direct(piece.job):
-                    byte_view(dest)[piece.lo : piece.hi].copy_(host, non_blocking=True)
-                    continue
-                raw = staged[i][at : at + piece.nbytes]  # [piece bytes] on the device
-                raw.copy_(host, non_blocking=True)
-                src = raw.view(rec.torch_dtype)  # [piece elements]
-                itemsize = rec.torch_dtype.itemsize
-                for seg, lo, hi in segments(dest, piece.lo // itemsize, piece.hi // itemsize):
-                    seg.copy_(src[lo:hi].view(seg.shape))  # dtype conversion on the device
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(side)
-        events[i] = event
+        events[i] = _enqueue(batch, pinned[i], staged[i] if staged else None, side)
         result.convert_seconds += time.perf_counter() - t1
         k += 1
         batch, fill = [], 0
@@ -120,6 +107,32 @@ def _stream_device(device: torch.device, files: list[tuple[Path, int, list[Job]]
     side.synchronize()
     result.read_seconds += time.perf_counter() - t0
     result.bytes_read += total
+
+
+def _enqueue(
+    batch: list[tuple[Piece, int]], pinned: torch.Tensor, staged: torch.Tensor | None, side: torch.cuda.Stream
+) -> torch.cuda.Event:
+    """Queue on ``side`` the copies out of one filled pinned buffer: bytes as they are into dense same-dtype
+    destinations, the others through ``staged`` (same size, on the device) and a conversion there. The returned
+    event fires once ``pinned`` may be refilled."""
+    with torch.cuda.stream(side), torch.no_grad():
+        for piece, at in batch:
+            host = pinned[at : at + piece.nbytes]  # [piece bytes], pinned
+            rec, dest = piece.job.record, piece.job.dest
+            if _is_direct(piece.job):
+                byte_view(dest)[piece.lo : piece.hi].copy_(host, non_blocking=True)
+                continue
+            if staged is None:
+                raise RuntimeError("a converting piece without a device staging buffer")  # a bug: planned above
+            raw = staged[at : at + piece.nbytes]  # [piece bytes] on the device
+            raw.copy_(host, non_blocking=True)
+            src = raw.view(rec.torch_dtype)  # [piece elements]
+            itemsize = rec.torch_dtype.itemsize
+            for seg, lo, hi in segments(dest, piece.lo // itemsize, piece.hi // itemsize):
+                seg.copy_(src[lo:hi].view(seg.shape))  # dtype conversion on the device
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(side)
+    return event
 
 
 def _round_up(n: int, m: int) -> int:

@@ -23,6 +23,8 @@ import torch
 
 from service.errors import HeaderError
 
+__all__ = ["DTYPES", "MAX_HEADER_BYTES", "TensorRecord", "read_safetensors_header"]
+
 MAX_HEADER_BYTES = 100_000_000  # same bound as the safetensors crate
 _LEN = struct.Struct("<Q")
 
@@ -116,89 +118,93 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorRecord], dict[s
 def _parse(
     raw: bytes, path: Path, *, data_size: int, data_start: int
 ) -> tuple[dict[str, TensorRecord], dict[str, str]]:
-    def error(message: str, tensor: str | None = None) -> HeaderError:
-        return HeaderError(message, file=path, tensor=tensor)
+    obj = _json_object(raw, path)
+    metadata: dict[str, str] = {}
+    raw_meta = obj.pop("__metadata__", None)
+    if raw_meta is not None:
+        if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
+            raise HeaderError("__metadata__ must map strings to strings", file=path)
+        metadata = dict(raw_meta)
+    entries = {name: _entry(name, info, path, data_size) for name, info in obj.items()}
+    _check_tiling(entries, path, data_size)
+    records = {
+        name: TensorRecord(name=name, file=path, dtype=dtype, shape=shape, start=data_start + begin, nbytes=end - begin)
+        for name, (dtype, shape, begin, end) in entries.items()
+    }
+    return records, metadata
+
+
+def _json_object(raw: bytes, path: Path) -> dict[str, Any]:
+    """The header bytes as a JSON object: UTF-8, starting with '{', no duplicate key at any depth."""
 
     def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise error(f"duplicate key {key!r} in the JSON header", key)
+                raise HeaderError(f"duplicate key {key!r} in the JSON header", file=path, tensor=key)
             out[key] = value
         return out
 
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise error(f"header is not valid UTF-8: {e}") from None
+        raise HeaderError(f"header is not valid UTF-8: {e}", file=path) from None
     if not text.startswith("{"):
-        raise error("header does not start with '{'")
+        raise HeaderError("header does not start with '{'", file=path)
     try:
         obj = json.loads(text, object_pairs_hook=unique_keys)
     except ValueError as e:  # JSONDecodeError, and an integer too long for int() (sys.get_int_max_str_digits)
-        raise error(f"header is not valid JSON: {e}") from None
+        raise HeaderError(f"header is not valid JSON: {e}", file=path) from None
     except RecursionError:
-        raise error("header JSON is nested too deeply") from None
+        raise HeaderError("header JSON is nested too deeply", file=path) from None
     if not isinstance(obj, dict):
-        raise error("header is not a JSON object")
+        raise HeaderError("header is not a JSON object", file=path)
+    return obj
 
-    metadata: dict[str, str] = {}
-    raw_meta = obj.pop("__metadata__", None)
-    if raw_meta is not None:
-        if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
-            raise error("__metadata__ must map strings to strings")
-        metadata = dict(raw_meta)
 
-    spans: list[tuple[int, int, str]] = []  # (begin, end, name) relative to the data section
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-    for name, info in obj.items():
-        if not isinstance(info, dict):
-            raise error("entry is not a JSON object", tensor=name)
-        dtype = info.get("dtype")
-        if not isinstance(dtype, str):
-            raise error("missing or non-string 'dtype'", tensor=name)
-        if dtype not in DTYPES:
-            raise error(f"unknown or unsupported dtype {_short(dtype)}", tensor=name)
-        shape = info.get("shape")
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise error(f"'shape' must be a list of non-negative integers, got {_short(shape)}", tensor=name)
-        offsets = info.get("data_offsets")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
-            raise error(f"'data_offsets' must be [begin, end], got {_short(offsets)}", tensor=name)
-        begin, end = offsets
-        if end < begin:
-            raise error(f"data_offsets [{begin}, {end}] end before they begin", tensor=name)
-        if end > data_size:
-            raise error(
-                f"data_offsets [{begin}, {end}] are out of range: the data section has {data_size} bytes "
-                "(file truncated?)",
-                tensor=name,
-            )
-        itemsize = DTYPES[dtype].itemsize
-        expected = math.prod(shape) * itemsize
-        if end - begin != expected:
-            raise error(
-                f"holds {end - begin} bytes but shape {tuple(shape)} × {dtype} ({itemsize} B) needs {expected}",
-                tensor=name,
-            )
-        entries[name] = (dtype, tuple(shape), begin, end)
-        spans.append((begin, end, name))
+def _entry(name: str, info: Any, path: Path, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+    """One tensor's entry, checked: (dtype, shape, begin, end), offsets relative to the data section."""
 
-    # Like the reference crate: sorted by offset, the tensors tile the data section exactly.
-    spans.sort()
+    def error(message: str) -> HeaderError:
+        return HeaderError(message, file=path, tensor=name)
+
+    if not isinstance(info, dict):
+        raise error("entry is not a JSON object")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str):
+        raise error("missing or non-string 'dtype'")
+    if dtype not in DTYPES:
+        raise error(f"unknown or unsupported dtype {_short(dtype)}")
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise error(f"'shape' must be a list of non-negative integers, got {_short(shape)}")
+    offsets = info.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
+        raise error(f"'data_offsets' must be [begin, end], got {_short(offsets)}")
+    begin, end = offsets
+    if end < begin:
+        raise error(f"data_offsets [{begin}, {end}] end before they begin")
+    if end > data_size:
+        raise error(
+            f"data_offsets [{begin}, {end}] are out of range: the data section has {data_size} bytes (file truncated?)"
+        )
+    itemsize = DTYPES[dtype].itemsize
+    expected = math.prod(shape) * itemsize
+    if end - begin != expected:
+        raise error(f"holds {end - begin} bytes but shape {tuple(shape)} × {dtype} ({itemsize} B) needs {expected}")
+    return dtype, tuple(shape), begin, end
+
+
+def _check_tiling(entries: dict[str, tuple[str, tuple[int, ...], int, int]], path: Path, data_size: int) -> None:
+    """Like the reference crate: sorted by offset, the tensors tile the data section exactly."""
+    spans = sorted((begin, end, name) for name, (_, _, begin, end) in entries.items())
     cursor, previous = 0, None
     for begin, end, name in spans:
         if begin < cursor:
-            raise error(f"data_offsets [{begin}, {end}] overlap tensor {previous!r}", tensor=name)
+            raise HeaderError(f"data_offsets [{begin}, {end}] overlap tensor {previous!r}", file=path, tensor=name)
         if begin > cursor:
             after = f"after tensor {previous!r}" if previous is not None else "at the start of the data section"
-            raise error(f"bytes [{cursor}, {begin}) {after} belong to no tensor (gap)", tensor=name)
+            raise HeaderError(f"bytes [{cursor}, {begin}) {after} belong to no tensor (gap)", file=path, tensor=name)
         cursor, previous = end, name
     if cursor != data_size:
-        raise error(f"the tensors cover {cursor} bytes but the data section has {data_size}")
-
-    records = {
-        name: TensorRecord(name=name, file=path, dtype=dtype, shape=shape, start=data_start + begin, nbytes=end - begin)
-        for name, (dtype, shape, begin, end) in entries.items()
-    }
-    return records, metadata
+        raise HeaderError(f"the tensors cover {cursor} bytes but the data section has {data_size}", file=path)

@@ -16,6 +16,8 @@ from pathlib import Path
 from service.errors import ShardError
 from service.loading.header import TensorRecord, read_safetensors_header
 
+__all__ = ["SHARD_INDEX", "SINGLE_FILE", "CheckpointIndex"]
+
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors$")

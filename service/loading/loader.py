@@ -26,6 +26,8 @@ from service.loading.header import TensorRecord
 from service.loading.index import CheckpointIndex
 from service.loading.plan import Job
 
+__all__ = ["LoadMode", "LoadStats", "load_tensors"]
+
 LoadMode = Literal["stream", "mmap", "eager"]
 
 

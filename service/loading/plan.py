@@ -16,6 +16,8 @@ import torch
 
 from service.loading.header import TensorRecord
 
+__all__ = ["Job", "Piece", "byte_view", "host_bytes", "pieces", "segments"]
+
 
 @dataclass(frozen=True, slots=True)
 class Job:

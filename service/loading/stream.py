@@ -5,14 +5,15 @@ fused parameter), ``os.preadv`` writes the bytes directly into the destination's
 buffer, no copy of the file. Anything else (a dtype change, a strided destination) is read into a small
 per-thread staging buffer, chunk by chunk, and converted from there by ``Tensor.copy_``.
 
-Speed comes from keeping both cores busy and from paying for fresh memory in bulk. The pieces of every file
-are handed out in file order to a few worker threads (``preadv``, ``madvise`` and small ``copy_`` calls all
-release the GIL), so the disk sees near-sequential reads while two cores work. Fresh destination memory
-(``torch.empty`` never touches it) costs a page fault per 4 KiB page when the kernel first writes it;
-each worker therefore populates its piece's pages with one ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+)
-before reading into them, which measured at about half the CPU time of taking those faults one by one
-inside the read. Transparent huge pages were measured too and rejected: with ``defrag=madvise`` the kernel
-compacts memory synchronously and populating 512 MiB took 7× longer.
+The pieces of every file are handed out in file order to a small pool of worker threads (``preadv``,
+``madvise`` and small ``copy_`` calls all release the GIL), so the disk sees near-sequential reads while the
+cores work; a readahead thread keeps the kernel ahead of them. Fresh destination memory (``torch.empty`` never
+touches it) is populated by one ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) per piece before the read, instead
+of one page fault per 4 KiB page inside it; transparent huge pages are not used. Why, with figures:
+bench/README.md, "Loading: what the numbers say".
+
+Invariants: every byte of a planned tensor is written exactly once, only from the byte range its record names;
+a short read is a ``HeaderError`` naming file and tensor, and the first failure stops the other workers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,8 @@ import torch
 
 from service.errors import HeaderError
 from service.loading.plan import Job, Piece, host_bytes, pieces, segments
+
+__all__ = ["StreamResult", "populate", "pread_into", "stream_to_host"]
 
 CHUNK_BYTES = 16 << 20  # most bytes one read call moves
 STAGE_BYTES = 8 << 20  # per-thread staging buffer for converting pieces
@@ -251,15 +255,15 @@ class _Readahead:
 
 
 def _run_threaded(items: Iterator[_Item], n_threads: int, result: StreamResult, ahead: _Readahead | None) -> None:
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    """``n_threads`` pool workers drain ``items`` in file order, each with its own staging buffer; the first
+    failure stops the others after their current item and is raised here."""
+    lock = threading.Lock()  # guards ``items``: a generator is not thread-safe
+    failed = threading.Event()
 
-    def worker() -> None:
+    def drain() -> None:
         staging = _Staging()
-        while True:
+        while not failed.is_set():
             with lock:
-                if errors:
-                    return
                 item = next(items, None)
             if item is None:
                 return
@@ -267,18 +271,15 @@ def _run_threaded(items: Iterator[_Item], n_threads: int, result: StreamResult, 
                 ahead.consumed(_item_bytes(item))
             try:
                 _run(item, staging, result)
-            except BaseException as e:
-                with lock:
-                    errors.append(e)
-                return
+            except BaseException:
+                failed.set()
+                raise
 
-    workers = [threading.Thread(target=worker, name=f"loraplex-load-{i}", daemon=True) for i in range(n_threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
+    with ThreadPoolExecutor(n_threads, thread_name_prefix="loraplex-load") as pool:
+        workers = [pool.submit(drain) for _ in range(n_threads)]
+        done, _ = wait(workers, return_when=FIRST_EXCEPTION)
+    for future in (*done, *workers):  # the failures that stopped the pool first, then any later one
+        future.result()
 
 
 def pread_into(fd: int, views: Sequence[memoryview], offset: int, piece: Piece) -> None:

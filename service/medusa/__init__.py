@@ -1,28 +1,19 @@
-"""Medusa heads: the adapter format, the heads on a device, speculative verification and a reference loop.
+"""Medusa heads as served: the adapter format, the heads on a device, their registry and draft trees.
 
-Public names are re-exported here; the implementation lives in the submodules (``format``, ``heads``,
-``speculative``, ``loop``).
+Public names are re-exported here from the submodules. The reference loop, chain verification and head training
+live in ``tools.medusa`` and are never imported by the server.
 """
 
 from __future__ import annotations
 
 from service.medusa.format import MedusaConfig, MedusaSpec, index_medusa, is_medusa_folder, read_medusa_config
 from service.medusa.heads import MedusaHeads
-from service.medusa.loop import Generation, GenerationStats, generate
-from service.medusa.speculative import PAD, Verified, verify_greedy, verify_sampling
 
 __all__ = [
-    "PAD",
-    "Generation",
-    "GenerationStats",
     "MedusaConfig",
     "MedusaHeads",
     "MedusaSpec",
-    "Verified",
-    "generate",
     "index_medusa",
     "is_medusa_folder",
     "read_medusa_config",
-    "verify_greedy",
-    "verify_sampling",
 ]

@@ -5,19 +5,6 @@ tensor byte, checks everything against the base model and returns a ``MedusaSpec
 residual blocks and (v1) of its own output projection. A spec is a few records per head, so thousands of
 registered adapters cost nothing worth counting.
 
-Public API::
-
-    CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILES, LORA_WEIGHTS_FILE
-    MedusaConfig                                   parsed config.json (frozen)
-    read_medusa_config(path) -> MedusaConfig
-    is_medusa_folder(folder) -> bool               config.json names medusa_num_heads
-    weight_files(folder) -> tuple[Path, ...]       the Medusa safetensors files of a folder
-    index_medusa(folder, model_config, *, check_path=None) -> MedusaSpec   NotFound: no such folder
-    check_heads_finite(spec, tensors) -> None      NonFiniteTensor naming file and tensor
-    write_medusa(folder, block_weight, block_bias, out_weight=None, *, version=None, base_model=None,
-                 metadata=None) -> Path
-    MedusaSpec, HeadRecords, BlockRecords
-
 The format (FasterDecoding/Medusa, also read by TGI and LoRAX). Head ``h`` of ``medusa_num_heads`` is
 ``medusa_num_layers`` residual blocks ``x <- x + SiLU(W x + b)`` applied to the base model's last hidden state
 (after the final norm), followed by a projection to the vocabulary:
@@ -51,6 +38,23 @@ from service.adapters.integrity import FileStamp, check_finite, stamp
 from service.errors import CheckpointError, InvalidAdapter, NotFound, shorten
 from service.loading import CheckpointIndex, TensorRecord
 from service.model.config import ModelConfig
+
+__all__ = [
+    "CONFIG_FILE",
+    "LORA_WEIGHTS_FILE",
+    "PICKLE_FILES",
+    "WEIGHTS_FILE",
+    "BlockRecords",
+    "HeadRecords",
+    "MedusaConfig",
+    "MedusaSpec",
+    "check_heads_finite",
+    "index_medusa",
+    "is_medusa_folder",
+    "read_medusa_config",
+    "weight_files",
+    "write_medusa",
+]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
@@ -309,35 +313,7 @@ def _build_heads(
         )
     dims = f"hidden_size={hidden}, vocab_size={vocab}"
     problems: list[tuple[TensorRecord | None, str]] = []
-    found: dict[tuple[int, int, str], TensorRecord] = {}  # (head, index, "weight" | "bias" | "out")
-    prefix: str | None = None
-    for name, rec in records.items():
-        m = _KEY.fullmatch(name)
-        if m is None:
-            problems.append((rec, "not a Medusa head tensor (expected {h}.{l}.linear.weight/bias or {h}.{n}.weight)"))
-            continue
-        if prefix is None:
-            prefix = m["prefix"]
-        elif m["prefix"] != prefix:
-            problems.append((rec, f"prefix differs from the file's other names ({prefix!r})"))
-            continue
-        head, index = int(m["head"]), int(m["index"])
-        part = m["part"] or "out"
-        if head >= n_heads:
-            problems.append((rec, f"head {head} is beyond {CONFIG_FILE}'s medusa_num_heads={n_heads}"))
-        elif part == "out" and index != n_layers:
-            problems.append(
-                (
-                    rec,
-                    f"an output projection must follow the {n_layers} block(s): expected "
-                    f"{prefix}{head}.{n_layers}.weight",
-                )
-            )
-        elif part != "out" and index >= n_layers:
-            problems.append((rec, f"block {index} is beyond {CONFIG_FILE}'s medusa_num_layers={n_layers}"))
-        else:
-            found[(head, index, part)] = rec
-    prefix = prefix or ""
+    found, prefix = _classify(records, n_heads, n_layers, problems)
 
     has_out = [h for h in range(n_heads) if (h, n_layers, "out") in found]
     version = config.version if config.version is not None else (1 if has_out else 2)
@@ -380,6 +356,42 @@ def _build_heads(
     if problems:
         _raise(problems, records, config_path)
     return version, tuple(heads)
+
+
+def _classify(
+    records: dict[str, TensorRecord], n_heads: int, n_layers: int, problems: list[tuple[TensorRecord | None, str]]
+) -> tuple[dict[tuple[int, int, str], TensorRecord], str]:
+    """Each tensor name -> (head, index, "weight" | "bias" | "out"), and the names' common prefix; a name that
+    does not fit the config is appended to ``problems``."""
+    found: dict[tuple[int, int, str], TensorRecord] = {}  # (head, index, "weight" | "bias" | "out")
+    prefix: str | None = None
+    for name, rec in records.items():
+        m = _KEY.fullmatch(name)
+        if m is None:
+            problems.append((rec, "not a Medusa head tensor (expected {h}.{l}.linear.weight/bias or {h}.{n}.weight)"))
+            continue
+        if prefix is None:
+            prefix = m["prefix"]
+        elif m["prefix"] != prefix:
+            problems.append((rec, f"prefix differs from the file's other names ({prefix!r})"))
+            continue
+        head, index = int(m["head"]), int(m["index"])
+        part = m["part"] or "out"
+        if head >= n_heads:
+            problems.append((rec, f"head {head} is beyond {CONFIG_FILE}'s medusa_num_heads={n_heads}"))
+        elif part == "out" and index != n_layers:
+            problems.append(
+                (
+                    rec,
+                    f"an output projection must follow the {n_layers} block(s): expected "
+                    f"{prefix}{head}.{n_layers}.weight",
+                )
+            )
+        elif part != "out" and index >= n_layers:
+            problems.append((rec, f"block {index} is beyond {CONFIG_FILE}'s medusa_num_layers={n_layers}"))
+        else:
+            found[(head, index, part)] = rec
+    return found, prefix or ""
 
 
 def _check(rec: TensorRecord, shape: tuple[int, ...], what: str, model: str) -> list[tuple[TensorRecord | None, str]]:

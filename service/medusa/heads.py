@@ -1,18 +1,5 @@
 """Medusa heads on a device: residual blocks over the base model's last hidden state, then a vocabulary projection.
 
-Public API::
-
-    MedusaHeads(version, block_weight, block_bias, out_weight=None)
-    MedusaHeads.load(spec, *, device, dtype, mode="stream", opener=None) -> MedusaHeads
-    heads.hidden(x) -> [B, n_heads, hidden]           after each head's residual blocks
-    residual_blocks(x, block_weight, block_bias) -> [B, n_heads, hidden]   the same, differentiable
-    heads.logits(x, lm_head) -> [B, n_heads, vocab]   fp32
-    heads.draft(x, lm_head) -> [B, n_heads]           int64 top-1 ids
-    heads.draft_with_confidence(x, lm_head) -> (ids [B, n_heads], probabilities [B, n_heads])
-    heads.topk(x, lm_head, k) -> [B, n_heads, k]      int64 ids, most likely first
-    heads.candidates(x, lm_head, k) -> (ids [B, n_heads, k], top-1 probabilities [B, n_heads])
-    heads.num_heads, .num_layers, .version, .hidden_size, .nbytes, .device, .dtype
-
 ``x`` is the final-normed hidden state the base ``lm_head`` reads (``Llama.forward``'s output at one position per
 row), exactly what FasterDecoding/Medusa feeds its heads (``outputs[0]`` of the HF base model). Head ``h`` predicts
 the token ``h + 2`` positions after the one ``x`` sits at: the base ``lm_head`` predicts the next one.
@@ -36,6 +23,8 @@ from torch import Tensor
 from service import metrics
 from service.loading import LoadMode, load_tensors
 from service.medusa.format import MedusaSpec, check_heads_finite
+
+__all__ = ["MedusaHeads", "residual_blocks"]
 
 
 def residual_blocks(x: Tensor, block_weight: Tensor, block_bias: Tensor) -> Tensor:

@@ -1,13 +1,5 @@
 """Registered Medusa heads: indexed at registration (config + headers), loaded onto the device on first use.
 
-    MedusaRegistry(model_config, *, device, dtype, check_path=None)
-        .register(adapter_id, folder) -> MedusaSpec      headers only; AlreadyExists / InvalidAdapter
-        .unregister(adapter_id) / .has(adapter_id) / .spec(adapter_id)
-        .request(adapter_id) -> bool                     non-blocking; True once the heads are on the device
-        .failure(adapter_id) -> LoraplexError | None
-        .heads(adapter_id) -> MedusaHeads                only after request() returned True
-        .close()
-
 Every read goes through ``integrity.open_verified`` (the files as indexed, inside the path policy) and the loaded
 tensors are checked finite; a file changed since registration is indexed again before it is loaded. A failed
 load stays failed until one of its files changes; the next ``request`` after that loads it again.
@@ -34,6 +26,8 @@ from service.errors import AdapterNotFound, AlreadyExists, LoraplexError, Unavai
 from service.medusa.format import MedusaSpec, index_medusa
 from service.medusa.heads import MedusaHeads
 from service.model.config import ModelConfig
+
+__all__ = ["RETRY_CHECK_SECONDS", "MedusaRegistry"]
 
 RETRY_CHECK_SECONDS = 1.0  # a failed adapter's files are stat()ed at most this often, to retry once they changed
 

@@ -1,17 +1,5 @@
 """Draft trees: several candidates per Medusa head, verified together in one forward pass.
 
-Public API::
-
-    DraftTree.parse(spec, num_heads) -> DraftTree       "chain" | "0;1;2;0.0;0.1;1.0;0.0.0" (paths of ranks)
-    tree.size            nodes, the root (the row's pending token) included
-    tree.depths          [size] depth of each node (root 0); nodes are ordered by depth, parents first
-    tree.parents         [size] parent node (-1 for the root)
-    tree.max_rank        the largest candidate rank any node uses (+1 = top-k needed from the heads)
-    tree.visible         [size, size] bool: node i attends to node j (j is i or one of its ancestors)
-    tree.nodes_within(depth) -> int                     how many nodes have depth <= depth (a prefix of the order)
-    tree.tokens(topk)    topk [n_heads, k] int list -> the candidate token of every node but the root
-    tree.accept(tokens, predicted, valid) -> list[int]  the longest accepted path of node indices (root excluded)
-
 Node ``(r_1, .., r_d)`` is candidate ``r_d`` (0 = most likely) of head ``d - 1`` placed after its parent
 ``(r_1, .., r_{d-1})``: head ``h`` predicts the token ``h + 2`` positions after the hidden state it reads, which is
 the token at depth ``h + 1`` below the pending root. ``"chain"`` is ``(0,), (0, 0), ...``: the top-1 chain, one node
@@ -33,6 +21,8 @@ from functools import cached_property
 
 import torch
 from torch import Tensor
+
+__all__ = ["DraftTree"]
 
 
 @dataclass(frozen=True)

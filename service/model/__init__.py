@@ -1,10 +1,8 @@
-"""The Llama-family model: config parsing, the fused-weight forward, the slot KV cache and weight loading.
+"""The Llama-family model: config parsing (``config``), the fused-weight forward (``llama``), the slot KV cache
+(``kv_cache``) and weight loading through ``service.loading`` (``weights``).
 
-cfg = ModelConfig.from_hf(folder)                          # config.py: refuses what cannot run, by name
-model, cfg, stats = load_model(folder, dtype=..., device=...)   # weights.py, through service.loading
-cache = KVCache(cfg, slots, max_len, dtype=..., device=...)     # kv_cache.py
-hidden = model(tokens, positions, cache, slot_start, adapters, kv_len=...)   # llama.py
-logits = model.logits(Llama.gather_last(hidden, lengths))
+A config refuses what cannot run, by name, before any weight is read; the model holds no per-request state (the
+engine owns rows, lengths and slots) and never reads files itself. Public names are re-exported here.
 """
 
 from __future__ import annotations

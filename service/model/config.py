@@ -1,13 +1,5 @@
 """The model's shape and numerics, read from a Hugging Face ``config.json``.
 
-Public API::
-
-    ModelConfig.from_hf(folder_or_config_json: Path) -> ModelConfig
-    ModelConfig.from_dict(raw: dict, *, source="config.json", extra_eos_token_ids=None) -> ModelConfig
-    ModelConfig.fused_rows() -> dict[str, tuple[FusedPart, ...]]
-    RopeScaling(rope_type, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-    SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
-
 Only plain Llama-family decoders are served: ``LlamaForCausalLM`` and ``MistralForCausalLM`` without a
 sliding window shorter than the context. Anything else (other architectures, quantised checkpoints, activations
 other than SiLU, RoPE types other than default / linear / llama3, partial rotary) is refused *by name* with a
@@ -29,6 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import CheckpointError
+
+__all__ = [
+    "DEFAULT_ROPE_THETA",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "FusedPart",
+    "ModelConfig",
+    "RopeScaling",
+]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -115,25 +117,7 @@ class ModelConfig:
             return CheckpointError(message, file=source)
 
         model_type = raw.get("model_type")
-        architectures = raw.get("architectures") or []
-        if not architectures and model_type in SUPPORTED_MODEL_TYPES:  # some converters leave it out
-            architectures = [SUPPORTED_ARCHITECTURES[SUPPORTED_MODEL_TYPES.index(model_type)]]
-        if not isinstance(architectures, list) or len(architectures) != 1:
-            raise fail(f"expected exactly one entry in 'architectures', got {architectures!r}")
-        architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise fail(
-                f"unsupported architecture {architecture!r}; this server runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise fail(f"unsupported model_type {model_type!r}; this server runs {', '.join(SUPPORTED_MODEL_TYPES)}")
-        quantization = raw.get("quantization_config")
-        if quantization is not None:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-            raise fail(f"quantized checkpoints are not supported (quantization_config.quant_method={method!r})")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise fail(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        architecture = _supported_architecture(raw, fail)
 
         def req_int(key: str) -> int:
             value = raw.get(key)
@@ -185,6 +169,29 @@ class ModelConfig:
             architecture=architecture,
             model_type=str(model_type),
         )
+
+
+def _supported_architecture(raw: dict[str, Any], fail: Callable[[str], CheckpointError]) -> str:
+    """The checkpoint's one architecture, after checking that this server runs it (type, no quantization, SwiGLU)."""
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    if not architectures and model_type in SUPPORTED_MODEL_TYPES:  # some converters leave it out
+        architectures = [SUPPORTED_ARCHITECTURES[SUPPORTED_MODEL_TYPES.index(model_type)]]
+    if not isinstance(architectures, list) or len(architectures) != 1:
+        raise fail(f"expected exactly one entry in 'architectures', got {architectures!r}")
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise fail(f"unsupported architecture {architecture!r}; this server runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise fail(f"unsupported model_type {model_type!r}; this server runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise fail(f"quantized checkpoints are not supported (quantization_config.quant_method={method!r})")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise fail(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+    return str(architecture)
 
 
 def _parse_rope(raw: dict[str, Any], fail: Callable[[str], CheckpointError]) -> tuple[float, RopeScaling | None]:

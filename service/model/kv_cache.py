@@ -22,6 +22,8 @@ import torch
 
 from service.model.config import ModelConfig
 
+__all__ = ["KVCache", "lazy_zeros"]
+
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> None:

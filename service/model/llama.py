@@ -1,24 +1,20 @@
 """A Llama-family decoder for serving: fused weights, a slot KV cache, attention masked by position.
 
-Public API::
-
-    Llama(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device)
-    Llama.forward(tokens, positions, cache, slot_start, adapters=None, *, kv_len=None) -> hidden [B, T, hidden]
-    Llama.logits(hidden) -> fp32 logits [..., vocab]
-    Llama.gather_last(hidden, lengths) -> hidden [B, hidden] at position ``lengths - 1`` of each row
-    AdapterHook (Protocol), ProjName, proj(...), finite_kv(kv), KV_LIMIT
-
-Parameters are allocated with ``torch.empty`` in their final, fused layout and filled by
-``service.model.weights``: per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows (see
-``ModelConfig.fused_rows``), ``wo``, ``w2`` and the two norms. A tied ``lm_head`` is the embedding tensor itself.
+Owns the forward pass and nothing else: parameters are allocated with ``torch.empty`` in their final, fused layout
+(per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows, see ``ModelConfig.fused_rows``) and filled by
+``service.model.weights``; a tied ``lm_head`` is the embedding tensor itself.
 
 A forward pass runs ``B`` rows that occupy the contiguous cache slots ``[slot_start, slot_start + B)``. Row ``b``
 carries its tokens and their absolute positions; K/V are written at those positions, and each query attends to
-the keys of its own slot at positions ``<=`` its own. Right-padded prompts, ``[B, 1]`` decode steps, ``[B, k+1]``
-speculative verification and rollback (the engine just lowers its length) all follow from that one rule.
+the keys of its own slot at positions ``<=`` its own. Right-padded prompts, ``[B, 1]`` decode steps and rollback
+(the engine just lowers its length) follow from that one rule; with ``tree`` the row's tokens are the nodes of a
+Medusa draft tree, written at consecutive cache positions and each attending only to its ancestors (the
+verification step). Values the cache stores are finite and bounded (``finite_kv``), so a row never poisons the
+slot's next occupant.
 
 ``adapters`` is the seam for LoRA: every projection goes through ``proj``, which hands the adapter hook the input
-and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. Nothing here implements an adapter.
+and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. Nothing here implements an adapter, reads a
+file or keeps per-request state.
 """
 
 from __future__ import annotations
@@ -33,6 +29,8 @@ from torch import Tensor, nn
 
 from service.model.config import ModelConfig
 from service.model.kv_cache import KVCache
+
+__all__ = ["KV_LIMIT", "AdapterHook", "Llama", "ProjName", "finite_kv", "proj"]
 
 ProjName = Literal["wqkv", "wo", "w13", "w2"]
 
@@ -123,6 +121,19 @@ class Step:
     mask: Tensor  # [B, 1, T*G, L] additive (0 / -inf), rows ordered t*G + g (see Attention)
     write_index: Tensor  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V
     adapters: AdapterHook | None
+
+
+def _visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:
+    """[B, T, L] bool: which of the ``length`` cache positions each query attends to (see ``Llama.forward``)."""
+    b, t = positions.shape
+    key_pos = torch.arange(length, device=positions.device)  # [L]
+    if tree is None:
+        return key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
+    # The cache below the root, then the query's own ancestors among the nodes.
+    rel = key_pos[None, :] - positions[:, :1]  # [B, L]: key position relative to the root
+    in_tree = tree.to(positions.device)[None, :, :].expand(b, t, t)  # [B, T, T]
+    node = rel.clamp(0, t - 1)[:, None, :].expand(b, t, length)  # [B, T, L]
+    return (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree.gather(2, node))
 
 
 # --- modules --------------------------------------------------------------------------------------------
@@ -274,14 +285,7 @@ class Llama(nn.Module):
             raise ValueError(f"position {length - 1} is beyond the cache's max_len {cache.max_len}")
         self._rope_for(cache.max_len)
         g = self.cfg.num_heads // self.cfg.num_kv_heads
-        key_pos = torch.arange(length, device=tokens.device)  # [L]
-        if tree is None:
-            visible = key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
-        else:  # the cache below the root, then the query's own ancestors among the nodes
-            rel = key_pos[None, :] - positions[:, :1]  # [B, L]: key position relative to the root
-            in_tree = tree.to(tokens.device)[None, :, :].expand(b, t, t)  # [B, T, T]
-            node = rel.clamp(0, t - 1)[:, None, :].expand(b, t, length)  # [B, T, L]
-            visible = (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree.gather(2, node))
+        visible = _visible(positions, length, tree)  # [B, T, L]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill_(~visible, -math.inf)
         step = Step(
             cos=self._cos[positions].unsqueeze(2),  # [B, T, 1, D]
@@ -308,8 +312,8 @@ class Llama(nn.Module):
         model where bf16 matmuls are fast (CUDA; CPUs with AVX512-BF16 or AMX), made on first use.
 
         A draft only has to be likely: verification runs in the model's dtype, so output is unchanged. Projecting
-        the heads' states reads the whole vocabulary matrix (113 MB for SmolLM2 in fp32, 2/3 of a decode step's
-        matmul time at batch 1 on a 2-core CPU); in bf16 it reads half of that with a faster kernel."""
+        the heads' states reads the whole vocabulary matrix, a large part of a small model's decode step; in bf16
+        it reads half of that with a faster kernel (figures: bench/README.md, Medusa)."""
         if self._draft_head is None:
             fast_bf16 = self.device.type == "cuda" or (
                 self.device.type == "cpu"

@@ -1,11 +1,5 @@
 """From a Hugging Face checkpoint folder to a ready ``Llama``: the name map and the load.
 
-Public API::
-
-    build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]
-    load_model(folder: Path, *, dtype: torch.dtype, device: torch.device | str, mode: LoadMode = "stream")
-        -> tuple[Llama, ModelConfig, LoadStats]
-
 The plan maps every Hugging Face tensor name to the exact memory it must land in: ``q_proj``/``k_proj``/``v_proj``
 are row slices of the fused ``wqkv``, ``gate_proj``/``up_proj`` row slices of ``w13``, and so on, so the reader in
 ``service.loading`` streams each tensor straight into its final place (converting dtype on the way) and no
@@ -27,6 +21,8 @@ from service.loading import CheckpointIndex, LoadMode, LoadStats, load_tensors
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED, MODEL_PARAMETER_BYTES
 from service.model.config import ModelConfig
 from service.model.llama import Llama
+
+__all__ = ["build_load_plan", "load_model"]
 
 
 def build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]:

@@ -1,12 +1,7 @@
-"""Speculative verification: which drafted tokens a row keeps, and the token it emits after them.
+"""Speculative verification of one draft chain per row: which drafts a row keeps, and the token it emits after.
 
-Public API::
-
-    Verified(accepted [B], tokens [B, k+1], emitted [B])
-    verify_greedy(draft [B, k], logits [B, k+1, V], num_drafts=None) -> Verified
-    verify_sampling(draft [B, k], probs [B, k+1, V], generators, num_drafts=None) -> Verified
-    draw_uniforms(generators, count, device) -> [B, count] float64
-    PAD = -1
+The reference form, used by ``loop`` and the tests; the server verifies draft trees itself (``service.engine``
+with ``service.medusa.tree``) and never imports this module.
 
 One verification step of a row: its KV cache holds positions ``[0, L)``; the model has just run the row's pending
 token ``t`` at position ``L`` followed by its ``k`` drafts ``d_1 .. d_k`` at ``L+1 .. L+k`` in one forward pass,
@@ -44,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+__all__ = ["PAD", "Verified", "draw_uniforms", "verify_greedy", "verify_sampling"]
 
 PAD = -1
 

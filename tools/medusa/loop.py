@@ -1,13 +1,5 @@
 """A batched greedy generation loop over ``service.model`` with optional Medusa speculation: the reference.
 
-Public API::
-
-    generate(model, prompts, max_new_tokens, *, heads=None, eos_token_ids=(), adapters=None,
-             speculate_max_batch=None, draft_threshold=0.0, cache=None, record_hidden=False) -> Generation
-    Generation(tokens: list[list[int]], stats: GenerationStats, hidden: list[Tensor] | None)
-    GenerationStats(steps, row_steps, drafted, accepted, verified_tokens, new_tokens, prefill_seconds,
-                    decode_seconds) .mean_accepted_length .acceptance_rate .decode_tokens_per_second
-
 This is what tests and ``bench/medusa.py`` compare against and measure with, and a blueprint for the engine: no
 scheduler, no streaming, every request admitted at once. Rows are kept compacted in KV slots ``0..m-1``; a
 finished row's slot is filled by moving the last row into it (``KVCache.move``). One step:
@@ -35,8 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from service.medusa.heads import MedusaHeads
-from service.medusa.speculative import verify_greedy
 from service.model import AdapterHook, KVCache, Llama
+from tools.medusa.speculative import verify_greedy
+
+__all__ = ["Generation", "GenerationStats", "generate"]
 
 AdapterHookFactory = Callable[[Sequence[int]], AdapterHook | None]
 
@@ -107,11 +101,58 @@ def generate(
     every draft. Unlikely drafts cost verification compute and almost never pay.
     ``cache``: use this KV cache (slots ``0..len(prompts)-1``) instead of a fresh one, e.g. to inspect it after.
     ``record_hidden``: also return, per prompt, the final hidden state that produced each new token (training data
-    for heads: ``service.medusa.train``), on the CPU in fp32.
+    for heads: ``tools.medusa.train``), on the CPU in fp32.
     """
     n = len(prompts)
     if n == 0:
         return Generation([])
+    per_row, cache = _setup(model, prompts, max_new_tokens, heads, cache)
+    run = _Run(model, cache, frozenset(eos_token_ids), max_new_tokens, adapters, speculate_max_batch, draft_threshold,
+               record_hidden)  # fmt: skip
+    stats = GenerationStats()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        rows, active, order = _prefill(run, prompts, per_row)
+        _sync(model.device)
+        stats.prefill_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while active:
+            active = _step(run, active, order, stats)
+        _sync(model.device)
+        stats.decode_seconds = time.perf_counter() - t0
+    out = [r.out for r in rows]
+    stats.new_tokens = sum(len(t) for t in out)
+    stats.decode_tokens = stats.new_tokens - n
+    hiddens = [torch.cat(r.states) for r in rows] if record_hidden else None
+    return Generation(out, stats, hiddens)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every step of one ``generate`` call shares."""
+
+    model: Llama
+    cache: KVCache
+    eos: frozenset[int]
+    max_new_tokens: int
+    adapters: AdapterHookFactory | None
+    speculate_max_batch: int | None
+    draft_threshold: float
+    record_hidden: bool
+
+    def speculate(self, rows: Sequence[_Row]) -> bool:
+        return self.speculate_max_batch is None or sum(not r.done for r in rows) <= self.speculate_max_batch
+
+
+def _setup(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    heads: MedusaHeads | Sequence[MedusaHeads | None] | None,
+    cache: KVCache | None,
+) -> tuple[list[MedusaHeads | None], KVCache]:
+    """Check the arguments; each row's heads, and a cache big enough for every row's worst case."""
+    n = len(prompts)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
@@ -119,85 +160,76 @@ def generate(
     per_row = list(heads) if isinstance(heads, Sequence) else [heads] * n
     if len(per_row) != n:
         raise ValueError(f"got {len(per_row)} heads entries for {n} prompts")
-    eos = frozenset(eos_token_ids)
-    dev = model.device
     k_max = max((h.num_heads for h in per_row if h is not None), default=0)
-    longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens + k_max + 1
+    need = max(len(p) for p in prompts) + max_new_tokens + k_max + 1
     if cache is None:
-        cache = KVCache(model.cfg, n, need, dtype=model.dtype, device=dev)
+        cache = KVCache(model.cfg, n, need, dtype=model.dtype, device=model.device)
     elif cache.slots < n or cache.max_len < need:
         raise ValueError(f"the cache needs >= {n} slots of >= {need} positions, has {cache.slots} x {cache.max_len}")
-    stats = GenerationStats()
+    return per_row, cache
 
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)  # [n]
-        tokens = torch.zeros(n, longest, dtype=torch.long, device=dev)  # [n, P], right-padded
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-        positions = torch.arange(longest, device=dev)[None, :].expand(n, longest)  # [n, P]
-        order = list(range(n))  # request index of each slot
-        hook = adapters(list(order)) if adapters is not None else None
-        hidden = Llama.gather_last(model(tokens, positions, cache, 0, hook, kv_len=longest), lengths)  # [n, H]
-        first = model.logits(hidden).argmax(dim=-1).tolist()  # [n]
-        rows = [_Row(i, len(prompts[i]), first[i], [first[i]], per_row[i]) for i in range(n)]
-        for b, row in enumerate(rows):
-            row.done = row.pending in eos or max_new_tokens == 1
-            if record_hidden:
-                row.states.append(hidden[b : b + 1].float().cpu())
-        speculate = speculate_max_batch is None or sum(not r.done for r in rows) <= speculate_max_batch
-        _draft(model, rows, hidden, speculate, draft_threshold)
-        active = _retire(cache, rows, order)
-        _sync(dev)
-        stats.prefill_seconds = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        while active:
-            m = len(active)
-            ks = [min(len(r.drafts), max_new_tokens - len(r.out) - 1) for r in active]
-            k = max(ks)
-            fed = [[r.pending, *r.drafts[: ks[b]]] + [r.pending] * (k - ks[b]) for b, r in enumerate(active)]
-            tokens = torch.tensor(fed, dtype=torch.long, device=dev)  # [m, k+1]
-            starts = torch.tensor([r.length for r in active], device=dev)  # [m]
-            positions = starts[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [m, k+1]
-            hook = adapters(list(order)) if adapters is not None else None
-            kv_len = max(r.length for r in active) + k + 1
-            hidden = model(tokens, positions, cache, 0, hook, kv_len=kv_len)  # [m, k+1, H]
-            logits = model.logits(hidden)  # [m, k+1, V]
-            verified = verify_greedy(tokens[:, 1:], logits, torch.tensor(ks, device=dev))
-            accepted = verified.accepted.tolist()
-            emitted = verified.tokens.tolist()
-            stats.steps += 1
-            stats.row_steps += m
-            stats.drafted += sum(ks)
-            stats.accepted += sum(accepted)
-            stats.verified_tokens += sum(accepted) + m
-            for b, row in enumerate(active):
-                a = accepted[b]
-                row.length += 1 + a
-                row.pending = emitted[b][a]
-                before = len(row.out)
-                for token in emitted[b][: a + 1]:
-                    row.out.append(token)
-                    if token in eos or len(row.out) >= max_new_tokens:
-                        row.done = True
-                        break
-                if record_hidden:
-                    row.states.append(hidden[b, : len(row.out) - before].float().cpu())  # [kept, H]
-            at = verified.accepted.to(dev)  # [m]
-            last = hidden[torch.arange(m, device=dev), at]  # [m, H]: the state after the last kept token
-            speculate = speculate_max_batch is None or sum(not r.done for r in active) <= speculate_max_batch
-            _draft(model, active, last, speculate, draft_threshold)
-            active = _retire(cache, active, order)
-        _sync(dev)
-        stats.decode_seconds = time.perf_counter() - t0
+def _prefill(
+    run: _Run, prompts: Sequence[Sequence[int]], per_row: list[MedusaHeads | None]
+) -> tuple[list[_Row], list[_Row], list[int]]:
+    """Every prompt in one right-padded forward pass: (all rows, the active ones, request index of each slot)."""
+    model, dev, n = run.model, run.model.device, len(prompts)
+    longest = max(len(p) for p in prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)  # [n]
+    tokens = torch.zeros(n, longest, dtype=torch.long, device=dev)  # [n, P], right-padded
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+    positions = torch.arange(longest, device=dev)[None, :].expand(n, longest)  # [n, P]
+    order = list(range(n))  # request index of each slot
+    hook = run.adapters(list(order)) if run.adapters is not None else None
+    hidden = Llama.gather_last(model(tokens, positions, run.cache, 0, hook, kv_len=longest), lengths)  # [n, H]
+    first = model.logits(hidden).argmax(dim=-1).tolist()  # [n]
+    rows = [_Row(i, len(prompts[i]), first[i], [first[i]], per_row[i]) for i in range(n)]
+    for b, row in enumerate(rows):
+        row.done = row.pending in run.eos or run.max_new_tokens == 1
+        if run.record_hidden:
+            row.states.append(hidden[b : b + 1].float().cpu())
+    _draft(model, rows, hidden, run.speculate(rows), run.draft_threshold)
+    return rows, _retire(run.cache, rows, order), order
 
-    out = [r.out for r in rows]
-    stats.new_tokens = sum(len(t) for t in out)
-    stats.decode_tokens = stats.new_tokens - n
-    hiddens = [torch.cat(r.states) for r in rows] if record_hidden else None
-    return Generation(out, stats, hiddens)
+
+def _step(run: _Run, active: list[_Row], order: list[int], stats: GenerationStats) -> list[_Row]:
+    """One verification step over the active rows (slots ``0..m-1``); returns the rows still active."""
+    model, dev, m = run.model, run.model.device, len(active)
+    ks = [min(len(r.drafts), run.max_new_tokens - len(r.out) - 1) for r in active]
+    k = max(ks)
+    fed = [[r.pending, *r.drafts[: ks[b]]] + [r.pending] * (k - ks[b]) for b, r in enumerate(active)]
+    tokens = torch.tensor(fed, dtype=torch.long, device=dev)  # [m, k+1]
+    starts = torch.tensor([r.length for r in active], device=dev)  # [m]
+    positions = starts[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [m, k+1]
+    hook = run.adapters(list(order)) if run.adapters is not None else None
+    kv_len = max(r.length for r in active) + k + 1
+    hidden = model(tokens, positions, run.cache, 0, hook, kv_len=kv_len)  # [m, k+1, H]
+    logits = model.logits(hidden)  # [m, k+1, V]
+    verified = verify_greedy(tokens[:, 1:], logits, torch.tensor(ks, device=dev))
+    accepted = verified.accepted.tolist()
+    emitted = verified.tokens.tolist()
+    stats.steps += 1
+    stats.row_steps += m
+    stats.drafted += sum(ks)
+    stats.accepted += sum(accepted)
+    stats.verified_tokens += sum(accepted) + m
+    for b, row in enumerate(active):
+        a = accepted[b]
+        row.length += 1 + a
+        row.pending = emitted[b][a]
+        before = len(row.out)
+        for token in emitted[b][: a + 1]:
+            row.out.append(token)
+            if token in run.eos or len(row.out) >= run.max_new_tokens:
+                row.done = True
+                break
+        if run.record_hidden:
+            row.states.append(hidden[b, : len(row.out) - before].float().cpu())  # [kept, H]
+    at = verified.accepted.to(dev)  # [m]
+    last = hidden[torch.arange(m, device=dev), at]  # [m, H]: the state after the last kept token
+    _draft(model, active, last, run.speculate(active), run.draft_threshold)
+    return _retire(run.cache, active, order)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,12 +1,5 @@
 """Self-distilled v2 Medusa heads: the frozen base model's own greedy text is the training data.
 
-Public API::
-
-    teacher_hidden(model, prompts, responses, *, batch_size=16) -> list[Tensor]   [len(response), H] each
-    head_dataset(hiddens, responses, num_heads) -> (x [M, H], y [M, n_heads])     y = -1 where no target
-    train_v2_heads(x, y, lm_head, *, num_layers=1, epochs=..., ...) -> (block_weight, block_bias)
-    head_accuracy(heads, x, y, lm_head) -> list[float]                            top-1 per head, full vocabulary
-
 The targets: for a response ``r_1 .. r_T`` generated greedily after a prompt, the base model's final hidden state
 ``h_j`` at the position that produced ``r_{j+1}`` (``h_0`` is the prompt's last position) is paired with
 ``r_{j+h+2}`` for head ``h``: the base ``lm_head`` predicts one token ahead, head ``h`` ``h + 2`` ahead. The base
@@ -33,6 +26,8 @@ from torch import Tensor
 
 from service.medusa.heads import MedusaHeads, residual_blocks
 from service.model import KVCache, Llama
+
+__all__ = ["IGNORE", "head_accuracy", "head_dataset", "teacher_hidden", "train_v2_heads"]
 
 IGNORE = -1
 
@@ -120,12 +115,7 @@ def train_v2_heads(
     weight = torch.zeros(num_layers, n, hidden, hidden, requires_grad=True)
     bias = torch.zeros(num_layers, n, hidden, requires_grad=True)
     head_w = torch.tensor([head_decay**h for h in range(n)])  # [n]
-    lm = lm_head.detach().float()
-    vocab = torch.unique(y[y != IGNORE])  # [Vs] ids the corpus uses
-    remap = torch.full((lm.shape[0],), IGNORE, dtype=torch.long)
-    remap[vocab] = torch.arange(vocab.numel())
-    lm_sub = lm[vocab]  # [Vs, H]
-    y_sub = torch.where(y == IGNORE, IGNORE, remap[y.clamp(min=0)])  # [M, n]
+    lm_sub, y_sub = _corpus_vocabulary(lm_head.detach().float(), y)  # [Vs, H], [M, n]
     states = _shifted_states(x, y, lengths, n)  # [M, n, H]
     has_target = y != IGNORE  # [M, n]
 
@@ -145,11 +135,7 @@ def train_v2_heads(
                 err = (out - states[idx]).pow(2).mean(-1)  # [b, n]
                 loss = (err * mask * head_w).sum() / mask.sum().clamp(min=1)
             else:
-                logits = F.linear(out, lm_sub)  # [b, n, Vs]
-                ce = F.cross_entropy(
-                    logits.reshape(-1, lm_sub.shape[0]), y_sub[idx].reshape(-1), ignore_index=IGNORE, reduction="none"
-                ).view(-1, n)  # [b, n]
-                loss = (ce * head_w).sum() / mask.sum().clamp(min=1)
+                loss = (_cross_entropy(out, lm_sub, y_sub[idx]) * head_w).sum() / mask.sum().clamp(min=1)
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
@@ -160,6 +146,21 @@ def train_v2_heads(
             kind = "mse" if epoch < mse_epochs else "ce"
             log(f"epoch {epoch + 1}/{total} ({kind}) loss={running / count:.4f} ({time.perf_counter() - t0:.1f}s)")
     return weight.detach().clone(), bias.detach().clone()
+
+
+def _corpus_vocabulary(lm: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """lm [V, H], y [M, n] -> the rows of ``lm`` for the ids the corpus uses [Vs, H], and y in those ids [M, n]."""
+    vocab = torch.unique(y[y != IGNORE])  # [Vs]
+    remap = torch.full((lm.shape[0],), IGNORE, dtype=torch.long)
+    remap[vocab] = torch.arange(vocab.numel())
+    return lm[vocab], torch.where(y == IGNORE, IGNORE, remap[y.clamp(min=0)])
+
+
+def _cross_entropy(out: Tensor, lm_sub: Tensor, y_sub: Tensor) -> Tensor:
+    """out [b, n, H] head states, lm_sub [Vs, H], y_sub [b, n] -> per-head cross-entropy [b, n] (0 where IGNORE)."""
+    logits = F.linear(out, lm_sub)  # [b, n, Vs]
+    ce = F.cross_entropy(logits.reshape(-1, lm_sub.shape[0]), y_sub.reshape(-1), ignore_index=IGNORE, reduction="none")
+    return ce.view(y_sub.shape)
 
 
 def head_accuracy(heads: MedusaHeads, x: Tensor, y: Tensor, lm_head: Tensor, *, batch_size: int = 512) -> list[float]:
