@@ -4,9 +4,8 @@ The processing order and the semantics of every step match transformers' ``gener
 (``RepetitionPenaltyLogitsProcessor`` → ``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` →
 ``TopPLogitsWarper``), so a request sampled here sees the same distribution it would see there.
 
-Randomness is per request: the engine gives every sampled row its own ``RandomStream`` (seeded from all 64 bits
-of the request's seed when it has one; torch's CPU generator keeps only the low 32) and each row draws exactly one
-uniform number per step from it. The token is
+Randomness is per request: the engine gives every sampled row its own ``RandomStream``
+(``service.engine.random_streams``) and each row draws exactly one uniform number per step from it. The token is
 then found by inverse-CDF lookup in that row's distribution, so a row's output depends only on its own logits,
 parameters and generator — never on which other requests share the batch.
 
@@ -21,14 +20,13 @@ The hot path (every decode step of an all-greedy batch without penalties) is a s
 from __future__ import annotations
 
 import math
-import os
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from service.engine.random_streams import MAX_SEED, Generator, RandomStream, make_generator, uniforms
 from service.errors import InvalidRequest
 
 __all__ = [
@@ -43,7 +41,6 @@ __all__ = [
     "make_generator",
 ]
 
-_MAX_SEED = 2**64 - 1
 # Below this a temperature means greedy decoding: logits / 1e-5 stay far inside float32 (|logit| * 1e5 < 3e38),
 # while 1e-38 or 1e-45 turn every logit into +-inf and the softmax into NaN. Its distribution is one-hot anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -106,7 +103,7 @@ class SamplingParams:
                 field="sampling.repetition_penalty",
             )
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= _MAX_SEED
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED
         ):
             raise InvalidRequest(
                 f"seed must be an integer in [0, 2**64 - 1] or unset, got {self.seed!r}", field="sampling.seed"
@@ -120,36 +117,6 @@ class SampleResult:
 
     tokens: Tensor
     logprobs: Tensor | None = None
-
-
-class RandomStream:
-    """One request's stream of U[0, 1) draws, seeded with every bit of a 64-bit seed.
-
-    ``torch.Generator.manual_seed`` on CPU seeds its Mersenne Twister with the seed's low 32 bits, so seeds s,
-    s + 2**32 and s + 2**63 gave identical output; Python's ``random.Random`` seeds its Mersenne Twister with the
-    whole integer. Draws are float64 with 53 random bits and the same on every platform.
-    """
-
-    __slots__ = ("_rng", "seed")
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self._rng = random.Random(seed)
-
-    def uniforms(self, count: int) -> list[float]:
-        return [self._rng.random() for _ in range(count)]
-
-
-Generator = RandomStream | torch.Generator
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> RandomStream:
-    """A fresh random stream for one request: seeded from ``seed``, or from the OS when it has none.
-
-    ``device`` is accepted for symmetry with torch generators; draws are made on the host (one per row per step)
-    and moved to the logits' device with the rest of the batch's."""
-    del device
-    return RandomStream(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
 def greedy(logits: Tensor) -> Tensor:
@@ -198,7 +165,7 @@ class Sampler:
         else:
             if generators is not None and len(generators) != b:
                 raise ValueError(f"got {len(generators)} generators for a batch of {b} rows")
-            u = self._uniforms([generators[i] if generators is not None else None for i in sampled], logits.device)
+            u = uniforms([generators[i] if generators is not None else None for i in sampled], logits.device)
             if len(sampled) == b:
                 tokens = _inverse_cdf(torch.softmax(processed, dim=-1), u)  # [B]
             else:
@@ -257,7 +224,7 @@ class Sampler:
         generator. For speculative decoding's residual distributions, e.g. normalise(max(0, p - q))."""
         if len(generators) != probs.shape[0]:
             raise ValueError(f"got {len(generators)} generators for a batch of {probs.shape[0]} rows")
-        return _inverse_cdf(probs.float(), self._uniforms(generators, probs.device))
+        return _inverse_cdf(probs.float(), uniforms(generators, probs.device))
 
     # ---- the steps ----------------------------------------------------------------------------------------------
     def _apply_repetition_penalty(
@@ -295,22 +262,6 @@ class Sampler:
         if any(p < 1.0 for p in ps):
             x = _top_p(x, ps)
         return x
-
-    @staticmethod
-    def _uniforms(generators: Sequence[Generator | None], device: torch.device) -> Tensor:
-        """One U[0, 1) float64 per row, each from its own stream (a torch generator draws on its own device)."""
-        if all(isinstance(gen, RandomStream) for gen in generators):  # the engine's case: one host tensor
-            values = [u for gen in generators if isinstance(gen, RandomStream) for u in gen.uniforms(1)]
-            return torch.tensor(values, dtype=torch.float64, device=device)  # [S]
-        draws = []
-        for gen in generators:
-            if gen is None:
-                draws.append(torch.rand((1,), dtype=torch.float64))
-            elif isinstance(gen, RandomStream):
-                draws.append(torch.tensor(gen.uniforms(1), dtype=torch.float64))
-            else:
-                draws.append(torch.rand((1,), dtype=torch.float64, generator=gen, device=gen.device))
-        return torch.cat([d.to(device) for d in draws])  # [S]
 
 
 def _as_ids(ids: Tensor | Sequence[int], device: torch.device) -> Tensor:
