@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 SHORTEN_CHARS = 200
 DOMAIN = "loraplex"
@@ -53,11 +54,17 @@ def _upper_snake(name: str) -> str:
 
 
 class LoraplexError(Exception):
-    """Base class. ``status`` is the name of a ``grpc.StatusCode`` member; ``fields`` names the attributes that
-    ``details()`` reports (those that are not None)."""
+    """Base class. ``status`` is the name of a ``grpc.StatusCode`` member, given as a class keyword
+    (``class NotFound(LoraplexError, status="NOT_FOUND")``) and inherited by subclasses; ``fields`` names the
+    attributes that ``details()`` reports (those that are not None)."""
 
     status = "INTERNAL"
     fields: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, *, status: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
 
     @property
     def reason(self) -> str:
@@ -70,11 +77,10 @@ class LoraplexError(Exception):
         return {name: shorten(value) for name, value in values if value is not None}
 
 
-class InvalidRequest(LoraplexError):
+class InvalidRequest(LoraplexError, status="INVALID_ARGUMENT"):
     """A request field the server refuses. ``field``: its path in the request message (``sampling.top_p``,
     ``stop_sequences[2]``); ``limit``: the bound it broke, where there is one."""
 
-    status = "INVALID_ARGUMENT"
     fields = ("field", "limit")
 
     def __init__(self, message: str, *, field: str | None = None, limit: int | float | None = None) -> None:
@@ -83,12 +89,10 @@ class InvalidRequest(LoraplexError):
         self.limit = limit
 
 
-class MalformedRequest(InvalidRequest):
-    pass
+class MalformedRequest(InvalidRequest): ...
 
 
-class NotFound(LoraplexError):
-    status = "NOT_FOUND"
+class NotFound(LoraplexError, status="NOT_FOUND"): ...
 
 
 class AdapterNotFound(NotFound):
@@ -101,49 +105,38 @@ class AdapterNotFound(NotFound):
         self.adapter_id = adapter_id
 
 
-class AlreadyExists(LoraplexError):
-    status = "ALREADY_EXISTS"
+class AlreadyExists(LoraplexError, status="ALREADY_EXISTS"): ...
 
 
-class FailedPrecondition(LoraplexError):
-    status = "FAILED_PRECONDITION"
+class FailedPrecondition(LoraplexError, status="FAILED_PRECONDITION"): ...
 
 
-class ResourceExhausted(LoraplexError):
-    status = "RESOURCE_EXHAUSTED"
+class ResourceExhausted(LoraplexError, status="RESOURCE_EXHAUSTED"): ...
 
 
-class QueueFull(ResourceExhausted):
-    pass
+class QueueFull(ResourceExhausted): ...
 
 
-class Unavailable(LoraplexError):
-    status = "UNAVAILABLE"
+class Unavailable(LoraplexError, status="UNAVAILABLE"): ...
 
 
-class PermissionDenied(LoraplexError):
-    status = "PERMISSION_DENIED"
+class PermissionDenied(LoraplexError, status="PERMISSION_DENIED"): ...
 
 
-class Unauthenticated(LoraplexError):
-    status = "UNAUTHENTICATED"
+class Unauthenticated(LoraplexError, status="UNAUTHENTICATED"): ...
 
 
-class DeadlineExceeded(LoraplexError):
-    status = "DEADLINE_EXCEEDED"
+class DeadlineExceeded(LoraplexError, status="DEADLINE_EXCEEDED"): ...
 
 
-class EngineStepFailed(LoraplexError):
+class EngineStepFailed(LoraplexError, status="INTERNAL"):
     """The engine step running a request raised (a bug or a device fault): that step's requests fail, the engine
     goes on. The traceback is logged once by the engine (``event=engine_step_failed``), not once per request."""
 
-    status = "INTERNAL"
 
-
-class CheckpointError(LoraplexError):
+class CheckpointError(LoraplexError, status="INVALID_ARGUMENT"):
     """A weight file or folder cannot be loaded. Always names the file, and the tensor where there is one."""
 
-    status = "INVALID_ARGUMENT"
     fields = ("file", "tensor")
 
     def __init__(self, message: str, *, file: str | Path | None = None, tensor: str | None = None) -> None:
@@ -157,17 +150,13 @@ class CheckpointError(LoraplexError):
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
 
-class HeaderError(CheckpointError):
-    pass
+class HeaderError(CheckpointError): ...
 
 
-class ShardError(CheckpointError):
-    pass
+class ShardError(CheckpointError): ...
 
 
-class TensorMismatch(CheckpointError):
-    pass
+class TensorMismatch(CheckpointError): ...
 
 
-class InvalidAdapter(CheckpointError):
-    pass
+class InvalidAdapter(CheckpointError): ...
