@@ -36,6 +36,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.decoders import DecodeStream
 
 from service.errors import CheckpointError, InvalidRequest
+from service.hf_json import eos_token_ids, read_json_object
 
 __all__ = ["Tokenizer"]
 
@@ -101,7 +102,7 @@ class Tokenizer:
         except Exception as exc:  # the Rust side raises plain Exception for any parse error
             raise CheckpointError(f"cannot parse: {exc}", file=tok_file) from exc
 
-        config = _read_json(folder / "tokenizer_config.json")
+        config = read_json_object(folder / "tokenizer_config.json", missing_ok=True)
         special: dict[str, str] = {}
         for key in _NAMED_TOKENS:
             value = _token_content(config.get(key))
@@ -118,7 +119,7 @@ class Tokenizer:
         gen_config_file = folder / "generation_config.json"
         fallback = folder / "config.json"
         source = gen_config_file if gen_config_file.is_file() else fallback
-        eos_ids = _int_list(_read_json(source).get("eos_token_id"), source)
+        eos_ids = eos_token_ids(read_json_object(source, missing_ok=True).get("eos_token_id"), source)
         return cls(
             backend, special_tokens=special, eos_token_ids=eos_ids, chat_template=chat_template, name=str(folder)
         )
@@ -220,18 +221,6 @@ class Tokenizer:
 
 
 # ---- folder parsing --------------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read JSON: {exc}", file=path) from exc
-    if not isinstance(data, dict):
-        raise CheckpointError("expected a JSON object", file=path)
-    return data
-
-
 def _token_content(value: Any) -> str | None:
     """A special token in tokenizer_config.json: a plain string or a serialized AddedToken {"content": ...}."""
     if isinstance(value, str):
@@ -239,16 +228,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return str(value["content"])
     return None
-
-
-def _int_list(value: Any, source: Path) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return list(value)
-    raise CheckpointError(f"eos_token_id must be an int or a list of ints, got {value!r}", file=source)
 
 
 def _pick_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:

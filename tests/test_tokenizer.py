@@ -238,3 +238,16 @@ def test_broken_folders_fail_by_file(tmp_path: Path) -> None:
     (bad / "generation_config.json").write_text(json.dumps({"eos_token_id": "two"}))
     with pytest.raises(CheckpointError, match="eos_token_id"):
         Tokenizer.from_folder(bad)
+
+
+def test_json_nested_past_the_recursion_limit_is_a_checkpoint_error(tmp_path: Path) -> None:
+    # Found while sharing the model config's JSON reader: the tokenizer's own let RecursionError escape.
+    folder = _trained_folder(tmp_path / "deep", {})
+    nested = '{"eos_token": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (folder / "tokenizer_config.json").write_text(nested)
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json"):
+        Tokenizer.from_folder(folder)
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "generation_config.json").write_text(nested)
+    with pytest.raises(CheckpointError, match=r"generation_config\.json"):
+        Tokenizer.from_folder(folder)

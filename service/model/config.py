@@ -13,7 +13,6 @@ are added to those of ``config.json``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import CheckpointError
+from service.hf_json import eos_token_ids, read_json_object
 
 __all__ = [
     "DEFAULT_ROPE_THETA",
@@ -102,11 +102,11 @@ class ModelConfig:
         """Parse a model folder (or its ``config.json``); refuse what this server cannot run, by name."""
         path = Path(folder_or_config_json)
         config_path = path / "config.json" if path.is_dir() else path
-        raw = _read_json(config_path)
+        raw = read_json_object(config_path)
         extra_eos: list[int] = []
         generation_path = config_path.parent / "generation_config.json"
         if generation_path.is_file():
-            extra_eos = _token_ids(_read_json(generation_path).get("eos_token_id"), generation_path)
+            extra_eos = eos_token_ids(read_json_object(generation_path).get("eos_token_id"), generation_path)
         return cls.from_dict(raw, source=config_path, extra_eos_token_ids=extra_eos)
 
     @classmethod
@@ -141,7 +141,7 @@ class ModelConfig:
                 "sliding-window attention is not supported"
             )
         rope_theta, rope_scaling = _parse_rope(raw, fail)
-        eos = _token_ids(raw.get("eos_token_id"), source)
+        eos = eos_token_ids(raw.get("eos_token_id"), source)
         for token in extra_eos_token_ids or []:
             if token not in eos:
                 eos.append(token)
@@ -247,25 +247,3 @@ def _finite(value: Any) -> float:
     except OverflowError:
         return math.nan
     return number if math.isfinite(number) else math.nan
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError("file not found", file=path) from None
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
-        raise CheckpointError(f"cannot read JSON: {exc}", file=path) from None
-    if not isinstance(data, dict):
-        raise CheckpointError("expected a JSON object", file=path)
-    return data
-
-
-def _token_ids(value: Any, source: Path | str) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return list(value)
-    raise CheckpointError(f"eos_token_id must be an integer or a list of integers, got {value!r}", file=source)
