@@ -42,23 +42,24 @@ def build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]:
         p = f"model.layers.{i}."
         attn, ffn = block.attention, block.feed_forward
         for part in fused["wqkv"]:
-            plan[f"{p}self_attn.{part.hf_name}.weight"] = attn.wqkv.data[part.start : part.stop]
-            if attn.bqkv is not None:
-                plan[f"{p}self_attn.{part.hf_name}.bias"] = attn.bqkv.data[part.start : part.stop]
-        plan[f"{p}self_attn.o_proj.weight"] = attn.wo.data
-        if attn.bo is not None:
-            plan[f"{p}self_attn.o_proj.bias"] = attn.bo.data
+            _add_projection(plan, f"{p}self_attn.{part.hf_name}", attn.wqkv, attn.bqkv, slice(part.start, part.stop))
+        _add_projection(plan, f"{p}self_attn.o_proj", attn.wo, attn.bo)
         for part in fused["w13"]:
-            plan[f"{p}mlp.{part.hf_name}.weight"] = ffn.w13.data[part.start : part.stop]
-            if ffn.b13 is not None:
-                plan[f"{p}mlp.{part.hf_name}.bias"] = ffn.b13.data[part.start : part.stop]
-        plan[f"{p}mlp.down_proj.weight"] = ffn.w2.data
-        if ffn.b2 is not None:
-            plan[f"{p}mlp.down_proj.bias"] = ffn.b2.data
+            _add_projection(plan, f"{p}mlp.{part.hf_name}", ffn.w13, ffn.b13, slice(part.start, part.stop))
+        _add_projection(plan, f"{p}mlp.down_proj", ffn.w2, ffn.b2)
         plan[f"{p}input_layernorm.weight"] = block.attention_norm.weight.data
         plan[f"{p}post_attention_layernorm.weight"] = block.ffn_norm.weight.data
         ignore.append(f"{p}self_attn.rotary_emb.inv_freq")  # written by old transformers versions
     return plan, ignore
+
+
+def _add_projection(
+    plan: dict[str, Tensor], name: str, weight: Tensor, bias: Tensor | None, rows: slice | None = None
+) -> None:
+    """``name.weight`` (and ``name.bias`` where the model has one) -> ``rows`` of ``weight`` / ``bias``, or all."""
+    plan[f"{name}.weight"] = weight.data if rows is None else weight.data[rows]
+    if bias is not None:
+        plan[f"{name}.bias"] = bias.data if rows is None else bias.data[rows]
 
 
 def load_model(
