@@ -13,6 +13,7 @@ what this module declares plus the process collector.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,6 +31,20 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
+
+# Every metric below is built through these three, so each lands in REGISTRY and nowhere else.
+def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+    return Counter(name, doc, labels, registry=REGISTRY)
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+    return Gauge(name, doc, labels, registry=REGISTRY)
+
+
+def _histogram(name: str, doc: str, labels: Sequence[str] = (), *, buckets: Sequence[float]) -> Histogram:
+    return Histogram(name, doc, labels, buckets=buckets, registry=REGISTRY)
+
+
 # Load times span 10 ms (a small file, warm cache) to minutes (a 70B model, cold disk).
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Request latencies: sub-millisecond GPU steps to multi-second CPU generations, up to an hour (a queue wait plus
@@ -43,197 +58,129 @@ LATENCY_BUCKETS = (
 BUILD_INFO = Info("loraplex_build", "Version and runtime of this server.", registry=REGISTRY)
 
 # --- model load -----------------------------------------------------------------------------------------
-MODEL_LOAD_DURATION = Histogram(
+MODEL_LOAD_DURATION = _histogram(
     "loraplex_model_load_duration_seconds",
     "Base model load time by stage (header, read, convert, total) and load mode.",
     ["stage", "mode"],
     buckets=LOAD_BUCKETS,
-    registry=REGISTRY,
 )
-MODEL_LOAD_BYTES = Counter(
-    "loraplex_model_load_bytes_total",
-    "Bytes of base model weights read from checkpoint files.",
-    ["mode"],
-    registry=REGISTRY,
+MODEL_LOAD_BYTES = _counter(
+    "loraplex_model_load_bytes_total", "Bytes of base model weights read from checkpoint files.", ["mode"]
 )
-MODEL_LOADED = Gauge(
-    "loraplex_model_loaded",
-    "1 once the base model is loaded and the server can serve it.",
-    registry=REGISTRY,
-)
-MODEL_PARAMETER_BYTES = Gauge(
-    "loraplex_model_parameter_bytes",
-    "Bytes held by the base model's parameters in their serving dtype.",
-    registry=REGISTRY,
+MODEL_LOADED = _gauge("loraplex_model_loaded", "1 once the base model is loaded and the server can serve it.")
+MODEL_PARAMETER_BYTES = _gauge(
+    "loraplex_model_parameter_bytes", "Bytes held by the base model's parameters in their serving dtype."
 )
 
 # --- requests ---------------------------------------------------------------------------------------------
-REQUESTS = Counter(
-    "loraplex_requests_total",
-    "Finished RPCs by method and gRPC status code.",
-    ["method", "code"],
-    registry=REGISTRY,
-)
-TIME_TO_FIRST_TOKEN = Histogram(
+REQUESTS = _counter("loraplex_requests_total", "Finished RPCs by method and gRPC status code.", ["method", "code"])
+TIME_TO_FIRST_TOKEN = _histogram(
     "loraplex_time_to_first_token_seconds",
     "From request arrival to its first generated token.",
     buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
 )
-INTER_TOKEN_LATENCY = Histogram(
-    "loraplex_inter_token_latency_seconds",
-    "Time between consecutive tokens of one request.",
-    buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
+INTER_TOKEN_LATENCY = _histogram(
+    "loraplex_inter_token_latency_seconds", "Time between consecutive tokens of one request.", buckets=LATENCY_BUCKETS
 )
-REQUEST_LATENCY = Histogram(
+REQUEST_LATENCY = _histogram(
     "loraplex_request_duration_seconds",
     "End-to-end latency of a generation, arrival to last token.",
     buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
 )
-QUEUE_TIME = Histogram(
-    "loraplex_request_queue_seconds",
-    "Time a request waits before its prefill starts.",
-    buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
+QUEUE_TIME = _histogram(
+    "loraplex_request_queue_seconds", "Time a request waits before its prefill starts.", buckets=LATENCY_BUCKETS
 )
-PROMPT_TOKENS = Counter("loraplex_prompt_tokens_total", "Prompt tokens prefilled.", registry=REGISTRY)
-PREFIX_CACHE_HIT_TOKENS = Counter(
+PROMPT_TOKENS = _counter("loraplex_prompt_tokens_total", "Prompt tokens prefilled.")
+PREFIX_CACHE_HIT_TOKENS = _counter(
     "loraplex_prefix_cache_hit_tokens_total",
     "Prompt tokens whose K/V came from the prefix cache instead of a prefill (included in prompt tokens).",
-    registry=REGISTRY,
 )
-PREFIX_CACHE_BLOCKS = Gauge(
-    "loraplex_prefix_cache_blocks", "Prompt blocks held by the prefix cache.", registry=REGISTRY
-)
-GENERATED_TOKENS = Counter("loraplex_generated_tokens_total", "Tokens generated.", registry=REGISTRY)
-RUNNING_REQUESTS = Gauge("loraplex_running_requests", "Requests in the running batch.", registry=REGISTRY)
-WAITING_REQUESTS = Gauge("loraplex_waiting_requests", "Requests queued for admission.", registry=REGISTRY)
-BATCH_SIZE = Histogram(
-    "loraplex_batch_size",
-    "Rows per forward step.",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-    registry=REGISTRY,
-)
-KV_CACHE_USAGE = Gauge(
-    "loraplex_kv_cache_usage_ratio",
-    "Fraction of KV cache slots held by running requests.",
-    registry=REGISTRY,
-)
-ENGINE_STEP_FAILURES = Counter(
+PREFIX_CACHE_BLOCKS = _gauge("loraplex_prefix_cache_blocks", "Prompt blocks held by the prefix cache.")
+GENERATED_TOKENS = _counter("loraplex_generated_tokens_total", "Tokens generated.")
+RUNNING_REQUESTS = _gauge("loraplex_running_requests", "Requests in the running batch.")
+WAITING_REQUESTS = _gauge("loraplex_waiting_requests", "Requests queued for admission.")
+BATCH_SIZE = _histogram("loraplex_batch_size", "Rows per forward step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+KV_CACHE_USAGE = _gauge("loraplex_kv_cache_usage_ratio", "Fraction of KV cache slots held by running requests.")
+ENGINE_STEP_FAILURES = _counter(
     "loraplex_engine_step_failures_total",
     "Engine steps that raised: their requests failed with INTERNAL, the engine went on.",
-    registry=REGISTRY,
 )
-ENGINE_THREADS = Gauge(
+ENGINE_THREADS = _gauge(
     "loraplex_engine_threads",
     "Intra-op threads the engine's decode steps run with now (below the budget while the CPUs are contended).",
-    registry=REGISTRY,
 )
-ENGINE_THREADS_BUDGET = Gauge(
+ENGINE_THREADS_BUDGET = _gauge(
     "loraplex_engine_threads_budget",
     "Most intra-op threads the engine may use: --threads, or min(affinity, cgroup CPU quota, physical cores).",
-    registry=REGISTRY,
 )
 
 # --- adapters ---------------------------------------------------------------------------------------------
-ADAPTER_LOAD_DURATION = Histogram(
+ADAPTER_LOAD_DURATION = _histogram(
     "loraplex_adapter_load_duration_seconds",
     "Adapter load time by stage (index = registration, read, validate = the finiteness check of what was read, "
     "layout, total = request to resident) and by the tier the bytes came from (disk, host).",
     ["stage", "tier"],
     buckets=LOAD_BUCKETS,
-    registry=REGISTRY,
 )
-ADAPTER_EVICTIONS_UNUSED = Counter(
+ADAPTER_EVICTIONS_UNUSED = _counter(
     "loraplex_adapter_evictions_unused_total",
     "Adapters evicted from a tier before any request used them since their load: a working set thrashing the "
     "tier (each is a wasted load; stays 0 while loads wait for room).",
     ["tier"],
-    registry=REGISTRY,
 )
-ADAPTER_CACHE_EVENTS = Counter(
+ADAPTER_CACHE_EVENTS = _counter(
     "loraplex_adapter_cache_events_total",
     "Adapter tier events: hit / miss (device: a request found it resident or queued a load; host: a load reused "
     "the host copy or read the disk) and eviction (device: to the host tier; host: to disk only).",
     ["event", "tier"],
-    registry=REGISTRY,
 )
-ADAPTER_RESIDENT = Gauge(
-    "loraplex_adapter_resident",
-    "Adapters resident on each tier (device, host).",
-    ["tier"],
-    registry=REGISTRY,
+ADAPTER_RESIDENT = _gauge("loraplex_adapter_resident", "Adapters resident on each tier (device, host).", ["tier"])
+ADAPTER_RESIDENT_BYTES = _gauge(
+    "loraplex_adapter_resident_bytes", "Bytes of adapter weights held on each tier (device, host).", ["tier"]
 )
-ADAPTER_RESIDENT_BYTES = Gauge(
-    "loraplex_adapter_resident_bytes",
-    "Bytes of adapter weights held on each tier (device, host).",
-    ["tier"],
-    registry=REGISTRY,
+ADAPTER_BUDGET_BYTES = _gauge(
+    "loraplex_adapter_budget_bytes", "Byte budget of each adapter tier (device, host).", ["tier"]
 )
-ADAPTER_BUDGET_BYTES = Gauge(
-    "loraplex_adapter_budget_bytes",
-    "Byte budget of each adapter tier (device, host).",
-    ["tier"],
-    registry=REGISTRY,
-)
-ADAPTER_READ_BYTES = Counter(
-    "loraplex_adapter_read_bytes_total",
-    "Bytes of adapter weights read from adapter files.",
-    registry=REGISTRY,
-)
-ADAPTERS_REGISTERED = Gauge("loraplex_adapters_registered", "Adapters registered.", registry=REGISTRY)
+ADAPTER_READ_BYTES = _counter("loraplex_adapter_read_bytes_total", "Bytes of adapter weights read from adapter files.")
+ADAPTERS_REGISTERED = _gauge("loraplex_adapters_registered", "Adapters registered.")
 
 # --- speculative decoding (Medusa) ----------------------------------------------------------------------------
-SPECULATIVE_DRAFTED = Counter(
-    "loraplex_speculative_drafted_tokens",
-    "Draft tokens proposed by Medusa heads and verified.",
-    registry=REGISTRY,
+SPECULATIVE_DRAFTED = _counter(
+    "loraplex_speculative_drafted_tokens", "Draft tokens proposed by Medusa heads and verified."
 )
-SPECULATIVE_ACCEPTED = Counter(
-    "loraplex_speculative_accepted_tokens",
-    "Draft tokens accepted by verification (each saves one forward pass).",
-    registry=REGISTRY,
+SPECULATIVE_ACCEPTED = _counter(
+    "loraplex_speculative_accepted_tokens", "Draft tokens accepted by verification (each saves one forward pass)."
 )
-SPECULATIVE_STEPS = Counter(
+SPECULATIVE_STEPS = _counter(
     "loraplex_speculative_steps",
     "Row-steps that verified drafts; accepted / steps + 1 = mean tokens per step of a speculating row.",
-    registry=REGISTRY,
 )
 
 # --- per adapter (labels only through ADAPTERS below) -----------------------------------------------------------
-ADAPTER_REQUESTS = Counter(
+ADAPTER_REQUESTS = _counter(
     "loraplex_adapter_requests",
     "Finished generation RPCs by adapter and gRPC status code (client deadlines as DEADLINE_EXCEEDED).",
     ["adapter", "code"],
-    registry=REGISTRY,
 )
-ADAPTER_GENERATED_TOKENS = Counter(
-    "loraplex_adapter_generated_tokens",
-    "Tokens generated, by adapter; counted when the request finishes.",
-    ["adapter"],
-    registry=REGISTRY,
+ADAPTER_GENERATED_TOKENS = _counter(
+    "loraplex_adapter_generated_tokens", "Tokens generated, by adapter; counted when the request finishes.", ["adapter"]
 )
-ADAPTER_TIME_TO_FIRST_TOKEN = Histogram(
+ADAPTER_TIME_TO_FIRST_TOKEN = _histogram(
     "loraplex_adapter_time_to_first_token_seconds",
     "From request arrival to its first generated token, by adapter.",
     ["adapter"],
     buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
 )
-ADAPTER_LOAD_SECONDS = Histogram(
+ADAPTER_LOAD_SECONDS = _histogram(
     "loraplex_adapter_load_seconds",
     "Adapter load time, request to resident (LoRA) or read to ready (Medusa heads), by adapter.",
     ["adapter"],
     buckets=LOAD_BUCKETS,
-    registry=REGISTRY,
 )
-ADAPTER_EVICTIONS = Counter(
+ADAPTER_EVICTIONS = _counter(
     "loraplex_adapter_evictions",
     "Adapter evictions by adapter and the tier it left (device: to the host tier; host: to disk only).",
     ["adapter", "tier"],
-    registry=REGISTRY,
 )
 PER_ADAPTER = (
     ADAPTER_REQUESTS,
