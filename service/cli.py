@@ -66,110 +66,92 @@ def _client(args: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
-def _serve_security_flags(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("--tls-cert", type=Path, help="serve gRPC over TLS with this certificate chain (PEM)")
-    serve.add_argument("--tls-key", type=Path, help="the private key of --tls-cert (PEM)")
-    serve.add_argument("--tls-client-ca", type=Path, help="mutual TLS: require client certificates signed by this CA")
-    serve.add_argument(
-        "--api-key-file", type=Path, metavar="PATH",
-        help="API keys, one ROLE:KEY per line (roles: generate, admin); keys in LORAPLEX_API_KEYS are admin keys",
-    )  # fmt: skip
-    serve.add_argument("--max-message-bytes", type=int, help="largest gRPC message, both ways (default 4 MiB)")
-    serve.add_argument(
-        "--max-connection-age-seconds", type=float,
-        help="close connections after this long, so clients rebalance (default 300; 0 = never)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-connection-age-grace-seconds", type=float,
-        help="how long calls running on an aged connection may still take (default inf: never cut)",
-    )  # fmt: skip
+class _Flag:
+    """One `loraplex serve` flag as data: its name, help and the other ``add_argument`` options. None has a default
+    of its own: an unset flag leaves the Settings default, or its ``LORAPLEX_*`` variable, in place."""
+
+    def __init__(self, name: str, help: str, **options: Any) -> None:
+        self.name, self.help, self.options = name, help, options
+
+
+# The model, its device and dtype, where to listen, the metrics endpoint.
+_MODEL_FLAGS = (
+    _Flag("--model", "HF-format model folder (default models/SmolLM2-135M-Instruct)", type=Path),
+    _Flag("--device", "cpu, cuda, cuda:N (default cpu)"),
+    _Flag("--dtype", "serving dtype (default float32)", choices=DTYPES),
+    _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
+    _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
+    _Flag("--port", "gRPC port (default 50051)", type=int),
+    _Flag("--metrics-host", "/metrics bind address (default 127.0.0.1)"),
+    _Flag("--metrics-port", "/metrics port (default 9400; 0 = any free port, -1 = off)", type=int),
+    _Flag("--metrics-adapter-series",
+          'distinct `adapter` label values on per-adapter metrics (default 32; the rest count as "other")',
+          type=int, metavar="N"),
+)  # fmt: skip
+# Engine threads and the per-request and queue bounds, shutdown grace.
+_LIMIT_FLAGS = (
+    _Flag("--threads", "most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
+          type=int),
+    _Flag("--adaptive-threads", "measure decode steps and use fewer threads while the CPUs are contended (default on)",
+          action=argparse.BooleanOptionalAction, default=None),
+    _Flag("--max-batch-size", "rows per decode step (default 32)", type=int),
+    _Flag("--max-queue", "queued requests before RESOURCE_EXHAUSTED (default 256)", type=int),
+    _Flag("--max-prompt-tokens", "longest prompt accepted (default 2048)", type=int),
+    _Flag("--max-new-tokens", "largest max_new_tokens accepted (default 1024)", type=int),
+    _Flag("--max-total-tokens", "prompt + generated per request (default 4096)", type=int),
+    _Flag("--max-prompt-bytes",
+          "UTF-8 bytes of one prompt, refused before tokenization (default 0 = 128 x --max-prompt-tokens)", type=int),
+    _Flag("--max-chat-messages", "chat messages in one input (default 1024)", type=int),
+    _Flag("--max-stop-sequences", "stop sequences per request (default 16)", type=int),
+    _Flag("--max-stop-sequence-bytes", "UTF-8 bytes of each stop sequence (default 1024)", type=int),
+    _Flag("--grace-seconds", "drain time on SIGTERM (default 10)", type=float),
+)  # fmt: skip
+# Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa.
+_ADAPTER_FLAGS = (
+    _Flag("--adapter", "register an adapter at start-up (repeatable)",
+          dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH"),
+    _Flag("--adapter-dir", "register every adapter folder under DIR lazily at start-up (repeatable)",
+          dest="adapter_dirs", action="append", type=Path, metavar="DIR"),
+    _Flag("--adapter-root", "more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
+          dest="adapter_roots", action="append", type=Path, metavar="DIR"),
+    _Flag("--adapter-device-budget-bytes", "device-tier adapter cache budget", type=int),
+    _Flag("--adapter-host-budget-bytes", "host-tier adapter cache budget", type=int),
+    _Flag("--prefix-cache-bytes", "K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)", type=int),
+    _Flag("--prefix-block-tokens", "prefix cache granularity in tokens (default 16)", type=int),
+    _Flag("--draft-threshold",
+          "Medusa: verify draft i only while the heads' probability that drafts 1..i are all right is >= this",
+          type=float),
+    _Flag("--speculate-tree",
+          "Medusa draft tree: 'chain' (top-1 per head) or rank paths, e.g. '0;1;0.0;1.0;0.0.0'"),
+    _Flag("--speculate-adaptive",
+          "measure plain and speculative decode steps per batch size and use the faster (default on)",
+          action=argparse.BooleanOptionalAction, default=None),
+    _Flag("--speculate-max-batch", "Medusa speculation off above this batch size", type=int),
+)  # fmt: skip
+# TLS, API keys, message size and connection age.
+_SECURITY_FLAGS = (
+    _Flag("--tls-cert", "serve gRPC over TLS with this certificate chain (PEM)", type=Path),
+    _Flag("--tls-key", "the private key of --tls-cert (PEM)", type=Path),
+    _Flag("--tls-client-ca", "mutual TLS: require client certificates signed by this CA", type=Path),
+    _Flag("--api-key-file",
+          "API keys, one ROLE:KEY per line (roles: generate, admin); keys in LORAPLEX_API_KEYS are admin keys",
+          type=Path, metavar="PATH"),
+    _Flag("--max-message-bytes", "largest gRPC message, both ways (default 4 MiB)", type=int),
+    _Flag("--max-connection-age-seconds",
+          "close connections after this long, so clients rebalance (default 300; 0 = never)", type=float),
+    _Flag("--max-connection-age-grace-seconds",
+          "how long calls running on an aged connection may still take (default inf: never cut)", type=float),
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    _serve_model_flags(serve)
-    _serve_limit_flags(serve)
-    _serve_adapter_flags(serve)
-    _serve_security_flags(serve)
+    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS):
+        serve.add_argument(flag.name, help=flag.help, **flag.options)
     _other_commands(sub, _connection_flags())
     return parser
-
-
-def _serve_model_flags(serve: argparse.ArgumentParser) -> None:
-    """The model, its device and dtype, where to listen, the metrics endpoint."""
-    serve.add_argument("--model", type=Path, help="HF-format model folder (default models/SmolLM2-135M-Instruct)")
-    serve.add_argument("--device", help="cpu, cuda, cuda:N (default cpu)")
-    serve.add_argument("--dtype", choices=DTYPES, help="serving dtype (default float32)")
-    serve.add_argument("--load-mode", choices=LOAD_MODES, help="weight loading: stream (default), mmap, eager")
-    serve.add_argument("--host", help="gRPC bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="gRPC port (default 50051)")
-    serve.add_argument("--metrics-host", help="/metrics bind address (default 127.0.0.1)")
-    serve.add_argument("--metrics-port", type=int, help="/metrics port (default 9400; 0 = any free port, -1 = off)")
-    serve.add_argument(
-        "--metrics-adapter-series", type=int, metavar="N",
-        help="distinct `adapter` label values on per-adapter metrics (default 32; the rest count as \"other\")",
-    )  # fmt: skip
-
-
-def _serve_limit_flags(serve: argparse.ArgumentParser) -> None:
-    """Engine threads and the per-request and queue bounds, shutdown grace."""
-    serve.add_argument(
-        "--threads", type=int,
-        help="most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
-    )  # fmt: skip
-    serve.add_argument(
-        "--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
-        help="measure decode steps and use fewer threads while the CPUs are contended (default on)",
-    )  # fmt: skip
-    serve.add_argument("--max-batch-size", type=int, help="rows per decode step (default 32)")
-    serve.add_argument("--max-queue", type=int, help="queued requests before RESOURCE_EXHAUSTED (default 256)")
-    serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default 2048)")
-    serve.add_argument("--max-new-tokens", type=int, help="largest max_new_tokens accepted (default 1024)")
-    serve.add_argument("--max-total-tokens", type=int, help="prompt + generated per request (default 4096)")
-    serve.add_argument(
-        "--max-prompt-bytes", type=int,
-        help="UTF-8 bytes of one prompt, refused before tokenization (default 0 = 128 x --max-prompt-tokens)",
-    )  # fmt: skip
-    serve.add_argument("--max-chat-messages", type=int, help="chat messages in one input (default 1024)")
-    serve.add_argument("--max-stop-sequences", type=int, help="stop sequences per request (default 16)")
-    serve.add_argument("--max-stop-sequence-bytes", type=int, help="UTF-8 bytes of each stop sequence (default 1024)")
-    serve.add_argument("--grace-seconds", type=float, help="drain time on SIGTERM (default 10)")
-
-
-def _serve_adapter_flags(serve: argparse.ArgumentParser) -> None:
-    """Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa."""
-    serve.add_argument(
-        "--adapter", dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH",
-        help="register an adapter at start-up (repeatable)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--adapter-dir", dest="adapter_dirs", action="append", type=Path, metavar="DIR",
-        help="register every adapter folder under DIR lazily at start-up (repeatable)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--adapter-root", dest="adapter_roots", action="append", type=Path, metavar="DIR",
-        help="more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
-    )  # fmt: skip
-    serve.add_argument("--adapter-device-budget-bytes", type=int, help="device-tier adapter cache budget")
-    serve.add_argument("--adapter-host-budget-bytes", type=int, help="host-tier adapter cache budget")
-    serve.add_argument(
-        "--prefix-cache-bytes", type=int, help="K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)"
-    )
-    serve.add_argument("--prefix-block-tokens", type=int, help="prefix cache granularity in tokens (default 16)")
-    serve.add_argument(
-        "--draft-threshold", type=float,
-        help="Medusa: verify draft i only while the heads' probability that drafts 1..i are all right is >= this",
-    )  # fmt: skip
-    serve.add_argument(
-        "--speculate-tree", help="Medusa draft tree: 'chain' (top-1 per head) or rank paths, e.g. '0;1;0.0;1.0;0.0.0'"
-    )
-    serve.add_argument(
-        "--speculate-adaptive", action=argparse.BooleanOptionalAction, default=None,
-        help="measure plain and speculative decode steps per batch size and use the faster (default on)",
-    )  # fmt: skip
-    serve.add_argument("--speculate-max-batch", type=int, help="Medusa speculation off above this batch size")
 
 
 def _other_commands(
