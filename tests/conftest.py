@@ -1,7 +1,8 @@
 """Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
 
 Factories: `tiny_llama_factory` (tiny random Llama folders), `tiny_server` (a started `BackgroundServer` over the
-tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `free_port`; and
+tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `make_store` (CPU
+adapter stores for the tiny Llama, closed at teardown), `free_port`; and
 one default `server` (with its `stub`) per module that does not define its own. Plain helpers live in
 `helpers.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
 """
@@ -113,6 +114,19 @@ def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
             return stack.enter_context(BackgroundServer(tiny_settings(model, **overrides), load=load))
 
         yield start
+
+
+@pytest.fixture
+def make_store(tiny_llama_dir: Path) -> Iterator[Callable[..., Any]]:
+    """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=()) -> AdapterStore``: a CPU adapter store
+    for the tiny Llama (`helpers_adapters.new_store`); every store it made is closed at teardown."""
+    from helpers_adapters import new_store
+
+    from service.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(tiny_llama_dir)
+    with ExitStack() as stack:
+        yield lambda **kw: stack.enter_context(new_store(cfg, **kw))
 
 
 @pytest.fixture

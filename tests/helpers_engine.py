@@ -7,6 +7,8 @@ imports another test module); a test that starts an engine stops it.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,3 +97,30 @@ def run(engine: Engine, *requests: GenerationRequest) -> dict[str, list[TokenEve
 def generate(engine: Engine, request: GenerationRequest) -> list[TokenEvent]:
     """All events of one request, stepping ``engine`` until it finishes."""
     return run(engine, request)[request.request_id]
+
+
+def run_together(
+    engine: Engine, requests: list[GenerationRequest], timeout: float = 60.0
+) -> dict[str, list[TokenEvent]]:
+    """Run ``requests`` on a started engine, admitted in one step: a one-token gate request holds the engine thread
+    in its sink until every request is queued. For engines whose rows wait on work off the engine thread (adapter
+    loads); the others are stepped."""
+    release, held = threading.Event(), threading.Event()
+
+    def gate(event: TokenEvent) -> None:
+        held.set()
+        release.wait(10)
+
+    engine.submit(GenerationRequest(request_id="gate", prompt_ids=(1, 2, 3), max_new_tokens=1), gate)
+    assert held.wait(10), "the gate request never ran"
+    sinks: dict[str, queue.SimpleQueue[TokenEvent]] = {}
+    for r in requests:
+        sinks[r.request_id] = queue.SimpleQueue()
+        engine.submit(r, sinks[r.request_id].put)
+    release.set()
+    out: dict[str, list[TokenEvent]] = {}
+    for rid, sink in sinks.items():
+        events = out[rid] = []
+        while not events or events[-1].finish is None:
+            events.append(sink.get(timeout=timeout))
+    return out

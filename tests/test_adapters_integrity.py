@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -45,22 +44,6 @@ def written(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         "r4": write_peft_adapter(root / "r4", model, r=4, target_modules=("q_proj", "v_proj"), seed=1),
         "r8": write_peft_adapter(root / "r8", model, r=8, target_modules=("q_proj", "v_proj"), seed=2),
     }
-
-
-@pytest.fixture()
-def make_store(cfg: ModelConfig) -> Iterator[Callable[..., AdapterStore]]:
-    made: list[AdapterStore] = []
-
-    def make(**kw: Any) -> AdapterStore:
-        made.append(
-            AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=1 << 20,
-                         host_budget_bytes=1 << 20, **kw)
-        )  # fmt: skip
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -12,13 +12,14 @@ import struct
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from adapter_files import load_peft_model, rewrite_adapter_tensors, write_peft_adapter
+from helpers_adapters import new_store
 
 from service import metrics
 from service.adapters import reader as reader_mod
@@ -77,26 +78,6 @@ def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     )
     out["bf16"] = write_peft_adapter(root / "bf16", model, r=2, target_modules=("up_proj",), dtype=torch.bfloat16)
     return out
-
-
-def _store(cfg: ModelConfig, *, device_budget: int = 1 << 20, host_budget: int = 1 << 20, **kw: Any) -> AdapterStore:
-    return AdapterStore(
-        cfg, device=CPU, dtype=kw.pop("dtype", torch.float32), device_budget_bytes=device_budget,
-        host_budget_bytes=host_budget, **kw,
-    )  # fmt: skip
-
-
-@pytest.fixture()
-def make_store(cfg: ModelConfig) -> Iterator[Callable[..., AdapterStore]]:
-    made: list[AdapterStore] = []
-
-    def make(**kw: Any) -> AdapterStore:
-        made.append(_store(cfg, **kw))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def _tiers(st: StoreState) -> dict[str, str]:
@@ -199,7 +180,7 @@ def test_registering_a_huge_adapter_is_fast(tmp_path: Path) -> None:
     cfg = ModelConfig.from_dict(LLAMA_70B)
     nbytes = _write_sparse_adapter(tmp_path / "big", cfg, r=64)
     assert nbytes > 1.5e9
-    store = _store(cfg, device_budget=1 << 30)
+    store = new_store(cfg, device_budget=1 << 30)
     times = []
     for i in range(3):
         t0 = time.process_time()
@@ -226,7 +207,7 @@ def test_thousand_registrations_fit_in_100mb(tmp_path: Path) -> None:
         pytest.skip("needs /proc")
     cfg = ModelConfig.from_dict(SMOLLM2)
     _write_sparse_adapter(tmp_path / "s", cfg, r=8)
-    store = _store(cfg)
+    store = new_store(cfg)
     store.register("warmup", tmp_path / "s")  # imports, regex caches
     tracemalloc.start()
     try:
@@ -260,7 +241,7 @@ def test_laid_out_weights_are_peft_lora_a_and_scaled_b(
     name: str, dtype: torch.dtype, tol: float, cfg: ModelConfig, base: Path, adapters: dict[str, Path]
 ) -> None:
     ref = _reference(adapters[name], base)
-    with _store(cfg, dtype=dtype) as store:
+    with new_store(cfg, dtype=dtype) as store:
         store.register(name, adapters[name])
         assert store.request(name) is False
         store.ensure(name, timeout=30)
