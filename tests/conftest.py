@@ -1,8 +1,8 @@
 """Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
 
 Factories: `tiny_llama_factory` (tiny random Llama folders), `tiny_server` (a started `BackgroundServer` over the
-tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `make_store` (CPU
-adapter stores for the tiny Llama, closed at teardown), `free_port`; and
+tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `tiny_peft_adapters`
+(PEFT adapters for the tiny Llama), `make_store` (CPU adapter stores for it, closed at teardown), `free_port`; and
 one default `server` (with its `stub`) per module that does not define its own. Plain helpers live in
 `helpers.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
 """
@@ -114,6 +114,23 @@ def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
             return stack.enter_context(BackgroundServer(tiny_settings(model, **overrides), load=load))
 
         yield start
+
+
+@pytest.fixture(scope="session")
+def tiny_peft_adapters(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., dict[str, Path]]:
+    """``write(**specs) -> {name: folder}``: one PEFT adapter per ``name={write_peft_adapter keywords}`` over the
+    tiny Llama, written by peft (`adapter_files.write_peft_adapter`) into a fresh temp folder."""
+    from adapter_files import write_peft_adapter
+    from tiny_models import load_hf_llama
+
+    def write(**specs: dict[str, Any]) -> dict[str, Path]:
+        model = load_hf_llama(tiny_llama_dir)
+        root = tmp_path_factory.mktemp("peft")
+        return {name: write_peft_adapter(root / name, model, **kw) for name, kw in specs.items()}
+
+    return write
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_files import edit_adapter_config, rewrite_adapter_tensors, write_peft_adapter
+from adapter_files import edit_adapter_config, rewrite_adapter_tensors
 
 from service import metrics
 from service.adapters import store as store_mod
@@ -34,16 +34,12 @@ def cfg(tiny_llama_dir: Path) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def written(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def written(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     """A healthy r=4 adapter and an r=8 one (same targets), to copy and break per test."""
-    from tiny_models import load_hf_llama
-
-    model = load_hf_llama(tiny_llama_dir)
-    root = tmp_path_factory.mktemp("pristine")
-    return {
-        "r4": write_peft_adapter(root / "r4", model, r=4, target_modules=("q_proj", "v_proj"), seed=1),
-        "r8": write_peft_adapter(root / "r8", model, r=8, target_modules=("q_proj", "v_proj"), seed=2),
-    }
+    qv = ("q_proj", "v_proj")
+    return tiny_peft_adapters(
+        r4={"r": 4, "target_modules": qv, "seed": 1}, r8={"r": 8, "target_modules": qv, "seed": 2}
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:

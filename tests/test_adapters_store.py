@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import load_peft_model, rewrite_adapter_tensors, write_peft_adapter
+from adapter_files import load_peft_model, rewrite_adapter_tensors
 from helpers_adapters import new_store
 
 from service import metrics
@@ -52,32 +52,22 @@ def cfg(base: Path) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def adapters(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     """Six same-sized adapters (a..f) and some of other shapes, written by peft."""
-    from tiny_models import load_hf_llama
-
-    model = load_hf_llama(base)
-    root = tmp_path_factory.mktemp("adapters")
-    out = {
-        name: write_peft_adapter(root / name, model, r=4, target_modules=("q_proj", "v_proj"), seed=i)
-        for i, name in enumerate("abcdef")
-    }
-    out["mixed"] = write_peft_adapter(
-        root / "mixed",
-        model,
-        r=8,
-        alpha=4,
-        target_modules=("k_proj", "o_proj", "gate_proj", "down_proj"),
-        rank_pattern={"down_proj": 2},
-        alpha_pattern={r"layers\.1\.self_attn\.o_proj": 24},
-        layers_to_transform=[1],
-        seed=10,
+    return tiny_peft_adapters(
+        **{name: {"r": 4, "target_modules": ("q_proj", "v_proj"), "seed": i} for i, name in enumerate("abcdef")},
+        mixed={
+            "r": 8,
+            "alpha": 4,
+            "target_modules": ("k_proj", "o_proj", "gate_proj", "down_proj"),
+            "rank_pattern": {"down_proj": 2},
+            "alpha_pattern": {r"layers\.1\.self_attn\.o_proj": 24},
+            "layers_to_transform": [1],
+            "seed": 10,
+        },
+        rslora={"r": 16, "alpha": 8, "rslora": True, "target_modules": "all-linear", "seed": 11},
+        bf16={"r": 2, "target_modules": ("up_proj",), "dtype": torch.bfloat16},
     )
-    out["rslora"] = write_peft_adapter(
-        root / "rslora", model, r=16, alpha=8, rslora=True, target_modules="all-linear", seed=11
-    )
-    out["bf16"] = write_peft_adapter(root / "bf16", model, r=2, target_modules=("up_proj",), dtype=torch.bfloat16)
-    return out
 
 
 def _tiers(st: StoreState) -> dict[str, str]:

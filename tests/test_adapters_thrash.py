@@ -48,13 +48,10 @@ def cfg(tiny_llama_dir: Path) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tiny_models import load_hf_llama
-
-    model = load_hf_llama(tiny_llama_dir)
-    root = tmp_path_factory.mktemp("thrash")
-    return {n: write_peft_adapter(root / n, model, r=4, target_modules=("q_proj", "v_proj"), seed=i) for i, n in
-            enumerate("abcd")}  # fmt: skip
+def folders(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
+    return tiny_peft_adapters(
+        **{n: {"r": 4, "target_modules": ("q_proj", "v_proj"), "seed": i} for i, n in enumerate("abcd")}
+    )
 
 
 @pytest.fixture()
