@@ -1,10 +1,11 @@
 """Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
 
-Factories: `tiny_llama_factory` (tiny random Llama folders), `tiny_server` (a started `BackgroundServer` over the
-tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `tiny_peft_adapters`
-(PEFT adapters for the tiny Llama), `make_store` (CPU adapter stores for it, closed at teardown), `free_port`; and
-one default `server` (with its `stub`) per module that does not define its own. Plain helpers live in
-`helpers.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
+Factories: `tiny_llama_factory` (tiny random Llama folders; `tiny_llama_dir` and its `tiny_cfg` are the default
+one), `tiny_server` (a started `BackgroundServer` over the tiny served model with `helpers.TEST_SETTINGS` and the
+test's overrides, closed at teardown), `tiny_peft_adapters` (PEFT adapters for the tiny Llama), `make_store` (CPU
+adapter stores for it, closed at teardown), `free_port`; and one default `server` (with its `stub`) per module that
+does not define its own. Plain helpers live in `helpers*.py`, `tiny_models.py` and `adapter_files.py`; no test
+module imports another.
 """
 
 from __future__ import annotations
@@ -133,17 +134,22 @@ def tiny_peft_adapters(
     return write
 
 
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_llama_dir: Path) -> Any:
+    """The default tiny Llama's `ModelConfig`."""
+    from service.model.config import ModelConfig
+
+    return ModelConfig.from_hf(tiny_llama_dir)
+
+
 @pytest.fixture
-def make_store(tiny_llama_dir: Path) -> Iterator[Callable[..., Any]]:
+def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
     """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=()) -> AdapterStore``: a CPU adapter store
     for the tiny Llama (`helpers_adapters.new_store`); every store it made is closed at teardown."""
     from helpers_adapters import new_store
 
-    from service.model.config import ModelConfig
-
-    cfg = ModelConfig.from_hf(tiny_llama_dir)
     with ExitStack() as stack:
-        yield lambda **kw: stack.enter_context(new_store(cfg, **kw))
+        yield lambda **kw: stack.enter_context(new_store(tiny_cfg, **kw))
 
 
 @pytest.fixture

@@ -29,11 +29,6 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_llama_dir: Path) -> ModelConfig:
-    return ModelConfig.from_hf(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def written(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     """A healthy r=4 adapter and an r=8 one (same targets), to copy and break per test."""
     qv = ("q_proj", "v_proj")
@@ -183,11 +178,11 @@ def test_a_truncated_file_once_fixed_is_retried_without_an_unload(
     assert store.get("t").state == "device" and store.failure("t") is None
 
 
-def test_non_finite_and_changed_medusa_heads(cfg: ModelConfig, tmp_path: Path) -> None:
-    h = cfg.hidden_size
+def test_non_finite_and_changed_medusa_heads(tiny_cfg: ModelConfig, tmp_path: Path) -> None:
+    h = tiny_cfg.hidden_size
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(1, 2, h, h, generator=g) / h**0.5, torch.zeros(1, 2, h)
-    registry = MedusaRegistry(cfg, device=CPU, dtype=torch.float32)
+    registry = MedusaRegistry(tiny_cfg, device=CPU, dtype=torch.float32)
     try:
         bad = weight.clone()
         bad[0, 1, 3, 5] = float("nan")
@@ -239,15 +234,15 @@ def test_config_edit_alone_does_not_count_as_a_weights_change(
 
 
 def test_an_adapter_too_large_for_the_budget_is_retried_once_its_files_change(
-    cfg: ModelConfig, written: dict[str, Path], tmp_path: Path
+    tiny_cfg: ModelConfig, written: dict[str, Path], tmp_path: Path
 ) -> None:
     from service.adapters.reader import DEVICE_ALIGN
     from service.adapters.registry import index_adapter, plan_nbytes
     from service.errors import ResourceExhausted
 
     folder = _copy(written["r8"], tmp_path / "big")
-    small = plan_nbytes(index_adapter("s", written["r4"], cfg), torch.float32, DEVICE_ALIGN)
-    store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=small, host_budget_bytes=0)
+    small = plan_nbytes(index_adapter("s", written["r4"], tiny_cfg), torch.float32, DEVICE_ALIGN)
+    store = AdapterStore(tiny_cfg, device=CPU, dtype=torch.float32, device_budget_bytes=small, host_budget_bytes=0)
     try:
         store.register("big", folder)
         assert store.request("big") is False

@@ -47,11 +47,6 @@ def base(tiny_llama_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cfg(base: Path) -> ModelConfig:
-    return ModelConfig.from_hf(base)
-
-
-@pytest.fixture(scope="module")
 def adapters(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     """Six same-sized adapters (a..f) and some of other shapes, written by peft."""
     return tiny_peft_adapters(
@@ -228,14 +223,14 @@ def test_thousand_registrations_fit_in_100mb(tmp_path: Path) -> None:
      ("rslora", torch.bfloat16, 1e-2), ("mixed", torch.float16, 2e-3)],
 )  # fmt: skip
 def test_laid_out_weights_are_peft_lora_a_and_scaled_b(
-    name: str, dtype: torch.dtype, tol: float, cfg: ModelConfig, base: Path, adapters: dict[str, Path]
+    name: str, dtype: torch.dtype, tol: float, tiny_cfg: ModelConfig, base: Path, adapters: dict[str, Path]
 ) -> None:
     ref = _reference(adapters[name], base)
-    with new_store(cfg, dtype=dtype) as store:
+    with new_store(tiny_cfg, dtype=dtype) as store:
         store.register(name, adapters[name])
         assert store.request(name) is False
         store.ensure(name, timeout=30)
-        got = _laid_out(store, name, cfg)
+        got = _laid_out(store, name, tiny_cfg)
         assert set(got) == set(ref)
         for key, (a, b) in got.items():
             assert a.dtype == b.dtype == dtype and a.device == b.device == CPU
@@ -249,7 +244,7 @@ def test_laid_out_weights_are_peft_lora_a_and_scaled_b(
             == info.host_bytes
             == (adapters[name] / "adapter_model.safetensors").stat().st_size - (_header_len(adapters[name]))
         )
-        tensors = [lora for layer in range(cfg.num_layers) if (lora := store.layer(name, layer)) is not None]
+        tensors = [lora for layer in range(tiny_cfg.num_layers) if (lora := store.layer(name, layer)) is not None]
         n_tensors = 2 * sum(len(lora.modules) for lora in tensors)
         padding = info.device_bytes - sum(lora.nbytes for lora in tensors)  # buffer size, 256-byte aligned views
         assert 0 <= padding < 256 * n_tensors
@@ -366,7 +361,7 @@ def test_no_host_tier_means_rereading_the_disk(
 
 
 def test_cycling_many_adapters_through_a_tiny_budget(
-    make_store: Callable[..., AdapterStore], adapters: dict[str, Path], cfg: ModelConfig, base: Path
+    make_store: Callable[..., AdapterStore], adapters: dict[str, Path], tiny_cfg: ModelConfig, base: Path
 ) -> None:
     """Six adapters cycle through a 2-adapter device tier and a 4-adapter host tier: budgets hold after every
     step and the weights served are always the right adapter's."""
@@ -380,7 +375,7 @@ def test_cycling_many_adapters_through_a_tiny_budget(
     for n in order:
         store.ensure(n, timeout=30)
         store.pin(n)
-        got = _laid_out(store, n, cfg)
+        got = _laid_out(store, n, tiny_cfg)
         for key, (a, b) in got.items():
             torch.testing.assert_close(a, refs[n][key][0], rtol=0, atol=0)
             torch.testing.assert_close(b, refs[n][key][1], rtol=0, atol=0)
@@ -599,16 +594,16 @@ def test_metrics(make_store: Callable[..., AdapterStore], adapters: dict[str, Pa
 
 
 @pytest.mark.gpu
-def test_cuda_tiers(cfg: ModelConfig, base: Path, adapters: dict[str, Path]) -> None:
+def test_cuda_tiers(tiny_cfg: ModelConfig, base: Path, adapters: dict[str, Path]) -> None:
     device = torch.device("cuda")
     ref = _reference(adapters["rslora"], base)
     store = AdapterStore(
-        cfg, device=device, dtype=torch.bfloat16, device_budget_bytes=1 << 20, host_budget_bytes=1 << 20
+        tiny_cfg, device=device, dtype=torch.bfloat16, device_budget_bytes=1 << 20, host_budget_bytes=1 << 20
     )
     with store:
         store.register("r", adapters["rslora"])
         store.ensure("r", timeout=60)
-        for layer in range(cfg.num_layers):
+        for layer in range(tiny_cfg.num_layers):
             lora = store.layer("r", layer)
             assert lora is not None
             for m, mod in lora.modules.items():

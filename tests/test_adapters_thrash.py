@@ -43,11 +43,6 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_llama_dir: Path) -> ModelConfig:
-    return ModelConfig.from_hf(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def folders(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     return tiny_peft_adapters(
         **{n: {"r": 4, "target_modules": ("q_proj", "v_proj"), "seed": i} for i, n in enumerate("abcd")}
@@ -55,8 +50,8 @@ def folders(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Pat
 
 
 @pytest.fixture()
-def store(cfg: ModelConfig, folders: dict[str, Path], make_store: Callable[..., AdapterStore]) -> AdapterStore:
-    one = plan_nbytes(index_adapter("a", folders["a"], cfg), torch.float32, DEVICE_ALIGN)
+def store(tiny_cfg: ModelConfig, folders: dict[str, Path], make_store: Callable[..., AdapterStore]) -> AdapterStore:
+    one = plan_nbytes(index_adapter("a", folders["a"], tiny_cfg), torch.float32, DEVICE_ALIGN)
     s = make_store(device_budget=2 * one, host_budget=0)
     for name, folder in folders.items():
         s.register(name, folder)
