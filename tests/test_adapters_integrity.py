@@ -42,6 +42,21 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _registered_copy(make_store: Callable[..., AdapterStore], src: Path, folder: Path) -> AdapterStore:
+    """A fresh store with a copy of the adapter ``src`` at ``folder`` registered as ``folder.name``."""
+    store = make_store()
+    store.register(folder.name, _copy(src, folder))
+    return store
+
+
+def _read_rank(store: AdapterStore, adapter_id: str) -> int:
+    """The rank the store reports for ``adapter_id``, checked against the q_proj A it laid out for layer 0."""
+    lora = store.layer(adapter_id, 0)
+    assert lora is not None
+    assert lora.modules["q_proj"].a.shape[0] == store.get(adapter_id).rank
+    return store.get(adapter_id).rank
+
+
 def _poison(value: float) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     def edit(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         key = sorted(k for k in tensors if "layers.1" in k and "v_proj.lora_B" in k)[0]
@@ -86,9 +101,8 @@ def test_non_finite_lora_tensor_is_refused_by_name(
 def test_a_file_replaced_after_registration_is_indexed_again(
     make_store: Callable[..., AdapterStore], written: dict[str, Path], tmp_path: Path
 ) -> None:
-    folder = _copy(written["r4"], tmp_path / "swap")
-    store = make_store()
-    store.register("swap", folder)
+    folder = tmp_path / "swap"
+    store = _registered_copy(make_store, written["r4"], folder)
     shutil.copy(written["r8"] / WEIGHTS, folder / WEIGHTS)  # larger, other shapes; the config still says r=4
     with pytest.raises(InvalidAdapter, match="rank") as info:
         store.ensure("swap", timeout=30)
@@ -103,22 +117,19 @@ def test_a_file_replaced_after_registration_is_indexed_again(
     store.ensure("swap", timeout=30)
     info2 = store.get("swap")
     assert info2.state == "device" and info2.rank == 8 and info2.registered_at > first
-    lora = store.layer("swap", 0)
-    assert lora is not None and lora.modules["q_proj"].a.shape[0] == 8
+    assert _read_rank(store, "swap") == 8
 
 
 def test_a_consistent_new_version_before_the_first_read_is_loaded_as_it_is_now(
     make_store: Callable[..., AdapterStore], written: dict[str, Path], tmp_path: Path
 ) -> None:
-    folder = _copy(written["r4"], tmp_path / "v")
-    store = make_store()
-    store.register("v", folder)
+    folder = tmp_path / "v"
+    store = _registered_copy(make_store, written["r4"], folder)
     assert store.get("v").rank == 4
     shutil.copy(written["r8"] / WEIGHTS, folder / WEIGHTS)
     shutil.copy(written["r8"] / "adapter_config.json", folder / "adapter_config.json")
     store.ensure("v", timeout=30)  # changed before its first read: indexed again, then loaded
-    new = store.layer("v", 0)
-    assert store.get("v").rank == 8 and new is not None and new.modules["q_proj"].a.shape[0] == 8
+    assert _read_rank(store, "v") == 8
 
 
 def test_a_symlink_swapped_in_after_registration_cannot_escape_the_root(
