@@ -1,9 +1,11 @@
 """Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
 
-Factories: `tiny_llama_factory` (tiny random Llama folders), `tiny_server` (a started `BackgroundServer` over the
-tiny served model with `helpers.TEST_SETTINGS` and the test's overrides, closed at teardown), `free_port`; and
-one default `server` (with its `stub`) per module that does not define its own. Plain helpers live in
-`helpers.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
+Factories: `tiny_llama_factory` (tiny random Llama folders; `tiny_llama_dir` and its `tiny_cfg` are the default
+one), `tiny_server` (a started `BackgroundServer` over the tiny served model with `helpers.TEST_SETTINGS` and the
+test's overrides, closed at teardown), `tiny_peft_adapters` (PEFT adapters for the tiny Llama), `make_store` (CPU
+adapter stores for it, closed at teardown), `free_port`; and one default `server` (with its `channel` and `stub`)
+per module, started with the module's `server_settings`, unless the module defines its own. Plain helpers live in
+`helpers*.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from loraplex.v1 import generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = Path(os.environ.get("LORAPLEX_TEST_MODEL", ROOT / "models" / "SmolLM2-135M-Instruct"))
@@ -78,25 +82,34 @@ def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path)
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path) -> Iterator[Any]:
-    """One started server per test module over ``served_tiny_dir`` with `helpers.TEST_SETTINGS` (a module that
-    needs other settings defines its own ``server``)."""
+def server_settings() -> dict[str, object]:
+    """This module's overrides of `helpers.TEST_SETTINGS` for its ``server``; a module overrides this fixture."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def server(served_tiny_dir: Path, server_settings: dict[str, object]) -> Iterator[Any]:
+    """One started server per test module over ``served_tiny_dir`` with `helpers.TEST_SETTINGS` and the module's
+    ``server_settings`` (a module that needs another model or start-up defines its own ``server``)."""
     from helpers import tiny_settings
 
     from service.api.server import BackgroundServer
 
-    with BackgroundServer(tiny_settings(served_tiny_dir)) as srv:
+    with BackgroundServer(tiny_settings(served_tiny_dir, **server_settings)) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
-def stub(server: Any) -> Iterator[Any]:
-    """A Generation stub on a channel to this module's ``server``."""
-    import grpc
-    from loraplex.v1 import generation_pb2_grpc
+def channel(server: Any) -> Iterator[grpc.Channel]:
+    """An insecure loopback channel to this module's ``server``."""
+    with grpc.insecure_channel(server.target) as ch:
+        yield ch
 
-    with grpc.insecure_channel(server.target) as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+    """A Generation stub on this module's ``channel``."""
+    return generation_pb2_grpc.GenerationStub(channel)
 
 
 @pytest.fixture
@@ -113,6 +126,41 @@ def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
             return stack.enter_context(BackgroundServer(tiny_settings(model, **overrides), load=load))
 
         yield start
+
+
+@pytest.fixture(scope="session")
+def tiny_peft_adapters(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., dict[str, Path]]:
+    """``write(**specs) -> {name: folder}``: one PEFT adapter per ``name={write_peft_adapter keywords}`` over the
+    tiny Llama, written by peft (`adapter_files.write_peft_adapter`) into a fresh temp folder."""
+    from adapter_files import write_peft_adapter
+    from tiny_models import load_hf_llama
+
+    def write(**specs: dict[str, Any]) -> dict[str, Path]:
+        model = load_hf_llama(tiny_llama_dir)
+        root = tmp_path_factory.mktemp("peft")
+        return {name: write_peft_adapter(root / name, model, **kw) for name, kw in specs.items()}
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_llama_dir: Path) -> Any:
+    """The default tiny Llama's `ModelConfig`."""
+    from service.model.config import ModelConfig
+
+    return ModelConfig.from_hf(tiny_llama_dir)
+
+
+@pytest.fixture
+def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
+    """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=()) -> AdapterStore``: a CPU adapter store
+    for the tiny Llama (`helpers_adapters.new_store`); every store it made is closed at teardown."""
+    from helpers_adapters import new_store
+
+    with ExitStack() as stack:
+        yield lambda **kw: stack.enter_context(new_store(tiny_cfg, **kw))
 
 
 @pytest.fixture

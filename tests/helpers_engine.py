@@ -1,27 +1,37 @@
-"""Shared helpers for in-process engine tests: a started engine over a model folder, requests, prompts, waiting.
+"""Shared helpers for in-process engine tests: engines over a model folder, requests, prompts, stepping.
 
-Test modules import these (none imports another test module); a test that starts an engine stops it.
+Tests drive an engine never started with ``Engine.step()`` (deterministic: events reach the sinks on the test's
+own thread, during the step); only tests about the engine thread itself start one. Test modules import these (none
+imports another test module); a test that starts an engine stops it.
 """
 
 from __future__ import annotations
 
-import time
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from service.config import Settings
-from service.engine.engine import Engine
-from service.engine.request import GenerationRequest, TokenEvent
+from service.engine.engine import Engine, EngineState
+from service.engine.request import GenerationRequest, RequestHandle, TokenEvent
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 
 
-def make_engine(folder: Path, **overrides: object) -> Engine:
-    """A started engine (fp32, CPU) over the model in ``folder`` with these settings."""
+def stepped_engine(folder: Path, **overrides: object) -> Engine:
+    """An engine (fp32, CPU) over the model in ``folder`` with these settings, never started: the test drives it
+    with ``step()``."""
     settings = Settings(model=folder, **overrides).replace()  # type: ignore[arg-type]
     model, _, _ = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
-    engine = Engine(model, Tokenizer.from_folder(folder), settings)
+    return Engine(model, Tokenizer.from_folder(folder), settings)
+
+
+def make_engine(folder: Path, **overrides: object) -> Engine:
+    """A started engine (its own thread) over the model in ``folder`` with these settings."""
+    engine = stepped_engine(folder, **overrides)
     engine.start()
     return engine
 
@@ -41,11 +51,76 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(3, 49152, (length,), generator=g).tolist()
 
 
-def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        state = engine.state()  # published after each step: also wait for cancelled rows to leave their slots
-        if engine.in_flight == 0 and state.running == 0 and state.waiting == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"engine not idle: {engine.state()}")
+class Events:
+    """Every submitted request's events by request id, as a stepped engine delivers them."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, list[TokenEvent]] = {}
+
+    def submit(self, engine: Engine, request: GenerationRequest) -> RequestHandle:
+        events = self.by_id[request.request_id] = []
+        return engine.submit(request, events.append)
+
+    def finished(self, *rids: str) -> bool:
+        """Whether each of ``rids`` (all submitted requests if none given) has had its final event."""
+        return all(self.by_id[r] and self.by_id[r][-1].finish is not None for r in rids or self.by_id)
+
+    def tokens(self, rid: str) -> list[int]:
+        return tokens_of(self.by_id[rid])
+
+
+def step_until(engine: Engine, done: Callable[[], bool], max_steps: int = 2000) -> list[EngineState]:
+    """Step ``engine`` until ``done()``; the state after each step."""
+    states: list[EngineState] = []
+    while not done():
+        if len(states) == max_steps:
+            raise AssertionError(f"not done after {max_steps} steps: {engine.state()}")
+        states.append(engine.step())
+    return states
+
+
+def idle(engine: Engine) -> bool:
+    """Nothing queued, waiting or running (cancelled rows included: they leave their slots at a step)."""
+    state = engine.state()
+    return engine.in_flight == 0 and state.running == 0 and state.waiting == 0
+
+
+def run(engine: Engine, *requests: GenerationRequest) -> dict[str, list[TokenEvent]]:
+    """Submit ``requests`` together and step until each has finished (other requests may still be running)."""
+    events = Events()
+    for r in requests:
+        events.submit(engine, r)
+    step_until(engine, events.finished)
+    return events.by_id
+
+
+def generate(engine: Engine, request: GenerationRequest) -> list[TokenEvent]:
+    """All events of one request, stepping ``engine`` until it finishes."""
+    return run(engine, request)[request.request_id]
+
+
+def run_together(
+    engine: Engine, requests: list[GenerationRequest], timeout: float = 60.0
+) -> dict[str, list[TokenEvent]]:
+    """Run ``requests`` on a started engine, admitted in one step: a one-token gate request holds the engine thread
+    in its sink until every request is queued. For engines whose rows wait on work off the engine thread (adapter
+    loads); the others are stepped."""
+    release, held = threading.Event(), threading.Event()
+
+    def gate(event: TokenEvent) -> None:
+        held.set()
+        release.wait(10)
+
+    engine.submit(GenerationRequest(request_id="gate", prompt_ids=(1, 2, 3), max_new_tokens=1), gate)
+    assert held.wait(10), "the gate request never ran"
+    sinks: dict[str, queue.SimpleQueue[TokenEvent]] = {}
+    for r in requests:
+        sinks[r.request_id] = queue.SimpleQueue()
+        engine.submit(r, sinks[r.request_id].put)
+    release.set()
+    out: dict[str, list[TokenEvent]] = {}
+    for rid, sink in sinks.items():
+        events = out[rid] = []
+        while not events or events[-1].finish is None:
+            events.append(sink.get(timeout=timeout))
+    return out

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from adapter_files import edit_adapter_config, rewrite_adapter_tensors, write_peft_adapter
+from adapter_files import edit_adapter_config, rewrite_adapter_tensors
 
 from service import metrics
 from service.adapters import store as store_mod
@@ -30,42 +29,32 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_llama_dir: Path) -> ModelConfig:
-    return ModelConfig.from_hf(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def written(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def written(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     """A healthy r=4 adapter and an r=8 one (same targets), to copy and break per test."""
-    from tiny_models import load_hf_llama
-
-    model = load_hf_llama(tiny_llama_dir)
-    root = tmp_path_factory.mktemp("pristine")
-    return {
-        "r4": write_peft_adapter(root / "r4", model, r=4, target_modules=("q_proj", "v_proj"), seed=1),
-        "r8": write_peft_adapter(root / "r8", model, r=8, target_modules=("q_proj", "v_proj"), seed=2),
-    }
-
-
-@pytest.fixture()
-def make_store(cfg: ModelConfig) -> Iterator[Callable[..., AdapterStore]]:
-    made: list[AdapterStore] = []
-
-    def make(**kw: Any) -> AdapterStore:
-        made.append(
-            AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=1 << 20,
-                         host_budget_bytes=1 << 20, **kw)
-        )  # fmt: skip
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
+    qv = ("q_proj", "v_proj")
+    return tiny_peft_adapters(
+        r4={"r": 4, "target_modules": qv, "seed": 1}, r8={"r": 8, "target_modules": qv, "seed": 2}
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def _registered_copy(make_store: Callable[..., AdapterStore], src: Path, folder: Path) -> AdapterStore:
+    """A fresh store with a copy of the adapter ``src`` at ``folder`` registered as ``folder.name``."""
+    store = make_store()
+    store.register(folder.name, _copy(src, folder))
+    return store
+
+
+def _read_rank(store: AdapterStore, adapter_id: str) -> int:
+    """The rank the store reports for ``adapter_id``, checked against the q_proj A it laid out for layer 0."""
+    lora = store.layer(adapter_id, 0)
+    assert lora is not None
+    assert lora.modules["q_proj"].a.shape[0] == store.get(adapter_id).rank
+    return store.get(adapter_id).rank
 
 
 def _poison(value: float) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -112,9 +101,8 @@ def test_non_finite_lora_tensor_is_refused_by_name(
 def test_a_file_replaced_after_registration_is_indexed_again(
     make_store: Callable[..., AdapterStore], written: dict[str, Path], tmp_path: Path
 ) -> None:
-    folder = _copy(written["r4"], tmp_path / "swap")
-    store = make_store()
-    store.register("swap", folder)
+    folder = tmp_path / "swap"
+    store = _registered_copy(make_store, written["r4"], folder)
     shutil.copy(written["r8"] / WEIGHTS, folder / WEIGHTS)  # larger, other shapes; the config still says r=4
     with pytest.raises(InvalidAdapter, match="rank") as info:
         store.ensure("swap", timeout=30)
@@ -129,22 +117,19 @@ def test_a_file_replaced_after_registration_is_indexed_again(
     store.ensure("swap", timeout=30)
     info2 = store.get("swap")
     assert info2.state == "device" and info2.rank == 8 and info2.registered_at > first
-    lora = store.layer("swap", 0)
-    assert lora is not None and lora.modules["q_proj"].a.shape[0] == 8
+    assert _read_rank(store, "swap") == 8
 
 
 def test_a_consistent_new_version_before_the_first_read_is_loaded_as_it_is_now(
     make_store: Callable[..., AdapterStore], written: dict[str, Path], tmp_path: Path
 ) -> None:
-    folder = _copy(written["r4"], tmp_path / "v")
-    store = make_store()
-    store.register("v", folder)
+    folder = tmp_path / "v"
+    store = _registered_copy(make_store, written["r4"], folder)
     assert store.get("v").rank == 4
     shutil.copy(written["r8"] / WEIGHTS, folder / WEIGHTS)
     shutil.copy(written["r8"] / "adapter_config.json", folder / "adapter_config.json")
     store.ensure("v", timeout=30)  # changed before its first read: indexed again, then loaded
-    new = store.layer("v", 0)
-    assert store.get("v").rank == 8 and new is not None and new.modules["q_proj"].a.shape[0] == 8
+    assert _read_rank(store, "v") == 8
 
 
 def test_a_symlink_swapped_in_after_registration_cannot_escape_the_root(
@@ -204,11 +189,11 @@ def test_a_truncated_file_once_fixed_is_retried_without_an_unload(
     assert store.get("t").state == "device" and store.failure("t") is None
 
 
-def test_non_finite_and_changed_medusa_heads(cfg: ModelConfig, tmp_path: Path) -> None:
-    h = cfg.hidden_size
+def test_non_finite_and_changed_medusa_heads(tiny_cfg: ModelConfig, tmp_path: Path) -> None:
+    h = tiny_cfg.hidden_size
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(1, 2, h, h, generator=g) / h**0.5, torch.zeros(1, 2, h)
-    registry = MedusaRegistry(cfg, device=CPU, dtype=torch.float32)
+    registry = MedusaRegistry(tiny_cfg, device=CPU, dtype=torch.float32)
     try:
         bad = weight.clone()
         bad[0, 1, 3, 5] = float("nan")
@@ -260,15 +245,15 @@ def test_config_edit_alone_does_not_count_as_a_weights_change(
 
 
 def test_an_adapter_too_large_for_the_budget_is_retried_once_its_files_change(
-    cfg: ModelConfig, written: dict[str, Path], tmp_path: Path
+    tiny_cfg: ModelConfig, written: dict[str, Path], tmp_path: Path
 ) -> None:
     from service.adapters.reader import DEVICE_ALIGN
     from service.adapters.registry import index_adapter, plan_nbytes
     from service.errors import ResourceExhausted
 
     folder = _copy(written["r8"], tmp_path / "big")
-    small = plan_nbytes(index_adapter("s", written["r4"], cfg), torch.float32, DEVICE_ALIGN)
-    store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=small, host_budget_bytes=0)
+    small = plan_nbytes(index_adapter("s", written["r4"], tiny_cfg), torch.float32, DEVICE_ALIGN)
+    store = AdapterStore(tiny_cfg, device=CPU, dtype=torch.float32, device_budget_bytes=small, host_budget_bytes=0)
     try:
         store.register("big", folder)
         assert store.request("big") is False

@@ -12,13 +12,14 @@ import struct
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from adapter_files import load_peft_model, rewrite_adapter_tensors, write_peft_adapter
+from adapter_files import load_peft_model, rewrite_adapter_tensors
+from helpers_adapters import new_store
 
 from service import metrics
 from service.adapters import reader as reader_mod
@@ -46,57 +47,22 @@ def base(tiny_llama_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cfg(base: Path) -> ModelConfig:
-    return ModelConfig.from_hf(base)
-
-
-@pytest.fixture(scope="module")
-def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def adapters(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
     """Six same-sized adapters (a..f) and some of other shapes, written by peft."""
-    from tiny_models import load_hf_llama
-
-    model = load_hf_llama(base)
-    root = tmp_path_factory.mktemp("adapters")
-    out = {
-        name: write_peft_adapter(root / name, model, r=4, target_modules=("q_proj", "v_proj"), seed=i)
-        for i, name in enumerate("abcdef")
-    }
-    out["mixed"] = write_peft_adapter(
-        root / "mixed",
-        model,
-        r=8,
-        alpha=4,
-        target_modules=("k_proj", "o_proj", "gate_proj", "down_proj"),
-        rank_pattern={"down_proj": 2},
-        alpha_pattern={r"layers\.1\.self_attn\.o_proj": 24},
-        layers_to_transform=[1],
-        seed=10,
+    return tiny_peft_adapters(
+        **{name: {"r": 4, "target_modules": ("q_proj", "v_proj"), "seed": i} for i, name in enumerate("abcdef")},
+        mixed={
+            "r": 8,
+            "alpha": 4,
+            "target_modules": ("k_proj", "o_proj", "gate_proj", "down_proj"),
+            "rank_pattern": {"down_proj": 2},
+            "alpha_pattern": {r"layers\.1\.self_attn\.o_proj": 24},
+            "layers_to_transform": [1],
+            "seed": 10,
+        },
+        rslora={"r": 16, "alpha": 8, "rslora": True, "target_modules": "all-linear", "seed": 11},
+        bf16={"r": 2, "target_modules": ("up_proj",), "dtype": torch.bfloat16},
     )
-    out["rslora"] = write_peft_adapter(
-        root / "rslora", model, r=16, alpha=8, rslora=True, target_modules="all-linear", seed=11
-    )
-    out["bf16"] = write_peft_adapter(root / "bf16", model, r=2, target_modules=("up_proj",), dtype=torch.bfloat16)
-    return out
-
-
-def _store(cfg: ModelConfig, *, device_budget: int = 1 << 20, host_budget: int = 1 << 20, **kw: Any) -> AdapterStore:
-    return AdapterStore(
-        cfg, device=CPU, dtype=kw.pop("dtype", torch.float32), device_budget_bytes=device_budget,
-        host_budget_bytes=host_budget, **kw,
-    )  # fmt: skip
-
-
-@pytest.fixture()
-def make_store(cfg: ModelConfig) -> Iterator[Callable[..., AdapterStore]]:
-    made: list[AdapterStore] = []
-
-    def make(**kw: Any) -> AdapterStore:
-        made.append(_store(cfg, **kw))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def _tiers(st: StoreState) -> dict[str, str]:
@@ -199,7 +165,7 @@ def test_registering_a_huge_adapter_is_fast(tmp_path: Path) -> None:
     cfg = ModelConfig.from_dict(LLAMA_70B)
     nbytes = _write_sparse_adapter(tmp_path / "big", cfg, r=64)
     assert nbytes > 1.5e9
-    store = _store(cfg, device_budget=1 << 30)
+    store = new_store(cfg, device_budget=1 << 30)
     times = []
     for i in range(3):
         t0 = time.process_time()
@@ -226,7 +192,7 @@ def test_thousand_registrations_fit_in_100mb(tmp_path: Path) -> None:
         pytest.skip("needs /proc")
     cfg = ModelConfig.from_dict(SMOLLM2)
     _write_sparse_adapter(tmp_path / "s", cfg, r=8)
-    store = _store(cfg)
+    store = new_store(cfg)
     store.register("warmup", tmp_path / "s")  # imports, regex caches
     tracemalloc.start()
     try:
@@ -257,14 +223,14 @@ def test_thousand_registrations_fit_in_100mb(tmp_path: Path) -> None:
      ("rslora", torch.bfloat16, 1e-2), ("mixed", torch.float16, 2e-3)],
 )  # fmt: skip
 def test_laid_out_weights_are_peft_lora_a_and_scaled_b(
-    name: str, dtype: torch.dtype, tol: float, cfg: ModelConfig, base: Path, adapters: dict[str, Path]
+    name: str, dtype: torch.dtype, tol: float, tiny_cfg: ModelConfig, base: Path, adapters: dict[str, Path]
 ) -> None:
     ref = _reference(adapters[name], base)
-    with _store(cfg, dtype=dtype) as store:
+    with new_store(tiny_cfg, dtype=dtype) as store:
         store.register(name, adapters[name])
         assert store.request(name) is False
         store.ensure(name, timeout=30)
-        got = _laid_out(store, name, cfg)
+        got = _laid_out(store, name, tiny_cfg)
         assert set(got) == set(ref)
         for key, (a, b) in got.items():
             assert a.dtype == b.dtype == dtype and a.device == b.device == CPU
@@ -278,7 +244,7 @@ def test_laid_out_weights_are_peft_lora_a_and_scaled_b(
             == info.host_bytes
             == (adapters[name] / "adapter_model.safetensors").stat().st_size - (_header_len(adapters[name]))
         )
-        tensors = [lora for layer in range(cfg.num_layers) if (lora := store.layer(name, layer)) is not None]
+        tensors = [lora for layer in range(tiny_cfg.num_layers) if (lora := store.layer(name, layer)) is not None]
         n_tensors = 2 * sum(len(lora.modules) for lora in tensors)
         padding = info.device_bytes - sum(lora.nbytes for lora in tensors)  # buffer size, 256-byte aligned views
         assert 0 <= padding < 256 * n_tensors
@@ -395,7 +361,7 @@ def test_no_host_tier_means_rereading_the_disk(
 
 
 def test_cycling_many_adapters_through_a_tiny_budget(
-    make_store: Callable[..., AdapterStore], adapters: dict[str, Path], cfg: ModelConfig, base: Path
+    make_store: Callable[..., AdapterStore], adapters: dict[str, Path], tiny_cfg: ModelConfig, base: Path
 ) -> None:
     """Six adapters cycle through a 2-adapter device tier and a 4-adapter host tier: budgets hold after every
     step and the weights served are always the right adapter's."""
@@ -409,7 +375,7 @@ def test_cycling_many_adapters_through_a_tiny_budget(
     for n in order:
         store.ensure(n, timeout=30)
         store.pin(n)
-        got = _laid_out(store, n, cfg)
+        got = _laid_out(store, n, tiny_cfg)
         for key, (a, b) in got.items():
             torch.testing.assert_close(a, refs[n][key][0], rtol=0, atol=0)
             torch.testing.assert_close(b, refs[n][key][1], rtol=0, atol=0)
@@ -628,16 +594,16 @@ def test_metrics(make_store: Callable[..., AdapterStore], adapters: dict[str, Pa
 
 
 @pytest.mark.gpu
-def test_cuda_tiers(cfg: ModelConfig, base: Path, adapters: dict[str, Path]) -> None:
+def test_cuda_tiers(tiny_cfg: ModelConfig, base: Path, adapters: dict[str, Path]) -> None:
     device = torch.device("cuda")
     ref = _reference(adapters["rslora"], base)
     store = AdapterStore(
-        cfg, device=device, dtype=torch.bfloat16, device_budget_bytes=1 << 20, host_budget_bytes=1 << 20
+        tiny_cfg, device=device, dtype=torch.bfloat16, device_budget_bytes=1 << 20, host_budget_bytes=1 << 20
     )
     with store:
         store.register("r", adapters["rslora"])
         store.ensure("r", timeout=60)
-        for layer in range(cfg.num_layers):
+        for layer in range(tiny_cfg.num_layers):
             lora = store.layer("r", layer)
             assert lora is not None
             for m, mod in lora.modules.items():

@@ -4,16 +4,15 @@ The store is walked step by step (state asserted after each); then the engine se
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from adapter_files import write_peft_adapter
+from helpers_engine import run_together
 
 from service import metrics
 from service.adapters import reader as reader_mod
@@ -22,7 +21,7 @@ from service.adapters.registry import index_adapter, plan_nbytes
 from service.adapters.store import DEVICE_ALIGN, AdapterStore, StoreState
 from service.config import Settings
 from service.engine.engine import Engine
-from service.engine.request import FinishReason, GenerationRequest, TokenEvent
+from service.engine.request import FinishReason, GenerationRequest
 from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.model.weights import load_model
@@ -44,28 +43,19 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def cfg(tiny_llama_dir: Path) -> ModelConfig:
-    return ModelConfig.from_hf(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def folders(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tiny_models import load_hf_llama
-
-    model = load_hf_llama(tiny_llama_dir)
-    root = tmp_path_factory.mktemp("thrash")
-    return {n: write_peft_adapter(root / n, model, r=4, target_modules=("q_proj", "v_proj"), seed=i) for i, n in
-            enumerate("abcd")}  # fmt: skip
+def folders(tiny_peft_adapters: Callable[..., dict[str, Path]]) -> dict[str, Path]:
+    return tiny_peft_adapters(
+        **{n: {"r": 4, "target_modules": ("q_proj", "v_proj"), "seed": i} for i, n in enumerate("abcd")}
+    )
 
 
 @pytest.fixture()
-def store(cfg: ModelConfig, folders: dict[str, Path]) -> Iterator[AdapterStore]:
-    one = plan_nbytes(index_adapter("a", folders["a"], cfg), torch.float32, DEVICE_ALIGN)
-    s = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=2 * one, host_budget_bytes=0)
+def store(tiny_cfg: ModelConfig, folders: dict[str, Path], make_store: Callable[..., AdapterStore]) -> AdapterStore:
+    one = plan_nbytes(index_adapter("a", folders["a"], tiny_cfg), torch.float32, DEVICE_ALIGN)
+    s = make_store(device_budget=2 * one, host_budget=0)
     for name, folder in folders.items():
         s.register(name, folder)
-    yield s
-    s.close()
+    return s
 
 
 def _tiers(st: StoreState) -> dict[str, tuple[str, int]]:
@@ -168,26 +158,10 @@ def test_a_working_set_over_the_device_budget_is_served_without_thrash(
     engine, store = _engine(served, budget_adapters=2)  # three adapters wanted at once, room for two
     unused = _unused()
     try:
-        sinks: dict[str, queue.SimpleQueue[TokenEvent]] = {}
-        release, held = threading.Event(), threading.Event()
-
-        def gate(event: TokenEvent) -> None:  # holds the engine until every request is queued
-            held.set()
-            release.wait(10)
-
-        engine.submit(GenerationRequest("gate", (1, 2, 3), 1), gate)
-        assert held.wait(10)
-        for r in requests:
-            sinks[r.request_id] = queue.SimpleQueue()
-            engine.submit(r, sinks[r.request_id].put)
-        release.set()
-        got: dict[str, list[int]] = {}
-        for rid, sink in sinks.items():
-            events = [sink.get(timeout=60)]
-            while events[-1].finish is None:
-                events.append(sink.get(timeout=60))
+        results = run_together(engine, requests)
+        for rid, events in results.items():
             assert events[-1].finish is FinishReason.LENGTH, (rid, events[-1])
-            got[rid] = [t for e in events for t in e.token_ids]
+        got = {rid: [t for e in events for t in e.token_ids] for rid, events in results.items()}
         assert got == want
         assert _unused() == unused, "an adapter was evicted before the request that waited for it used it"
         # Each adapter loaded once: the third waited for room (an unpin) instead of evicting a fresh one.

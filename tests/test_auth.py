@@ -4,7 +4,6 @@ key never reaches a log line or an error message."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -14,7 +13,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
-from helpers import text_req, tiny_settings
+from helpers import text_req
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
@@ -40,16 +39,8 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, key_file: Path) -> Iterator[BackgroundServer]:
-    settings = tiny_settings(served_tiny_dir, api_key_file=key_file, api_keys=(LEGACY_KEY,))
-    with BackgroundServer(settings) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def channel(server: BackgroundServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.target) as ch:
-        yield ch
+def server_settings(key_file: Path) -> dict[str, object]:
+    return {"api_key_file": key_file, "api_keys": (LEGACY_KEY,)}
 
 
 def auth(key: str | None) -> tuple[tuple[str, str], ...]:

@@ -22,6 +22,21 @@ def write(root: Path, rel: str, text: str) -> None:
     path.write_text(text)
 
 
+def cgroup_v2(root: Path, cgroup: str, cpu_max: dict[str, str]) -> None:
+    """A cgroup v2 hierarchy mounted at /sys/fs/cgroup with this process in ``cgroup`` and each ``cpu.max`` of
+    ``cpu_max`` (cgroup path below the mount -> the file's line)."""
+    write(root, "proc/self/cgroup", f"0::{cgroup}\n")
+    write(root, "proc/self/mountinfo", V2_MOUNT)
+    for rel, line in cpu_max.items():
+        write(root, str(Path("sys/fs/cgroup", rel, "cpu.max")), line + "\n")
+
+
+def cfs_quota(root: Path, folder: str, quota_us: int, period_us: int = 100000) -> None:
+    """A cgroup v1 cpu controller's quota and period files in ``folder``."""
+    write(root, f"{folder}/cpu.cfs_quota_us", f"{quota_us}\n")
+    write(root, f"{folder}/cpu.cfs_period_us", f"{period_us}\n")
+
+
 def topology(root: Path, cores: dict[int, str]) -> None:
     """cpu -> its core_cpus_list (the CPUs sharing its physical core)."""
     for cpu, siblings in cores.items():
@@ -29,9 +44,7 @@ def topology(root: Path, cores: dict[int, str]) -> None:
 
 
 def test_v2_quota_rounds_down_and_wins(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "0::/kubepods.slice/pod1/ctr\n")
-    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
-    write(tmp_path, "sys/fs/cgroup/kubepods.slice/pod1/ctr/cpu.max", "250000 100000\n")
+    cgroup_v2(tmp_path, "/kubepods.slice/pod1/ctr", {"kubepods.slice/pod1/ctr": "250000 100000"})
     topology(tmp_path, {c: str(c) for c in range(8)})
     budget = read_cpu_budget(tmp_path, affinity=range(8))
     assert budget == CpuBudget(8, 8, 2.5, "cgroup v2 /sys/fs/cgroup/kubepods.slice/pod1/ctr/cpu.max")
@@ -40,10 +53,7 @@ def test_v2_quota_rounds_down_and_wins(tmp_path: Path) -> None:
 
 
 def test_v2_without_quota_leaves_the_affinity(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "0::/ctr\n")
-    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
-    write(tmp_path, "sys/fs/cgroup/ctr/cpu.max", "max 100000\n")
-    write(tmp_path, "sys/fs/cgroup/cpu.max", "max 100000\n")
+    cgroup_v2(tmp_path, "/ctr", {"ctr": "max 100000", "": "max 100000"})
     topology(tmp_path, {c: str(c) for c in range(16)})
     budget = read_cpu_budget(tmp_path, affinity={2, 3, 5})
     assert (budget.quota, budget.affinity, budget.physical_cores) == (None, 3, 3)
@@ -51,10 +61,7 @@ def test_v2_without_quota_leaves_the_affinity(tmp_path: Path) -> None:
 
 
 def test_v2_an_ancestors_quota_counts_and_a_small_quota_still_gives_one_thread(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "0::/pod/ctr\n")
-    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
-    write(tmp_path, "sys/fs/cgroup/pod/ctr/cpu.max", "max 100000\n")
-    write(tmp_path, "sys/fs/cgroup/pod/cpu.max", "50000 100000\n")
+    cgroup_v2(tmp_path, "/pod/ctr", {"pod/ctr": "max 100000", "pod": "50000 100000"})
     budget = read_cpu_budget(tmp_path, affinity=range(4))
     assert budget.quota == 0.5 and budget.quota_file == "cgroup v2 /sys/fs/cgroup/pod/cpu.max"
     assert budget.threads == 1
@@ -62,17 +69,13 @@ def test_v2_an_ancestors_quota_counts_and_a_small_quota_still_gives_one_thread(t
 
 def test_v2_inside_a_cgroup_namespace(tmp_path: Path) -> None:
     """A container sees its own cgroup as "/" (cgroupns): the quota sits at the mount point itself."""
-    write(tmp_path, "proc/self/cgroup", "0::/\n")
-    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
-    write(tmp_path, "sys/fs/cgroup/cpu.max", "300000 100000\n")
+    cgroup_v2(tmp_path, "/", {"": "300000 100000"})
     assert read_cpu_budget(tmp_path, affinity=range(8)).threads == 3
 
 
 def test_v2_cgroup_path_outside_the_mount_falls_back_to_the_mount_point(tmp_path: Path) -> None:
     """Without cgroupns a container may see the host's path while only its own subtree is mounted."""
-    write(tmp_path, "proc/self/cgroup", "0::/system.slice/docker-abc.scope\n")
-    write(tmp_path, "proc/self/mountinfo", V2_MOUNT)
-    write(tmp_path, "sys/fs/cgroup/cpu.max", "200000 100000\n")
+    cgroup_v2(tmp_path, "/system.slice/docker-abc.scope", {"": "200000 100000"})
     assert read_cpu_budget(tmp_path, affinity=range(8)).threads == 2
 
 
@@ -85,8 +88,7 @@ def test_v1_quota_in_a_container_mount(tmp_path: Path) -> None:
         "32 30 0:29 /docker/abc /sys/fs/cgroup/cpu,cpuacct ro,relatime - cgroup cgroup rw,cpu,cpuacct\n"
         "33 30 0:30 /docker/abc /sys/fs/cgroup/memory ro,relatime - cgroup cgroup rw,memory\n",
     )
-    write(tmp_path, "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "300000\n")
-    write(tmp_path, "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", "100000\n")
+    cfs_quota(tmp_path, "sys/fs/cgroup/cpu,cpuacct", 300000)
     budget = read_cpu_budget(tmp_path, affinity=range(8))
     assert budget.quota == 3.0 and budget.quota_file == "cgroup v1 /sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us"
     assert budget.threads == 3
@@ -95,10 +97,8 @@ def test_v1_quota_in_a_container_mount(tmp_path: Path) -> None:
 def test_v1_without_quota_and_on_a_host_path(tmp_path: Path) -> None:
     write(tmp_path, "proc/self/cgroup", "2:cpuacct:/\n1:cpu:/user.slice\n")
     write(tmp_path, "proc/self/mountinfo", "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n")
-    write(tmp_path, "sys/fs/cgroup/cpu/user.slice/cpu.cfs_quota_us", "-1\n")
-    write(tmp_path, "sys/fs/cgroup/cpu/user.slice/cpu.cfs_period_us", "100000\n")
-    write(tmp_path, "sys/fs/cgroup/cpu/cpu.cfs_quota_us", "-1\n")
-    write(tmp_path, "sys/fs/cgroup/cpu/cpu.cfs_period_us", "100000\n")
+    cfs_quota(tmp_path, "sys/fs/cgroup/cpu/user.slice", -1)
+    cfs_quota(tmp_path, "sys/fs/cgroup/cpu", -1)
     budget = read_cpu_budget(tmp_path, affinity=range(6))
     assert budget.quota is None and budget.threads == 6
     write(tmp_path, "sys/fs/cgroup/cpu/user.slice/cpu.cfs_quota_us", "400000\n")  # now the v1 quota applies

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -25,18 +24,8 @@ MESSAGE_LIMIT = 8 << 10  # small enough for a reply to outgrow it from a prompt 
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path) -> Iterator[BackgroundServer]:
-    settings = tiny_settings(
-        served_tiny_dir, metrics_port=0, max_message_bytes=MESSAGE_LIMIT, max_new_tokens=1000, max_total_tokens=1024
-    )
-    with BackgroundServer(settings) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def channel(server: BackgroundServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.target) as ch:
-        yield ch
+def server_settings() -> dict[str, object]:
+    return {"metrics_port": 0, "max_message_bytes": MESSAGE_LIMIT, "max_new_tokens": 1000, "max_total_tokens": 1024}
 
 
 def raw_call(channel: grpc.Channel, method: str, data: bytes, *, stream: bool = False) -> grpc.RpcError:

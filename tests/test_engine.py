@@ -1,97 +1,83 @@
-"""The engine in-process: continuous batching, batch invariance, cancellation, limits, stopping."""
+"""The engine in-process: continuous batching, batch invariance, cancellation, limits, stopping.
+
+Every test but the one about the engine thread drives an engine never started with ``step()``: arrivals happen
+between chosen steps, so each run is the same.
+"""
 
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from helpers_engine import make_engine, prompt, req, tokens_of, wait_idle
+from helpers_engine import (
+    Events,
+    generate,
+    idle,
+    make_engine,
+    prompt,
+    req,
+    step_until,
+    stepped_engine,
+    tokens_of,
+)
 
-from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
-from service.errors import InvalidRequest, QueueFull
-from service.model.weights import load_model
-from service.tokenizer import Tokenizer
+from service.errors import InvalidRequest, QueueFull, Unavailable
+
+LIMITS = {"max_batch_size": 24, "max_total_tokens": 512, "max_prompt_tokens": 256}
 
 
 @pytest.fixture(scope="module")
 def engine(served_tiny_dir: Path) -> Iterator[Engine]:
-    eng = make_engine(served_tiny_dir, max_batch_size=24, max_total_tokens=512, max_prompt_tokens=256)
+    eng = stepped_engine(served_tiny_dir, **LIMITS)
     yield eng
     eng.stop()
 
 
 def test_output_does_not_depend_on_the_batch(engine: Engine) -> None:
     target = req("target", prompt(0, 37), n=48)
-    alone = tokens_of(engine.generate(target, timeout=60))
+    alone = tokens_of(generate(engine, target))
     assert len(alone) == 48
 
-    sinks: dict[str, queue.SimpleQueue[TokenEvent]] = {}
-
-    def submit(r: GenerationRequest) -> None:
-        sinks[r.request_id] = queue.SimpleQueue()
-        engine.submit(r, sinks[r.request_id].put)
-
+    events = Events()
     # 16 others of different lengths, arriving before, with and after the target.
     for i in range(6):
-        submit(req(f"early{i}", prompt(100 + i, 5 + 11 * i), n=20 + 7 * i))
-    time.sleep(0.05)
-    submit(req("target2", target.prompt_ids, n=48))
+        events.submit(engine, req(f"early{i}", prompt(100 + i, 5 + 11 * i), n=20 + 7 * i))
+    engine.step()
+    engine.step()
+    events.submit(engine, req("target2", target.prompt_ids, n=48))
     for i in range(10):
-        if i % 3 == 0:
-            time.sleep(0.02)
-        submit(req(f"late{i}", prompt(200 + i, 3 + 17 * i), n=10 + 5 * i))
-    results: dict[str, list[int]] = {}
-    for rid, sink in sinks.items():
-        events = []
-        while not events or events[-1].finish is None:
-            events.append(sink.get(timeout=120))
-        results[rid] = tokens_of(events)
-    assert results["target2"] == alone
-    wait_idle(engine)
+        if i % 3 == 1:  # late0 arrives with the target, the others over the next steps
+            engine.step()
+        events.submit(engine, req(f"late{i}", prompt(200 + i, 3 + 17 * i), n=10 + 5 * i))
+    step_until(engine, events.finished)
+    assert events.tokens("target2") == alone
+    assert idle(engine)
 
 
 def test_continuous_batching_admits_between_steps(engine: Engine) -> None:
-    seen_batches: list[int] = []
-    long_done = threading.Event()
-    sink: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-
-    def on_event(e: TokenEvent) -> None:
-        seen_batches.append(engine.state().running)
-        sink.put(e)
-        if e.finish is not None:
-            long_done.set()
-
-    engine.submit(req("long", prompt(1, 10), n=120), on_event)
-    while len(seen_batches) < 5:
-        time.sleep(0.005)
-    short = engine.generate(req("short", prompt(2, 10), n=4), timeout=60)
-    assert short[-1].finish is FinishReason.LENGTH
-    assert not long_done.is_set(), "the short request should finish while the long one is still running"
-    assert long_done.wait(60)
-    assert max(seen_batches) >= 2  # both rows decoded in the same steps
-    wait_idle(engine)
-
-
-def stepped_engine(folder: Path, **overrides: object) -> Engine:
-    """An engine never started: the test drives it with ``step()``."""
-    settings = Settings(model=folder, **overrides).replace()  # type: ignore[arg-type]
-    model, _, _ = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
-    return Engine(model, Tokenizer.from_folder(folder), settings)
+    events = Events()
+    events.submit(engine, req("long", prompt(1, 10), n=120))
+    states = [engine.step() for _ in range(4)]
+    assert len(events.tokens("long")) == 5  # prefill + decode at the first step, then one token per step
+    events.submit(engine, req("short", prompt(2, 10), n=4))
+    short_steps = step_until(engine, lambda: events.finished("short"))
+    assert events.by_id["short"][-1].finish is FinishReason.LENGTH
+    assert not events.finished("long"), "the short request should finish while the long one is still running"
+    assert short_steps[0].running_ids == ("long", "short")
+    states += short_steps + step_until(engine, events.finished)
+    assert events.by_id["long"][-1].finish is FinishReason.LENGTH and len(events.tokens("long")) == 120
+    assert max(s.running for s in states) >= 2  # both rows decoded in the same steps
+    assert idle(engine)
 
 
 def test_step_runs_prefill_and_decode_and_retires_deterministically(engine: Engine, served_tiny_dir: Path) -> None:
-    alone = {
-        rid: tokens_of(engine.generate(req(rid, prompt(i, 6 + i), n=3 + 2 * i), timeout=60))
-        for i, rid in enumerate("ab")
-    }
+    alone = {rid: tokens_of(generate(engine, req(rid, prompt(i, 6 + i), n=3 + 2 * i))) for i, rid in enumerate("ab")}
     eng = stepped_engine(served_tiny_dir, max_batch_size=4, max_total_tokens=256, max_prompt_tokens=64)
     sinks = {rid: queue.SimpleQueue[TokenEvent]() for rid in "ab"}
     for i, rid in enumerate("ab"):
@@ -129,56 +115,81 @@ def test_cancellation_frees_the_slot(served_tiny_dir: Path) -> None:
     eng.stop()
 
 
-def test_deadline_retires_the_request(engine: Engine) -> None:
-    r = req("deadline", prompt(4, 8), n=400, deadline=time.monotonic() + 0.2)
-    events = engine.generate(r, timeout=30)
-    assert events[-1].finish is FinishReason.DEADLINE
-    assert len(tokens_of(events)) < 400
-    wait_idle(engine)
+def test_deadline_retires_the_request(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, ahead = time.monotonic, [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: real() + ahead[0])  # the engine's clock, moved by the test
+    events = Events()
+    events.submit(engine, req("deadline", prompt(4, 8), n=400, deadline=time.monotonic() + 60))
+    engine.step()
+    engine.step()
+    assert len(events.tokens("deadline")) == 3 and not events.finished()
+    ahead[0] = 61.0  # the deadline passes between two steps
+    engine.step()
+    got = events.by_id["deadline"]
+    assert got[-1].finish is FinishReason.DEADLINE
+    assert len(tokens_of(got)) < 400
+    assert len(tokens_of(got)) == 3 and idle(engine)  # retired before that step decoded
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(engine: Engine) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
-    alone = tokens_of(engine.generate(req("s1", prompt(5, 12), n=20, sampling=params), timeout=60))
-    noise = [queue.SimpleQueue[TokenEvent]() for _ in range(4)]
-    for i, q in enumerate(noise):
-        engine.submit(req(f"noise{i}", prompt(50 + i, 9 + i), n=30, sampling=SamplingParams(temperature=1.0)), q.put)
-    again = tokens_of(engine.generate(req("s2", prompt(5, 12), n=20, sampling=params), timeout=60))
-    assert again == alone
-    other = tokens_of(
-        engine.generate(req("s3", prompt(5, 12), n=20, sampling=SamplingParams(temperature=0.9, seed=99)), timeout=60)
-    )
-    assert other != alone
-    wait_idle(engine)
+    alone = tokens_of(generate(engine, req("s1", prompt(5, 12), n=20, sampling=params)))
+    events = Events()
+    for i in range(4):
+        events.submit(engine, req(f"noise{i}", prompt(50 + i, 9 + i), n=30, sampling=SamplingParams(temperature=1.0)))
+    engine.step()  # the noise is decoding when the seeded request arrives
+    events.submit(engine, req("s2", prompt(5, 12), n=20, sampling=params))
+    step_until(engine, lambda: events.finished("s2"))
+    assert events.tokens("s2") == alone
+    events.submit(engine, req("s3", prompt(5, 12), n=20, sampling=SamplingParams(temperature=0.9, seed=99)))
+    s3_steps = step_until(engine, lambda: events.finished("s3"))
+    assert s3_steps[0].running == 5  # s3 too ran among the noise
+    assert events.tokens("s3") != alone
+    step_until(engine, lambda: idle(engine))
 
 
-def test_eos_and_max_new_tokens(engine: Engine, served_tiny_dir: Path) -> None:
-    events = engine.generate(req("len", prompt(6, 5), n=7), timeout=30)
+def test_eos_and_max_new_tokens(engine: Engine) -> None:
+    events = generate(engine, req("len", prompt(6, 5), n=7))
     assert events[-1].finish is FinishReason.LENGTH and len(tokens_of(events)) == 7
     assert events[-1].generated_tokens == 7 and events[-1].prompt_tokens == 5
     # Make the first greedy token an end-of-sequence token: the request then ends with EOS after one token.
-    first = tokens_of(engine.generate(req("probe", prompt(7, 6), n=1), timeout=30))[0]
+    first = tokens_of(generate(engine, req("probe", prompt(7, 6), n=1)))[0]
     eos_engine = Engine(engine.model, engine.tokenizer, engine.settings)
     eos_engine.eos_ids = frozenset({first})
-    eos_engine.start()
     try:
         r = GenerationRequest(request_id="eos", prompt_ids=tuple(prompt(7, 6)), max_new_tokens=50)
-        out = eos_engine.generate(r, timeout=30)
+        out = generate(eos_engine, r)
         assert out[-1].finish is FinishReason.EOS and tokens_of(out) == [first]
     finally:
         eos_engine.stop()
 
 
 def test_stop_sequence_ends_generation(engine: Engine) -> None:
-    full = engine.generate(req("full", prompt(8, 10), n=30), timeout=30)
+    full = generate(engine, req("full", prompt(8, 10), n=30))
     text = "".join(e.text for e in full)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
-    stopped = engine.generate(req("stopped", prompt(8, 10), n=30, stop_sequences=(stop,)), timeout=30)
+    stopped = generate(engine, req("stopped", prompt(8, 10), n=30, stop_sequences=(stop,)))
     got = "".join(e.text for e in stopped)
     assert stopped[-1].finish is FinishReason.STOP_SEQUENCE
     assert got == text[: text.index(stop)]
     assert stopped[-1].stop_sequence == stop
+
+
+def test_a_started_engine_serves_on_its_own_thread_until_stopped(engine: Engine, served_tiny_dir: Path) -> None:
+    want = tokens_of(generate(engine, req("stepped", prompt(9, 7), n=6)))
+    threaded = make_engine(served_tiny_dir, **LIMITS)
+    try:
+        assert threaded.alive
+        with pytest.raises(RuntimeError, match="was started"):
+            threaded.step()
+        got = threaded.generate(req("threaded", prompt(9, 7), n=6), timeout=60)  # blocks on the request's queue
+        assert got[-1].finish is FinishReason.LENGTH and tokens_of(got) == want
+    finally:
+        threaded.stop()
+    assert not threaded.alive
+    with pytest.raises(Unavailable):
+        threaded.submit(req("late", prompt(9, 7)), lambda e: None)
 
 
 def test_validation_and_queue_limit(served_tiny_dir: Path) -> None:

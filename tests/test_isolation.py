@@ -7,8 +7,6 @@ adapter file whose weights are finite (so they pass the store's checks) but over
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from adapter_files import rewrite_adapter_tensors, write_peft_adapter
+from helpers_engine import run_together
 
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.lora import AdapterBatch, LoraTables
@@ -153,30 +152,6 @@ def _req(rid: str, prompt: list[int], adapter: str | None, n: int = 12) -> Gener
     )
 
 
-def _run_together(engine: Engine, requests: list[GenerationRequest]) -> dict[str, list[TokenEvent]]:
-    """Run ``requests`` admitted in one engine step: a one-token gate request holds the engine thread in its sink
-    until every request is queued."""
-    release, held = threading.Event(), threading.Event()
-
-    def gate(event: TokenEvent) -> None:
-        held.set()
-        release.wait(10)
-
-    engine.submit(_req("gate", [1, 2, 3], None, n=1), gate)
-    assert held.wait(10)
-    sinks: dict[str, queue.SimpleQueue[TokenEvent]] = {}
-    for r in requests:
-        sinks[r.request_id] = queue.SimpleQueue()
-        engine.submit(r, sinks[r.request_id].put)
-    release.set()
-    out: dict[str, list[TokenEvent]] = {}
-    for rid, sink in sinks.items():
-        events = out[rid] = []
-        while not events or events[-1].finish is None:
-            events.append(sink.get(timeout=60))
-    return out
-
-
 def _trace(events: list[TokenEvent]) -> tuple[list[int], list[float]]:
     return [t for e in events for t in e.token_ids], [p for e in events for p in (e.logprobs or ())]
 
@@ -188,9 +163,9 @@ def test_a_row_that_overflows_fails_alone_and_its_neighbours_are_bit_identical(e
 
     # The reference: the same batches with a healthy twin of the broken adapter in its place, ending at the same
     # step (one token), so every step has the same rows, slots and adapter mix (fp32 results depend on those).
-    twin = _run_together(engine, [_req("boom", BOOM_PROMPT, "calm", n=1), *others])
+    twin = run_together(engine, [_req("boom", BOOM_PROMPT, "calm", n=1), *others])
     assert twin["boom"][-1].finish is FinishReason.LENGTH
-    got = _run_together(engine, [_req("boom", BOOM_PROMPT, "boom"), *others])
+    got = run_together(engine, [_req("boom", BOOM_PROMPT, "boom"), *others])
     last = got["boom"][-1]
     assert last.finish is FinishReason.ERROR and isinstance(last.error, FailedPrecondition)
     assert last.error.status == "FAILED_PRECONDITION"
@@ -207,7 +182,7 @@ def test_a_row_that_overflows_fails_alone_and_its_neighbours_are_bit_identical(e
         first = engine.generate(_req(f"{adapter}-first", BOOM_PROMPT, adapter, n=1), timeout=60)
         assert first[-1].finish is (FinishReason.ERROR if adapter == "boom" else FinishReason.LENGTH)
         wait_until_idle(engine)
-        return _run_together(engine, [_req("short", PROMPTS["base-b"], None), _req("long", LONG_PROMPT, None)])
+        return run_together(engine, [_req("short", PROMPTS["base-b"], None), _req("long", LONG_PROMPT, None)])
 
     reused, fresh = after("boom"), after("calm")
     assert _trace(reused["short"]) == _trace(fresh["short"]), "the next occupant of the failed row's slot changed"

@@ -7,7 +7,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,21 +26,8 @@ LIMITS = {"max_prompt_bytes": 4096, "max_chat_messages": 8, "max_stop_sequences"
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    root = tmp_path_factory.mktemp("adapter_root")
-    with BackgroundServer(tiny_settings(served_tiny_dir, adapter_roots=(root,), **LIMITS)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def channel(server: BackgroundServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.target) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def stub(channel: grpc.Channel) -> pb_grpc.GenerationStub:
-    return pb_grpc.GenerationStub(channel)
+def server_settings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    return {"adapter_roots": (tmp_path_factory.mktemp("adapter_root"),), **LIMITS}
 
 
 def _chat(n: int, content: str = "hi") -> pb.Input:

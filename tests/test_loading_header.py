@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -187,12 +188,20 @@ def test_duplicate_tensor_across_files(tmp_path: Path) -> None:
     assert info.value.tensor == "a" and "one.safetensors" in str(info.value)
 
 
-def _index(folder: Path) -> dict[str, object]:
-    return json.loads((folder / "model.safetensors.index.json").read_text())  # type: ignore[no-any-return]
-
-
-def _write_index(folder: Path, doc: dict[str, object]) -> None:
-    (folder / "model.safetensors.index.json").write_text(json.dumps(doc))
+def _open_with_weight_map(
+    folder: Path, shards: int, edit: Callable[[dict[str, str]], dict[str, str]], match: str | None = None
+) -> ShardError:
+    """Write ``sample_tensors()`` as ``shards`` shards, replace the index's weight map with ``edit(weight_map)``
+    and return the ``ShardError`` that opening the folder raises."""
+    write_sharded(folder, sample_tensors(), shards)
+    path = folder / "model.safetensors.index.json"
+    doc = json.loads(path.read_text())
+    assert isinstance(doc["weight_map"], dict)
+    doc["weight_map"] = edit(doc["weight_map"])
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ShardError, match=match) as info:
+        CheckpointIndex.open(folder)
+    return info.value
 
 
 def test_index_points_to_missing_shard(tmp_path: Path) -> None:
@@ -204,52 +213,31 @@ def test_index_points_to_missing_shard(tmp_path: Path) -> None:
 
 
 def test_index_names_tensor_absent_from_its_shard(tmp_path: Path) -> None:
-    write_sharded(tmp_path, sample_tensors(), 2)
-    doc = _index(tmp_path)
-    weight_map = doc["weight_map"]
-    assert isinstance(weight_map, dict)
-    weight_map["ghost"] = "model-00001-of-00002.safetensors"
-    _write_index(tmp_path, doc)
-    with pytest.raises(ShardError) as info:
-        CheckpointIndex.open(tmp_path)
-    assert info.value.tensor == "ghost"
+    error = _open_with_weight_map(tmp_path, 2, lambda m: {**m, "ghost": "model-00001-of-00002.safetensors"})
+    assert error.tensor == "ghost"
 
 
 def test_index_places_tensor_in_the_wrong_shard(tmp_path: Path) -> None:
-    write_sharded(tmp_path, sample_tensors(), 2)
-    doc = _index(tmp_path)
-    weight_map = doc["weight_map"]
-    assert isinstance(weight_map, dict)
-    name = next(n for n, s in weight_map.items() if s.startswith("model-00001"))
-    weight_map[name] = "model-00002-of-00002.safetensors"
-    _write_index(tmp_path, doc)
-    with pytest.raises(ShardError) as info:
-        CheckpointIndex.open(tmp_path)
-    assert info.value.tensor == name
+    moved: list[str] = []
+
+    def move(weight_map: dict[str, str]) -> dict[str, str]:
+        moved.append(next(n for n, s in weight_map.items() if s.startswith("model-00001")))
+        return {**weight_map, moved[0]: "model-00002-of-00002.safetensors"}
+
+    assert _open_with_weight_map(tmp_path, 2, move).tensor == moved[0]
 
 
 def test_shard_holds_tensor_the_index_omits(tmp_path: Path) -> None:
-    write_sharded(tmp_path, sample_tensors(), 2)
-    doc = _index(tmp_path)
-    weight_map = doc["weight_map"]
-    assert isinstance(weight_map, dict)
-    del weight_map["f32"]
-    _write_index(tmp_path, doc)
-    with pytest.raises(ShardError) as info:
-        CheckpointIndex.open(tmp_path)
-    assert info.value.tensor == "f32"
+    error = _open_with_weight_map(tmp_path, 2, lambda m: {n: s for n, s in m.items() if n != "f32"})
+    assert error.tensor == "f32"
 
 
 def test_shard_of_the_series_not_named_by_the_index(tmp_path: Path) -> None:
-    write_sharded(tmp_path, sample_tensors(), 3)
-    doc = _index(tmp_path)
-    weight_map = doc["weight_map"]
-    assert isinstance(weight_map, dict)
-    doc["weight_map"] = {n: s for n, s in weight_map.items() if not s.startswith("model-00003")}
-    _write_index(tmp_path, doc)
-    with pytest.raises(ShardError, match="not named by the index") as info:
-        CheckpointIndex.open(tmp_path)
-    assert info.value.file is not None and info.value.file.endswith("model-00003-of-00003.safetensors")
+    def drop_third(weight_map: dict[str, str]) -> dict[str, str]:
+        return {n: s for n, s in weight_map.items() if not s.startswith("model-00003")}
+
+    error = _open_with_weight_map(tmp_path, 3, drop_third, match="not named by the index")
+    assert error.file is not None and error.file.endswith("model-00003-of-00003.safetensors")
 
 
 def test_duplicate_tensor_across_shards(tmp_path: Path) -> None:

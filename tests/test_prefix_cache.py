@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_engine import make_engine, prompt, req, tokens_of, wait_idle
+from helpers_engine import generate, idle, prompt, req, run, stepped_engine, tokens_of
 from tiny_models import TINY_DEFAULTS
 
 from service import metrics
 from service.engine.engine import Engine
 from service.engine.prefix import PrefixCache
-from service.engine.request import GenerationRequest
 from service.model import KVCache
 from service.model.config import ModelConfig
 from service.model.weights import load_model
@@ -107,8 +105,8 @@ def test_logits_after_a_restore_match_a_full_prefill(tiny_llama_factory) -> None
 @pytest.fixture(scope="module")
 def engines(served_tiny_dir: Path):  # type: ignore[no-untyped-def]
     limits = {"max_batch_size": 8, "max_total_tokens": 512, "max_prompt_tokens": 256}
-    on = make_engine(served_tiny_dir, prefix_block_tokens=8, **limits)
-    off = make_engine(served_tiny_dir, prefix_cache_bytes=0, **limits)
+    on = stepped_engine(served_tiny_dir, prefix_block_tokens=8, **limits)
+    off = stepped_engine(served_tiny_dir, prefix_cache_bytes=0, **limits)
     yield on, off
     on.stop()
     off.stop()
@@ -121,8 +119,8 @@ def test_engine_output_is_the_same_with_and_without_prefix_caching(engines: tupl
     hits = metrics.PREFIX_CACHE_HIT_TOKENS._value.get()
     for wave in range(2):  # the second wave finds every prompt cached; the first shares the system prompt
         for i, p in enumerate(prompts):
-            got = tokens_of(on.generate(req(f"on{wave}-{i}", p, n=16), timeout=60))
-            want = tokens_of(off.generate(req(f"off{wave}-{i}", p, n=16), timeout=60))
+            got = tokens_of(generate(on, req(f"on{wave}-{i}", p, n=16)))
+            want = tokens_of(generate(off, req(f"off{wave}-{i}", p, n=16)))
             assert got == want, f"wave {wave} prompt {i}"
     assert metrics.PREFIX_CACHE_HIT_TOKENS._value.get() - hits >= 40 * (2 * len(prompts) - 1)
     assert on.prefix.blocks_used > 0 and off.prefix.blocks_used == 0
@@ -131,19 +129,10 @@ def test_engine_output_is_the_same_with_and_without_prefix_caching(engines: tupl
 def test_engine_batched_prefill_mixes_hits_and_misses(engines: tuple[Engine, Engine]) -> None:
     on, off = engines
     system = prompt(8, 33)
-    on.generate(req("warm", [*system, 5], n=2), timeout=60)  # caches the system prompt's blocks
+    generate(on, req("warm", [*system, 5], n=2))  # caches the system prompt's blocks
     prompts = [[*system, *prompt(40 + i, 2 + 9 * i)] for i in range(4)] + [prompt(60 + i, 7 + 13 * i) for i in range(3)]
-    results: dict[str, list[int]] = {}
-    sinks = {}
-    for i, p in enumerate(prompts):  # submitted together: one prefill with different cached lengths per row
-        events: list = []
-        sinks[i] = events
-        on.submit(GenerationRequest(request_id=f"mix{i}", prompt_ids=tuple(p), max_new_tokens=12, ignore_eos=True),
-                  events.append)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while any(not e or e[-1].finish is None for e in sinks.values()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # Submitted together: one prefill with different cached lengths per row.
+    results = run(on, *(req(f"mix{i}", p, n=12) for i, p in enumerate(prompts)))
     for i, p in enumerate(prompts):
-        results[f"mix{i}"] = tokens_of(sinks[i])
-        assert results[f"mix{i}"] == tokens_of(off.generate(req(f"ref{i}", p, n=12), timeout=60)), i
-    wait_idle(on)
+        assert tokens_of(results[f"mix{i}"]) == tokens_of(generate(off, req(f"ref{i}", p, n=12))), i
+    assert idle(on)
