@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from loraplex.v1 import generation_pb2 as pb
 
 from service.api import convert
+from service.config import Settings
 from service.engine.request import GenerationRequest
 from service.errors import InvalidRequest, LoraplexError
 from service.tokenizer import Tokenizer
@@ -95,16 +96,19 @@ def tokenizer(smollm2_dir: Path) -> Tokenizer:
     return Tokenizer.from_folder(smollm2_dir)
 
 
+SETTINGS = Settings(max_new_tokens=64)  # the server's other limits at their defaults
+
+
 def _convert(
     message: pb.GenerateRequest | pb.GenerateStreamRequest, tokenizer: Tokenizer, seed_offset: int
 ) -> GenerationRequest:
-    """What GenerateStream / Generate do with a message before the engine sees it."""
-    request_id = convert.request_id_of(message.request_id)
+    """What GenerateStream / Generate do with a message before the engine sees it: the field checks, the prompt,
+    the assembly; input ``seed_offset``'s seed rule (seed + i modulo 2**64) is exercised on the same message."""
+    checked = convert.precheck(message, SETTINGS)
     item = message.input if isinstance(message, pb.GenerateStreamRequest) else message.inputs[0]
     prompt = convert.prompt_of(item, tokenizer)
-    return convert.generation_request(
-        message, prompt, request_id=request_id, default_max_new_tokens=64, deadline=None, seed_offset=seed_offset
-    )
+    convert.sampling_of(message.sampling, logprobs=message.return_options.return_logprobs, seed_offset=seed_offset)
+    return convert.generation_request(message, checked, prompt, deadline=None)
 
 
 def _check(outcome: GenerationRequest | LoraplexError, tokenizer: Tokenizer) -> None:
