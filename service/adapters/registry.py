@@ -41,20 +41,15 @@ from service.adapters.integrity import FileStamp, stamp
 from service.adapters.peft import (
     CONFIG_FILE,
     CONVERT_HINT,
-    GROUP,
-    LORA_KEY,
     PICKLE_FILES,
     WEIGHTS_FILE,
     LoraAdapterConfig,
-    LoraKey,
-    explain_foreign_key,
-    lora_key_name,
     lora_scaling,
     module_features,
-    module_key,
     read_lora_config,
     resolve_targets,
 )
+from service.adapters.peft_keys import GROUP, LORA_KEY, LoraKey, explain_foreign_key, lora_key_name, module_key
 from service.adapters.types import MODULES
 from service.errors import InvalidAdapter, InvalidRequest, NotFound, PermissionDenied, shorten
 from service.loading import DTYPES, TensorRecord, read_safetensors_header

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from service.adapters.integrity import FileStamp, check_finite, stamp
+from service.adapters.jsonconfig import is_int, read_json_object
 from service.errors import CheckpointError, InvalidAdapter, NotFound, shorten
 from service.loading import CheckpointIndex, TensorRecord
 from service.model.config import ModelConfig
@@ -147,23 +148,16 @@ def read_medusa_config(path: Path) -> MedusaConfig:
     def fail(message: str) -> InvalidAdapter:
         return InvalidAdapter(message, file=path)
 
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise fail("file not found: a Medusa adapter folder needs config.json") from None
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
-        raise fail(f"cannot read JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise fail("expected a JSON object")
+    raw = read_json_object(path, "file not found: a Medusa adapter folder needs config.json")
     missing = [key for key in ("medusa_num_heads", "medusa_num_layers") if key not in raw]
     if missing:
         raise fail(
             f"missing key(s) {', '.join(missing)}: a Medusa config.json needs medusa_num_heads and medusa_num_layers"
         )
     heads, layers = raw["medusa_num_heads"], raw["medusa_num_layers"]
-    if not _is_int(heads) or heads < 1:
+    if not is_int(heads) or heads < 1:
         raise fail(f"medusa_num_heads must be an integer >= 1, got {heads!r}")
-    if not _is_int(layers) or layers < 0:
+    if not is_int(layers) or layers < 0:
         raise fail(f"medusa_num_layers must be an integer >= 0, got {layers!r}")
     version = _version(raw.get("version"), fail)
     if version == 2 and layers < 1:
@@ -413,10 +407,6 @@ def _raise(
     detail = "; ".join(f"{rec.name!r}: {msg}" if rec else msg for rec, msg in problems[:20])
     more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
     raise InvalidAdapter(f"{len(problems)} problems with the Medusa heads: {detail}{more}", file=default_file)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _version(value: Any, fail: Callable[[str], InvalidAdapter]) -> int | None:
