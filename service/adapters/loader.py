@@ -23,7 +23,8 @@ import torch
 from service import metrics
 from service.adapters.integrity import AdapterFileChanged, FileStamp, stamp_or_none
 from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, Loaded
-from service.adapters.registry import AdapterSpec, index_adapter, plan_nbytes
+from service.adapters.registry import index_adapter
+from service.adapters.spec import AdapterSpec, plan_nbytes
 from service.adapters.tiers import Entry, Tiers
 from service.errors import InvalidAdapter, LoraplexError, ResourceExhausted, Unavailable
 from service.model.config import ModelConfig

@@ -60,7 +60,8 @@ from service import metrics
 from service.adapters.integrity import stamp_or_none
 from service.adapters.loader import Loader
 from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
-from service.adapters.registry import index_adapter, plan_nbytes
+from service.adapters.registry import index_adapter
+from service.adapters.spec import plan_nbytes
 from service.adapters.tiers import Entry, Tiers
 from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, StoreState
 from service.errors import AdapterNotFound, AlreadyExists, DeadlineExceeded, FailedPrecondition, LoraplexError
