@@ -18,8 +18,8 @@ import re
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from service.adapters.integrity import FileStamp, stamp
 from service.adapters.peft import (
@@ -107,7 +107,7 @@ def _build_index(
     features = module_features(model_config)
     problems: list[tuple[str, str]] = []  # (tensor, message)
     seen, style = _match_names(records, targets, model_config.num_layers, problems)
-    columns = _Columns.zeros(model_config.num_layers * N_MODULES)
+    columns = _zero_columns(model_config.num_layers * N_MODULES)
     for (layer, module), pair in seen.items():
         bad = _fill_slot(columns, layer, module, pair, targets[(layer, module)], features[module], config.use_rslora)
         if bad is not None:
@@ -131,12 +131,7 @@ def _build_index(
         features=tuple(features[m] for m in MODULES),
         prefix=style[0],
         infix=style[1],
-        ranks=columns.ranks,
-        a_start=columns.a_start,
-        b_start=columns.b_start,
-        a_dtype=columns.a_dtype,
-        b_dtype=columns.b_dtype,
-        scaling=columns.scaling,
+        **columns,
         file_bytes=file_stamp.size,
         stamp=file_stamp,
         index_seconds=time.perf_counter() - t0,
@@ -176,8 +171,7 @@ def _match_names(
     return seen, style
 
 
-@dataclass(frozen=True, slots=True)
-class _Columns:
+class _Columns(TypedDict):
     """The ``AdapterSpec`` columns while they are filled, one entry per (layer, module) slot."""
 
     ranks: array[int]
@@ -187,16 +181,16 @@ class _Columns:
     b_dtype: array[int]
     scaling: array[float]
 
-    @classmethod
-    def zeros(cls, n_slots: int) -> _Columns:
-        return cls(
-            ranks=array("I", bytes(4 * n_slots)),
-            a_start=array("Q", bytes(8 * n_slots)),
-            b_start=array("Q", bytes(8 * n_slots)),
-            a_dtype=array("B", bytes(n_slots)),
-            b_dtype=array("B", bytes(n_slots)),
-            scaling=array("d", bytes(8 * n_slots)),
-        )
+
+def _zero_columns(n_slots: int) -> _Columns:
+    return _Columns(
+        ranks=array("I", bytes(4 * n_slots)),
+        a_start=array("Q", bytes(8 * n_slots)),
+        b_start=array("Q", bytes(8 * n_slots)),
+        a_dtype=array("B", bytes(n_slots)),
+        b_dtype=array("B", bytes(n_slots)),
+        scaling=array("d", bytes(8 * n_slots)),
+    )
 
 
 def _fill_slot(
@@ -219,10 +213,10 @@ def _fill_slot(
     if bad is not None:
         return bad
     slot = layer * N_MODULES + MODULES.index(module)
-    columns.ranks[slot] = rank
-    columns.a_start[slot], columns.b_start[slot] = a.start, b.start
-    columns.a_dtype[slot], columns.b_dtype[slot] = FLOAT_CODES.index(a.dtype), FLOAT_CODES.index(b.dtype)
-    columns.scaling[slot] = lora_scaling(rank, alpha, rslora)
+    columns["ranks"][slot] = rank
+    columns["a_start"][slot], columns["b_start"][slot] = a.start, b.start
+    columns["a_dtype"][slot], columns["b_dtype"][slot] = FLOAT_CODES.index(a.dtype), FLOAT_CODES.index(b.dtype)
+    columns["scaling"][slot] = lora_scaling(rank, alpha, rslora)
     return None
 
 
