@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.adapters.jsonconfig import is_int, read_json_object, short_repr
+from service.adapters.folder import is_int, read_json_object, short_repr
 from service.adapters.patterns import regex_problem
 from service.adapters.peft_keys import (
     GROUP,

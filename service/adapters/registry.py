@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 
+from service.adapters.folder import check_folder, refuse_pickles
 from service.adapters.integrity import FileStamp, stamp
 from service.adapters.peft import (
     CONFIG_FILE,
@@ -36,7 +37,7 @@ from service.adapters.peft import (
 from service.adapters.peft_keys import GROUP, LORA_KEY, explain_foreign_key, module_key
 from service.adapters.spec import FLOAT_CODES, N_MODULES, AdapterSpec, plan_nbytes
 from service.adapters.types import MODULES
-from service.errors import InvalidAdapter, InvalidRequest, NotFound, PermissionDenied, shorten
+from service.errors import InvalidAdapter, InvalidRequest, PermissionDenied, shorten
 from service.loading import TensorRecord, read_safetensors_header
 from service.model.config import ModelConfig
 
@@ -72,19 +73,14 @@ def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roo
     t0 = time.perf_counter()
     check_adapter_id(adapter_id)
     folder = resolve_source(path, roots)
-    if not folder.exists():
-        raise NotFound(f"adapter folder {shorten(path)!r} does not exist")
-    if not folder.is_dir():
-        raise InvalidAdapter("the adapter source is not a folder", file=path)
+    check_folder(folder, path)
     config_path = folder / CONFIG_FILE
     _check_inside(config_path.resolve(), roots, config_path)
     config = read_lora_config(config_path, model_type=model_config.model_type)
     weights = (folder / WEIGHTS_FILE).resolve()
     _check_inside(weights, roots, folder / WEIGHTS_FILE)
     if not weights.is_file():
-        pickles = [name for name in PICKLE_FILES if (folder / name).is_file()]
-        if pickles:
-            raise InvalidAdapter(f"pickled weights are refused. {CONVERT_HINT}", file=folder / pickles[0])
+        refuse_pickles(folder, PICKLE_FILES, "weights", CONVERT_HINT)
         raise InvalidAdapter(f"no {WEIGHTS_FILE} in the adapter folder", file=folder / WEIGHTS_FILE)
 
     targets = resolve_targets(config, model_config, file=config_path)

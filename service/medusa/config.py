@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.adapters.jsonconfig import is_int, read_json_object
+from service.adapters.folder import is_int, read_json_object
 from service.errors import InvalidAdapter
 
 CONFIG_FILE = "config.json"

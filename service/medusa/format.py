@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from service.adapters.folder import check_folder, refuse_pickles
 from service.adapters.integrity import FileStamp, check_finite, stamp
-from service.errors import CheckpointError, InvalidAdapter, NotFound, shorten
+from service.errors import CheckpointError, InvalidAdapter
 from service.loading import CheckpointIndex, TensorRecord
 from service.medusa.config import CONFIG_FILE, MedusaConfig, is_medusa_folder, read_medusa_config
 from service.model.config import ModelConfig
@@ -151,19 +152,14 @@ def index_medusa(
     """
     t0 = time.perf_counter()
     folder = Path(folder)
-    if not folder.exists():
-        raise NotFound(f"adapter folder {shorten(folder)!r} does not exist")
-    if not folder.is_dir():
-        raise InvalidAdapter("the adapter source is not a folder", file=folder)
+    check_folder(folder, folder)
     config_path = folder / CONFIG_FILE
     if check_path is not None:
         check_path(config_path.resolve())
     config = read_medusa_config(config_path)
     files = tuple(f.resolve() for f in weight_files(folder))
     if not files:
-        pickles = [name for name in PICKLE_FILES if (folder / name).is_file()]
-        if pickles:
-            raise InvalidAdapter(f"pickled Medusa heads are refused. {CONVERT_HINT}", file=folder / pickles[0])
+        refuse_pickles(folder, PICKLE_FILES, "Medusa heads", CONVERT_HINT)
         raise InvalidAdapter(f"no {WEIGHTS_FILE} (or other Medusa .safetensors file) in the folder", file=folder)
     records: dict[str, TensorRecord] = {}
     stamps: list[FileStamp] = []
