@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from service.adapters.handle import Adapter
 from service.adapters.peft import LoraAdapterConfig, read_lora_config
-from service.adapters.registry import AdapterSpec, check_adapter_id, index_adapter
+from service.adapters.registry import check_adapter_id, index_adapter
+from service.adapters.spec import AdapterSpec
 from service.adapters.store import AdapterInfo, AdapterState, AdapterStore, StoreState
 from service.adapters.types import MODULES, LoraLayer, LoraModule
 

@@ -10,7 +10,7 @@ reach every token of the requests that use it, so such a tensor is refused by na
 
 Public API::
 
-    FileStamp.of(stat_result) / stamp(path) -> FileStamp
+    FileStamp.of(stat_result) / stamp(path) -> FileStamp / stamp_or_none(path) -> FileStamp | None
     open_verified(path, stamp, roots, *, check_path=None) -> int   read-only fd; AdapterFileChanged / PermissionDenied
     check_finite(tensor, name, file) -> None       NonFiniteTensor
     AdapterFileChanged, NonFiniteTensor            (InvalidAdapter subclasses: INVALID_ARGUMENT)
@@ -61,6 +61,14 @@ class FileStamp:
 def stamp(path: Path) -> FileStamp:
     """The stamp of ``path`` now (symlinks followed; registration resolves paths first)."""
     return FileStamp.of(os.stat(path))
+
+
+def stamp_or_none(path: Path) -> FileStamp | None:
+    """``stamp(path)``, or None when the file cannot be stat()ed (missing, unreadable folder)."""
+    try:
+        return stamp(path)
+    except OSError:
+        return None
 
 
 def _inside(real: Path, roots: Sequence[Path]) -> bool:
@@ -128,4 +136,12 @@ def check_finite(tensor: torch.Tensor, name: str, file: Path | str) -> None:
     )
 
 
-__all__ = ["AdapterFileChanged", "FileStamp", "NonFiniteTensor", "check_finite", "open_verified", "stamp"]
+__all__ = [
+    "AdapterFileChanged",
+    "FileStamp",
+    "NonFiniteTensor",
+    "check_finite",
+    "open_verified",
+    "stamp",
+    "stamp_or_none",
+]

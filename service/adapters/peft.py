@@ -1,17 +1,7 @@
-"""The PEFT LoRA format: ``adapter_config.json`` and the key names of ``adapter_model.safetensors``.
+"""The PEFT LoRA format: ``adapter_config.json``, which base modules it adapts, and with which rank and scaling.
 
-Everything here is pure parsing and validation against the base model's shape; no tensor byte is read.
-
-Public API::
-
-    CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILES
-    LoraAdapterConfig                        parsed adapter_config.json (frozen)
-    read_lora_config(path, *, model_type) -> LoraAdapterConfig
-    module_key(layer, module) -> str         PEFT's name of a projection: "model.layers.3.self_attn.q_proj"
-    module_features(model_config) -> {module: (in_features, out_features)}
-    resolve_targets(config, model_config, *, file) -> {(layer, module): (rank, alpha)}
-    LoraKey, parse_lora_key(name) -> LoraKey | None, LORA_KEY (the compiled pattern behind it)
-    lora_scaling(rank, alpha, rslora) -> float
+Everything here is pure parsing and validation against the base model's shape; no tensor byte is read. The tensor
+names of ``adapter_model.safetensors`` are taken apart in ``service.adapters.peft_keys`` (re-exported here).
 
 Matching follows PEFT 0.21 (``check_target_module_exists``, ``get_pattern_key``): a *list* of target modules
 matches a module whose full name equals an entry or ends with ``"." + entry`` (then ``layers_to_transform`` /
@@ -34,15 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
+from service.adapters.folder import is_int, read_json_object, short_repr
 from service.adapters.patterns import regex_problem
+from service.adapters.peft_keys import (
+    GROUP,
+    LORA_KEY,
+    LoraKey,
+    explain_foreign_key,
+    lora_key_name,
+    module_key,
+    parse_lora_key,
+)
 from service.adapters.types import MODULES
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
@@ -56,11 +55,10 @@ CONVERT_HINT = (
     ".save_pretrained(OUT_DIR, safe_serialization=True)`"
 )
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-GROUP = {m: ("self_attn" if m in ATTENTION else "mlp") for m in MODULES}
 # PEFT's default targets when target_modules is null (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
 DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj")}
 ALL_LINEAR = "all-linear"
+Fail = Callable[[str], InvalidAdapter]  # builds the error naming the config file
 
 # Config fields that turn on a feature loraplex does not serve: field -> what it is.
 _REFUSED_TRUE = {
@@ -105,15 +103,41 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     def fail(message: str) -> InvalidAdapter:
         return InvalidAdapter(message, file=path)
 
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise fail("file not found: a PEFT adapter folder needs adapter_config.json") from None
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
-        raise fail(f"cannot read JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise fail("expected a JSON object")
+    raw = read_json_object(path, "file not found: a PEFT adapter folder needs adapter_config.json")
+    _check_supported(raw, fail)
+    r = _positive_int(raw.get("r", 8), "r", fail)
+    alpha = _number(raw.get("lora_alpha", 8), "lora_alpha", fail)
+    targets = _read_targets(raw, model_type, fail)
+    exclude = _targets(raw.get("exclude_modules"), "exclude_modules", fail)
+    layers_to_transform, layers_pattern = _read_layers(raw, fail)
+    if isinstance(targets, str) and (layers_to_transform is not None or layers_pattern is not None):
+        raise fail("layers_to_transform / layers_pattern cannot be used when target_modules is a regex string")
+    rank_pattern = tuple(
+        (k, _positive_int(v, f"rank_pattern[{k!r}]", fail)) for k, v in _pattern(raw, "rank_pattern", fail).items()
+    )
+    alpha_pattern = tuple(
+        (k, _number(v, f"alpha_pattern[{k!r}]", fail)) for k, v in _pattern(raw, "alpha_pattern", fail).items()
+    )
+    base = raw.get("base_model_name_or_path")
+    config = LoraAdapterConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        exclude_modules=exclude,
+        use_rslora=bool(raw.get("use_rslora", False)),
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        layers_to_transform=layers_to_transform,
+        layers_pattern=layers_pattern,
+        fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+        base_model_name_or_path=base if isinstance(base, str) else None,
+    )
+    _check_regexes(config, fail)
+    return config
 
+
+def _check_supported(raw: Mapping[str, Any], fail: Fail) -> None:
+    """Refuse, by name, a PEFT type other than LoRA and the features loraplex does not serve."""
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise fail(f"peft_type {peft_type!r} is not supported; loraplex serves LoRA adapters (peft_type 'LORA')")
@@ -127,27 +151,31 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     if bias != "none":
         raise fail(f"trained biases are not supported (bias={bias!r}); only bias='none' adapters can be served")
 
-    r = _positive_int(raw.get("r", 8), "r", fail)
-    alpha = _number(raw.get("lora_alpha", 8), "lora_alpha", fail)
+
+def _read_targets(raw: Mapping[str, Any], model_type: str, fail: Fail) -> tuple[str, ...] | str:
+    """``target_modules`` with PEFT's defaults applied (null: the model type's default; ``all-linear``)."""
     targets = _targets(raw.get("target_modules"), "target_modules", fail)
     if targets is None:
         if model_type not in DEFAULT_TARGETS:
             raise fail(f"target_modules is null and peft has no default targets for model_type {model_type!r}")
-        targets = DEFAULT_TARGETS[model_type]
-    elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
-        targets = MODULES
-    exclude = _targets(raw.get("exclude_modules"), "exclude_modules", fail)
+        return DEFAULT_TARGETS[model_type]
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        return MODULES
+    return targets
 
+
+def _read_layers(raw: Mapping[str, Any], fail: Fail) -> tuple[tuple[int, ...] | None, tuple[str, ...] | None]:
+    """``layers_to_transform`` and ``layers_pattern``, each normalised to a tuple (None: not given)."""
     layers = raw.get("layers_to_transform")
     layers_to_transform: tuple[int, ...] | None
     if layers is None or layers == []:
         layers_to_transform = None
-    elif _is_int(layers):
+    elif is_int(layers):
         layers_to_transform = (int(layers),)
-    elif isinstance(layers, list) and all(_is_int(v) for v in layers):
+    elif isinstance(layers, list) and all(is_int(v) for v in layers):
         layers_to_transform = tuple(int(v) for v in layers)
     else:
-        raise fail(f"layers_to_transform must be an integer or a list of integers, got {_short(layers)}")
+        raise fail(f"layers_to_transform must be an integer or a list of integers, got {short_repr(layers)}")
     pattern = raw.get("layers_pattern")
     layers_pattern: tuple[str, ...] | None
     if pattern is None or pattern in ("", []):
@@ -157,44 +185,24 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
     elif isinstance(pattern, list) and all(isinstance(p, str) for p in pattern):
         layers_pattern = tuple(pattern)
     else:
-        raise fail(f"layers_pattern must be a string or a list of strings, got {_short(pattern)}")
-    if isinstance(targets, str) and (layers_to_transform is not None or layers_pattern is not None):
-        raise fail("layers_to_transform / layers_pattern cannot be used when target_modules is a regex string")
+        raise fail(f"layers_pattern must be a string or a list of strings, got {short_repr(pattern)}")
+    return layers_to_transform, layers_pattern
 
-    rank_pattern = tuple(
-        (k, _positive_int(v, f"rank_pattern[{k!r}]", fail)) for k, v in _pattern(raw, "rank_pattern", fail).items()
-    )
-    alpha_pattern = tuple(
-        (k, _number(v, f"alpha_pattern[{k!r}]", fail)) for k, v in _pattern(raw, "alpha_pattern", fail).items()
-    )
-    for name, entries in (("target_modules", targets), ("exclude_modules", exclude)):
+
+def _check_regexes(config: LoraAdapterConfig, fail: Fail) -> None:
+    """Refuse every regex the config makes (as ``resolve_targets`` will use it) that could backtrack for hours."""
+    for name, entries in (("target_modules", config.target_modules), ("exclude_modules", config.exclude_modules)):
         if isinstance(entries, str):
             _compile(entries, name, fail)
-    for name, keys in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
-        for key, _ in keys:
-            _compile(rf"(.*\.)?({key})$", f"{name} key {_short(key)}", fail)
-    for p in layers_pattern or ():
-        _compile(_layers_regex(p), f"layers_pattern {_short(p)}", fail)
-
-    base = raw.get("base_model_name_or_path")
-    return LoraAdapterConfig(
-        r=r,
-        lora_alpha=alpha,
-        target_modules=targets,
-        exclude_modules=exclude,
-        use_rslora=bool(raw.get("use_rslora", False)),
-        rank_pattern=rank_pattern,
-        alpha_pattern=alpha_pattern,
-        layers_to_transform=layers_to_transform,
-        layers_pattern=layers_pattern,
-        fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
-        base_model_name_or_path=base if isinstance(base, str) else None,
+    patterns: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = (
+        ("rank_pattern", config.rank_pattern),
+        ("alpha_pattern", config.alpha_pattern),
     )
-
-
-def module_key(layer: int, module: str) -> str:
-    """PEFT's full name of one projection of ``LlamaForCausalLM``."""
-    return f"model.layers.{layer}.{GROUP[module]}.{module}"
+    for name, keys in patterns:
+        for key, _ in keys:
+            _compile(rf"(.*\.)?({key})$", f"{name} key {short_repr(key)}", fail)
+    for p in config.layers_pattern or ():
+        _compile(_layers_regex(p), f"layers_pattern {short_repr(p)}", fail)
 
 
 def module_features(model_config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -283,52 +291,6 @@ def resolve_targets(
     return out
 
 
-class LoraKey(NamedTuple):
-    """One PEFT tensor name, taken apart: ``{prefix}layers.{layer}.{group}.{module}.lora_{matrix}{infix}.weight``."""
-
-    prefix: str  # "base_model.model.model." for a causal LM
-    layer: int
-    module: str
-    matrix: str  # "A" | "B"
-    infix: str  # "" or ".<adapter name>" (older files)
-
-
-LORA_KEY = re.compile(
-    r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
-    r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<matrix>[AB])(?P<infix>\.[A-Za-z0-9_-]+)?\.weight"
-)
-
-
-def parse_lora_key(name: str) -> LoraKey | None:
-    """The parts of a LoRA weight name of a Llama projection, or None for any other name."""
-    m = LORA_KEY.fullmatch(name)
-    if m is None:
-        return None
-    prefix, layer, group, module, matrix, infix = m.groups()
-    if GROUP.get(module) != group:
-        return None
-    return LoraKey(prefix, int(layer), module, matrix, infix or "")
-
-
-def lora_key_name(key: LoraKey) -> str:
-    return f"{key.prefix}layers.{key.layer}.{GROUP[key.module]}.{key.module}.lora_{key.matrix}{key.infix}.weight"
-
-
-def explain_foreign_key(name: str) -> str:
-    """Why a tensor name that is not a LoRA projection weight cannot be served."""
-    if "lora_magnitude_vector" in name:
-        return "DoRA magnitude vectors are not supported"
-    if "lora_embedding_" in name or "embed_tokens" in name:
-        return "LoRA on the token embeddings is not supported"
-    if "lm_head" in name:
-        return "LoRA on lm_head is not supported"
-    if "modules_to_save" in name:
-        return "fully trained extra modules (modules_to_save) are not supported"
-    if name.endswith(".bias"):
-        return "trained biases are not supported"
-    return f"unexpected tensor: not a lora_A/lora_B weight of a Llama projection ({', '.join(MODULES)})"
-
-
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
     """PEFT's ``scaling``: alpha / r, or alpha / sqrt(r) with rank-stabilised LoRA."""
     return alpha / math.sqrt(rank) if rslora else alpha / rank
@@ -337,55 +299,45 @@ def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
 # --- helpers ------------------------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any, what: str, fail: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise fail(f"{what} must be a positive integer (the LoRA rank), got {_short(value)}")
+def _positive_int(value: Any, what: str, fail: Fail) -> int:
+    if not is_int(value) or value <= 0:
+        raise fail(f"{what} must be a positive integer (the LoRA rank), got {short_repr(value)}")
     return int(value)
 
 
-def _number(value: Any, what: str, fail: Any) -> float:
+def _number(value: Any, what: str, fail: Fail) -> float:
     number = math.nan
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         with contextlib.suppress(OverflowError):  # an integer beyond the float range stays NaN: refused
             number = float(value)
     if not math.isfinite(number):
-        raise fail(f"{what} must be a finite number, got {_short(value)}")
+        raise fail(f"{what} must be a finite number, got {short_repr(value)}")
     return number
 
 
-def _targets(value: Any, what: str, fail: Any) -> tuple[str, ...] | str | None:
+def _targets(value: Any, what: str, fail: Fail) -> tuple[str, ...] | str | None:
     if value is None:
         return None
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(dict.fromkeys(value))
-    raise fail(f"{what} must be a list of module names or a regex string, got {_short(value)}")
+    raise fail(f"{what} must be a list of module names or a regex string, got {short_repr(value)}")
 
 
-def _pattern(raw: Mapping[str, Any], key: str, fail: Any) -> dict[str, Any]:
+def _pattern(raw: Mapping[str, Any], key: str, fail: Fail) -> dict[str, Any]:
     value = raw.get(key)
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise fail(f"{key} must map module patterns to values, got {_short(value)}")
+        raise fail(f"{key} must map module patterns to values, got {short_repr(value)}")
     return value
 
 
-def _compile(pattern: str, what: str, fail: Any) -> None:
+def _compile(pattern: str, what: str, fail: Fail) -> None:
     problem = regex_problem(pattern)
     if problem is not None:
-        raise fail(f"{what} ({_short(pattern)}) {problem}")
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a config value can be any size)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        raise fail(f"{what} ({short_repr(pattern)}) {problem}")
 
 
 def _layers_regex(layers_pattern: str) -> str:
@@ -420,3 +372,27 @@ def _pattern_value(pattern: Iterable[tuple[str, Any]], name: str, default: Any) 
         if re.match(rf"(.*\.)?({key})$", name):
             return value
     return default
+
+
+__all__ = [
+    "ALL_LINEAR",
+    "CONFIG_FILE",
+    "CONVERT_HINT",
+    "DEFAULT_TARGETS",
+    "GROUP",
+    "LORA_KEY",
+    "MODULES",
+    "PICKLE_FILES",
+    "WEIGHTS_FILE",
+    "LoraAdapterConfig",
+    "LoraKey",
+    "base_module_names",
+    "explain_foreign_key",
+    "lora_key_name",
+    "lora_scaling",
+    "module_features",
+    "module_key",
+    "parse_lora_key",
+    "read_lora_config",
+    "resolve_targets",
+]

@@ -25,7 +25,7 @@ import torch
 
 from service import metrics
 from service.adapters.integrity import check_finite, open_verified
-from service.adapters.registry import AdapterSpec, SlotRecords, buffer_views, plan_buffer
+from service.adapters.spec import AdapterSpec, SlotRecords, buffer_views, plan_buffer
 from service.adapters.types import LoraLayer, LoraModule
 from service.loading import load_tensors
 

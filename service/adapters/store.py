@@ -1,7 +1,8 @@
 """The adapter store: registered adapters, a device tier and a host tier with byte budgets, and a loader thread.
 
 The budget policy (LRU order, eviction) lives in ``service.adapters.tiers``; file reading and layout in
-``service.adapters.reader``; this module owns the lock, the registry, the engine protocol and the loader thread.
+``service.adapters.reader``; the loader thread and its queue in ``service.adapters.loader``; this module owns the
+lock, the registry and the engine protocol.
 
 Tiers. The *device tier* holds ``LoraLayer`` objects on the serving device in the serving dtype, ``lora_B``
 already scaled; the *host tier* holds the raw tensors as read from the file (pinned memory when serving on CUDA).
@@ -50,34 +51,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from service import metrics
-from service.adapters.integrity import AdapterFileChanged, FileStamp, stamp
-from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, Loaded
-from service.adapters.registry import AdapterSpec, index_adapter, plan_nbytes
+from service.adapters.integrity import stamp_or_none
+from service.adapters.loader import Loader
+from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
+from service.adapters.registry import index_adapter
+from service.adapters.spec import plan_nbytes
 from service.adapters.tiers import Entry, Tiers
 from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, StoreState
-from service.errors import (
-    AdapterNotFound,
-    AlreadyExists,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidAdapter,
-    LoraplexError,
-    ResourceExhausted,
-    Unavailable,
-)
+from service.errors import AdapterNotFound, AlreadyExists, DeadlineExceeded, FailedPrecondition, LoraplexError
 from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 RETRY_CHECK_SECONDS = 1.0  # a failed adapter's file is stat()ed at most this often, to retry it once it changed
-MAX_REVALIDATIONS = 2  # re-indexings of a file that keeps changing during one load before the load gives up
 
 
 class AdapterStore:
@@ -101,16 +93,20 @@ class AdapterStore:
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.roots = tuple(Path(r) for r in roots)
-        self._reader = AdapterReader(self.device, dtype, self.roots)  # used by the loader thread only
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
         self._tiers = Tiers(self._entries, device_budget_bytes, host_budget_bytes)
-        self._disk_reads = 0
-        self._disk_bytes = 0
-        self._queue: deque[str] = deque()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._loader = Loader(
+            self._cond,
+            self._entries,
+            self._tiers,
+            AdapterReader(self.device, dtype, self.roots),
+            model_config=model_config,
+            dtype=dtype,
+            roots=self.roots,
+            device_budget_bytes=device_budget_bytes,
+        )
         metrics.ADAPTER_BUDGET_BYTES.labels(tier="device").set(device_budget_bytes)
         metrics.ADAPTER_BUDGET_BYTES.labels(tier="host").set(host_budget_bytes)
 
@@ -151,8 +147,7 @@ class AdapterStore:
             del self._entries[adapter_id]
             self._tiers.drop_device(adapter_id, entry)
             self._tiers.drop_host(adapter_id, entry)
-            if adapter_id in self._queue:
-                self._queue.remove(adapter_id)
+            self._loader.discard(adapter_id)
             self._tiers.publish()
             self._cond.notify_all()
 
@@ -174,9 +169,9 @@ class AdapterStore:
                 host_budget_bytes=self.host_budget_bytes,
                 device_lru=tuple(self._tiers.device_lru),
                 host_lru=tuple(self._tiers.host_lru),
-                queued=tuple(self._queue),
-                disk_reads=self._disk_reads,
-                disk_bytes=self._disk_bytes,
+                queued=tuple(self._loader.queue),
+                disk_reads=self._loader.disk_reads,
+                disk_bytes=self._loader.disk_bytes,
             )
 
     # --- serving ----------------------------------------------------------------------------------------------
@@ -211,12 +206,12 @@ class AdapterStore:
                 return True
             if entry.device_nbytes > self.device_budget_bytes and not entry.revalidate:
                 entry.failed_stamp = entry.spec.stamp
-                entry.error = self._too_large(adapter_id, entry.device_nbytes)
+                entry.error = self._loader.too_large(adapter_id, entry.device_nbytes)
                 self._cond.notify_all()
                 return False
             if pin and waiter is not None:
                 entry.waiters.add(waiter)
-            self._queue_load(adapter_id, entry)
+            self._loader.queue_load(adapter_id, entry)
             return False
 
     def forget(self, adapter_id: str, waiter: object) -> None:
@@ -231,8 +226,7 @@ class AdapterStore:
             if waiter in entry.promised:
                 entry.promised.discard(waiter)
                 self._cond.notify_all()  # a load waiting for room may proceed
-            if not entry.waiters and adapter_id in self._queue:  # queued, not started, and nobody waits for it
-                self._queue.remove(adapter_id)
+            if not entry.waiters and self._loader.discard(adapter_id):  # queued, not started, nobody waits for it
                 entry.loading = False
                 self._cond.notify_all()
 
@@ -243,7 +237,7 @@ class AdapterStore:
         if now - entry.checked_at < RETRY_CHECK_SECONDS:
             return False
         entry.checked_at = now
-        if _stamp_or_none(entry.spec.file) == entry.failed_stamp:
+        if stamp_or_none(entry.spec.file) == entry.failed_stamp:
             return False
         log.info("event=adapter_retry adapter=%s reason=file_changed error=%s", adapter_id, entry.error)
         entry.error = None
@@ -256,26 +250,12 @@ class AdapterStore:
         Quiet for unknown ids, failed or oversized adapters and a closed store (``request`` reports those)."""
         with self._cond:
             entry = self._entries.get(adapter_id)
-            if entry is None or entry.error is not None or entry.device is not None or self._closed:
+            if entry is None or entry.error is not None or entry.device is not None or self._loader.closed:
                 return
             # Only into free room: evicting for a request that may wait in the queue a while could evict what
             # the running batch needs next; under pressure, admission (``request``) decides.
             if self._tiers.device_used + self._tiers.device_reserved + entry.device_nbytes <= self.device_budget_bytes:
-                self._queue_load(adapter_id, entry)
-
-    def _queue_load(self, adapter_id: str, entry: Entry) -> bool:
-        """Under the lock: queue ``entry``'s load unless one is queued or running; True if it queued one."""
-        if self._closed:
-            raise Unavailable("the adapter store is closed")
-        if entry.loading:
-            return False
-        entry.loading = True
-        entry.queued_at = time.perf_counter()
-        self._queue.append(adapter_id)
-        metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="device").inc()
-        self._start_loader()
-        self._cond.notify_all()
-        return True
+                self._loader.queue_load(adapter_id, entry)
 
     def failure(self, adapter_id: str) -> LoraplexError | None:
         """The error that made this adapter's load fail, or None. ``AdapterNotFound`` if not registered."""
@@ -324,180 +304,13 @@ class AdapterStore:
 
     def close(self) -> None:
         """Stop the loader thread (a load in progress finishes first). Registered adapters stay readable."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        self._loader.close()
 
     def __enter__(self) -> AdapterStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # --- the loader thread -----------------------------------------------------------------------------------
-
-    def _start_loader(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loader, name="loraplex-adapter-loader", daemon=True)
-            self._thread.start()
-
-    def _loader(self) -> None:
-        while True:
-            with self._cond:
-                job = self._next_job()
-                if job is None:
-                    return
-                adapter_id, entry = job
-                host = entry.host
-                revalidate = entry.revalidate
-            if revalidate:  # no room was reserved: its size is known once it is indexed again
-                self._revalidate(adapter_id, entry)
-                continue
-            try:
-                loaded = self._reader.load(entry.spec, host)
-            except Exception as e:  # the loader must survive anything; the rows waiting get the error
-                with self._cond:
-                    self._tiers.device_reserved -= entry.device_nbytes
-                if isinstance(e, AdapterFileChanged):  # replaced or rewritten since it was indexed: index it again
-                    log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
-                    if entry.revalidations < MAX_REVALIDATIONS:
-                        entry.revalidations += 1
-                        self._revalidate(adapter_id, entry)
-                    else:
-                        self._fail_load(adapter_id, entry, e, _stamp_or_none(entry.spec.file))
-                    continue
-                error = e if isinstance(e, LoraplexError) else _wrap(e, entry.spec)
-                if not isinstance(e, LoraplexError):
-                    log.exception("event=adapter_load_error adapter=%s", adapter_id)
-                self._fail_load(adapter_id, entry, error, entry.spec.stamp)  # the failure belongs to that version
-                continue
-            with self._cond:
-                self._commit(adapter_id, entry, loaded)
-                self._cond.notify_all()
-
-    def _fail_load(self, adapter_id: str, entry: Entry, error: LoraplexError, seen: FileStamp | None) -> None:
-        """Outside the lock (its room already released): end a load in failure; ``seen`` is the file version it
-        failed on (a later request retries once the file differs from it)."""
-        with self._cond:
-            entry.loading = False
-            entry.revalidate = False
-            entry.revalidations = 0
-            entry.error = error
-            entry.failed_stamp = seen
-            entry.checked_at = time.monotonic()
-            self._cond.notify_all()
-        log.warning("event=adapter_load_failed adapter=%s error=%s", adapter_id, error)
-
-    def _revalidate(self, adapter_id: str, entry: Entry) -> None:
-        """Outside the lock, holding no room: index a changed adapter folder again, as a new registration would.
-        On success the entry takes the new index (and a new ``registered_at``: its weights, so its K/V, may
-        differ) and its load is queued again at the front; otherwise the adapter fails with the new error."""
-        seen = _stamp_or_none(entry.spec.file)
-        try:
-            spec = index_adapter(adapter_id, entry.spec.source, self.model_config, roots=self.roots)
-        except LoraplexError as e:
-            self._fail_load(adapter_id, entry, e, seen)
-            return
-        metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
-        device_nbytes = plan_nbytes(spec, self.dtype, DEVICE_ALIGN)
-        if device_nbytes > self.device_budget_bytes:
-            self._fail_load(adapter_id, entry, self._too_large(adapter_id, device_nbytes), spec.stamp)
-            return
-        with self._cond:
-            entry.loading = entry.revalidate = False
-            if self._entries.get(adapter_id) is not entry or self._closed:
-                self._cond.notify_all()
-                return
-            self._tiers.drop_host(adapter_id, entry)  # raw bytes of the old version
-            entry.spec, entry.registered_at = spec, time.time()
-            entry.host_nbytes = plan_nbytes(spec, None, HOST_ALIGN)
-            entry.device_nbytes = device_nbytes
-            if self._queue_load(adapter_id, entry):
-                self._queue.remove(adapter_id)
-                self._queue.appendleft(adapter_id)  # it was at the head already
-            self._cond.notify_all()
-        log.info("event=adapter_revalidated adapter=%s bytes=%d", adapter_id, spec.file_bytes)
-
-    def _too_large(self, adapter_id: str, device_nbytes: int) -> ResourceExhausted:
-        return ResourceExhausted(
-            f"adapter {adapter_id!r} needs {device_nbytes} bytes on the device, more than the whole adapter device "
-            f"budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
-        )
-
-    def _next_job(self) -> tuple[str, Entry] | None:
-        """Under the lock: the next adapter to load with device room reserved for it (waits as needed)."""
-        while True:
-            if self._closed:
-                return None
-            if not self._queue:
-                self._cond.wait()
-                continue
-            adapter_id = self._queue[0]
-            entry = self._entries.get(adapter_id)
-            if entry is None or not entry.loading:
-                self._queue.popleft()
-                continue
-            if entry.revalidate:  # indexed again first; its load is queued anew with its new size
-                self._queue.popleft()
-                return adapter_id, entry
-            if not self._tiers.make_device_room(entry.device_nbytes, adapter_id):
-                self._cond.wait()  # every resident adapter is pinned: wait for an unpin or unregister
-                continue
-            self._queue.popleft()
-            self._tiers.device_reserved += entry.device_nbytes
-            return adapter_id, entry
-
-    def _commit(self, adapter_id: str, entry: Entry, loaded: Loaded) -> None:
-        """Under the lock: publish a finished load (or drop it if the adapter was unregistered meanwhile)."""
-        self._tiers.device_reserved -= entry.device_nbytes
-        entry.loading = False
-        if self._entries.get(adapter_id) is not entry:
-            return
-        total = time.perf_counter() - entry.queued_at
-        entry.revalidations = 0
-        entry.promised |= entry.waiters  # pinned for the requests that waited, before anything can evict it
-        entry.waiters.clear()
-        entry.used = False  # until a request gets it
-        entry.device = loaded.layers
-        self._tiers.device[adapter_id] = loaded.layers
-        self._tiers.device_used += entry.device_nbytes
-        entry.loads += 1
-        entry.read_seconds, entry.layout_seconds, entry.total_seconds = (
-            loaded.read_seconds,
-            loaded.layout_seconds,
-            total,
-        )
-        tier = "disk" if loaded.from_disk else "host"
-        if loaded.from_disk:
-            entry.disk_reads += 1
-            entry.disk_bytes += loaded.bytes_read
-            self._disk_reads += 1
-            self._disk_bytes += loaded.bytes_read
-            metrics.ADAPTER_READ_BYTES.inc(loaded.bytes_read)
-            metrics.ADAPTER_CACHE_EVENTS.labels(event="miss", tier="host").inc()
-            metrics.ADAPTER_LOAD_DURATION.labels(stage="read", tier=tier).observe(loaded.read_seconds)
-            if self._tiers.make_host_room(loaded.host.nbytes, adapter_id):
-                entry.host = loaded.host
-                self._tiers.host_used += loaded.host.nbytes
-        else:
-            metrics.ADAPTER_CACHE_EVENTS.labels(event="hit", tier="host").inc()
-        metrics.ADAPTER_LOAD_DURATION.labels(stage="layout", tier=tier).observe(loaded.layout_seconds)
-        metrics.ADAPTER_LOAD_DURATION.labels(stage="total", tier=tier).observe(total)
-        metrics.ADAPTERS.loaded(adapter_id, total)
-        self._tiers.touch(adapter_id, entry)
-        self._tiers.publish()
-        log.info(
-            "event=adapter_loaded adapter=%s from=%s read_s=%.4f layout_s=%.4f total_s=%.4f bytes=%d",
-            adapter_id,
-            tier,
-            loaded.read_seconds,
-            loaded.layout_seconds,
-            total,
-            entry.device_nbytes,
-        )
 
     # --- state (under the lock) -----------------------------------------------------------------------------
 
@@ -506,19 +319,6 @@ class AdapterStore:
         if entry is None:
             raise AdapterNotFound(adapter_id)
         return entry
-
-
-def _stamp_or_none(file: Path) -> FileStamp | None:
-    try:
-        return stamp(file)
-    except OSError:
-        return None
-
-
-def _wrap(error: Exception, spec: AdapterSpec) -> LoraplexError:
-    if isinstance(error, OSError):
-        return InvalidAdapter(f"cannot read the adapter weights: {error}", file=spec.file)
-    return LoraplexError(f"loading adapter {spec.id!r} failed: {type(error).__name__}: {error}")
 
 
 __all__ = ["AdapterInfo", "AdapterState", "AdapterStore", "StoreState"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from service import metrics
 from service.adapters.integrity import FileStamp
 from service.adapters.reader import HostCopy
-from service.adapters.registry import AdapterSpec
+from service.adapters.spec import AdapterSpec
 from service.adapters.types import AdapterInfo, AdapterState, LoraLayer
 from service.errors import LoraplexError
 

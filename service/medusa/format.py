@@ -1,4 +1,6 @@
-"""The Medusa adapter format: ``config.json`` and the tensor names of ``medusa_lm_head.safetensors``.
+"""The Medusa adapter format: the tensor names and shapes of ``medusa_lm_head.safetensors``, and the index of them.
+
+``config.json`` is parsed in ``service.medusa.config`` (its names are re-exported here).
 
 Registration reads the config and the safetensors *headers* (through ``service.loading.CheckpointIndex``), never a
 tensor byte, checks everything against the base model and returns a ``MedusaSpec``: per head, the records of its
@@ -34,9 +36,11 @@ from typing import Any
 
 import torch
 
+from service.adapters.folder import check_folder, refuse_pickles
 from service.adapters.integrity import FileStamp, check_finite, stamp
-from service.errors import CheckpointError, InvalidAdapter, NotFound, shorten
+from service.errors import CheckpointError, InvalidAdapter
 from service.loading import CheckpointIndex, TensorRecord
+from service.medusa.config import CONFIG_FILE, MedusaConfig, is_medusa_folder, read_medusa_config
 from service.model.config import ModelConfig
 
 __all__ = [
@@ -56,7 +60,6 @@ __all__ = [
     "write_medusa",
 ]
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 PICKLE_FILES = ("medusa_lm_head.pt", "medusa_lm_head.bin", "medusa_lm_head.pth")
 LORA_WEIGHTS_FILE = "adapter_model.safetensors"  # the LoRA half of a Medusa + LoRA folder (service.adapters.peft)
@@ -72,16 +75,6 @@ CONVERT_HINT = (
 _KEY = re.compile(
     r"(?P<prefix>(?:medusa_head\.)?)(?P<head>\d+)\.(?P<index>\d+)\.(?:linear\.(?P<part>weight|bias)|weight)"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class MedusaConfig:
-    """The fields of a Medusa ``config.json``. ``version`` is None when the config does not say."""
-
-    num_heads: int
-    num_layers: int
-    version: int | None
-    base_model_name_or_path: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,51 +134,6 @@ class MedusaSpec:
         return sum(r.numel for r in self.records().values()) * dtype.itemsize
 
 
-def read_medusa_config(path: Path) -> MedusaConfig:
-    """Parse and validate a Medusa ``config.json``; every problem is an ``InvalidAdapter`` naming the file."""
-
-    def fail(message: str) -> InvalidAdapter:
-        return InvalidAdapter(message, file=path)
-
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise fail("file not found: a Medusa adapter folder needs config.json") from None
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
-        raise fail(f"cannot read JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise fail("expected a JSON object")
-    missing = [key for key in ("medusa_num_heads", "medusa_num_layers") if key not in raw]
-    if missing:
-        raise fail(
-            f"missing key(s) {', '.join(missing)}: a Medusa config.json needs medusa_num_heads and medusa_num_layers"
-        )
-    heads, layers = raw["medusa_num_heads"], raw["medusa_num_layers"]
-    if not _is_int(heads) or heads < 1:
-        raise fail(f"medusa_num_heads must be an integer >= 1, got {heads!r}")
-    if not _is_int(layers) or layers < 0:
-        raise fail(f"medusa_num_layers must be an integer >= 0, got {layers!r}")
-    version = _version(raw.get("version"), fail)
-    if version == 2 and layers < 1:
-        raise fail("medusa_num_layers must be >= 1 for version 2 heads (with no block a v2 head is the lm_head)")
-    base = raw.get("base_model_name_or_path")
-    return MedusaConfig(
-        num_heads=int(heads),
-        num_layers=int(layers),
-        version=version,
-        base_model_name_or_path=base if isinstance(base, str) else None,
-    )
-
-
-def is_medusa_folder(folder: Path) -> bool:
-    """True when ``folder/config.json`` is a JSON object naming ``medusa_num_heads`` (a base model's never does)."""
-    try:
-        raw = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(raw, dict) and "medusa_num_heads" in raw
-
-
 def weight_files(folder: Path) -> tuple[Path, ...]:
     """``medusa_lm_head.safetensors`` if present, else every other ``*.safetensors`` except the LoRA weights."""
     folder = Path(folder)
@@ -204,19 +152,14 @@ def index_medusa(
     """
     t0 = time.perf_counter()
     folder = Path(folder)
-    if not folder.exists():
-        raise NotFound(f"adapter folder {shorten(folder)!r} does not exist")
-    if not folder.is_dir():
-        raise InvalidAdapter("the adapter source is not a folder", file=folder)
+    check_folder(folder, folder)
     config_path = folder / CONFIG_FILE
     if check_path is not None:
         check_path(config_path.resolve())
     config = read_medusa_config(config_path)
     files = tuple(f.resolve() for f in weight_files(folder))
     if not files:
-        pickles = [name for name in PICKLE_FILES if (folder / name).is_file()]
-        if pickles:
-            raise InvalidAdapter(f"pickled Medusa heads are refused. {CONVERT_HINT}", file=folder / pickles[0])
+        refuse_pickles(folder, PICKLE_FILES, "Medusa heads", CONVERT_HINT)
         raise InvalidAdapter(f"no {WEIGHTS_FILE} (or other Medusa .safetensors file) in the folder", file=folder)
     records: dict[str, TensorRecord] = {}
     stamps: list[FileStamp] = []
@@ -413,15 +356,3 @@ def _raise(
     detail = "; ".join(f"{rec.name!r}: {msg}" if rec else msg for rec, msg in problems[:20])
     more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
     raise InvalidAdapter(f"{len(problems)} problems with the Medusa heads: {detail}{more}", file=default_file)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _version(value: Any, fail: Callable[[str], InvalidAdapter]) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (1, 2):
-        return int(value)
-    raise fail(f"version must be 1 or 2 when given, got {value!r}")

@@ -1,0 +1,324 @@
+"""LoRA weights laid out for the batched math (``LoraTables``), kept across engine steps.
+
+Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (layer, site):
+
+- **per-slot**: every KV slot owns a row of a table laid out for ``torch.bmm``: ``at[s]`` = the slot's adapter's
+  ``A^T`` for every module of the site side by side ``[in, R]`` and per module ``bt[m][s]`` = its scaled ``B^T``
+  ``[r_m, out_m]``, ranks zero-padded to the widest adapter in use, absent modules zero. The table survives across
+  steps and only slots whose adapter (``LoraLayer`` object) changed are rewritten: the engine keeps rows compacted
+  in slots, so a retiring request changes one slot and an admitted one fills one. A table grows when the rows need
+  a module or a rank it lacks, and shrinks only when it is over twice as wide as they need.
+- **shared**: per distinct adapter, its modules' ``A`` stacked along the rank axis ``[R, in]`` and per module its
+  ``B`` ``[out_m, r_m]``, kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
+
+On CPU the tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times slower than
+fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype. The tables hold weak
+references to the ``LoraLayer`` objects they copied, so they never keep evicted adapter weights alive and notice
+when the store hands out a new object (reload, another adapter in a slot). Every weight copied in is checked
+against the base layer's shape (``InvalidAdapter`` otherwise).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+from torch import Tensor
+
+from service.adapters.types import MODULES, LoraLayer, LoraModule
+from service.errors import InvalidAdapter
+from service.model.config import ModelConfig
+from service.model.llama import ProjName
+
+SITES: Final[dict[ProjName, tuple[str, ...]]] = {
+    "wqkv": ("q_proj", "k_proj", "v_proj"),
+    "wo": ("o_proj",),
+    "w13": ("gate_proj", "up_proj"),
+    "w2": ("down_proj",),
+}
+SHARED_SETS_KEPT: Final = 2  # adapter sets whose shared tables are kept per layer
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """A PEFT module's place in the model: its input size and its output columns in the fused projection."""
+
+    name: str
+    cols: tuple[int, int]  # output columns of the fused projection
+    in_features: int
+    out_features: int
+
+
+def module_layout(cfg: ModelConfig) -> dict[str, ModuleSpec]:
+    """Each PEFT module's input size and output columns within its fused projection."""
+    fused = cfg.fused_rows()
+    hidden, inter, attn = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    layout: dict[str, ModuleSpec] = {}
+    for part in fused["wqkv"]:
+        layout[part.hf_name] = ModuleSpec(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
+    layout["o_proj"] = ModuleSpec("o_proj", (0, hidden), attn, hidden)
+    for part in fused["w13"]:
+        layout[part.hf_name] = ModuleSpec(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
+    layout["down_proj"] = ModuleSpec("down_proj", (0, hidden), inter, hidden)
+    return layout
+
+
+class _Dirty:
+    """Marks a slot whose table rows hold unknown contents (after a relayout): any use rewrites it."""
+
+
+_DIRTY: Final = _Dirty()
+_Owner = weakref.ReferenceType[LoraLayer] | _Dirty | None  # None: the slot's rows are zeros
+_SetKey = tuple[weakref.ReferenceType[LoraLayer] | None, ...]  # the adapters' layers a shared table was built from
+
+
+@dataclass
+class SlotTable:
+    """Per-slot (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m."""
+
+    ranks: dict[str, int]  # module -> padded rank r_m, in fused column order
+    offsets: dict[str, int]  # module -> first column of its segment in ``at``'s last dimension
+    at: Tensor
+    bt: dict[str, Tensor]
+
+    @property
+    def width(self) -> int:
+        return sum(self.ranks.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.at, *self.bt.values()))
+
+
+@dataclass
+class GroupTable:
+    """One adapter's weights of one (layer, site) for the shared math: ``a`` [R, in] (its modules' A stacked
+    along the rank axis) and per module (module, start, stop of its columns of ``h``, B [out_m, r_m])."""
+
+    a: Tensor
+    segs: list[tuple[str, int, int, Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, *(s[3] for s in self.segs)))
+
+
+@dataclass
+class SharedTable:
+    """Shared (layer, site) table of N distinct adapters: one ``GroupTable`` each (None: it skips the site)."""
+
+    groups: list[GroupTable | None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups if g is not None)
+
+
+@dataclass
+class TableStats:
+    """Counters for tests and benchmarks: how much copying the steps caused."""
+
+    slot_writes: int = 0  # (layer, slot) pairs rewritten because their adapter changed
+    relayouts: int = 0  # per-slot (layer, site) tables reallocated: the set of modules or ranks changed
+    shared_builds: int = 0  # layers whose shared tables were rebuilt: the set of adapters changed
+
+
+class LoraTables:
+    """LoRA weights laid out for the batched math, owned by the engine and reused by every step's batch.
+
+    A batch brings a layer up to date with ``sync_slots`` (per-slot) or ``sync_shared`` (shared) on its first
+    visit, then reads ``slot_tables[layer][site]`` or the shared tables ``sync_shared`` returned."""
+
+    def __init__(self, cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        half = dtype in (torch.bfloat16, torch.float16)
+        self.compute_dtype = torch.float32 if self.device.type == "cpu" and half else dtype
+        self.modules = module_layout(cfg)
+        self.stats = TableStats()
+        self.clear()
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all tables."""
+        per_slot = sum(t.nbytes for tables in self.slot_tables for t in tables.values())
+        shared = sum(t.nbytes for sets in self._shared for _, tables in sets for t in tables.values())
+        return per_slot + shared
+
+    def layouts(self) -> dict[tuple[int, str], dict[str, int]]:
+        """(layer, site) -> {module: padded rank} of every per-slot table."""
+        return {(i, site): dict(t.ranks) for i, tables in enumerate(self.slot_tables) for site, t in tables.items()}
+
+    def clear(self) -> None:
+        """Drop every table (e.g. when the engine goes idle); the next batch rebuilds what it needs."""
+        self._capacity = 0
+        self.slot_tables: list[dict[str, SlotTable]] = [{} for _ in range(self.num_layers)]  # [layer][site]
+        self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
+        # Per layer, the shared tables of the last few adapter sets, most recent first: an engine step's prefill
+        # (newcomers' adapters) and decode (everyone's) alternate between two sets without rebuilding either.
+        self._shared: list[list[tuple[_SetKey, dict[str, SharedTable]]]] = [[] for _ in range(self.num_layers)]
+
+    # --- shared tables -------------------------------------------------------------------------------------
+
+    def sync_shared(self, layer: int, distinct: Sequence[LoraLayer | None]) -> dict[str, SharedTable]:
+        """The layer's shared tables for ``distinct`` (in that order): kept from a recent step, or built now."""
+        sets = self._shared[layer]
+        for i, (key, kept) in enumerate(sets):
+            if _same_layers(key, distinct):
+                sets.insert(0, sets.pop(i))
+                return kept
+        tables: dict[str, SharedTable] = {}
+        dt = self.compute_dtype
+        for site, names in SITES.items():
+            groups: list[GroupTable | None] = []
+            for lora in distinct:
+                a_parts: list[Tensor] = []
+                segs: list[tuple[str, int, int, Tensor]] = []
+                width = 0
+                for name in names:
+                    module = None if lora is None else lora.modules.get(name)
+                    if module is not None:
+                        self._check(name, module)
+                        a_parts.append(module.a)
+                        segs.append((name, width, width + module.rank, module.b.to(dt)))  # B [out_m, r_m]
+                        width += module.rank
+                groups.append(GroupTable(torch.cat(a_parts).to(dt), segs) if a_parts else None)  # A [R, in]
+            if any(g is not None for g in groups):
+                tables[site] = SharedTable(groups)
+        sets.insert(0, (tuple(None if lora is None else weakref.ref(lora) for lora in distinct), tables))
+        del sets[SHARED_SETS_KEPT:]
+        self.stats.shared_builds += 1
+        return tables
+
+    # --- per-slot tables -----------------------------------------------------------------------------------
+
+    def sync_slots(self, layer: int, rows: Sequence[LoraLayer | None], slot_start: int) -> None:
+        """Make slots ``slot_start + i`` hold ``rows[i]``'s weights of ``layer``, rewriting only what changed."""
+        self._reserve(slot_start + len(rows))
+        tables = self.slot_tables[layer]
+        for site in SITES:
+            self._fit_layout(layer, site, tables, rows)
+        owners = self._owners[layer]
+        for i, lora in enumerate(rows):
+            slot = slot_start + i
+            owner = owners[slot]
+            if lora is None:
+                if owner is None:
+                    continue
+            elif isinstance(owner, weakref.ReferenceType) and owner() is lora:
+                continue
+            self._write(tables, slot, lora)
+            owners[slot] = None if lora is None else weakref.ref(lora)
+            self.stats.slot_writes += 1
+
+    def _reserve(self, slots: int) -> None:
+        """Grow every per-slot table to at least ``slots`` rows (new rows are zeros)."""
+        if slots <= self._capacity:
+            return
+        grow = slots - self._capacity
+        for layer, tables in enumerate(self.slot_tables):
+            for table in tables.values():
+                table.at = torch.cat((table.at, table.at.new_zeros(grow, *table.at.shape[1:])))
+                for name, bt in table.bt.items():
+                    table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
+            self._owners[layer].extend([None] * grow)
+        self._capacity = slots
+
+    def _fit_layout(
+        self, layer: int, site: str, tables: dict[str, SlotTable], rows: Sequence[LoraLayer | None]
+    ) -> None:
+        """(Re)allocate the site's table when the rows need a module or a rank it lacks, or use far less."""
+        need: dict[str, int] = {}
+        for lora in rows:
+            if lora is None:
+                continue
+            for name in SITES[site]:  # type: ignore[index]
+                module = lora.modules.get(name)
+                if module is not None:
+                    need[name] = max(need.get(name, 0), module.rank)
+        table = tables.get(site)
+        if table is None:
+            if need:
+                tables[site] = self._alloc(need)
+                self._mark_dirty(layer)
+        elif any(r > table.ranks.get(name, 0) for name, r in need.items()):  # grow, keeping what it had
+            tables[site] = self._alloc({name: max(r, table.ranks.get(name, 0)) for name, r in need.items()})
+            self._mark_dirty(layer)
+        elif table.width > 2 * sum(need.values()):  # hysteresis: shrink only when over twice what rows need
+            if need:
+                tables[site] = self._alloc(need)
+            else:
+                del tables[site]
+            self._mark_dirty(layer)
+
+    def _mark_dirty(self, layer: int) -> None:
+        """A table of ``layer`` was reallocated: slots holding an adapter must be rewritten (zero slots stay)."""
+        self.stats.relayouts += 1
+        owners = self._owners[layer]
+        for slot, owner in enumerate(owners):
+            if owner is not None:
+                owners[slot] = _DIRTY
+
+    def _alloc(self, need: Mapping[str, int]) -> SlotTable:
+        modules = [m for m in MODULES if m in need]  # fused column order
+        ranks = {m: need[m] for m in modules}
+        offsets: dict[str, int] = {}
+        width = 0
+        for m in modules:
+            offsets[m] = width
+            width += ranks[m]
+        in_features = self.modules[modules[0]].in_features
+        dt, dev, cap = self.compute_dtype, self.device, self._capacity
+        at = torch.zeros(cap, in_features, width, dtype=dt, device=dev)
+        bt = {m: torch.zeros(cap, ranks[m], self.modules[m].out_features, dtype=dt, device=dev) for m in modules}
+        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt)
+
+    def _write(self, tables: dict[str, SlotTable], slot: int, lora: LoraLayer | None) -> None:
+        """Copy one adapter layer (or zeros) into row ``slot`` of every per-slot table of the layer."""
+        for table in tables.values():
+            at = table.at[slot]  # [in, R]
+            for name, width in table.ranks.items():
+                off = table.offsets[name]
+                bt = table.bt[name][slot]  # [r_m, out_m]
+                module = None if lora is None else lora.modules.get(name)
+                if module is None:
+                    at[:, off : off + width].zero_()
+                    bt.zero_()
+                    continue
+                self._check(name, module)
+                r = module.rank
+                at[:, off : off + r].copy_(module.a.t())  # [in, r] <- [r, in]^T
+                bt[:r].copy_(module.b.t())  # [r, out] <- [out, r]^T
+                if r < width:
+                    at[:, off + r : off + width].zero_()
+                    bt[r:].zero_()
+
+    def _check(self, name: str, module: LoraModule) -> None:
+        spec = self.modules[name]
+        r = module.rank
+        if module.a.shape != (r, spec.in_features) or module.b.shape != (spec.out_features, r):
+            raise InvalidAdapter(
+                f"{name}: lora_A {tuple(module.a.shape)} / lora_B {tuple(module.b.shape)} do not fit the "
+                f"base layer ({spec.out_features} x {spec.in_features})"
+            )
+
+
+def _same_layers(key: _SetKey, layers: Sequence[LoraLayer | None]) -> bool:
+    """Whether ``key`` holds weak references to exactly ``layers`` (the same objects, in order)."""
+    if len(key) != len(layers):
+        return False
+    return all(
+        (ref is None) if lora is None else (ref is not None and ref() is lora)
+        for ref, lora in zip(key, layers, strict=True)
+    )
+
+
+__all__ = ["SITES", "LoraTables", "ModuleSpec", "SharedTable", "SlotTable", "TableStats", "module_layout"]

@@ -1,0 +1,79 @@
+"""PEFT's tensor and module names for Llama projections: taken apart, rebuilt, and why a foreign one is refused.
+
+Names are those of ``LlamaForCausalLM`` (``model.layers.{L}.self_attn.q_proj``), as saved by PEFT
+(``base_model.model.model.layers.{L}.self_attn.q_proj.lora_A.weight``, older files with an adapter-name infix).
+Pure string work: nothing here reads a file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from service.adapters.types import MODULES
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+GROUP = {m: ("self_attn" if m in ATTENTION else "mlp") for m in MODULES}
+
+
+def module_key(layer: int, module: str) -> str:
+    """PEFT's full name of one projection of ``LlamaForCausalLM``."""
+    return f"model.layers.{layer}.{GROUP[module]}.{module}"
+
+
+class LoraKey(NamedTuple):
+    """One PEFT tensor name, taken apart: ``{prefix}layers.{layer}.{group}.{module}.lora_{matrix}{infix}.weight``."""
+
+    prefix: str  # "base_model.model.model." for a causal LM
+    layer: int
+    module: str
+    matrix: str  # "A" | "B"
+    infix: str  # "" or ".<adapter name>" (older files)
+
+
+LORA_KEY = re.compile(
+    r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
+    r"(?P<module>[A-Za-z0-9_]+)\.lora_(?P<matrix>[AB])(?P<infix>\.[A-Za-z0-9_-]+)?\.weight"
+)
+
+
+def parse_lora_key(name: str) -> LoraKey | None:
+    """The parts of a LoRA weight name of a Llama projection, or None for any other name."""
+    m = LORA_KEY.fullmatch(name)
+    if m is None:
+        return None
+    prefix, layer, group, module, matrix, infix = m.groups()
+    if GROUP.get(module) != group:
+        return None
+    return LoraKey(prefix, int(layer), module, matrix, infix or "")
+
+
+def lora_key_name(key: LoraKey) -> str:
+    return f"{key.prefix}layers.{key.layer}.{GROUP[key.module]}.{key.module}.lora_{key.matrix}{key.infix}.weight"
+
+
+def explain_foreign_key(name: str) -> str:
+    """Why a tensor name that is not a LoRA projection weight cannot be served."""
+    if "lora_magnitude_vector" in name:
+        return "DoRA magnitude vectors are not supported"
+    if "lora_embedding_" in name or "embed_tokens" in name:
+        return "LoRA on the token embeddings is not supported"
+    if "lm_head" in name:
+        return "LoRA on lm_head is not supported"
+    if "modules_to_save" in name:
+        return "fully trained extra modules (modules_to_save) are not supported"
+    if name.endswith(".bias"):
+        return "trained biases are not supported"
+    return f"unexpected tensor: not a lora_A/lora_B weight of a Llama projection ({', '.join(MODULES)})"
+
+
+__all__ = [
+    "ATTENTION",
+    "GROUP",
+    "LORA_KEY",
+    "LoraKey",
+    "explain_foreign_key",
+    "lora_key_name",
+    "module_key",
+    "parse_lora_key",
+]

@@ -1,0 +1,207 @@
+"""``AdapterSpec``: the compact index of one adapter's LoRA tensors, and the flat buffers its tensors load into.
+
+A spec holds, per (layer, module) slot, the rank, the byte offsets of ``lora_A`` / ``lora_B`` in the weights
+file, their dtypes and the scaling, in flat ``array`` columns (about 30 bytes a slot, so 1,000 SmolLM2-sized
+adapters index in a few MB). Tensor records for the loader are rebuilt from those columns one layer at a time
+(``AdapterSpec.layer_records``). Registration (``service.adapters.registry``) builds specs; nothing here reads a
+file.
+
+The store keeps each adapter's tensors in one flat allocation per tier (host: the file's dtypes; device: the
+serving dtype); ``plan_buffer`` places every A and B in it on an aligned offset and ``buffer_views`` cuts the typed
+views. Registration keeps only ``plan_nbytes`` (the budgets need it); offsets are computed when a load starts.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.adapters.integrity import FileStamp
+from service.adapters.peft import LoraAdapterConfig
+from service.adapters.peft_keys import LoraKey, lora_key_name
+from service.adapters.types import MODULES
+from service.loading import DTYPES, TensorRecord
+
+FLOAT_CODES = ("F32", "F16", "BF16", "F64")  # dtypes a LoRA weight may be stored in; index = code in the columns
+N_MODULES = len(MODULES)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRecords:
+    """One (layer, module) slot of an adapter, ready for ``load_tensors``."""
+
+    module: str
+    a: TensorRecord  # lora_A [r, in]
+    b: TensorRecord  # lora_B [out, r]
+    scaling: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AdapterSpec:
+    """What registration learned about one adapter. Columns are indexed by ``layer * len(MODULES) + module``."""
+
+    id: str
+    source: Path  # the adapter folder, resolved
+    file: Path  # adapter_model.safetensors, resolved
+    config: LoraAdapterConfig
+    num_layers: int
+    features: tuple[tuple[int, int], ...]  # (in, out) per module, in MODULES order
+    prefix: str  # tensor names are rebuilt as {prefix}layers.{L}....lora_{A|B}{infix}.weight
+    infix: str
+    ranks: array[int]  # 0 = the adapter has no delta for this slot
+    a_start: array[int]  # absolute file offsets of each slot's lora_A / lora_B bytes
+    b_start: array[int]
+    a_dtype: array[int]  # index into FLOAT_CODES
+    b_dtype: array[int]
+    scaling: array[float]
+    file_bytes: int  # the size of the weights file when it was indexed
+    stamp: FileStamp  # the weights file's identity when its header was read: every later read checks it
+    index_seconds: float
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layers with at least one delta, ascending."""
+        n = N_MODULES
+        return tuple(layer for layer in range(self.num_layers) if any(self.ranks[layer * n : (layer + 1) * n]))
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Modules with a delta in at least one layer, in MODULES order."""
+        n = N_MODULES
+        return tuple(m for i, m in enumerate(MODULES) if any(self.ranks[i::n]))
+
+    def module_ranks(self) -> dict[str, int]:
+        """The largest rank of each adapted module over the layers."""
+        n = N_MODULES
+        return {m: max(self.ranks[i::n]) for i, m in enumerate(MODULES) if any(self.ranks[i::n])}
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks, default=0)
+
+    def a_itemsize(self, slot: int) -> int:
+        return _itemsize(self.a_dtype[slot])
+
+    def b_itemsize(self, slot: int) -> int:
+        return _itemsize(self.b_dtype[slot])
+
+    def raw_nbytes(self) -> int:
+        """Bytes of LoRA weights in the file (the host tier holds exactly these)."""
+        total = 0
+        for slot, r in enumerate(self.ranks):
+            if r:
+                fin, fout = self.features[slot % N_MODULES]
+                total += r * fin * _itemsize(self.a_dtype[slot]) + fout * r * _itemsize(self.b_dtype[slot])
+        return total
+
+    def laid_out_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the laid-out weights in the serving dtype (what the device tier holds)."""
+        elems = sum(r * sum(self.features[slot % N_MODULES]) for slot, r in enumerate(self.ranks) if r)
+        return elems * dtype.itemsize
+
+    def layer_records(self, layer: int) -> list[SlotRecords]:
+        """Tensor records of one layer's deltas (empty if the adapter does not touch the layer)."""
+        out: list[SlotRecords] = []
+        for i, module in enumerate(MODULES):
+            slot = layer * N_MODULES + i
+            r = self.ranks[slot]
+            if not r:
+                continue
+            fin, fout = self.features[i]
+            a_code, b_code = FLOAT_CODES[self.a_dtype[slot]], FLOAT_CODES[self.b_dtype[slot]]
+            a_name = lora_key_name(LoraKey(self.prefix, layer, module, "A", self.infix))
+            b_name = lora_key_name(LoraKey(self.prefix, layer, module, "B", self.infix))
+            a_bytes, b_bytes = r * fin * _itemsize(self.a_dtype[slot]), fout * r * _itemsize(self.b_dtype[slot])
+            out.append(
+                SlotRecords(
+                    module=module,
+                    a=TensorRecord(a_name, self.file, a_code, (r, fin), self.a_start[slot], a_bytes),
+                    b=TensorRecord(b_name, self.file, b_code, (fout, r), self.b_start[slot], b_bytes),
+                    scaling=self.scaling[slot],
+                )
+            )
+        return out
+
+
+def _itemsize(code: int) -> int:
+    return DTYPES[FLOAT_CODES[code]].itemsize
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Byte offsets of every slot's A and B inside one adapter's host or device buffer."""
+
+    offsets: dict[tuple[int, str], tuple[int, int]]  # (layer, module) -> (offset of A, offset of B)
+    nbytes: int
+
+
+def plan_buffer(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> BufferPlan:
+    """Offsets of every slot's A then B in one flat buffer (``dtype`` None: each tensor in its file dtype)."""
+    offsets: dict[tuple[int, str], tuple[int, int]] = {}
+    cursor = 0
+    for layer, module, (a_bytes, b_bytes) in slot_sizes(spec, dtype):
+        a_at = -(-cursor // align) * align
+        b_at = -(-(a_at + a_bytes) // align) * align
+        offsets[(layer, module)] = (a_at, b_at)
+        cursor = b_at + b_bytes
+    return BufferPlan(offsets, -(-cursor // align) * align)
+
+
+def plan_nbytes(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> int:
+    """``plan_buffer(...).nbytes`` without building the offsets (registration keeps only this number)."""
+    cursor = 0
+    for _, _, (a_bytes, b_bytes) in slot_sizes(spec, dtype):
+        cursor = -(-cursor // align) * align + a_bytes
+        cursor = -(-cursor // align) * align + b_bytes
+    return -(-cursor // align) * align
+
+
+def slot_sizes(spec: AdapterSpec, dtype: torch.dtype | None) -> Iterator[tuple[int, str, tuple[int, int]]]:
+    """(layer, module, (bytes of A, bytes of B)) of every slot with a delta, in layer then MODULES order."""
+    n = len(MODULES)
+    for slot, r in enumerate(spec.ranks):
+        if r:
+            fin, fout = spec.features[slot % n]
+            if dtype is None:
+                a_size, b_size = spec.a_itemsize(slot), spec.b_itemsize(slot)
+            else:
+                a_size = b_size = dtype.itemsize
+            yield slot // n, MODULES[slot % n], (r * fin * a_size, fout * r * b_size)
+
+
+def buffer_views(
+    spec: AdapterSpec, plan: BufferPlan, buffer: torch.Tensor, dtype: torch.dtype | None
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Typed, shaped views into ``buffer`` at the plan's offsets (A [r, in], B [out, r]); one ``as_strided``
+    per tensor on a typed view of the whole buffer (offsets are aligned, so they divide by every itemsize)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in spec.layers:
+        for s in spec.layer_records(layer):
+            pair = []
+            for rec, offset in zip((s.a, s.b), plan.offsets[(layer, s.module)], strict=True):
+                dt = dtype if dtype is not None else rec.torch_dtype
+                flat = typed.get(dt)
+                if flat is None:
+                    flat = typed[dt] = buffer.view(dt)  # [nbytes / itemsize]
+                rows, cols = rec.shape
+                pair.append(flat.as_strided((rows, cols), (cols, 1), offset // dt.itemsize))
+            out[(layer, s.module)] = (pair[0], pair[1])
+    return out
+
+
+__all__ = [
+    "FLOAT_CODES",
+    "N_MODULES",
+    "AdapterSpec",
+    "BufferPlan",
+    "SlotRecords",
+    "buffer_views",
+    "plan_buffer",
+    "plan_nbytes",
+    "slot_sizes",
+]

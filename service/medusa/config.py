@@ -1,0 +1,77 @@
+"""The Medusa adapter config: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``, optional ``version``).
+
+Pure parsing and validation: every problem is an ``InvalidAdapter`` naming the file; no tensor is read. The file
+format as a whole (weights, names, shapes) is ``service.medusa.format``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.adapters.folder import is_int, read_json_object
+from service.errors import InvalidAdapter
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaConfig:
+    """The fields of a Medusa ``config.json``. ``version`` is None when the config does not say."""
+
+    num_heads: int
+    num_layers: int
+    version: int | None
+    base_model_name_or_path: str | None
+
+
+def read_medusa_config(path: Path) -> MedusaConfig:
+    """Parse and validate a Medusa ``config.json``; every problem is an ``InvalidAdapter`` naming the file."""
+
+    def fail(message: str) -> InvalidAdapter:
+        return InvalidAdapter(message, file=path)
+
+    raw = read_json_object(path, "file not found: a Medusa adapter folder needs config.json")
+    missing = [key for key in ("medusa_num_heads", "medusa_num_layers") if key not in raw]
+    if missing:
+        raise fail(
+            f"missing key(s) {', '.join(missing)}: a Medusa config.json needs medusa_num_heads and medusa_num_layers"
+        )
+    heads, layers = raw["medusa_num_heads"], raw["medusa_num_layers"]
+    if not is_int(heads) or heads < 1:
+        raise fail(f"medusa_num_heads must be an integer >= 1, got {heads!r}")
+    if not is_int(layers) or layers < 0:
+        raise fail(f"medusa_num_layers must be an integer >= 0, got {layers!r}")
+    version = _version(raw.get("version"), fail)
+    if version == 2 and layers < 1:
+        raise fail("medusa_num_layers must be >= 1 for version 2 heads (with no block a v2 head is the lm_head)")
+    base = raw.get("base_model_name_or_path")
+    return MedusaConfig(
+        num_heads=int(heads),
+        num_layers=int(layers),
+        version=version,
+        base_model_name_or_path=base if isinstance(base, str) else None,
+    )
+
+
+def is_medusa_folder(folder: Path) -> bool:
+    """True when ``folder/config.json`` is a JSON object naming ``medusa_num_heads`` (a base model's never does)."""
+    try:
+        raw = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and "medusa_num_heads" in raw
+
+
+def _version(value: Any, fail: Callable[[str], InvalidAdapter]) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (1, 2):
+        return int(value)
+    raise fail(f"version must be 1 or 2 when given, got {value!r}")
+
+
+__all__ = ["CONFIG_FILE", "MedusaConfig", "is_medusa_folder", "read_medusa_config"]
