@@ -37,7 +37,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from serve import QUESTIONS, OurServer, pct, summary  # noqa: E402
+from serve import QUESTIONS, OurServer, pct, stream_request, summary  # noqa: E402
 
 WORK = ROOT / "bench/.work"
 
@@ -72,12 +72,7 @@ async def stream_round(target: str, adapters: list[str | None], streams: int, ne
 
         async def one(i: int, adapter: str | None) -> None:
             nonlocal tokens
-            req = pb.GenerateStreamRequest(
-                input=pb.Input(text=QUESTIONS[i % len(QUESTIONS)], chat=True),
-                adapter_id=adapter or "",
-                stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
-                return_options=pb.ReturnOptions(return_token_ids=True),
-            )
+            req = stream_request(i, new_tokens, adapter or "")
             async with sem:
                 async for msg in stub.GenerateStream(req):
                     tokens += len(msg.token_ids)

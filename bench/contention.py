@@ -35,19 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 CPUS = len(os.sched_getaffinity(0))
-QUESTIONS = [
-    "What is the capital of France?", "Why is the sky blue?", "Name three primary colors.",
-    "How do plants make food?", "What is a prime number?", "Explain gravity in one sentence.",
-    "What does a CPU do?", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
-    "How many legs does a spider have?", "What is photosynthesis?", "Give me a synonym for happy.",
-    "What is the largest ocean?", "How does a rainbow form?", "What is an atom?", "Why do we sleep?",
-]  # fmt: skip
+PROMPTS = 16  # the first 16 of serve.py's questions, cycled
+sys.path.insert(0, str(ROOT / "bench"))
+from serve import stream_request, wait_serving  # noqa: E402
+
 # libgomp's own behaviour when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set: spin 300000 iterations.
 LIBGOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}
 FIXED = ["--threads", str(CPUS), "--no-adaptive-threads"]
@@ -95,21 +90,6 @@ class Server:
                 self.proc.kill()
 
 
-def wait_serving(target: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                req = health_pb2.HealthCheckRequest(service="loraplex.v1.Generation")
-                if stub.Check(req, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-    raise TimeoutError(f"server at {target} not SERVING after {timeout} s")
-
-
 async def measure(target: str, streams: int, requests: int, new_tokens: int, timeout: float) -> tuple[float, bool]:
     """Output tok/s of ``requests`` streams, ``streams`` in flight; (tokens / timeout, True) when cut."""
     tokens = 0
@@ -119,11 +99,7 @@ async def measure(target: str, streams: int, requests: int, new_tokens: int, tim
 
         async def one(i: int) -> None:
             nonlocal tokens
-            req = pb.GenerateStreamRequest(
-                input=pb.Input(text=QUESTIONS[i % len(QUESTIONS)], chat=True),
-                stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
-                return_options=pb.ReturnOptions(return_token_ids=True),
-            )
+            req = stream_request(i % PROMPTS, new_tokens)
             async with sem:
                 async for msg in stub.GenerateStream(req):
                     tokens += len(msg.token_ids)
@@ -252,7 +228,7 @@ def main() -> None:
         for srv in servers:
             srv.start(args.model, args.dtype, args.streams, args.log_dir)
         for srv in servers:
-            wait_serving(f"127.0.0.1:{srv.port}")
+            wait_serving(f"127.0.0.1:{srv.port}", time.monotonic(), 180.0)
         asyncio.run(run_rounds(servers, args))
     finally:
         for srv in servers:

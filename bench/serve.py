@@ -102,6 +102,16 @@ def wait_serving(target: str, start: float, timeout: float = 120.0) -> float:
     raise TimeoutError(f"server at {target} not SERVING after {timeout} s")
 
 
+def stream_request(i: int, new_tokens: int, adapter: str = "") -> pb.GenerateStreamRequest:
+    """Question ``i`` (cycling) as a chat stream of exactly ``new_tokens`` tokens (EOS ignored), token ids returned."""
+    return pb.GenerateStreamRequest(
+        input=pb.Input(text=QUESTIONS[i % len(QUESTIONS)], chat=True),
+        adapter_id=adapter,
+        stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
+        return_options=pb.ReturnOptions(return_token_ids=True),
+    )
+
+
 async def grpc_round(target: str, streams: int, requests: int, new_tokens: int) -> dict[str, Any]:
     ttft: list[float] = []
     itl: list[float] = []
@@ -112,11 +122,7 @@ async def grpc_round(target: str, streams: int, requests: int, new_tokens: int) 
 
         async def one(i: int) -> None:
             nonlocal tokens
-            req = pb.GenerateStreamRequest(
-                input=pb.Input(text=QUESTIONS[i % len(QUESTIONS)], chat=True),
-                stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
-                return_options=pb.ReturnOptions(return_token_ids=True),
-            )
+            req = stream_request(i, new_tokens)
             async with sem:
                 sent = time.perf_counter()
                 last = sent
