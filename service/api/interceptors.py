@@ -19,6 +19,7 @@ request-streaming ones (reflection) pass through 2-4 as they are.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import inspect
@@ -72,8 +73,9 @@ class _PerMethod(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self._wrapped: dict[str, Handler] = {}
 
+    @abc.abstractmethod
     def wrap(self, handler: Handler, method: str) -> Handler:
-        raise NotImplementedError
+        """The handler that serves ``method`` through this interceptor."""
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails

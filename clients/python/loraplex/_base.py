@@ -3,6 +3,7 @@ options) and per-call deadlines. Each subclass makes its own kind of channel; no
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -14,7 +15,7 @@ from loraplex._channel import DEFAULT_TARGET, Metadata, PathLike
 ChannelT = TypeVar("ChannelT")
 
 
-class ClientBase(Generic[ChannelT]):
+class ClientBase(abc.ABC, Generic[ChannelT]):
     """The arguments of both clients, checked once (see ``Client`` for what each one means)."""
 
     def __init__(
@@ -43,9 +44,9 @@ class ClientBase(Generic[ChannelT]):
         self._owns_channel = channel is None
         self._setup(channel)
 
+    @abc.abstractmethod
     def _setup(self, channel: ChannelT | None) -> None:
         """Take the caller's channel (None: make one now or on first use, as the subclass wants)."""
-        raise NotImplementedError
 
     def _deadline(self, timeout: float | None) -> float | None:
         """A call's deadline: its own ``timeout``, else the client's default."""
