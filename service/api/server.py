@@ -155,6 +155,7 @@ async def start(settings: Settings) -> Server:
             running.http = HttpListener(routes.app(), settings.host, settings.http_port, running.tls)
             await running.http.start()
         except BaseException:
+            runtime.close()
             await server.stop(0)
             if metrics_http is not None:
                 metrics_http.shutdown()
