@@ -208,3 +208,18 @@ def test_http_port_setting_flag_and_variable() -> None:
     assert serve_settings(build_parser().parse_args(["serve", "--http-port", str(port)]), {}).http_port == port
     with pytest.raises(ConfigError, match="http_port"):
         Settings.from_env({}, http_port=-2)
+
+
+def test_request_bounds_hold_before_any_work(
+    tiny_server: Callable[..., BackgroundServer], served_tiny_dir: Path
+) -> None:
+    srv = tiny_server(http_port=0, max_message_bytes=64 << 10, max_prompt_bytes=1000)
+    url, model = base_url(srv), served_tiny_dir.name
+    big = call(f"{url}/completions", {"model": model, "prompt": "x" * (100 << 10), "max_tokens": 2})
+    assert big.status == 400 and "--max-message-bytes" in big.body["error"]["message"], big.body
+    long = call(f"{url}/completions", {"model": model, "prompt": "x" * 2000, "max_tokens": 2})
+    assert long.status == 400 and long.body["error"]["param"] == "prompt", long.body
+    assert "--max-prompt-bytes" in long.body["error"]["message"]
+    turns = [{"role": "user", "content": "y" * 600}] * 2
+    chat = call(f"{url}/chat/completions", {"model": model, "messages": turns, "max_tokens": 2})
+    assert chat.status == 400 and chat.body["error"]["param"] == "messages", chat.body
