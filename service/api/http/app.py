@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from service import metrics
 from service.api import convert
@@ -199,9 +200,30 @@ class OpenAIRoutes:
         except BaseException:
             await streams.aclose()
             raise
-        events = _events(first, streams, replies, outcome)
         headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return _EventStream(_events(first, streams, replies, outcome), streams, outcome, headers)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose streams are closed however it ends: also when the client left before its first event
+    was sent (Starlette then never starts the body, so the body's own ``finally`` would not run)."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        streams: AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None],
+        outcome: Outcome,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._streams, self._outcome = streams, outcome
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._outcome.finish("CANCELLED")  # a no-op when the stream ended by itself
+            await self._streams.aclose()
 
 
 async def _events(
