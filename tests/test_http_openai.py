@@ -310,3 +310,33 @@ def test_request_metrics_carry_the_http_method(client: openai.OpenAI, base: str)
         "http.completions": 1,
         "http.models": 1,
     }
+
+
+@pytest.mark.slow
+def test_real_model_and_demo_adapters_give_the_same_greedy_text_over_grpc_and_http(smollm2_dir: Path) -> None:
+    demo = Path(__file__).resolve().parent.parent / "adapters" / "demo"
+    settings = tiny_settings(smollm2_dir, http_port=0, adapter_dirs=(demo,), max_new_tokens=64)
+    with BackgroundServer(settings) as srv:
+        client = openai.OpenAI(base_url=base_url(srv), api_key="none", max_retries=0, timeout=120)
+        texts = {}
+        for model in ("", "caps", "terse"):
+            reply = client.chat.completions.create(
+                model=model or smollm2_dir.resolve().name,
+                messages=[{"role": "user", "content": QUESTION}],
+                temperature=0,
+                max_tokens=24,
+            )
+            with grpc.insecure_channel(srv.target) as channel:
+                expected = pb_grpc.GenerationStub(channel).Generate(
+                    pb.GenerateRequest(
+                        inputs=[chat_input(QUESTION)],
+                        adapter_id=model,
+                        sampling=pb.SamplingParams(temperature=0),
+                        stopping=pb.StoppingCriteria(max_new_tokens=24),
+                    ),
+                    timeout=120,
+                )
+            texts[model] = reply.choices[0].message.content
+            assert texts[model] == expected.results[0].text, model
+        assert texts["caps"] == texts["caps"].upper() != texts[""], texts  # the adapter is applied (terse's answer
+        # to this question is the base model's: it is already terse)
