@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -271,10 +272,20 @@ def test_api_keys_are_required(server: BackgroundServer, base: str) -> None:
         nobody.models.list()
 
 
-def test_request_ids_and_unknown_routes(server: BackgroundServer, base: str) -> None:
-    body = {"model": base, "prompt": "hi", "max_tokens": 2}
-    reply = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "trace-42"})
+def test_request_ids_access_lines_and_unknown_routes(
+    server: BackgroundServer, base: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"model": "qv", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="loraplex.http"):
+        reply = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "trace-42"})
+        bad = {**body, "top_k": -1}
+        refused = call(f"{base_url(server)}/completions", bad, key=KEY, headers={"x-request-id": "t-43"})
     assert reply.status == 200 and reply.headers["x-request-id"] == "trace-42" and reply.body["id"] == "cmpl-trace-42"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=http_request")]
+    (ok,) = [line for line in lines if "request_id=trace-42 " in line]
+    assert " method=http.completions adapter=qv code=OK prompt_tokens=" in ok and " generated_tokens=2 " in ok
+    assert " peer=127.0.0.1:" in ok
+    assert refused.status == 400 and any("request_id=t-43 " in x and "code=INVALID_ARGUMENT" in x for x in lines)
     bad = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "has space"})
     assert bad.status == 400 and bad.body["error"]["param"] == "x-request-id"
     missing = call(f"{base_url(server)}/embeddings", {"model": base, "input": "x"}, key=KEY)

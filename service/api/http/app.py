@@ -4,8 +4,9 @@ Order in every route, as in the gRPC interceptor chain: the API key (``KeyRing``
 body is read; the serving state (``Runtime.ready``: 503 while loading or draining); the body, bounded by
 ``--max-message-bytes`` while it is read; the parameters (``params``); then the servicer's generation path with its
 checks. One ``loraplex_requests_total`` sample per call, ``method="http.chat"`` / ``"http.completions"`` /
-``"http.models"``, ``code`` = the gRPC status name of the outcome (the same label values as gRPC's), and one
-``loraplex_adapter_requests_total`` sample per generation.
+``"http.models"``, ``code`` = the gRPC status name of the outcome (the same label values as gRPC's), one
+``loraplex_adapter_requests_total`` sample per generation, and one ``event=http_request`` INFO line (request id,
+method, adapter, code, tokens, duration, peer).
 
 A client that goes away cancels its generation: a non-streamed call races the generation against the connection's
 ``http.disconnect``; a stream is closed by Starlette's disconnect watch, and closing it cancels every choice's
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -38,6 +40,8 @@ from service.api.http.replies import Replies
 from service.api.runtime import Runtime
 from service.errors import AdapterNotFound, InvalidRequest
 
+log = logging.getLogger("loraplex.http")
+
 T = TypeVar("T")
 
 GENERATE_METHOD = "/loraplex.v1.Generation/Generate"
@@ -51,12 +55,16 @@ class ClientGone(Exception):
 
 
 class Outcome:
-    """The request metrics of one HTTP call, written once (``finish``)."""
+    """The request metrics and the access log line of one HTTP call, written once (``finish``)."""
 
-    def __init__(self, method: str, known: Callable[[str], bool]) -> None:
+    def __init__(self, method: str, known: Callable[[str], bool], request: Request) -> None:
         self.method = method
         self.adapter_id: str | None = None
+        self.request_id = ""
+        self.replies: Replies | None = None  # its usage, once the reply is built
         self._known = known
+        self._peer = "" if request.client is None else f"{request.client.host}:{request.client.port}"
+        self._start = time.monotonic()
         self._done = False
 
     def finish(self, code: str) -> None:
@@ -67,6 +75,13 @@ class Outcome:
         if self.adapter_id is not None:
             known = self._known(self.adapter_id)
             metrics.ADAPTERS.request_finished(self.adapter_id, code, known=known)
+        usage = self.replies.usage() if self.replies is not None else {}
+        log.info(
+            "event=http_request request_id=%s method=%s adapter=%s code=%s prompt_tokens=%d generated_tokens=%d "
+            "duration_seconds=%.3f peer=%s",
+            self.request_id or "-", self.method, self.adapter_id or "", code, usage.get("prompt_tokens", 0),
+            usage.get("completion_tokens", 0), time.monotonic() - self._start, self._peer,
+        )  # fmt: skip
 
 
 class OpenAIRoutes:
@@ -94,7 +109,7 @@ class OpenAIRoutes:
         return await self._listing(request, request.path_params["model"])
 
     async def _listing(self, request: Request, name: str | None) -> Response:
-        outcome = Outcome("http.models", self.runtime.knows_adapter)
+        outcome = Outcome("http.models", self.runtime.knows_adapter, request)
         try:
             self._authorize(request)
             cards = self._cards()
@@ -148,16 +163,16 @@ class OpenAIRoutes:
         return await self._generate(request, "completions")
 
     async def _generate(self, request: Request, kind: params.Kind) -> Response:
-        outcome = Outcome(f"http.{kind}", self.runtime.knows_adapter)
+        outcome = Outcome(f"http.{kind}", self.runtime.knows_adapter, request)
         chat = kind == "chat"
         try:
             self._authorize(request)
             rt = self.runtime.ready()
             body = await self._body(request, rt.settings.max_message_bytes)
-            request_id = convert.request_id_of(request.headers.get("x-request-id", ""))
+            request_id = outcome.request_id = convert.request_id_of(request.headers.get("x-request-id", ""))
             call = params.parse(kind, body, request_id=request_id, adapter_of=self._adapter_of)
             outcome.adapter_id = call.request.adapter_id
-            replies = Replies(call, request_id, rt.tokenizer)
+            replies = outcome.replies = Replies(call, request_id, rt.tokenizer)
             headers = {"x-request-id": request_id}
             if call.stream:
                 return await self._stream(request, call, replies, outcome, headers)
@@ -168,8 +183,9 @@ class OpenAIRoutes:
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
             return _error(exc, chat=chat)
+        reply = replies.completion(response)
         outcome.finish("OK")
-        return JSONResponse(replies.completion(response), headers=headers)
+        return JSONResponse(reply, headers=headers)
 
     async def _body(self, request: Request, limit: int) -> object:
         declared = request.headers.get("content-length", "")
