@@ -231,6 +231,11 @@ def test_logprobs_of_chosen_tokens(server: BackgroundServer, client: openai.Open
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "messages[0]", "unsupported_parameter"),
         ({"messages": []}, "messages", "invalid_request"),
+        ({"model": None}, "model", "invalid_request"),
+        ({"stream": "yes"}, "stream", "invalid_request"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "invalid_request"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "x"}]}]}, "messages[0]",
+         "unsupported_parameter"),
     ],
 )  # fmt: skip
 def test_bad_parameters_are_refused_by_name(
