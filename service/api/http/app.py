@@ -90,6 +90,8 @@ class OpenAIRoutes:
         self.generation = generation
         self.keys = keys
         self.created = int(time.time())  # ``created`` of every model card: when this server started
+        self.base_name = runtime.settings.model.resolve().name  # ``model`` of the base: its folder's name, as
+        # ModelInfo.model_name (resolved once: no file system call per request on the event loop)
 
     def app(self) -> Starlette:
         routes = [
@@ -137,11 +139,6 @@ class OpenAIRoutes:
                      "root": base, "parent": base}
                 )  # fmt: skip
         return cards
-
-    @property
-    def base_name(self) -> str:
-        """The base model's ``model`` name: its folder's name (as ``ModelInfo.model_name``)."""
-        return self.runtime.settings.model.resolve().name
 
     def _adapter_of(self, model: str) -> str:
         if model == self.base_name:
