@@ -22,9 +22,19 @@ from helpers import free_port, text_req, tiny_settings
 from helpers_http import base_url, call, requests_count, sse_events
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
+from service.api.http import errors
 from service.api.server import BackgroundServer, start
 from service.cli import build_parser, serve_settings
 from service.config import ConfigError, Settings
+from service.errors import (
+    AdapterNotFound,
+    InvalidRequest,
+    LoraplexError,
+    PermissionDenied,
+    QueueFull,
+    Unauthenticated,
+    Unavailable,
+)
 
 LONG = {"max_new_tokens": 1000, "max_total_tokens": 1024}
 
@@ -223,3 +233,30 @@ def test_request_bounds_hold_before_any_work(
     turns = [{"role": "user", "content": "y" * 600}] * 2
     chat = call(f"{url}/chat/completions", {"model": model, "messages": turns, "max_tokens": 2})
     assert chat.status == 400 and chat.body["error"]["param"] == "messages", chat.body
+
+
+def _error_classes(cls: type[LoraplexError] = LoraplexError) -> list[type[LoraplexError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _error_classes(sub))]
+
+
+def test_every_error_class_has_its_http_status_and_openai_shape() -> None:
+    """A new error class (or status) cannot fall through to 500: every status of the tree has an HTTP code."""
+    for cls in _error_classes():
+        assert cls.status in errors.HTTP_STATUS, cls
+    cases = {
+        Unauthenticated("no key"): (401, "authentication_error", "unauthenticated"),
+        PermissionDenied("admin only"): (403, "permission_error", "permission_denied"),
+        AdapterNotFound("ghost"): (404, "invalid_request_error", "model_not_found"),
+        QueueFull("full"): (429, "rate_limit_error", "queue_full"),
+        Unavailable("draining"): (503, "server_error", "unavailable"),
+        InvalidRequest("bad top_p", field="sampling.top_p"): (400, "invalid_request_error", "invalid_request"),
+    }
+    for exc, (status, kind, code) in cases.items():
+        error = errors.error_body(exc, chat=True)["error"]
+        assert (errors.http_status(exc), error["type"], error["code"]) == (status, kind, code), exc
+        assert set(error) == {"message", "type", "param", "code"}
+    assert errors.error_body(InvalidRequest("x", field="sampling.top_p"), chat=True)["error"]["param"] == "top_p"
+    assert errors.param_of("inputs[1].text", chat=False) == "prompt"
+    assert errors.param_of("input.messages", chat=True) == "messages"
+    bug = errors.error_body(KeyError("secret"), chat=True)["error"]
+    assert errors.http_status(KeyError("x")) == 500 and "secret" not in bug["message"] and bug["code"] == "internal"
