@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -18,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from certs import CA
-from helpers import free_port, text_req, tiny_settings
+from helpers import free_port, free_ports, text_req, tiny_settings
 from helpers_http import base_url, call, requests_count, sse_events
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
@@ -260,3 +263,43 @@ def test_every_error_class_has_its_http_status_and_openai_shape() -> None:
     assert errors.param_of("input.messages", chat=True) == "messages"
     bug = errors.error_body(KeyError("secret"), chat=True)["error"]
     assert errors.http_status(KeyError("x")) == 500 and "secret" not in bug["message"] and bug["code"] == "internal"
+
+
+def test_a_serve_process_with_the_http_api_drains_on_sigterm(served_tiny_dir: Path) -> None:
+    """A real `loraplex serve` with the HTTP API: on SIGTERM the HTTP listener stays up through the drain,
+    answering 503, and the process exits 0 once the running request is done."""
+    grpc_port, http_port = free_ports(2)
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", str(grpc_port)]
+    cmd += ["--http-port", str(http_port), "--metrics-port", "-1", "--grace-seconds", "60"]
+    cmd += ["--max-total-tokens", "1024", "--max-prompt-tokens", "256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, model = f"http://127.0.0.1:{http_port}/v1", served_tiny_dir.name
+    try:
+
+        def serving() -> bool:
+            try:
+                return call(f"{url}/models", timeout=2).status == 200
+            except (urllib.error.URLError, ConnectionError):
+                return False
+
+        if not wait_for(lambda: serving() or proc.poll() is not None, 120) or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"the HTTP API never answered 200: {proc.communicate(timeout=10)[0][-2000:]}")
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            holder = pb_grpc.GenerationStub(channel).Generate.future(text_req("hold the drain", 1000), timeout=120)
+            time.sleep(0.5)  # the request is running (or queued): the drain waits for it
+            proc.send_signal(signal.SIGTERM)
+
+            def draining() -> bool:
+                reply = call(f"{url}/completions", {"model": model, "prompt": "late", "max_tokens": 2}, timeout=5)
+                return reply.status == 503 and "draining" in reply.body["error"]["message"]
+
+            assert wait_for(draining, 30)
+            holder.cancel()
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, output[-2000:]
+        assert "event=stopped" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
