@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
 from prometheus_client import start_http_server
 
-from service import __version__, metrics
+from service import __version__, logs, metrics
 from service.api import interceptors, reflection
 from service.api.adapters import AdaptersServicer
 from service.api.auth import KeyRing
@@ -181,17 +181,9 @@ def _announce(settings: Settings, server: Server) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def run(settings: Settings) -> int:
     """Entry point of `loraplex serve`."""
-    configure_logging()
+    logs.configure(settings.log_format, settings.log_level)
     return asyncio.run(serve(settings))
 
 
