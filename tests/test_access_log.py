@@ -108,8 +108,11 @@ def test_header_id_and_generated_id(stub: pb_grpc.GenerationStub, captured: Capt
 
 
 def test_stream_success_and_cancel(stub: pb_grpc.GenerationStub, captured: Captured) -> None:
-    chunks = list(stub.GenerateStream(stream_req("Hello there", 5, request_id="stream-4"), timeout=60))
+    call = stub.GenerateStream(stream_req("Hello there", 5, request_id="stream-4"), timeout=60)
+    chunks = list(call)
     assert chunks[0].request_id == "stream-4"
+    assert _metadata(call.initial_metadata())["x-request-id"] == "stream-4"  # type: ignore[attr-defined]
+    assert _metadata(call.trailing_metadata())["x-request-id"] == "stream-4"  # type: ignore[attr-defined]
     line = captured.access("stream-4")
     assert (line["method"], line["code"], line["generated_tokens"]) == ("GenerateStream", "OK", 5)
 

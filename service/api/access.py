@@ -5,7 +5,8 @@ call of the loraplex services it picks the request id — the request's ``reques
 ``x-request-id`` metadata, else a new uuid4 hex — and, for the whole call, sets ``service.logs.REQUEST_ID``
 (every log line of the call names it) and ``CURRENT``, the call's ``Access`` record, which the generation
 servicer fills in (``submitted`` / ``observe``: prompt and generated tokens, time to first token). The id goes
-back in the initial and trailing response metadata (``x-request-id``); ``service.api.status.abort`` adds it to
+back in the trailing response metadata (``x-request-id``), and in the initial metadata with the first reply
+(``send_request_id``); ``service.api.status.abort`` adds it to
 error trailers and ``ErrorInfo.metadata``. A request whose ``request_id`` field is empty gets the chosen id
 written into it, so the servicer echoes the same id; an invalid one is left for the servicer to refuse (the
 access line then shows a new id, never the invalid text). A call the auth interceptor refuses is never parsed,
@@ -155,9 +156,20 @@ def _wrap(handler: Handler, method: str) -> Handler:
 
     async def unary(request: Any, context: Context) -> Any:
         async with _tracked(request, context, method, name):
-            return await inner_unary(request, context)
+            reply = await inner_unary(request, context)
+            await send_request_id(context)
+            return reply
 
     return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+
+
+async def send_request_id(context: Context) -> None:
+    """The call's id as initial metadata: sent with the first reply, never before. An error before any reply
+    then leaves the call uncommitted (a trailers-only response), which is what lets a client's retry policy
+    retry it (gRPC retries only calls that received no response headers)."""
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
 
 
 @contextlib.asynccontextmanager
@@ -167,7 +179,6 @@ async def _tracked(request: Any, context: Context, method: str, name: str) -> As
     id_token, record_token = REQUEST_ID.set(request_id), CURRENT.set(record)
     code = "OK"
     try:
-        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         yield
     except asyncio.CancelledError:

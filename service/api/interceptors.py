@@ -34,7 +34,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from service import metrics
-from service.api import status
+from service.api import access, status
 from service.api.access import AccessInterceptor
 from service.api.auth import KeyRing
 from service.api.status import Context
@@ -234,9 +234,13 @@ async def _write_stream(responses: AsyncGenerator[Any, None], context: Context) 
     mid-send, and close the generator later, unseen. Here the generator is cancelled at its ``yield``, as grpc
     cancels a waiting handler, so the call is counted (DEADLINE_EXCEEDED / CANCELLED) and frees its engine slot at
     once."""
+    first = True
     try:
         async for item in responses:
             try:
+                if first:
+                    await access.send_request_id(context)  # headers with the first reply: see there why
+                    first = False
                 await context.write(item)
             except (grpc.aio.InternalError, asyncio.CancelledError):  # a failed send batch, or cancelled mid-send
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
