@@ -43,7 +43,10 @@ def _adapter_pair(text: str) -> tuple[str, Path]:
 def _connection_flags() -> argparse.ArgumentParser:
     """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    flags.add_argument(
+        "--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
+        help=f"server address (default: the LORAPLEX_TARGET variable, else {DEFAULT_TARGET})",
+    )  # fmt: skip
     flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
     flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
     flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
