@@ -147,6 +147,20 @@ def test_client_id_in_error_trailer_and_access_line(
     assert line["method"] == ("Generate" if kind == "unary" else "GenerateStream")
 
 
+def test_invalid_ids_are_never_echoed(stub: pb_grpc.GenerationStub, captured: Captured) -> None:
+    """A request_id field that breaks the rules is refused by name; a bad header id is replaced. Either way the
+    id in the trailers and logs is a fresh one, never the invalid text."""
+    error = _error(lambda: stub.Generate(text_req("Hi", 2, request_id="has space"), timeout=30))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    fresh = _metadata(error.trailing_metadata())["x-request-id"]  # type: ignore[attr-defined]
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh)
+    assert captured.access(fresh)["code"] == "INVALID_ARGUMENT"
+
+    reply = stub.Generate(text_req("Hi", 2), metadata=(("x-request-id", "x" * 129),), timeout=30)
+    assert re.fullmatch(r"[0-9a-f]{32}", reply.request_id)
+    assert not [r for r in captured.lines() if "x" * 129 in json.dumps(r)]
+
+
 def test_admin_calls_name_their_adapter(channel: grpc.Channel, captured: Captured) -> None:
     admin = apb_grpc.AdaptersStub(channel)
     error = _error(
