@@ -24,6 +24,8 @@ from service.api.server import BackgroundServer
 
 # Backoffs long enough that no retry can run out before the test frees capacity, short enough to stay quick.
 PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=0.5, max_backoff=2.0, backoff_multiplier=2.0)
+# For a wait as long as a model load on a busy machine: the four randomized backoffs add up to ~11 s on average.
+VERY_PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=2.0, max_backoff=8.0, backoff_multiplier=2.0)
 
 
 def requests_total(server: BackgroundServer, method: str, code: str) -> float:
@@ -109,6 +111,20 @@ def test_queue_full_is_retried_until_room_frees(full_server: tuple[BackgroundSer
     (result,) = results
     assert result.usage.generated_tokens == 2
     assert requests_total(srv, "Generate", "OK") >= 1
+
+
+def test_unavailable_while_loading_is_retried(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(load=False, metrics_port=0)
+    results: list[Any] = []
+    with loraplex.Client(srv.target, timeout=60, retry=VERY_PATIENT) as client:
+        worker = threading.Thread(target=lambda: results.append(client.generate("Hi", max_new_tokens=2)))
+        worker.start()
+        assert wait_until(lambda: requests_total(srv, "Generate", "UNAVAILABLE") >= 1, 30)  # "still loading"
+        assert srv.server is not None
+        srv.call(srv.server.load())
+        worker.join(60)
+    (result,) = results
+    assert result.usage.generated_tokens == 2
 
 
 def test_wait_for_ready_reaches_a_server_started_late(served_tiny_dir: Any, free_port: int) -> None:
