@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -64,18 +66,40 @@ def test_retry_policy_is_a_service_config_for_idempotent_methods() -> None:
         loraplex.Client("127.0.0.1:1", retry=3)  # type: ignore[arg-type]
 
 
+LONG = 7000  # tokens of a blocking stream: tens of seconds, however fast the machine
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path) -> Path:
+    """``served_tiny_dir``'s tiny model with room for ``LONG``-token streams (8192 positions)."""
+    from tiny_models import write_tiny_llama
+
+    folder = write_tiny_llama(
+        tmp_path_factory.mktemp("long_tiny"), vocab_size=49152, max_position_embeddings=8192, seed=7
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (served_tiny_dir / name).exists():
+            shutil.copy(served_tiny_dir / name, folder / name)
+    return folder
+
+
 @pytest.fixture
-def full_server(tiny_server: Callable[..., BackgroundServer]) -> Iterator[tuple[BackgroundServer, Callable[[], None]]]:
-    """A server with room for 2 requests (1 running, 1 waiting) and ``fill()``, which takes both with long
-    streams (cancelled at teardown, or earlier by the test through ``fill.release``)."""
-    srv = tiny_server(max_batch_size=1, max_queue=1, metrics_port=0, max_new_tokens=900, max_total_tokens=1000)
+def full_server(
+    tiny_server: Callable[..., BackgroundServer], long_model_dir: Path
+) -> Iterator[tuple[BackgroundServer, Callable[[], None]]]:
+    """A server with room for 2 requests (1 running, 1 waiting) and ``fill()``, which takes both with streams
+    that outlast any test (cancelled at teardown, or earlier by the test through ``fill.release``)."""
+    srv = tiny_server(
+        model=long_model_dir, max_batch_size=1, max_queue=1, metrics_port=0, max_new_tokens=LONG,
+        max_total_tokens=LONG + 200,
+    )  # fmt: skip
     channel = grpc.insecure_channel(srv.target)
     stub = pb_grpc.GenerationStub(channel)
     calls: list[Any] = []
 
     def fill() -> None:
         for _ in range(2):
-            calls.append(stub.GenerateStream(stream_req("Keep busy", 900), timeout=120))
+            calls.append(stub.GenerateStream(stream_req("Keep busy", LONG), timeout=120))
         next(calls[0])  # running
         assert wait_until(lambda: in_flight(srv) == 2, 30)
 
@@ -148,7 +172,7 @@ def test_stream_context_manager_cancels_on_the_server(full_server: tuple[Backgro
     srv, _ = full_server
     before = requests_total(srv, "GenerateStream", "CANCELLED")
     with loraplex.Client(srv.target, timeout=60) as client:
-        with client.stream("Tell me everything", max_new_tokens=900, ignore_eos=True) as deltas:
+        with client.stream("Tell me everything", max_new_tokens=LONG, ignore_eos=True) as deltas:
             first = next(deltas)
             assert first.text is not None and in_flight(srv) == 1
         assert wait_until(lambda: in_flight(srv) == 0, 30)  # the slot is free again
@@ -157,7 +181,7 @@ def test_stream_context_manager_cancels_on_the_server(full_server: tuple[Backgro
 
     async def run() -> None:
         client = loraplex.AsyncClient(srv.target, timeout=60)
-        async with client, client.stream("And again", max_new_tokens=900, ignore_eos=True) as deltas:
+        async with client, client.stream("And again", max_new_tokens=LONG, ignore_eos=True) as deltas:
             await deltas.__anext__()
             assert in_flight(srv) == 1
 
