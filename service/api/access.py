@@ -168,8 +168,12 @@ async def send_request_id(context: Context) -> None:
     then leaves the call uncommitted (a trailers-only response), which is what lets a client's retry policy
     retry it (gRPC retries only calls that received no response headers)."""
     request_id = REQUEST_ID.get()
-    if request_id is not None:
+    if request_id is None:
+        return
+    try:
         await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+    except grpc.aio.InternalError:  # the call ended meanwhile (deadline, client gone): count it as cancelled
+        raise asyncio.CancelledError from None
 
 
 @contextlib.asynccontextmanager
