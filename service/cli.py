@@ -16,6 +16,7 @@ from typing import Any
 
 from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
+from service.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
@@ -42,7 +43,10 @@ def _adapter_pair(text: str) -> tuple[str, Path]:
 def _connection_flags() -> argparse.ArgumentParser:
     """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    flags.add_argument(
+        "--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
+        help=f"server address (default: the LORAPLEX_TARGET variable, else {DEFAULT_TARGET})",
+    )  # fmt: skip
     flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
     flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
     flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
@@ -144,11 +148,19 @@ _SECURITY_FLAGS = (
 )  # fmt: skip
 
 
+# Server logs (service.logs).
+_LOG_FLAGS = (
+    _Flag("--log-format", "text (key=value, default) or json (one object per line)", choices=LOG_FORMATS),
+    _Flag("--log-level", "root log level (default INFO; every request's access line is INFO)",
+          choices=LOG_LEVELS, type=str.upper),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS):
+    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS, *_LOG_FLAGS):
         serve.add_argument(flag.name, help=flag.help, **flag.options)
     _other_commands(sub, _connection_flags())
     return parser

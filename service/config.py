@@ -68,6 +68,9 @@ class Settings:
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
     # metrics: distinct values of the `adapter` label (first come; the rest count as adapter="other")
     metrics_adapter_series: int = 32
+    # logs (service.logs): key=value text or one JSON object per line, and the root level
+    log_format: str = "text"
+    log_level: str = "INFO"
     # transport and access (README "Security")
     max_message_bytes: int = 4 << 20  # largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)
     max_connection_age_seconds: float = 300.0  # GOAWAY after this, so round_robin clients see new replicas; 0 = off
@@ -126,6 +129,10 @@ class Settings:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.metrics_adapter_series < 0:
             raise ValueError("metrics_adapter_series must be >= 0")
+        from service.logs import LOG_FORMATS, LOG_LEVELS
+
+        if self.log_format not in LOG_FORMATS or self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS} and log_level one of {LOG_LEVELS}")
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
         self._validate_transport()

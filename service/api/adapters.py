@@ -101,6 +101,15 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
     return message
 
 
+def unloaded(info: pb.AdapterInfo) -> pb.AdapterInfo:
+    """``info`` of an adapter just removed: state UNLOADED, nothing resident any more."""
+    gone = pb.AdapterInfo()
+    gone.CopyFrom(info)
+    gone.state = pb.ADAPTER_STATE_UNLOADED
+    gone.host_bytes = gone.device_bytes = gone.host_layers = gone.device_layers = 0
+    return gone
+
+
 class AdaptersServicer(pb_grpc.AdaptersServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -120,8 +129,8 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
         store = self.runtime.ready().adapters
         info = describe(store, request.id)
-        store.unregister(request.id)
-        return pb.UnloadAdapterResponse(adapter=info)
+        store.unregister(request.id)  # raises (and changes nothing) while requests use it
+        return pb.UnloadAdapterResponse(adapter=unloaded(info))
 
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Context) -> pb.ListAdaptersResponse:
         store = self.runtime.ready().adapters

@@ -72,7 +72,8 @@ class AdaptersServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+        with state UNLOADED. Errors: NOT_FOUND,
         FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
         them, then call again. Nothing is half-removed by a refused call.
         """

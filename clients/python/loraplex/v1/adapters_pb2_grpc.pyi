@@ -48,7 +48,8 @@ class AdaptersStub:
     server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]
-    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+    with state UNLOADED. Errors: NOT_FOUND,
     FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
     them, then call again. Nothing is half-removed by a refused call.
     """
@@ -69,7 +70,8 @@ class AdaptersAsyncStub(AdaptersStub):
     server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
-    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+    with state UNLOADED. Errors: NOT_FOUND,
     FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
     them, then call again. Nothing is half-removed by a refused call.
     """
@@ -99,7 +101,8 @@ class AdaptersServicer(metaclass=_abc_1.ABCMeta):
         request: _adapters_pb2.UnloadAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_adapters_pb2.UnloadAdapterResponse, _abc.Awaitable[_adapters_pb2.UnloadAdapterResponse]]:
-        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+        with state UNLOADED. Errors: NOT_FOUND,
         FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
         them, then call again. Nothing is half-removed by a refused call.
         """
