@@ -352,3 +352,26 @@ def test_pickle_helper_is_a_real_payload(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     pickle.loads(pickle.dumps(_RunsCode(marker)))
     assert marker.is_dir()
+
+
+@pytest.mark.slow
+def test_published_layouts_on_smollm2(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The real model: a converted medusa-1 pickle (bf16, one head of two shared blocks) and a legacy medusa-2
+    folder, each speculating over real gRPC, with greedy output equal to plain greedy."""
+    cfg = ModelConfig.from_hf(smollm2_dir)
+    root = tmp_path / "adapters"
+    ref = ReferenceHeads(cfg.hidden_size, cfg.vocab_size, 1, 2, own_projection=True, seed=1).to(torch.bfloat16)
+    (tmp_path / "m1").mkdir()
+    torch.save(ref.heads.state_dict(), tmp_path / "m1" / "medusa_lm_head.pt")
+    assert main(["convert", "medusa", str(tmp_path / "m1"), str(root / "m1"), "--model", str(smollm2_dir)]) == 0
+    write_legacy_medusa2(root / "m2", cfg, n_heads=3, seed=2)
+    settings = tiny_settings(
+        smollm2_dir, adapter_dirs=(root,), speculate_max_batch=8, speculate_adaptive=False, max_total_tokens=512
+    )
+    with BackgroundServer(settings) as srv, Client(srv.target, timeout=300) as client:
+        for prompt in PROMPTS[:2]:
+            want = greedy(client, prompt, None)
+            for name in ("m1", "m2"):
+                drafted = metrics.SPECULATIVE_DRAFTED._value.get()
+                assert greedy(client, prompt, name) == want, f"{name}: {prompt!r}"
+                assert metrics.SPECULATIVE_DRAFTED._value.get() > drafted
