@@ -14,6 +14,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.cli_convert import add_convert_command, run_convert
 from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
 from service.hf_cache import AdapterSource, parse_source
@@ -157,21 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS):
         serve.add_argument(flag.name, help=flag.help, **flag.options)
     _other_commands(sub, _connection_flags())
-    _convert_commands(sub)
+    add_convert_command(sub)
     return parser
-
-
-def _convert_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`loraplex convert KIND SRC DST`: published adapter files into the layout the server reads (offline)."""
-    convert = sub.add_parser("convert", help="convert published adapter files into the layout loraplex serves")
-    kinds = convert.add_subparsers(dest="kind", required=True)
-    medusa = kinds.add_parser(
-        "medusa",
-        help="FasterDecoding medusa_lm_head.pt (pickle, read with weights_only) -> config.json + safetensors",
-    )
-    medusa.add_argument("src", type=Path, help="medusa_lm_head.pt, or the folder holding it (and its config.json)")
-    medusa.add_argument("dst", type=Path, help="the new Medusa folder to write (must not exist, or be empty)")
-    medusa.add_argument("--model", type=Path, help="also check the result against this base model folder")
 
 
 def _other_commands(
@@ -341,28 +329,9 @@ def _adapters(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from service.medusa.convert import convert_medusa
-
-    done = convert_medusa(args.src, args.dst)
-    for note in done.notes:
-        print(f"note: {note}", file=sys.stderr)
-    if args.model is not None:
-        from service.medusa.format import index_medusa
-        from service.model.config import ModelConfig
-
-        index_medusa(done.folder, ModelConfig.from_hf(args.model))  # InvalidAdapter names what does not fit
-    shared = f", {done.shared_tensors} shared tensor(s) copied" if done.shared_tensors else ""
-    print(
-        f"{done.folder}: {done.num_heads} Medusa v{done.version} head(s) x {done.num_layers} block(s), "
-        f"{str(done.dtype).removeprefix('torch.')}{shared}"
-    )
-    return 0
-
-
 COMMANDS = {
     "serve": _serve,
-    "convert": _convert,
+    "convert": run_convert,
     "fetch-model": _fetch,
     "generate": _generate,
     "tokenize": _tokenize,

@@ -245,6 +245,19 @@ def test_cli_reports_a_bad_source_and_exits_2(tmp_path: Path, capsys: pytest.Cap
     assert err.startswith("loraplex convert: ") and "no such file or folder" in err
 
 
+def test_cli_model_check_removes_heads_that_do_not_fit(
+    tmp_path: Path, cfg: ModelConfig, tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = ModelConfig.from_hf(tiny_llama_dir)
+    assert other.vocab_size != cfg.vocab_size
+    write_medusa1_pt(tmp_path / "src", cfg, n_heads=2, n_layers=1, seed=0)
+    argv = ["convert", "medusa", str(tmp_path / "src"), str(tmp_path / "out"), "--model", str(tiny_llama_dir)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"vocab_size={other.vocab_size}" in err and "removed" in err
+    assert not (tmp_path / "out").exists()
+
+
 # --- LoRAX's detection rules ----------------------------------------------------------------------------
 
 # (name, heads written with own projections?, blocks, version in config.json (absent: LoRAX assumes 1))
