@@ -175,7 +175,7 @@ def test_convert_counts_shared_tensors_and_keeps_dtype(tmp_path: Path, cfg: Mode
     ref = ReferenceHeads(cfg.hidden_size, cfg.vocab_size, 2, 3, own_projection=True, seed=4).to(torch.bfloat16)
     (tmp_path / "src").mkdir()
     state = {f"medusa_head.{k}": v for k, v in ref.heads.state_dict().items()}  # a whole-model state dict's names
-    torch.save(state, tmp_path / "src" / "medusa_lm_head.pt")
+    torch.save(state, tmp_path / "src" / "medusa_lm_head.pt", _use_new_zipfile_serialization=False)  # pre-1.6
     done = convert_medusa(tmp_path / "src" / "medusa_lm_head.pt", tmp_path / "out")
     assert (done.num_heads, done.num_layers, done.version, done.dtype) == (2, 3, 1, torch.bfloat16)
     assert done.shared_tensors == 2 * 2 * 2  # per head, blocks 1 and 2 repeat block 0 (weight and bias)

@@ -6,7 +6,8 @@ Its heads repeat *one* block module ``n`` times, so with ``medusa_num_layers > 1
 are views of the same tensor, which ``safetensors.torch.save_file`` refuses ("Some tensors share memory"). Here
 every tensor is copied into fresh stacked buffers, so each name owns its bytes in the written file.
 
-The pickle is opened only with ``torch.load(weights_only=True)``: no code from it can run. The structure (heads,
+The pickle is opened only with ``torch.load(weights_only=True)``: no code from it can run (and memory-mapped when
+it is in torch's zip format, so only the stacked copies are held in memory). The structure (heads,
 blocks, v1 projections or not) is read from the tensor names and checked (shapes, one dtype, finite values) before
 anything is written; the output is ``config.json`` + ``medusa_lm_head.safetensors`` in a folder that did not exist
 (written beside it and renamed, so a failed conversion leaves nothing behind). Every problem is an
@@ -18,6 +19,7 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +99,8 @@ def convert_medusa(source: Path, destination: Path) -> Converted:
 
 def _load_pickle(pt: Path) -> dict[str, torch.Tensor]:
     """The pickle's ``{name: tensor}``, loaded with ``weights_only=True``; the ``medusa_head.`` prefix removed."""
-    try:
-        raw: Any = torch.load(pt, map_location="cpu", weights_only=True)
+    try:  # a zip-format pickle (torch >= 1.6) is mapped, not read whole; the legacy format has to be read
+        raw: Any = torch.load(pt, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(pt))
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidAdapter(f"cannot be read as a weights-only PyTorch pickle: {first}", file=pt) from None
