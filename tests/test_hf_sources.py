@@ -7,6 +7,7 @@ real (PEFT-written LoRA, Medusa heads) and are served over real gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -216,3 +217,29 @@ def test_missing_and_refused_hf_sources(server: BackgroundServer, hub: dict[str,
             client.load_adapter("x5", "hf://acme/../../etc")
         ids = {a.id for a in client.list_adapters()}
     assert not ids & {"x1", "x2", "x3", "x4", "x5"}
+
+
+def test_config_files_that_escape_or_never_end_are_refused_unread(
+    server: BackgroundServer, hub: dict[str, Path]
+) -> None:
+    """A config.json symlinked out of the roots is refused before it is opened, and a config that is not a regular
+    file is never read: both are FIFOs here, so reading either would block the call until its deadline."""
+    cache, outside = hub["cache"], hub["outside"]
+    fifo = outside / "config.fifo"
+    os.mkfifo(fifo)
+    escape = cache / "models--acme--caps" / "snapshots" / ("c" * 40)
+    escape.mkdir()
+    (escape / "config.json").symlink_to(fifo)
+    inside = hub["plain"] / "fifo-config"
+    inside.mkdir()
+    os.mkfifo(inside / "adapter_config.json")
+    try:
+        with Client(server.target, timeout=30) as client:
+            with pytest.raises(PermissionDenied, match="outside the allowed adapter roots"):
+                client.load_adapter("fifo-escape", f"hf://acme/caps@{'c' * 40}")
+            with pytest.raises(InvalidArgument, match="not a regular file"):
+                client.load_adapter("fifo-inside", inside)
+    finally:  # release a reader the code under test might have left blocked
+        for path in (fifo, inside / "adapter_config.json"):
+            with contextlib.suppress(OSError):  # ENXIO: nobody is reading it
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))

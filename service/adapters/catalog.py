@@ -18,6 +18,7 @@ from service.adapters.store import AdapterStore
 from service.adapters.types import AdapterInfo, LoraLayer
 from service.errors import AdapterNotFound, InvalidAdapter, LoraplexError
 from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, source_folder
+from service.medusa.format import CONFIG_FILE as MEDUSA_CONFIG
 from service.medusa.format import is_medusa_folder
 from service.medusa.registry import MedusaRegistry
 
@@ -38,6 +39,8 @@ class AdapterCatalog:
         """Index the folder ``source`` names (a path, or a ``HubRef`` resolved in ``hub_cache``) as ``adapter_id``."""
         check_adapter_id(adapter_id)
         folder = resolve_source(source_folder(source, self.hub_cache), self.store.roots)
+        for marker in (MEDUSA_CONFIG, LORA_CONFIG):  # read below: a symlink out of the roots is refused first
+            resolve_source(folder / marker, self.store.roots)
         heads = is_medusa_folder(folder)
         lora = (folder / LORA_CONFIG).is_file() or not heads  # no Medusa config: a LoRA folder (or an error)
         if heads:

@@ -61,9 +61,13 @@ def read_medusa_config(path: Path) -> MedusaConfig:
 
 
 def is_medusa_folder(folder: Path) -> bool:
-    """True when ``folder/config.json`` is a JSON object naming ``medusa_num_heads`` (a base model's never does)."""
+    """True when ``folder/config.json`` is a JSON object naming ``medusa_num_heads`` (a base model's never does).
+    Only a regular file is read (a FIFO or device would block or never end)."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        return False
     try:
-        raw = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(raw, dict) and "medusa_num_heads" in raw
