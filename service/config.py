@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.errors import InvalidRequest
+from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, hub_cache_dir, parse_source
+
 if TYPE_CHECKING:  # the type lives with the loader; importing it at run time would pull torch into the CLI
     from service.loading import LoadMode
 
@@ -56,9 +59,11 @@ class Settings:
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
     # adapters
-    adapters: tuple[tuple[str, Path], ...] = ()
+    adapters: tuple[tuple[str, AdapterSource], ...] = ()  # a folder path, or hf://org/name[@revision]
     adapter_dirs: tuple[Path, ...] = ()
     adapter_roots: tuple[Path, ...] = ()
+    # where hf:// adapter sources are looked up (never downloaded); from_env: HF_HUB_CACHE / HF_HOME when unset
+    hf_hub_cache: Path = DEFAULT_HUB_CACHE
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
     # medusa
@@ -103,6 +108,7 @@ class Settings:
                 except ValueError as exc:
                     raise ConfigError(f"LORAPLEX_{f.name.upper()}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
+        values.setdefault("hf_hub_cache", hub_cache_dir(env))  # huggingface_hub's own variables
         settings = cls(**values)
         settings.validate()
         return settings
@@ -167,10 +173,13 @@ def _parse(name: str, default: Any, raw: str) -> Any:
         if name == "adapters":
             pairs = []
             for item in items:
-                key, sep, path = item.partition("=")
+                key, sep, source = item.partition("=")
                 if not sep:
                     raise ValueError(f"LORAPLEX_ADAPTERS: expected ID=PATH, got {item!r}")
-                pairs.append((key.strip(), Path(path.strip())))
+                try:
+                    pairs.append((key.strip(), parse_source(source.strip())))
+                except InvalidRequest as exc:
+                    raise ValueError(str(exc)) from None
             return tuple(pairs)
         if name in ("adapter_dirs", "adapter_roots"):
             return tuple(Path(s.strip()) for s in items)

@@ -6,7 +6,6 @@ Methods raise typed errors; the interceptors (``service.api.interceptors``) turn
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from loraplex.v1 import adapters_pb2 as pb
@@ -17,6 +16,7 @@ from service.adapters.catalog import AdapterCatalog
 from service.api.runtime import Runtime
 from service.api.status import Context
 from service.errors import InvalidRequest, PermissionDenied
+from service.hf_cache import parse_source
 
 _STATES = {
     "registered": pb.ADAPTER_STATE_REGISTERED,
@@ -117,13 +117,14 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
         store = self.runtime.ready().adapters
         if not request.source:
-            raise InvalidRequest("source is empty: give the adapter folder's path on the server")
+            raise InvalidRequest("source is empty: give the adapter folder's path on the server, or hf://org/name")
         if not store.roots:
             raise PermissionDenied(
                 "this server loads adapters from no folder: start it with --adapter-root DIR (or --adapter-dir DIR)"
             )
-        # Registration reads a config file and safetensors headers: file I/O, so off the event loop.
-        await asyncio.to_thread(store.register, request.id, Path(request.source))
+        source = parse_source(request.source)
+        # Registration reads a config file and safetensors headers (and an hf:// ref): file I/O, off the event loop.
+        await asyncio.to_thread(store.register, request.id, source)
         return pb.LoadAdapterResponse(adapter=describe(store, request.id))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:

@@ -270,7 +270,8 @@ class LoadAdapterRequest(_message.Message):
     """New adapter id: 1-128 chars of [A-Za-z0-9._-], not starting with "."."""
     source: _builtins.str
     """Path on the server of the adapter folder (adapter_config.json + adapter_model.safetensors, or a
-    Medusa folder).
+    Medusa folder), or "hf://org/name[@revision]": a snapshot in the server's local Hugging Face cache
+    (never downloaded; NOT_FOUND names the paths looked up), which must lie inside the allowed roots too.
     """
     def __init__(
         self,

@@ -64,8 +64,9 @@ class AdaptersServicer:
     def LoadAdapter(self, request, context):
         """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
         Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-        message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-        server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+        message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+        server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+        FAILED_PRECONDITION (adapter built for another base model).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,8 +44,9 @@ class AdaptersStub:
     LoadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.LoadAdapterRequest, _adapters_pb2.LoadAdapterResponse]
     """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
     Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-    message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-    server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+    message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+    server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+    FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]
     """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
@@ -66,8 +67,9 @@ class AdaptersAsyncStub(AdaptersStub):
     LoadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.LoadAdapterRequest, _adapters_pb2.LoadAdapterResponse]  # type: ignore[assignment]
     """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
     Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-    message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-    server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+    message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+    server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+    FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
     """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
@@ -91,8 +93,9 @@ class AdaptersServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_adapters_pb2.LoadAdapterResponse, _abc.Awaitable[_adapters_pb2.LoadAdapterResponse]]:
         """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
         Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-        message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-        server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+        message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+        server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+        FAILED_PRECONDITION (adapter built for another base model).
         """
 
     @_abc_1.abstractmethod
