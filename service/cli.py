@@ -14,8 +14,11 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.cli_convert import add_convert_command, run_convert
 from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
+from service.hf_cache import AdapterSource, parse_source
+from service.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
@@ -32,17 +35,23 @@ def openmp_defaults(env: MutableMapping[str, str]) -> None:
         env.update(OPENMP_DEFAULTS)
 
 
-def _adapter_pair(text: str) -> tuple[str, Path]:
-    key, sep, path = text.partition("=")
-    if not sep or not key or not path:
-        raise argparse.ArgumentTypeError(f"expected ID=PATH, got {text!r}")
-    return key, Path(path)
+def _adapter_pair(text: str) -> tuple[str, AdapterSource]:
+    key, sep, source = text.partition("=")
+    if not sep or not key or not source:
+        raise argparse.ArgumentTypeError(f"expected ID=PATH or ID=hf://org/name[@revision], got {text!r}")
+    try:
+        return key, parse_source(source)
+    except LoraplexError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _connection_flags() -> argparse.ArgumentParser:
     """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    flags.add_argument(
+        "--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
+        help=f"server address (default: the LORAPLEX_TARGET variable, else {DEFAULT_TARGET})",
+    )  # fmt: skip
     flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
     flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
     flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
@@ -110,8 +119,10 @@ _LIMIT_FLAGS = (
 )  # fmt: skip
 # Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa.
 _ADAPTER_FLAGS = (
-    _Flag("--adapter", "register an adapter at start-up (repeatable)",
-          dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH"),
+    _Flag("--adapter", "register an adapter at start-up: a folder, or hf://org/name[@rev] in the HF cache (repeatable)",
+          dest="adapters", action="append", type=_adapter_pair, metavar="ID=SOURCE"),
+    _Flag("--hf-hub-cache", "where hf:// sources are looked up, never downloaded (default: HF_HUB_CACHE, HF_HOME/hub, "
+          "~/.cache/huggingface/hub)", type=Path, metavar="DIR"),
     _Flag("--adapter-dir", "register every adapter folder under DIR lazily at start-up (repeatable)",
           dest="adapter_dirs", action="append", type=Path, metavar="DIR"),
     _Flag("--adapter-root", "more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
@@ -146,13 +157,22 @@ _SECURITY_FLAGS = (
 )  # fmt: skip
 
 
+# Server logs (service.logs).
+_LOG_FLAGS = (
+    _Flag("--log-format", "text (key=value, default) or json (one object per line)", choices=LOG_FORMATS),
+    _Flag("--log-level", "root log level (default INFO; every request's access line is INFO)",
+          choices=LOG_LEVELS, type=str.upper),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS):
+    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS, *_LOG_FLAGS):
         serve.add_argument(flag.name, help=flag.help, **flag.options)
     _other_commands(sub, _connection_flags())
+    add_convert_command(sub)
     return parser
 
 
@@ -325,6 +345,7 @@ def _adapters(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "serve": _serve,
+    "convert": run_convert,
     "fetch-model": _fetch,
     "generate": _generate,
     "tokenize": _tokenize,

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.errors import InvalidRequest
+from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, hub_cache_dir, parse_source
+
 if TYPE_CHECKING:  # the type lives with the loader; importing it at run time would pull torch into the CLI
     from service.loading import LoadMode
 
@@ -57,9 +60,11 @@ class Settings:
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
     # adapters
-    adapters: tuple[tuple[str, Path], ...] = ()
+    adapters: tuple[tuple[str, AdapterSource], ...] = ()  # a folder path, or hf://org/name[@revision]
     adapter_dirs: tuple[Path, ...] = ()
     adapter_roots: tuple[Path, ...] = ()
+    # where hf:// adapter sources are looked up (never downloaded); from_env: HF_HUB_CACHE / HF_HOME when unset
+    hf_hub_cache: Path = DEFAULT_HUB_CACHE
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
     # medusa
@@ -69,6 +74,9 @@ class Settings:
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
     # metrics: distinct values of the `adapter` label (first come; the rest count as adapter="other")
     metrics_adapter_series: int = 32
+    # logs (service.logs): key=value text or one JSON object per line, and the root level
+    log_format: str = "text"
+    log_level: str = "INFO"
     # transport and access (README "Security")
     max_message_bytes: int = 4 << 20  # largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)
     max_connection_age_seconds: float = 300.0  # GOAWAY after this, so round_robin clients see new replicas; 0 = off
@@ -101,6 +109,7 @@ class Settings:
                 except ValueError as exc:
                     raise ConfigError(f"LORAPLEX_{f.name.upper()}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
+        values.setdefault("hf_hub_cache", hub_cache_dir(env))  # huggingface_hub's own variables
         settings = cls(**values)
         settings.validate()
         return settings
@@ -127,6 +136,10 @@ class Settings:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.metrics_adapter_series < 0:
             raise ValueError("metrics_adapter_series must be >= 0")
+        from service.logs import LOG_FORMATS, LOG_LEVELS
+
+        if self.log_format not in LOG_FORMATS or self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS} and log_level one of {LOG_LEVELS}")
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
         self._validate_transport()
@@ -163,10 +176,13 @@ def _parse(name: str, default: Any, raw: str) -> Any:
         if name == "adapters":
             pairs = []
             for item in items:
-                key, sep, path = item.partition("=")
+                key, sep, source = item.partition("=")
                 if not sep:
                     raise ValueError(f"LORAPLEX_ADAPTERS: expected ID=PATH, got {item!r}")
-                pairs.append((key.strip(), Path(path.strip())))
+                try:
+                    pairs.append((key.strip(), parse_source(source.strip())))
+                except InvalidRequest as exc:
+                    raise ValueError(str(exc)) from None
             return tuple(pairs)
         if name in ("adapter_dirs", "adapter_roots"):
             return tuple(Path(s.strip()) for s in items)

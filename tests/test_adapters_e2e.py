@@ -143,7 +143,11 @@ def test_admin_api_and_states(server: BackgroundServer, adapter_root: Path, tmp_
         assert generate_ids(client, PROMPTS[1], "copy") == generate_ids(client, PROMPTS[1], "qv-r4")
         with pytest.raises(AlreadyExists):
             client.load_adapter("copy", adapter_root / "qv-r4")
-        client.unload_adapter("copy")
+        used = client.get_adapter("copy")
+        assert used.state.value == "device" and used.device_bytes > 0
+        removed = client.unload_adapter("copy")  # says what happened, not the state it had before
+        assert (removed.id, removed.state.value, removed.device_bytes, removed.host_bytes) == ("copy", "unloaded", 0, 0)
+        assert removed.hits == used.hits and removed.source == used.source
         with pytest.raises(NotFound):
             client.get_adapter("copy")
         with pytest.raises(NotFound):

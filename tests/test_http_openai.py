@@ -25,6 +25,7 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service.api.server import BackgroundServer
+from service.logs import RequestIdFilter
 
 KEY = "gen-key-1"
 ADAPTERS = {
@@ -281,18 +282,23 @@ def test_request_ids_access_lines_and_unknown_routes(
     server: BackgroundServer, base: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     body = {"model": "qv", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
-    with caplog.at_level(logging.INFO, logger="loraplex.http"):
+    caplog.handler.addFilter(RequestIdFilter())  # as `loraplex serve` configures its handler (service.logs)
+    with caplog.at_level(logging.INFO, logger="loraplex.access"):
         reply = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "trace-42"})
         bad = {**body, "top_k": -1}
         refused = call(f"{base_url(server)}/completions", bad, key=KEY, headers={"x-request-id": "t-43"})
+        unnamed = call(f"{base_url(server)}/chat/completions", {"model": base, "messages": [{"role": "user",
+                       "content": "hi"}], "max_tokens": 2}, key=KEY)  # fmt: skip
     assert reply.status == 200 and reply.headers["x-request-id"] == "trace-42" and reply.body["id"] == "cmpl-trace-42"
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("event=http_request")]
-    (ok,) = [line for line in lines if "request_id=trace-42 " in line]
-    assert " method=http.completions adapter=qv code=OK prompt_tokens=" in ok and " generated_tokens=2 " in ok
-    assert " peer=127.0.0.1:" in ok
-    assert refused.status == 400 and any("request_id=t-43 " in x and "code=INVALID_ARGUMENT" in x for x in lines)
-    bad = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "has space"})
-    assert bad.status == 400 and bad.body["error"]["param"] == "x-request-id"
+    lines = {r.request_id: r.fields for r in caplog.records if r.getMessage() == "event=access"}  # type: ignore[attr-defined]
+    ok = lines["trace-42"]
+    assert (ok["method"], ok["adapter"], ok["code"], ok["generated_tokens"]) == ("http.completions", "qv", "OK", 2)
+    assert ok["prompt_tokens"] > 0 and ok["ttft_seconds"] is not None and ok["peer"].startswith("127.0.0.1:")
+    assert refused.status == 400 and lines["t-43"]["code"] == "INVALID_ARGUMENT"
+    made = unnamed.headers["x-request-id"]  # no header: the server made the id, the same everywhere
+    assert unnamed.body["id"] == f"chatcmpl-{made}" and lines[made]["method"] == "http.chat"
+    bad_id = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "has space"})
+    assert bad_id.status == 400 and bad_id.body["error"]["param"] == "x-request-id"
     missing = call(f"{base_url(server)}/embeddings", {"model": base, "input": "x"}, key=KEY)
     assert missing.status == 404 and missing.body["error"]["code"] == "not_found"
     not_json = call(f"{base_url(server)}/completions", "{", key=KEY)  # a JSON string, not an object

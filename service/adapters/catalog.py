@@ -1,8 +1,10 @@
 """One view over every registered adapter: LoRA weights (``AdapterStore``) and Medusa heads (``MedusaRegistry``).
 
 An adapter id names a folder holding a PEFT LoRA (``adapter_config.json``), Medusa heads (``config.json`` with
-``medusa_num_heads``) or both. Registration indexes each part it finds (config + headers only) and is all or
-nothing: when the LoRA part of a Medusa + LoRA folder is refused, the heads are not left registered either.
+``medusa_num_heads``) or both; the folder is given as a path or as ``hf://org/name[@revision]``, a snapshot in the
+local Hugging Face cache (``service.hf_cache``, resolved on disk before the path policy applies). Registration
+indexes each part it finds (config + headers only) and is all or nothing: when the LoRA part of a Medusa + LoRA
+folder is refused, the heads are not left registered either.
 ``resolve`` turns an id into a per-request ``Adapter`` object; callers branch on its capabilities, never on a kind.
 """
 
@@ -15,6 +17,8 @@ from service.adapters.registry import check_adapter_id, resolve_source
 from service.adapters.store import AdapterStore
 from service.adapters.types import AdapterInfo, LoraLayer
 from service.errors import AdapterNotFound, InvalidAdapter, LoraplexError
+from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, source_folder
+from service.medusa.format import CONFIG_FILE as MEDUSA_CONFIG
 from service.medusa.format import is_medusa_folder
 from service.medusa.registry import MedusaRegistry
 
@@ -22,17 +26,21 @@ LORA_CONFIG = "adapter_config.json"
 
 
 class AdapterCatalog:
-    def __init__(self, store: AdapterStore, medusa: MedusaRegistry) -> None:
+    def __init__(self, store: AdapterStore, medusa: MedusaRegistry, *, hub_cache: Path = DEFAULT_HUB_CACHE) -> None:
         self.store = store
         self.medusa = medusa
+        self.hub_cache = hub_cache  # where hf:// sources are looked up
 
     @property
     def roots(self) -> tuple[Path, ...]:
         return self.store.roots
 
-    def register(self, adapter_id: str, path: Path) -> Adapter:
+    def register(self, adapter_id: str, source: AdapterSource) -> Adapter:
+        """Index the folder ``source`` names (a path, or a ``HubRef`` resolved in ``hub_cache``) as ``adapter_id``."""
         check_adapter_id(adapter_id)
-        folder = resolve_source(Path(path), self.store.roots)
+        folder = resolve_source(source_folder(source, self.hub_cache), self.store.roots)
+        for marker in (MEDUSA_CONFIG, LORA_CONFIG):  # read below: a symlink out of the roots is refused first
+            resolve_source(folder / marker, self.store.roots)
         heads = is_medusa_folder(folder)
         lora = (folder / LORA_CONFIG).is_file() or not heads  # no Medusa config: a LoRA folder (or an error)
         if heads:

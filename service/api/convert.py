@@ -112,6 +112,11 @@ def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int 
     )
 
 
+def is_request_id(text: str) -> bool:
+    """Whether ``text`` is a valid request id: 1-128 printable ASCII characters without spaces."""
+    return bool(_REQUEST_ID.match(text))
+
+
 def request_id_of(given: str) -> str:
     if not given:
         return uuid.uuid4().hex[:16]

@@ -4,7 +4,7 @@ Order inside every method: cheap per-field checks on the event loop (``convert.p
 and chat templating on the runtime's worker pool (a large prompt never stalls other RPCs or health), then
 submission. A request over a limit is refused before any of its prompts is tokenized. Auth, error statuses and
 metrics are the interceptors' (``service.api.interceptors``): a method raises typed errors and never builds a
-status or counts a request itself.
+status or counts a request itself; it only tells the call's access record (``service.api.access``) its tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service import __version__
-from service.api import convert, limits
+from service.api import access, convert, limits
 from service.api.runtime import Runtime
 from service.api.status import Context
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
@@ -79,7 +79,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         def sink(event: TokenEvent) -> None:  # engine thread -> event loop
             mailbox.post(events, event)
 
-        return self.runtime.submit(request, sink), events
+        handle = self.runtime.submit(request, sink)
+        access.submitted(len(request.prompt_ids))
+        return handle, events
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
         return await self.generate(request, self._deadline(context))
@@ -110,6 +112,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         text: list[str] = []
         while True:
             event = await events.get()
+            access.observe(event)
             _raise_if_failed(event)
             text.append(event.text)
             if options.return_token_ids:
@@ -142,6 +145,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             while True:
                 event = await events.get()
+                access.observe(event)
                 _raise_if_failed(event)
                 response = convert.stream_response(event, request.return_options)
                 if first:

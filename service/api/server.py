@@ -1,4 +1,5 @@
-"""Server assembly: gRPC (generation, health, reflection), the OpenAI-compatible HTTP API, /metrics, loading, drain.
+"""Server assembly: gRPC (generation, adapters, health, reflection), the OpenAI-compatible HTTP API, /metrics,
+loading, graceful drain.
 
 Start-up order: bind gRPC with health NOT_SERVING → start /metrics → load the model on a worker thread →
 SERVING. On SIGTERM/SIGINT: NOT_SERVING, new generation RPCs get UNAVAILABLE, running streams get up to
@@ -22,16 +23,16 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
 from prometheus_client import start_http_server
 
-from service import __version__, metrics
-from service.api import interceptors
+from service import __version__, logs, metrics
+from service.api import interceptors, reflection
 from service.api.adapters import AdaptersServicer
 from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
+from service.api.health import HealthServicer
 from service.api.http import HttpListener, OpenAIRoutes
 from service.api.runtime import Runtime
 from service.api.tls import CertificateFiles, server_credentials
@@ -51,7 +52,7 @@ class Server:
     settings: Settings
     runtime: Runtime
     grpc_server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: HealthServicer
     port: int
     metrics_http: WSGIServer | None
     tls: CertificateFiles | None = None  # the watched certificate files when serving TLS
@@ -131,11 +132,10 @@ async def start(settings: Settings) -> Server:
     generation = GenerationServicer(runtime)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runtime), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.add_to_server(server, (*SERVICES, health_service), health_pb2)  # v1 and v1alpha
     address = f"{settings.host}:{settings.port}"
     port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls[0])
     if port == 0:
@@ -209,17 +209,9 @@ def _announce(settings: Settings, server: Server) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def run(settings: Settings) -> int:
     """Entry point of `loraplex serve`."""
-    configure_logging()
+    logs.configure(settings.log_format, settings.log_level)
     return asyncio.run(serve(settings))
 
 

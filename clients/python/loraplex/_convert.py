@@ -58,6 +58,7 @@ _ADAPTER_STATES = {
     adapters_pb2.ADAPTER_STATE_DEVICE: AdapterState.DEVICE,
     adapters_pb2.ADAPTER_STATE_LOADING: AdapterState.LOADING,
     adapters_pb2.ADAPTER_STATE_FAILED: AdapterState.FAILED,
+    adapters_pb2.ADAPTER_STATE_UNLOADED: AdapterState.UNLOADED,
 }
 
 

@@ -39,6 +39,7 @@ class AdapterState(enum.StrEnum):
     DEVICE = "device"  # every layer on the serving device
     LOADING = "loading"  # being read for a request
     FAILED = "failed"  # its last load failed (AdapterInfo.error)
+    UNLOADED = "unloaded"  # removed by unload_adapter (only in its result); the id is free again
     UNSPECIFIED = "unspecified"
 
 

@@ -5,8 +5,8 @@ body is read; the serving state (``Runtime.ready``: 503 while loading or drainin
 ``--max-message-bytes`` while it is read; the parameters (``params``); then the servicer's generation path with its
 checks. One ``loraplex_requests_total`` sample per call, ``method="http.chat"`` / ``"http.completions"`` /
 ``"http.models"``, ``code`` = the gRPC status name of the outcome (the same label values as gRPC's), one
-``loraplex_adapter_requests_total`` sample per generation, and one ``event=http_request`` INFO line (request id,
-method, adapter, code, tokens, duration, peer).
+``loraplex_adapter_requests_total`` sample per generation, and one ``event=access`` line on ``loraplex.access``,
+as for gRPC calls (``Outcome``).
 
 A client that goes away cancels its generation: a non-streamed call races the generation against the connection's
 ``http.disconnect``; a stream is closed by Starlette's disconnect watch, and closing it cancels every choice's
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -32,15 +31,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from service import metrics
-from service.api import convert
+from service.api import access, convert
 from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
 from service.api.http import errors, params
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
 from service.errors import AdapterNotFound, InvalidRequest
-
-log = logging.getLogger("loraplex.http")
+from service.logs import REQUEST_ID, REQUEST_ID_HEADER, new_request_id
 
 T = TypeVar("T")
 
@@ -55,16 +53,24 @@ class ClientGone(Exception):
 
 
 class Outcome:
-    """The request metrics and the access log line of one HTTP call, written once (``finish``)."""
+    """The request metrics and the access line (``service.api.access``, as gRPC calls have) of one HTTP call.
+
+    Made at the start of a call, it picks the request id (a valid ``x-request-id`` header, else a new one) and sets
+    the call's ``REQUEST_ID`` and access record for the rest of the request's task (uvicorn runs each request in a
+    task of its own; the streams' tasks inherit both), so the servicer counts tokens into the record and every log
+    line of the call names its id. ``finish`` writes the metrics and the line, once."""
 
     def __init__(self, method: str, known: Callable[[str], bool], request: Request) -> None:
         self.method = method
         self.adapter_id: str | None = None
-        self.request_id = ""
-        self.replies: Replies | None = None  # its usage, once the reply is built
+        header = request.headers.get(REQUEST_ID_HEADER, "")
+        self.header_id = header
+        self.request_id = header if convert.is_request_id(header) else new_request_id()
+        peer = "" if request.client is None else f"{request.client.host}:{request.client.port}"
+        self.record = access.Access(self.request_id, method, "", peer, time.monotonic())
+        REQUEST_ID.set(self.request_id)
+        access.CURRENT.set(self.record)
         self._known = known
-        self._peer = "" if request.client is None else f"{request.client.host}:{request.client.port}"
-        self._start = time.monotonic()
         self._done = False
 
     def finish(self, code: str) -> None:
@@ -75,13 +81,8 @@ class Outcome:
         if self.adapter_id is not None:
             known = self._known(self.adapter_id)
             metrics.ADAPTERS.request_finished(self.adapter_id, code, known=known)
-        usage = self.replies.usage() if self.replies is not None else {}
-        log.info(
-            "event=http_request request_id=%s method=%s adapter=%s code=%s prompt_tokens=%d generated_tokens=%d "
-            "duration_seconds=%.3f peer=%s",
-            self.request_id or "-", self.method, self.adapter_id or "", code, usage.get("prompt_tokens", 0),
-            usage.get("completion_tokens", 0), time.monotonic() - self._start, self._peer,
-        )  # fmt: skip
+        self.record.adapter = self.adapter_id or ""
+        access.log.info("event=access", extra={"fields": self.record.fields(code, time.monotonic())})
 
 
 class OpenAIRoutes:
@@ -166,11 +167,13 @@ class OpenAIRoutes:
             self._authorize(request)
             rt = self.runtime.ready()
             body = await self._body(request, rt.settings.max_message_bytes)
-            request_id = outcome.request_id = convert.request_id_of(request.headers.get("x-request-id", ""))
+            request_id = outcome.request_id
+            if outcome.header_id:  # an invalid one is refused (400) naming the header, never used or echoed
+                request_id = convert.request_id_of(outcome.header_id)
             call = params.parse(kind, body, request_id=request_id, adapter_of=self._adapter_of)
             outcome.adapter_id = call.request.adapter_id
-            replies = outcome.replies = Replies(call, request_id, rt.tokenizer)
-            headers = {"x-request-id": request_id}
+            replies = Replies(call, request_id, rt.tokenizer)
+            headers = {REQUEST_ID_HEADER: request_id}
             if call.stream:
                 return await self._stream(request, call, replies, outcome, headers)
             response = await _until_disconnect(request, self.generation.generate(call.request, None))
@@ -180,9 +183,8 @@ class OpenAIRoutes:
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
             return _error(exc, chat=chat)
-        reply = replies.completion(response)
         outcome.finish("OK")
-        return JSONResponse(reply, headers=headers)
+        return JSONResponse(replies.completion(response), headers=headers)
 
     async def _body(self, request: Request, limit: int) -> object:
         declared = request.headers.get("content-length", "")

@@ -77,6 +77,10 @@ class _AdapterStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdapterS
     roots...); requests for it fail with that error until its weights file changes (the next request
     then indexes and loads it again) or it is unloaded and loaded again.
     """
+    ADAPTER_STATE_UNLOADED: _AdapterState.ValueType  # 6
+    """Removed by UnloadAdapter (only in its answer): new requests for the id get NOT_FOUND, its memory is
+    freed and the id may be loaded again.
+    """
 
 class AdapterState(_AdapterState, metaclass=_AdapterStateEnumTypeWrapper):
     """Where an adapter's weights are. Layer counts in AdapterInfo say how much of it."""
@@ -95,6 +99,10 @@ ADAPTER_STATE_FAILED: AdapterState.ValueType  # 5
 """Its last load failed (AdapterInfo.error says why: a file that changed, holds NaN/inf, left the
 roots...); requests for it fail with that error until its weights file changes (the next request
 then indexes and loads it again) or it is unloaded and loaded again.
+"""
+ADAPTER_STATE_UNLOADED: AdapterState.ValueType  # 6
+"""Removed by UnloadAdapter (only in its answer): new requests for the id get NOT_FOUND, its memory is
+freed and the id may be loaded again.
 """
 Global___AdapterState: _TypeAlias = AdapterState  # noqa: Y015
 
@@ -262,7 +270,8 @@ class LoadAdapterRequest(_message.Message):
     """New adapter id: 1-128 chars of [A-Za-z0-9._-], not starting with "."."""
     source: _builtins.str
     """Path on the server of the adapter folder (adapter_config.json + adapter_model.safetensors, or a
-    Medusa folder).
+    Medusa folder), or "hf://org/name[@revision]": a snapshot in the server's local Hugging Face cache
+    (never downloaded; NOT_FOUND names the paths looked up), which must lie inside the allowed roots too.
     """
     def __init__(
         self,
@@ -333,7 +342,9 @@ class UnloadAdapterResponse(_message.Message):
     ADAPTER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def adapter(self) -> Global___AdapterInfo:
-        """Its last description (state UNLOADING if requests still use it, else REGISTERED with no bytes)."""
+        """The removed adapter: state UNLOADED, no bytes or layers resident; the rest (kind, source, hits, load
+        latency...) as it was just before removal.
+        """
 
     def __init__(
         self,
