@@ -295,10 +295,12 @@ def test_request_ids_access_lines_and_unknown_routes(
     assert (ok["method"], ok["adapter"], ok["code"], ok["generated_tokens"]) == ("http.completions", "qv", "OK", 2)
     assert ok["prompt_tokens"] > 0 and ok["ttft_seconds"] is not None and ok["peer"].startswith("127.0.0.1:")
     assert refused.status == 400 and lines["t-43"]["code"] == "INVALID_ARGUMENT"
+    assert refused.headers["x-request-id"] == "t-43"  # errors carry the id too
     made = unnamed.headers["x-request-id"]  # no header: the server made the id, the same everywhere
     assert unnamed.body["id"] == f"chatcmpl-{made}" and lines[made]["method"] == "http.chat"
     bad_id = call(f"{base_url(server)}/completions", body, key=KEY, headers={"x-request-id": "has space"})
     assert bad_id.status == 400 and bad_id.body["error"]["param"] == "x-request-id"
+    assert bad_id.headers["x-request-id"] != "has space"  # an invalid id is never echoed
     missing = call(f"{base_url(server)}/embeddings", {"model": base, "input": "x"}, key=KEY)
     assert missing.status == 404 and missing.body["error"]["code"] == "not_found"
     not_json = call(f"{base_url(server)}/completions", "{", key=KEY)  # a JSON string, not an object

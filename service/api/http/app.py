@@ -125,9 +125,9 @@ class OpenAIRoutes:
                 body = {"object": "list", "data": cards}
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
-            return _error(exc, chat=False)
+            return _error(exc, chat=False, request_id=outcome.request_id)
         outcome.finish("OK")
-        return JSONResponse(body)
+        return JSONResponse(body, headers={REQUEST_ID_HEADER: outcome.request_id})
 
     def _cards(self) -> list[dict[str, Any]]:
         rt = self.runtime.ready()
@@ -182,7 +182,7 @@ class OpenAIRoutes:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
-            return _error(exc, chat=chat)
+            return _error(exc, chat=chat, request_id=outcome.request_id)
         outcome.finish("OK")
         return JSONResponse(replies.completion(response), headers=headers)
 
@@ -332,9 +332,11 @@ def _too_large(limit: int) -> InvalidRequest:
     )
 
 
-def _error(exc: BaseException, *, chat: bool) -> JSONResponse:
+def _error(exc: BaseException, *, chat: bool, request_id: str) -> JSONResponse:
+    """The error reply, with the call's id in ``x-request-id`` (a valid id: an invalid header's is never echoed)."""
     body = errors.error_body(exc, chat=chat)
-    return JSONResponse(body, status_code=errors.http_status(exc), headers=errors.headers_of(exc))
+    headers = {**errors.headers_of(exc), REQUEST_ID_HEADER: request_id}
+    return JSONResponse(body, status_code=errors.http_status(exc), headers=headers)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
