@@ -91,6 +91,8 @@ _MODEL_FLAGS = (
     _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
     _Flag("--port", "gRPC port (default 50051)", type=int),
+    _Flag("--http-port", "OpenAI-compatible HTTP API port on --host (default 8000; 0 = any free port, -1 = off)",
+          type=int),
     _Flag("--metrics-host", "/metrics bind address (default 127.0.0.1)"),
     _Flag("--metrics-port", "/metrics port (default 9400; 0 = any free port, -1 = off)", type=int),
     _Flag("--metrics-adapter-series",

@@ -42,6 +42,7 @@ class Settings:
     port: int = 50051
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9400
+    http_port: int = 8000  # the OpenAI-compatible HTTP API on ``host`` (service.api.http); 0 = any free port, -1 = off
     threads: int = 0  # most torch intra-op threads; 0 = min(affinity, cgroup CPU quota, physical cores)
     adaptive_threads: bool = True  # measure decode steps and use fewer threads while the CPUs are contended
     # engine limits
@@ -146,6 +147,8 @@ class Settings:
     def _validate_transport(self) -> None:
         if not 0 < self.max_message_bytes < 1 << 31:
             raise ConfigError("max_message_bytes must be in [1, 2^31)")
+        if self.http_port < -1 or self.http_port > 65535:
+            raise ConfigError("http_port must be a port number, 0 (any free port) or -1 (off)")
         if self.max_connection_age_seconds < 0 or not self.max_connection_age_grace_seconds >= 0:
             raise ConfigError("max_connection_age_seconds and max_connection_age_grace_seconds must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):

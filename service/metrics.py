@@ -73,7 +73,12 @@ MODEL_PARAMETER_BYTES = _gauge(
 )
 
 # --- requests ---------------------------------------------------------------------------------------------
-REQUESTS = _counter("loraplex_requests_total", "Finished RPCs by method and gRPC status code.", ["method", "code"])
+REQUESTS = _counter(
+    "loraplex_requests_total",
+    "Finished RPCs and HTTP API calls (method http.chat, http.completions, http.models) by method and gRPC status "
+    "code.",
+    ["method", "code"],
+)
 TIME_TO_FIRST_TOKEN = _histogram(
     "loraplex_time_to_first_token_seconds",
     "From request arrival to its first generated token.",

@@ -230,7 +230,7 @@ def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
     """`loraplex serve --log-format json`: its log lines are JSON objects; the access line has the id."""
     command = [
         sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", "0",
-        "--metrics-port", "-1", "--log-format", "json", "--max-batch-size", "2", "--threads", "1",
+        "--metrics-port", "-1", "--http-port", "-1", "--log-format", "json", "--max-batch-size", "2", "--threads", "1",
     ]  # fmt: skip
     env = {**os.environ, "LORAPLEX_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)

@@ -10,10 +10,11 @@ status or counts a request itself; it only tells the call's access record (``ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
@@ -83,9 +84,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return handle, events
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        return await self.generate(request, self._deadline(context))
+
+    async def generate(self, request: pb.GenerateRequest, deadline: float | None) -> pb.GenerateResponse:
+        """``Generate`` for any edge: ``deadline`` is a ``time.monotonic()`` instant, or None (the HTTP API)."""
         rt = self.runtime.ready()
         checked = convert.precheck(request, rt.settings)
-        deadline = self._deadline(context)
         prompts = await asyncio.gather(*(self.runtime.prompt(item) for item in request.inputs))
         domain = [
             convert.generation_request(request, checked, prompt, deadline=deadline, index=i)
@@ -125,9 +129,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with contextlib.aclosing(self.stream(request, self._deadline(context))) as responses:
+            async for response in responses:
+                yield response
+
+    async def stream(
+        self, request: pb.GenerateStreamRequest, deadline: float | None
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
+        """``GenerateStream`` for any edge (``deadline`` as in ``generate``). Closing it cancels the request."""
         checked = convert.precheck(request, self.runtime.ready().settings)
         prompt = await self.runtime.prompt(request.input)
-        domain = convert.generation_request(request, checked, prompt, deadline=self._deadline(context))
+        domain = convert.generation_request(request, checked, prompt, deadline=deadline)
         handle, events = self._submit(domain)
         first = True
         try:
