@@ -22,7 +22,8 @@ from helpers_engine import Events, generate, idle, prompt, req, run, step_until,
 from service import metrics
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.store import AdapterStore
-from service.config import Settings
+from service.cli import build_parser, serve_settings
+from service.config import ConfigError, Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason
 from service.errors import EngineStepFailed
@@ -214,3 +215,17 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_chunking(smollm2_dir
         results.append((events.tokens("short"), events.tokens("long")))
         engine.stop()
     assert results[0] == results[1]
+
+
+def test_the_chunk_size_comes_from_the_flag_or_the_environment_and_is_checked() -> None:
+    assert Settings().prefill_chunk_tokens == 256
+    args = build_parser().parse_args(["serve", "--prefill-chunk-tokens", "64"])
+    assert serve_settings(args, {}).prefill_chunk_tokens == 64
+    assert (
+        serve_settings(
+            build_parser().parse_args(["serve"]), {"LORAPLEX_PREFILL_CHUNK_TOKENS": "0"}
+        ).prefill_chunk_tokens
+        == 0
+    )
+    with pytest.raises(ConfigError, match="prefill_chunk_tokens"):
+        serve_settings(build_parser().parse_args(["serve", "--prefill-chunk-tokens", "-1"]), {})
