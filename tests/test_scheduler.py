@@ -245,3 +245,19 @@ def test_a_row_cancelled_mid_prefill_frees_its_slot_for_the_next() -> None:
     assert [(r.request.request_id, why) for r, why in plan.retired] == [("long", FinishReason.CANCELLED)]
     assert ids(plan.prefill) == ["next"] and plan.prefill_start == 1 and ids(s.running) == ["a", "next"]
     assert moves == []
+
+
+def test_prompt_blocks_in_the_prefix_cache_do_not_count_against_the_chunk_budget() -> None:
+    keys: list[object] = []
+
+    def cached(prompt: object, key: object) -> int:  # the runner's prefix-cache lookup: 24 of 30 tokens held
+        keys.append(key)
+        return 24
+
+    s = Scheduler(SchedulerLimits(8, 8, False, prefill_chunk_tokens=16), lambda *a: None, cached=cached)
+    for name in "abc":
+        s.add(row(name, n=30, adapter=FakeAdapter() if name == "b" else None))
+    plan = step(s)
+    # 6 tokens each to compute: two rows fit 16 padded tokens (uncached, one row would take a 16-token chunk)
+    assert ids(plan.prefill) == ["a", "b"] and plan.prefill_tokens == (6, 6) and ids(s.waiting) == ["c"]
+    assert keys[:2] == [None, ("fake", 1.0)]  # looked up under the K/V key of each row's adapter

@@ -86,7 +86,7 @@ class Engine:
             settings.speculate_adaptive,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
         )
-        self.scheduler = Scheduler(limits, self.cache.move)
+        self.scheduler = Scheduler(limits, self.cache.move, cached=self.runner.cached)
         self.threads = ThreadControl(settings)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink, Adapter | None] | None] = queue.SimpleQueue()
         self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)

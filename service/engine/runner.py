@@ -13,7 +13,7 @@ ends their prompt reach the vocabulary projection, the sampler and the prefix ca
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -73,16 +73,18 @@ class Runner:
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Row], grants: Sequence[int], start: int, draft: bool) -> None:
-        """One prefill pass over rows in slots ``start ..``: row b computes up to ``grants[b]`` more prompt tokens.
+        """One prefill pass over rows in slots ``start ..``: every row but the last computes the rest of its prompt,
+        the last up to ``grants[-1]`` more tokens (the scheduler's counts budget the pass).
 
         A row's first pass copies in the K/V of its cached prompt blocks; then row b feeds its prompt from what its
-        slot holds, ``s_b``, to ``e_b = min(s_b + grant_b, len)``, at positions ``s_b ..`` (attending to its own
-        earlier chunks in the cache), right-padded to the widest chunk; padding lands beyond ``e_b`` (clamped into
-        the cache), where the next chunk or nothing writes first and nothing reads. A row whose chunk ends its
-        prompt samples its first token (and drafts, with heads) and its prompt blocks enter the prefix cache."""
-        fresh = [r.length == 0 for r in rows]
-        self._start_rows(rows, grants, fresh, start)
-        ends = [min(r.length + g, len(r.request.prompt_ids)) for r, g in zip(rows, grants, strict=True)]
+        slot holds, ``s_b``, to ``e_b`` (its prompt's end; for the last row ``min(s_b + grant, len)``), at
+        positions ``s_b ..`` (attending to its own earlier chunks in the cache), right-padded to the widest chunk;
+        padding lands beyond ``e_b`` (clamped into the cache), where the next chunk or nothing writes first and
+        nothing reads. A row whose chunk ends its prompt samples its first token (and drafts, with heads) and its
+        prompt blocks enter the prefix cache."""
+        self._start_rows([(r, start + b) for b, r in enumerate(rows) if r.length == 0])
+        last_end = min(rows[-1].length + grants[-1], len(rows[-1].request.prompt_ids))
+        ends = [len(r.request.prompt_ids) for r in rows[:-1]] + [last_end]  # all but the last complete
         width = max(e - r.length for r, e in zip(rows, ends, strict=True))
         tokens = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded
         for b, (r, e) in enumerate(zip(rows, ends, strict=True)):
@@ -111,24 +113,22 @@ class Runner:
         self._sample(completed, logits)
         self._draft(completed, final, draft)
 
-    def _start_rows(self, rows: Sequence[Row], grants: Sequence[int], fresh: Sequence[bool], start: int) -> None:
-        """Rows in their first pass: their queue time ends; cached prompt blocks are copied into their slots (those
-        shared by several of them and not cached yet are computed once first, if their pass completes them)."""
+    def _start_rows(self, fresh: Sequence[tuple[Row, int]]) -> None:
+        """Rows (and their slots) in their first pass: their queue time ends; their cached prompt blocks are copied
+        into their slots, those shared by several of them and not cached yet computed once first."""
         now = time.monotonic()
-        whole = [
-            (r, start + b)
-            for b, (r, g, f) in enumerate(zip(rows, grants, fresh, strict=True))
-            if f and g >= r.remaining
-        ]
-        self._prefill_shared_prefixes([r for r, _ in whole], [slot for _, slot in whole])
-        for b, (r, f) in enumerate(zip(rows, fresh, strict=True)):
-            if not f:
-                continue
+        self._prefill_shared_prefixes([r for r, _ in fresh], [slot for _, slot in fresh])
+        for r, slot in fresh:
             metrics.QUEUE_TIME.observe(now - r.enqueued)
             p = r.request.prompt_ids
-            r.length = self.prefix.restore(self.prefix.lookup(p, r.kv_key, limit=len(p) - 1), start + b)
+            r.length = self.prefix.restore(self.prefix.lookup(p, r.kv_key, limit=len(p) - 1), slot)
             metrics.PREFIX_CACHE_HIT_TOKENS.inc(r.length)
             metrics.PROMPT_TOKENS.inc(r.length)
+
+    def cached(self, prompt: Sequence[int], key: Hashable) -> int:
+        """Prompt tokens a first pass would copy from the prefix cache for ``prompt`` under ``key`` (the scheduler's
+        estimate; the pass itself looks again)."""
+        return len(self.prefix.lookup(prompt, key, limit=len(prompt) - 1)) * self.prefix.block
 
     def _prefill_shared_prefixes(self, rows: Sequence[Row], slots: Sequence[int]) -> None:
         """Newcomers (in ``slots``) that start with the same uncached blocks (a burst of requests with one system

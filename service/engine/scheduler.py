@@ -19,7 +19,7 @@ and never touches tensors, so tests step it with fake rows and adapters.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from service.engine.governor import SpeculationGovernor
@@ -32,6 +32,8 @@ from service.errors import LoraplexError
 PREFILL_TOKEN_BUDGET = 8192
 
 Move = Callable[[int, int, int], None]  # (src_slot, dst_slot, length): the KV cache's slot move
+# (prompt ids, K/V key) -> prompt tokens the prefix cache holds for them: the runner's lookup
+Cached = Callable[[Sequence[int], Hashable], int]
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class StepPlan:
     retired: tuple[tuple[Row, FinishReason], ...]  # cancelled / past their deadline
     failed: tuple[tuple[Row, LoraplexError], ...]  # their adapter cannot load
     prefill: tuple[Row, ...]  # rows of this step's prefill pass, in slots ``prefill_start ..`` (newcomers last)
-    prefill_tokens: tuple[int, ...]  # most prompt tokens each row computes; all rows but the last complete
+    # Prompt tokens each row computes past what its slot holds once its cached blocks are in (the budget's count);
+    # every row but the last completes its prompt whatever its count says.
+    prefill_tokens: tuple[int, ...]
     prefill_start: int
     draft: bool  # rows with heads draft for the next step
 
@@ -56,10 +60,17 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, move: Move, governor: SpeculationGovernor | None = None) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        move: Move,
+        governor: SpeculationGovernor | None = None,
+        cached: Cached | None = None,
+    ) -> None:
         self.limits = limits
         self.governor = governor if governor is not None else SpeculationGovernor()
         self._move = move
+        self._cached = cached
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []
 
@@ -117,8 +128,9 @@ class Scheduler:
         open_ = True  # no row of the pass stops short of its prompt's end yet
         while self.waiting:
             row = self.waiting.popleft()
-            grant = self._grant(row.remaining, tokens) if open_ else 0
-            if len(self.running) >= self.limits.max_batch_size or grant == 0:
+            need = self._uncached(row) if open_ and len(self.running) < self.limits.max_batch_size else 0
+            grant = self._grant(need, tokens) if need > 0 else 0
+            if grant == 0:
                 kept.append(row)
                 continue
             error = self._load_adapter(row)
@@ -133,9 +145,19 @@ class Scheduler:
             rows.append(row)
             tokens.append(grant)
             self.running.append(row)
-            open_ = grant >= row.remaining
+            open_ = grant >= need
         self.waiting = kept
         return rows, tokens
+
+    def _uncached(self, row: Row) -> int:
+        """Prompt tokens a newcomer will compute: its prompt less the blocks the prefix cache holds for it now."""
+        if self._cached is None:
+            return row.remaining
+        try:
+            key = row.adapter.kv_key() if row.adapter is not None else None
+        except LoraplexError:  # unregistered meanwhile: admission reports it
+            return row.remaining
+        return row.remaining - self._cached(row.request.prompt_ids, key)
 
     def _grant(self, remaining: int, granted: list[int]) -> int:
         """Prompt tokens the next row of a pass (``granted``: the tokens of the rows before it) may compute: all it
