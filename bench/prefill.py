@@ -9,9 +9,11 @@ Two `loraplex serve` subprocesses over the same model, started once: ``--prefill
 ``--streams`` greedy chat streams (serve.py's questions, EOS ignored) decode for ``--quiet`` seconds, then for
 ``--busy`` seconds a fresh ``--prompt-tokens``-token prompt (seeded random words, different from its first token
 on, so the prefix cache never helps) arrives every ``--interval`` seconds (one new token each, a unary
-Generate). Recorded: the gap between consecutive tokens of the streams in each phase (ITL p50 / p99), the
-streams' output tok/s, and each arrival's time to its token. At the end of a measurement every RPC is cancelled
-and a one-token probe waits until the server has retired them. Where arrivals offer more prefill work than the
+Generate). Recorded: the gap between consecutive tokens of the streams in each phase (ITL p50 / p99; a busy
+gap is one that overlaps the busy phase, so the stall a stream is in when the arrivals stop counts: the arrivals
+are cancelled and each stream's next token awaited, at most ``--tail`` seconds, a gap still open then counting as
+that long), the streams' output tok/s, and each arrival's time to its token. Then every RPC is cancelled and a
+one-token probe waits until the server has retired them. Where arrivals offer more prefill work than the
 CPUs do, they queue (``arrivals done`` < sent): the streams' ITL is what the run is about. Results:
 bench/results/prefill.json; the table in bench/README.md is copied from the printed summary.
 """
@@ -118,6 +120,12 @@ async def measure(target: str, prompts: list[str], args: argparse.Namespace) -> 
             arrivals.append(asyncio.create_task(arrival(text)))
             await asyncio.sleep(args.interval)
         t2 = time.perf_counter()
+        for task in arrivals:
+            task.cancel()
+        # The gap a stream is in at t2 belongs to the busy phase too: wait for every stream's next token.
+        while not all(s[-1] > t2 for s in stamps) and time.perf_counter() < t2 + args.tail:
+            await asyncio.sleep(0.05)
+        t3 = time.perf_counter()
         for task in [*streams, *arrivals]:
             task.cancel()
         for task in [*streams, *arrivals]:
@@ -125,19 +133,22 @@ async def measure(target: str, prompts: list[str], args: argparse.Namespace) -> 
                 await task
         probe = pb.GenerateRequest(inputs=[pb.Input(text="hi")], stopping=pb.StoppingCriteria(max_new_tokens=1))
         await stub.Generate(probe, timeout=300)  # behind whatever pass was running: the cancelled rows are gone
-    quiet = [b - a for s in stamps for a, b in itertools.pairwise(s) if t0 <= b < t1]
-    busy = [b - a for s in stamps for a, b in itertools.pairwise(s) if t1 <= b < t2]
+    quiet = [b - a for s in stamps for a, b in itertools.pairwise(s) if t0 <= a and b < t1]
+    busy = [b - a for s in stamps for a, b in itertools.pairwise(s) if b > t1 and a < t2]
+    cut = [t3 - s[-1] for s in stamps if s[-1] <= t2]  # still waiting at the tail's end: a lower bound
+    busy += cut
     return {
         "quiet_itl_p50": pct(quiet, 0.5),
         "quiet_itl_p99": pct(quiet, 0.99),
         "busy_itl_p50": pct(busy, 0.5),
         "busy_itl_p99": pct(busy, 0.99),
         "busy_itl_max": max(busy, default=float("nan")),
-        "quiet_tok_s": len(quiet) / (t1 - t0),
-        "busy_tok_s": len(busy) / (t2 - t1),
+        "quiet_tok_s": sum(t0 <= t < t1 for s in stamps for t in s) / (t1 - t0),
+        "busy_tok_s": sum(t1 <= t < t2 for s in stamps for t in s) / (t2 - t1),
         "arrivals_sent": len(prompts),
         "arrivals_done": len(ttft),
         "arrival_ttft_p50": pct(ttft, 0.5),
+        "streams_cut": len(cut),
     }
 
 
@@ -206,6 +217,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between arrivals")
     parser.add_argument("--quiet", type=float, default=6.0, help="seconds of streams alone")
     parser.add_argument("--busy", type=float, default=12.0, help="seconds of arrivals")
+    parser.add_argument("--tail", type=float, default=60.0, help="most seconds to wait for the gap open at the end")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up round)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/prefill.json")
     parser.add_argument("--quick", action="store_true", help="1 short round, 4 streams, 600-token prompts")
