@@ -261,3 +261,13 @@ def test_prompt_blocks_in_the_prefix_cache_do_not_count_against_the_chunk_budget
     # 6 tokens each to compute: two rows fit 16 padded tokens (uncached, one row would take a 16-token chunk)
     assert ids(plan.prefill) == ["a", "b"] and plan.prefill_tokens == (6, 6) and ids(s.waiting) == ["c"]
     assert keys[:2] == [None, ("fake", 1.0)]  # looked up under the K/V key of each row's adapter
+
+
+def test_rows_that_complete_through_cached_blocks_count_in_the_drafting_batch() -> None:
+    heads = object()
+    s = Scheduler(SchedulerLimits(8, 2, False, prefill_chunk_tokens=64), lambda *a: None, cached=lambda p, k: 24)
+    for name in "abc":
+        s.add(row(name, n=30, adapter=FakeAdapter(heads=heads)))
+    plan = step(s)
+    assert ids(plan.prefill) == ["a", "b", "c"] and plan.prefill_tokens == (6, 6, 6)
+    assert not plan.draft  # all three complete and decode at this step: 3 > speculate_max_batch=2

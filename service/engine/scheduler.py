@@ -82,9 +82,8 @@ class Scheduler:
         self.compact()
         failed: list[tuple[Row, LoraplexError]] = []
         start = self.decoding
-        rows, tokens = self._plan_prefill(failed)
-        completing = sum(1 for r, n in zip(rows, tokens, strict=True) if n >= r.remaining)
-        draft = self.drafting(start + completing)
+        rows, tokens, whole = self._plan_prefill(failed)
+        draft = self.drafting(start + len(rows) - (0 if whole else 1))  # the rows that decode at this step
         return StepPlan(tuple(retired), tuple(failed), tuple(rows), tuple(tokens), start, draft)
 
     @property
@@ -110,20 +109,20 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.done)
         return retired
 
-    def _plan_prefill(self, failed: list[tuple[Row, LoraplexError]]) -> tuple[list[Row], list[int]]:
+    def _plan_prefill(self, failed: list[tuple[Row, LoraplexError]]) -> tuple[list[Row], list[int], bool]:
         """The prefill pass: the rows part-way through their prompts first, then newcomers admitted into free slots
         in arrival order, skipping rows whose adapter is not ready, each granted its tokens by ``_grant``; the pass
-        ends after the first row granted less than its whole prompt."""
+        ends after the first row granted less than the rest of its prompt. Also: whether its last row completes."""
         rows: list[Row] = []
         tokens: list[int] = []
         for row in self.running[self.decoding :]:
             grant = self._grant(row.remaining, tokens)
             if grant == 0:
-                return rows, tokens  # no newcomer may run ahead of a row that holds a slot
+                return rows, tokens, True  # no newcomer may run ahead of a row that holds a slot
             rows.append(row)
             tokens.append(grant)
             if grant < row.remaining:
-                return rows, tokens
+                return rows, tokens, False
         kept: deque[Row] = deque()
         open_ = True  # no row of the pass stops short of its prompt's end yet
         while self.waiting:
@@ -147,7 +146,7 @@ class Scheduler:
             self.running.append(row)
             open_ = grant >= need
         self.waiting = kept
-        return rows, tokens
+        return rows, tokens, open_
 
     def _uncached(self, row: Row) -> int:
         """Prompt tokens a newcomer will compute: its prompt less the blocks the prefix cache holds for it now."""
