@@ -2,8 +2,9 @@
 
 A long prompt is prefilled one chunk per step while the running rows decode a token each step; greedy output is
 the same as with whole-prompt prefill (tiny model and the real SmolLM2; prompts of many chunks; LoRA and Medusa +
-LoRA rows; a prefix-cache hit that ends inside a chunk). A row cancelled mid-prefill frees its slot, and a
-prefill pass that raises fails its rows only: the running rows decode on, unchanged.
+LoRA rows; a prefix-cache hit that ends inside a chunk). A row cancelled mid-prefill frees its slot, and a pass
+that raises fails its rows only: a failing chunk leaves the running rows decoding, unchanged, and a failing decode
+step leaves the row mid-prefill to finish its prompt.
 """
 
 from __future__ import annotations
@@ -151,48 +152,52 @@ def test_a_row_cancelled_mid_prefill_frees_its_slot(engines: tuple[Engine, Engin
     assert after[-1].finish is FinishReason.LENGTH
 
 
-class FailingChunk:
-    """Wraps the model's forward: the ``fail_at``-th prefill pass (a forward of more than one token per row) fills
-    the K/V it could have written with NaN and raises, as a pass that went wrong half-way."""
+class FailingPass:
+    """Wraps the model's forward: the ``fail_at``-th prefill pass (``decode=False``: more than one token per row)
+    or decode step (``decode=True``: one token per row) fills the K/V it could have written with NaN and raises,
+    as a pass that went wrong half-way."""
 
-    def __init__(self, model: Any, fail_at: int) -> None:
-        self.original, self.fail_at, self.passes = model.forward, fail_at, 0
+    def __init__(self, model: Any, fail_at: int, *, decode: bool) -> None:
+        self.original, self.fail_at, self.decode, self.passes = model.forward, fail_at, decode, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.original(*args, **kwargs)
         tokens, positions, cache, slot_start = args[:4]
-        if tokens.shape[1] > 1:
+        if (tokens.shape[1] == 1) == self.decode:
             self.passes += 1
             if self.passes == self.fail_at:
                 rows = slice(slot_start, slot_start + tokens.shape[0])
                 cache.data[:, :, rows, :, : int(positions.max()) + 1] = float("nan")  # [L, 2, B, n_kv, T, D]
-                raise RuntimeError("injected fault in a prefill chunk")
+                raise RuntimeError("injected fault")
         return out
 
 
-def test_a_failing_chunk_fails_its_row_only(served_tiny_dir: Path) -> None:
+@pytest.mark.parametrize("decode", [False, True], ids=["failing-chunk", "failing-decode"])
+def test_a_failing_pass_fails_its_rows_only(served_tiny_dir: Path, decode: bool) -> None:
+    """A running row and a long prompt mid-prefill: the failing pass (the long prompt's third chunk, or the decode
+    step beside it) fails its row; the other row goes on and gets the tokens it gets alone."""
     # No prefix cache: the second run of the long prompt must prefill it again, chunk by chunk.
     engine = stepped_engine(served_tiny_dir, prefill_chunk_tokens=CHUNK, prefix_cache_bytes=0, **LIMITS)
     running, long = req("running", prompt(50, 7), n=30), req("long", prompt(51, 90), n=8)
     want = {r.request_id: tokens_of(generate(engine, r)) for r in (running, long)}
+    victim, survivor = (running, long) if decode else (long, running)
     failures = counter(metrics.ENGINE_STEP_FAILURES)
     events = Events()
     events.submit(engine, running)
     engine.step()
-    fault = FailingChunk(engine.model, fail_at=3)  # the long prompt's third chunk
+    fault = FailingPass(engine.model, fail_at=3, decode=decode)
     engine.model.forward = fault  # type: ignore[method-assign]
     try:
         events.submit(engine, long)
         step_until(engine, events.finished)
     finally:
         engine.model.forward = fault.original  # type: ignore[method-assign]
-    last = events.by_id["long"][-1]
+    last = events.by_id[victim.request_id][-1]
     assert last.finish is FinishReason.ERROR and isinstance(last.error, EngineStepFailed)
-    assert not events.tokens("long")
-    assert events.tokens("running") == want["running"], "the decoding row went on, unchanged"
+    assert events.tokens(survivor.request_id) == want[survivor.request_id], "the other row went on, unchanged"
     assert counter(metrics.ENGINE_STEP_FAILURES) == failures + 1 and idle(engine)
     # The NaN the failed pass left in its slot did not survive: the same request now gets its tokens.
-    assert tokens_of(generate(engine, long)) == want["long"]
+    assert tokens_of(generate(engine, victim)) == want[victim.request_id]
     engine.stop()
 
 
