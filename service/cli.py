@@ -116,6 +116,9 @@ _LIMIT_FLAGS = (
     _Flag("--max-stop-sequences", "stop sequences per request (default 16)", type=int),
     _Flag("--max-stop-sequence-bytes", "UTF-8 bytes of each stop sequence (default 1024)", type=int),
     _Flag("--grace-seconds", "drain time on SIGTERM (default 10)", type=float),
+    _Flag("--prefill-chunk-tokens",
+          "prompt tokens per prefill pass between decode steps, so long prompts cannot stall running streams "
+          "(default 256; 0 = prefill whole prompts)", type=int),
 )  # fmt: skip
 # Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa.
 _ADAPTER_FLAGS = (

@@ -59,6 +59,7 @@ class Settings:
     grace_seconds: float = 10.0
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
+    prefill_chunk_tokens: int = 256  # padded prompt tokens per prefill pass between decode steps; 0 = whole prompts
     # adapters
     adapters: tuple[tuple[str, AdapterSource], ...] = ()  # a folder path, or hf://org/name[@revision]
     adapter_dirs: tuple[Path, ...] = ()
@@ -134,6 +135,8 @@ class Settings:
             raise ValueError("draft_threshold must be in [0, 1)")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0 (0 = prefill whole prompts)")
         if self.metrics_adapter_series < 0:
             raise ValueError("metrics_adapter_series must be >= 0")
         from service.logs import LOG_FORMATS, LOG_LEVELS
