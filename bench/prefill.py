@@ -69,7 +69,7 @@ class Server:
         cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(args.model), "--dtype", args.dtype]
         cmd += ["--port", str(self.port), "--metrics-port", "-1", "--max-batch-size", str(args.streams + 8)]
         cmd += ["--max-prompt-tokens", str(args.prompt_tokens + 64), "--max-total-tokens", "4096"]
-        cmd += ["--prefill-chunk-tokens", str(self.chunk)]
+        cmd += ["--prefill-chunk-tokens", str(self.chunk), "--http-port", "-1"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
