@@ -3,7 +3,8 @@
 ``REQUEST_ID`` is the id of the request whose code is running (set by the access interceptor,
 ``service.api.access``, for the whole of each call); ``RequestIdFilter`` copies it onto every record, so any line
 logged while serving a request names it, whichever logger wrote it. Structured fields travel as
-``extra={"fields": {...}}``: text lines append them as ``key=value``, JSON lines as top-level keys.
+``extra={"fields": {...}}``: text lines append them as ``key=value``, JSON lines as top-level keys. Code that
+runs outside the request's context (the engine thread) names the request itself: ``extra=about(request_id)``.
 
 Text: ``ts=... level=INFO logger=loraplex.access request_id=... <message> <fields>``. JSON: one object per line
 with the stable keys ``ts, level, logger, request_id, message`` (request_id null outside a request), then the
@@ -33,6 +34,12 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("loraple
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def about(request_id: str) -> dict[str, Any]:
+    """``extra=`` for a line about request ``request_id`` logged outside that request's context: on the engine
+    thread, where ``REQUEST_ID`` is unset (context variables do not cross threads)."""
+    return {"request_id": request_id}
 
 
 class RequestIdFilter(logging.Filter):

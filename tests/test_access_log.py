@@ -22,7 +22,9 @@ from typing import Any
 
 import grpc
 import pytest
+from adapter_files import rewrite_adapter_tensors, write_peft_adapter
 from helpers import stream_req, text_req, wait_until
+from helpers_http import base_url, call
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
@@ -223,6 +225,47 @@ def test_text_lines_are_key_value() -> None:
         r'peer="a b"',
         line,
     ), line
+
+
+def test_engine_thread_lines_name_their_request(
+    tiny_server: Callable[..., BackgroundServer], captured: Captured, served_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Lines the engine thread writes about a request (a row whose adapter overflows to inf/NaN logits) carry the
+    client's id, over gRPC (one prompt, or two: the call's id on both rows' lines) and HTTP, in JSON and text."""
+    boom = write_peft_adapter(tmp_path / "boom", served_tiny_dir, r=8, alpha=8, target_modules=("q_proj",), seed=2)
+    # Finite weights (they pass every check when read) whose products overflow fp32 at run time.
+    rewrite_adapter_tensors(boom, lambda t: {k: v.fill_(1e38) if "lora_B" in k else v for k, v in t.items()})
+    text = io.StringIO()
+    text_handler = logs.handler("text", text)
+    logging.getLogger().addHandler(text_handler)
+    try:
+        srv = tiny_server(adapter_roots=(tmp_path,), http_port=0)
+        with grpc.insecure_channel(srv.target) as channel:
+            apb_grpc.AdaptersStub(channel).LoadAdapter(apb.LoadAdapterRequest(id="boom", source=str(boom)), timeout=60)
+            stub = pb_grpc.GenerationStub(channel)
+            error = _error(lambda: stub.Generate(text_req("Hi", 4, adapter_id="boom", request_id="nan-11"), timeout=60))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            two = text_req("Hi", 4, adapter_id="boom")
+            two.inputs.append(pb.Input(text="Hello there"))
+            error = _error(lambda: stub.Generate(two, metadata=(("x-request-id", "nan-two-12"),), timeout=60))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        body = {"model": "boom", "prompt": "Hi", "max_tokens": 4}
+        reply = call(f"{base_url(srv)}/completions", body, headers={"x-request-id": "nan-http-13"})
+        assert reply.status == 400 and reply.headers["x-request-id"] == "nan-http-13"
+        for request_id in ("nan-11", "nan-two-12", "nan-http-13"):
+            captured.access(request_id)
+    finally:
+        logging.getLogger().removeHandler(text_handler)
+    lines = captured.lines()
+    for event, level in (("non_finite_logits", "WARNING"), ("request_ended", "INFO")):
+        about = [r for r in lines if r["message"].startswith(f"event={event} ")]
+        assert {r["level"] for r in about} == {level}
+        ids = sorted(r["request_id"] for r in about)
+        assert ids == ["nan-11", "nan-http-13", "nan-two-12", "nan-two-12"], (event, ids)
+        assert all("adapter=boom" in r["message"] for r in about)
+    written = text.getvalue()
+    assert re.search(r"level=WARNING logger=loraplex.engine request_id=nan-11 event=non_finite_logits ", written)
+    assert re.search(r"request_id=nan-http-13 event=request_ended reason=error .*error=FailedPrecondition", written)
 
 
 @pytest.mark.slow

@@ -299,7 +299,8 @@ class Engine:
         their writes the step finished: the runner drops both (they are caches and refill from the next requests).
         """
         rows = list(self.scheduler.running)
-        shown = ",".join(r.request.request_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
+        # One line for the step; each failed row's own event=request_ended line names its request.
+        shown = ",".join(r.request.log_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
         log.error(
             "event=engine_step_failed rows=%d request_ids=%s error=%s", len(rows), shown, type(exc).__name__,
             exc_info=exc,
