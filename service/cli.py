@@ -219,9 +219,16 @@ def _other_commands(
     verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
     show = verbs.add_parser("show", help="everything about one adapter")
     show.add_argument("id")
-    load = verbs.add_parser("load", help="register the adapter folder PATH (a path on the server) as ID")
+    load = verbs.add_parser(
+        "load", help="register SOURCE as ID: an adapter folder's path on the server, or hf://org/name[@revision]"
+    )
     load.add_argument("id")
-    load.add_argument("path")
+    load.add_argument(
+        "path",
+        metavar="SOURCE",
+        help="a folder path on the server, or hf://org/name[@revision] (a snapshot in the server's local Hugging "
+        "Face cache, never downloaded); either must lie inside the server's allowed adapter roots",
+    )
     unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
     unload.add_argument("id")
 

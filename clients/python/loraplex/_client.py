@@ -155,9 +155,12 @@ class Client(ClientBase[grpc.Channel]):
     def load_adapter(
         self, adapter_id: str, source: str | os.PathLike[str], *, timeout: float | None = None
     ) -> AdapterInfo:
-        """Register the adapter folder ``source`` (a path on the server) as ``adapter_id``.
+        """Register ``source`` as ``adapter_id``: an adapter folder's path on the server, or
+        ``"hf://org/name[@revision]"``, a snapshot in the server's local Hugging Face cache (never downloaded;
+        ``NotFound`` names the paths looked up). Either must lie inside the server's allowed adapter roots.
 
-        Only its config and headers are read now; weights load lazily on first use.
+        Only its config and headers are read now; weights load lazily on first use. The result's ``source`` is
+        ``source`` as given, its ``resolved_path`` the folder the server reads.
         """
         request = _convert.load_adapter_request(adapter_id, os.fspath(source))
         response: adapters_pb2.LoadAdapterResponse = self._call(self._adapters.LoadAdapter, request, timeout)
