@@ -112,11 +112,14 @@ def handler(log_format: str, stream: TextIO | None = None) -> logging.Handler:
 
 
 def configure(log_format: str, log_level: str, stream: TextIO | None = None) -> logging.Handler:
-    """Make ``handler(log_format, stream)`` the root logger's only handler, at ``log_level``; returns it."""
+    """Make ``handler(log_format, stream)`` the root logger's only handler, at ``log_level``; returns it.
+    Python warnings (a library's deprecation notice) become records of ``py.warnings`` too, so a JSON log stays
+    one object per line."""
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     new = handler(log_format, stream)
     root.addHandler(new)
     root.setLevel(log_level.upper())
+    logging.captureWarnings(True)
     return new

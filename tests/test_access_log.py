@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -270,10 +271,11 @@ def test_engine_thread_lines_name_their_request(
 
 @pytest.mark.slow
 def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
-    """`loraplex serve --log-format json`: its log lines are JSON objects; the access line has the id."""
+    """`loraplex serve --log-format json` (HTTP API on): every stderr line is one JSON object, the start-up
+    announcement included; the gRPC and HTTP access lines carry their client's id."""
     command = [
         sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", "0",
-        "--metrics-port", "-1", "--http-port", "-1", "--log-format", "json", "--max-batch-size", "2", "--threads", "1",
+        "--metrics-port", "-1", "--http-port", "0", "--log-format", "json", "--max-batch-size", "2", "--threads", "1",
     ]  # fmt: skip
     env = {**os.environ, "LORAPLEX_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -281,17 +283,44 @@ def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
-        assert wait_until(lambda: any("SERVING" in line for line in lines), 120, poll=0.05), lines
-        listening = next(json.loads(x) for x in lines if x.startswith("{") and "event=listening" in x)
-        target = re.search(r"grpc=(\S+)", listening["message"]).group(1)  # type: ignore[union-attr]
+        assert wait_until(lambda: any("event=serving" in line for line in lines), 120, poll=0.05), lines
+        serving = next(json.loads(x) for x in lines if "event=serving" in x)
+        target = re.search(r"grpc=(\S+)", serving["message"]).group(1)  # type: ignore[union-attr]
+        url = re.search(r"http=(\S+)", serving["message"]).group(1)  # type: ignore[union-attr]
         with grpc.insecure_channel(target) as channel:
             pb_grpc.GenerationStub(channel).Generate(text_req("Hi", 3, request_id="subprocess-10"), timeout=60)
-        assert wait_until(lambda: any("subprocess-10" in line for line in lines), 30, poll=0.05)
+        body = {"model": served_tiny_dir.name, "prompt": "Hi", "max_tokens": 2}
+        assert call(f"{url}/completions", body, headers={"x-request-id": "subprocess-http-11"}).status == 200
+        assert wait_until(lambda: any("subprocess-http-11" in line for line in lines), 30, poll=0.05)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         reader.join(5)
-    records = [json.loads(line) for line in lines if line.startswith("{")]
+    records = [json.loads(line) for line in lines if line.strip()]  # every line: a JSON object
+    assert all(isinstance(r, dict) and {"ts", "level", "logger", "request_id", "message"} <= set(r) for r in records)
     (access,) = [r for r in records if r["request_id"] == "subprocess-10"]
     assert access["logger"] == "loraplex.access" and access["code"] == "OK" and access["generated_tokens"] == 3
+    (http,) = [r for r in records if r["request_id"] == "subprocess-http-11"]
+    assert (http["method"], http["code"], http["generated_tokens"]) == ("http.completions", "OK", 2)
+    assert set(http) == ACCESS_KEYS and http["peer"].startswith("127.0.0.1:")
     assert any(r["message"] == "event=stopped" for r in records)
+
+
+def test_python_warnings_become_log_lines() -> None:
+    """``logs.configure`` routes ``warnings.warn`` into the log (a JSON log stays one object per line)."""
+    root = logging.getLogger()
+    handlers, level, buffer = list(root.handlers), root.level, io.StringIO()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            logs.configure("json", "INFO", buffer)
+            warnings.warn("this knob is going away", FutureWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+    (line,) = [json.loads(x) for x in buffer.getvalue().splitlines()]
+    assert line["logger"] == "py.warnings" and "this knob is going away" in line["message"]
