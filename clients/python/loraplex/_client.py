@@ -167,7 +167,8 @@ class Client(ClientBase[grpc.Channel]):
         return _convert.to_adapter_info(response.adapter)
 
     def unload_adapter(self, adapter_id: str, *, timeout: float | None = None) -> AdapterInfo:
-        """Remove an adapter; running requests that use it finish first. Returns its last state."""
+        """Remove an adapter: refused (``FailedPrecondition``, nothing removed) while requests use it. Returns what
+        happened: its description with state ``UNLOADED`` and nothing resident (hits, source... as they were)."""
         request = adapters_pb2.UnloadAdapterRequest(id=_convert.check_id("adapter id", adapter_id, allow_empty=False))
         response: adapters_pb2.UnloadAdapterResponse = self._call(self._adapters.UnloadAdapter, request, timeout)
         return _convert.to_adapter_info(response.adapter)
