@@ -18,6 +18,7 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 import uuid
 from typing import Any, TextIO
@@ -113,8 +114,9 @@ def handler(log_format: str, stream: TextIO | None = None) -> logging.Handler:
 
 def configure(log_format: str, log_level: str, stream: TextIO | None = None) -> logging.Handler:
     """Make ``handler(log_format, stream)`` the root logger's only handler, at ``log_level``; returns it.
-    Python warnings (a library's deprecation notice) become records of ``py.warnings`` too, so a JSON log stays
-    one object per line."""
+    Python warnings (a library's deprecation notice) become records of ``py.warnings`` too, and an exception
+    that ends a thread an ERROR record of ``loraplex.threads`` with its traceback, so a JSON log stays one object
+    per line."""
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -122,4 +124,15 @@ def configure(log_format: str, log_level: str, stream: TextIO | None = None) -> 
     root.addHandler(new)
     root.setLevel(log_level.upper())
     logging.captureWarnings(True)
+    threading.excepthook = log_thread_exception
     return new
+
+
+def log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook``: the exception that ended a thread, as one record (not raw text on stderr)."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else None
+    logging.getLogger("loraplex.threads").error(
+        "event=thread_crashed thread=%s error=%s", name, args.exc_type.__name__, exc_info=args.exc_value
+    )

@@ -306,21 +306,33 @@ def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
     assert any(r["message"] == "event=stopped" for r in records)
 
 
-def test_python_warnings_become_log_lines() -> None:
-    """``logs.configure`` routes ``warnings.warn`` into the log (a JSON log stays one object per line)."""
+def test_python_warnings_and_thread_crashes_become_log_lines() -> None:
+    """``logs.configure`` routes ``warnings.warn`` and a thread's uncaught exception into the log (a JSON log
+    stays one object per line)."""
     root = logging.getLogger()
-    handlers, level, buffer = list(root.handlers), root.level, io.StringIO()
+    handlers, level, buffer, hook = list(root.handlers), root.level, io.StringIO(), threading.excepthook
+
+    def crash() -> None:
+        raise RuntimeError("worker fell over")
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             logs.configure("json", "INFO", buffer)
             warnings.warn("this knob is going away", FutureWarning, stacklevel=1)
+        thread = threading.Thread(target=crash, name="doomed")
+        thread.start()
+        thread.join(10)
     finally:
         logging.captureWarnings(False)
+        threading.excepthook = hook
         for handler in list(root.handlers):
             root.removeHandler(handler)
         for handler in handlers:
             root.addHandler(handler)
         root.setLevel(level)
-    (line,) = [json.loads(x) for x in buffer.getvalue().splitlines()]
-    assert line["logger"] == "py.warnings" and "this knob is going away" in line["message"]
+    warned, crashed = [json.loads(x) for x in buffer.getvalue().splitlines()]
+    assert warned["logger"] == "py.warnings" and "this knob is going away" in warned["message"]
+    assert (crashed["logger"], crashed["level"]) == ("loraplex.threads", "ERROR")
+    assert crashed["message"] == "event=thread_crashed thread=doomed error=RuntimeError"
+    assert "worker fell over" in crashed["exception"]
