@@ -374,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # grpc errors from the client commands carry their own message
         code = getattr(exc, "code", None)
         if code is not None and args.command != "serve":
-            print(f"loraplex {args.command}: {exc}", file=sys.stderr)
+            request_id = getattr(exc, "request_id", None)  # what the server's log lines of the call name
+            where = f" (request_id={request_id})" if isinstance(request_id, str) else ""
+            print(f"loraplex {args.command}: {exc}{where}", file=sys.stderr)
             return 1
         raise
 
