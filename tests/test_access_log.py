@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -231,11 +232,13 @@ def test_text_lines_are_key_value() -> None:
 def test_engine_thread_lines_name_their_request(
     tiny_server: Callable[..., BackgroundServer], captured: Captured, served_tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """Lines the engine thread writes about a request (a row whose adapter overflows to inf/NaN logits) carry the
-    client's id, over gRPC (one prompt, or two: the call's id on both rows' lines) and HTTP, in JSON and text."""
+    """Lines the engine thread writes about a request (a row whose adapter overflows to inf/NaN logits, a row whose
+    adapter fails to load) carry the client's id, over gRPC (one prompt, or two: the call's id on both rows'
+    lines) and HTTP, in JSON and text."""
     boom = write_peft_adapter(tmp_path / "boom", served_tiny_dir, r=8, alpha=8, target_modules=("q_proj",), seed=2)
     # Finite weights (they pass every check when read) whose products overflow fp32 at run time.
     rewrite_adapter_tensors(boom, lambda t: {k: v.fill_(1e38) if "lora_B" in k else v for k, v in t.items()})
+    torn = write_peft_adapter(tmp_path / "torn", served_tiny_dir, r=4, target_modules=("q_proj",), seed=3)
     text = io.StringIO()
     text_handler = logs.handler("text", text)
     logging.getLogger().addHandler(text_handler)
@@ -250,6 +253,12 @@ def test_engine_thread_lines_name_their_request(
             two.inputs.append(pb.Input(text="Hello there"))
             error = _error(lambda: stub.Generate(two, metadata=(("x-request-id", "nan-two-12"),), timeout=60))
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            apb_grpc.AdaptersStub(channel).LoadAdapter(apb.LoadAdapterRequest(id="torn", source=str(torn)), timeout=60)
+            # Registered (headers indexed), then its weights turn NaN: the load the first request starts fails.
+            rewrite_adapter_tensors(torn, lambda t: {k: v.fill_(math.nan) for k, v in t.items()})
+            torn_request = text_req("Hi", 4, adapter_id="torn", request_id="torn-14")
+            error = _error(lambda: stub.Generate(torn_request, timeout=60))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()  # type: ignore[attr-defined]
         body = {"model": "boom", "prompt": "Hi", "max_tokens": 4}
         reply = call(f"{base_url(srv)}/completions", body, headers={"x-request-id": "nan-http-13"})
         assert reply.status == 400 and reply.headers["x-request-id"] == "nan-http-13"
@@ -259,11 +268,12 @@ def test_engine_thread_lines_name_their_request(
         logging.getLogger().removeHandler(text_handler)
     lines = captured.lines()
     for event, level in (("non_finite_logits", "WARNING"), ("request_ended", "INFO")):
-        about = [r for r in lines if r["message"].startswith(f"event={event} ")]
+        about = [r for r in lines if r["message"].startswith(f"event={event} ") and "adapter=boom" in r["message"]]
         assert {r["level"] for r in about} == {level}
         ids = sorted(r["request_id"] for r in about)
         assert ids == ["nan-11", "nan-http-13", "nan-two-12", "nan-two-12"], (event, ids)
-        assert all("adapter=boom" in r["message"] for r in about)
+    (failed,) = [r for r in lines if r["message"].startswith("event=request_ended ") and "adapter=torn" in r["message"]]
+    assert failed["request_id"] == "torn-14" and "error=NonFiniteTensor" in failed["message"]
     written = text.getvalue()
     assert re.search(r"level=WARNING logger=loraplex.engine request_id=nan-11 event=non_finite_logits ", written)
     assert re.search(r"request_id=nan-http-13 event=request_ended reason=error .*error=FailedPrecondition", written)
