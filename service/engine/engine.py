@@ -300,7 +300,7 @@ class Engine:
         """
         rows = list(self.scheduler.running)
         # One line for the step; each failed row's own event=request_ended line names its request.
-        shown = ",".join(r.request.log_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
+        shown = ",".join(r.request.request_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
         log.error(
             "event=engine_step_failed rows=%d request_ids=%s error=%s", len(rows), shown, type(exc).__name__,
             exc_info=exc,
