@@ -199,6 +199,12 @@ def test_refused_by_auth_is_logged_with_its_id(
     assert captured.access("no-key-8")["code"] == "UNAUTHENTICATED"
 
 
+def test_http_peers_are_written_as_grpc_writes_them() -> None:
+    from service.api.access import peer_of
+
+    assert (peer_of("10.0.0.7", 51234), peer_of("::1", 8)) == ("ipv4:10.0.0.7:51234", "ipv6:[::1]:8")
+
+
 def test_log_settings_from_flags_and_environment() -> None:
     from service.cli import build_parser, serve_settings
 
@@ -312,7 +318,7 @@ def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
     assert access["logger"] == "loraplex.access" and access["code"] == "OK" and access["generated_tokens"] == 3
     (http,) = [r for r in records if r["request_id"] == "subprocess-http-11"]
     assert (http["method"], http["code"], http["generated_tokens"]) == ("http.completions", "OK", 2)
-    assert set(http) == ACCESS_KEYS and http["peer"].startswith("127.0.0.1:")
+    assert set(http) == ACCESS_KEYS and re.fullmatch(r"ipv4:127\.0\.0\.1:\d+", http["peer"])
     assert any(r["message"] == "event=stopped" for r in records)
 
 

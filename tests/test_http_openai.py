@@ -295,7 +295,7 @@ def test_request_ids_access_lines_and_unknown_routes(
     lines = {r.request_id: r.fields for r in caplog.records if r.getMessage() == "event=access"}  # type: ignore[attr-defined]
     ok = lines["trace-42"]
     assert (ok["method"], ok["adapter"], ok["code"], ok["generated_tokens"]) == ("http.completions", "qv", "OK", 2)
-    assert ok["prompt_tokens"] > 0 and ok["ttft_seconds"] is not None and ok["peer"].startswith("127.0.0.1:")
+    assert ok["prompt_tokens"] > 0 and ok["ttft_seconds"] is not None and ok["peer"].startswith("ipv4:127.0.0.1:")
     assert 0 < ok["ttft_seconds"] <= ok["duration_seconds"]
     assert streamed.status == 200 and streamed.headers["x-request-id"] == "trace-44"
     two = lines["trace-44"]  # a stream of two choices: one line, both rows' tokens
