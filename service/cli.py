@@ -216,7 +216,7 @@ def _other_commands(
     )
     adapters.add_argument("--json", action="store_true", help="JSON output")
     verbs = adapters.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
+    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits, source")
     show = verbs.add_parser("show", help="everything about one adapter")
     show.add_argument("id")
     load = verbs.add_parser(
@@ -332,12 +332,13 @@ def _adapters(args: argparse.Namespace) -> int:
                 print(json.dumps(_plain(infos), indent=2, default=str))
                 return 0
             print(
-                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} {'HITS':>6}"
+                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} "
+                f"{'HITS':>6} SOURCE"
             )
             for a in infos:
                 print(
                     f"{a.id:<24} {a.kind.value:<12} {a.state.value:<11} {a.rank:>4} {a.device_bytes:>12} "
-                    f"{a.host_bytes:>10} {a.hits:>6}"
+                    f"{a.host_bytes:>10} {a.hits:>6} {a.source}"
                 )
             return 0
         if args.verb == "show":
