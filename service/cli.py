@@ -219,12 +219,19 @@ def _other_commands(
     )
     adapters.add_argument("--json", action="store_true", help="JSON output")
     verbs = adapters.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
+    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits, source")
     show = verbs.add_parser("show", help="everything about one adapter")
     show.add_argument("id")
-    load = verbs.add_parser("load", help="register the adapter folder PATH (a path on the server) as ID")
+    load = verbs.add_parser(
+        "load", help="register SOURCE as ID: an adapter folder's path on the server, or hf://org/name[@revision]"
+    )
     load.add_argument("id")
-    load.add_argument("path")
+    load.add_argument(
+        "path",
+        metavar="SOURCE",
+        help="a folder path on the server, or hf://org/name[@revision] (a snapshot in the server's local Hugging "
+        "Face cache, never downloaded); either must lie inside the server's allowed adapter roots",
+    )
     unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
     unload.add_argument("id")
 
@@ -328,12 +335,13 @@ def _adapters(args: argparse.Namespace) -> int:
                 print(json.dumps(_plain(infos), indent=2, default=str))
                 return 0
             print(
-                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} {'HITS':>6}"
+                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} "
+                f"{'HITS':>6} SOURCE"
             )
             for a in infos:
                 print(
                     f"{a.id:<24} {a.kind.value:<12} {a.state.value:<11} {a.rank:>4} {a.device_bytes:>12} "
-                    f"{a.host_bytes:>10} {a.hits:>6}"
+                    f"{a.host_bytes:>10} {a.hits:>6} {a.source}"
                 )
             return 0
         if args.verb == "show":
@@ -370,7 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # grpc errors from the client commands carry their own message
         code = getattr(exc, "code", None)
         if code is not None and args.command != "serve":
-            print(f"loraplex {args.command}: {exc}", file=sys.stderr)
+            request_id = getattr(exc, "request_id", None)  # what the server's log lines of the call name
+            where = f" (request_id={request_id})" if isinstance(request_id, str) else ""
+            print(f"loraplex {args.command}: {exc}{where}", file=sys.stderr)
             return 1
         raise
 

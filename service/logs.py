@@ -3,7 +3,8 @@
 ``REQUEST_ID`` is the id of the request whose code is running (set by the access interceptor,
 ``service.api.access``, for the whole of each call); ``RequestIdFilter`` copies it onto every record, so any line
 logged while serving a request names it, whichever logger wrote it. Structured fields travel as
-``extra={"fields": {...}}``: text lines append them as ``key=value``, JSON lines as top-level keys.
+``extra={"fields": {...}}``: text lines append them as ``key=value``, JSON lines as top-level keys. Code that
+runs outside the request's context (the engine thread) names the request itself: ``extra=about(request_id)``.
 
 Text: ``ts=... level=INFO logger=loraplex.access request_id=... <message> <fields>``. JSON: one object per line
 with the stable keys ``ts, level, logger, request_id, message`` (request_id null outside a request), then the
@@ -17,6 +18,7 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 import uuid
 from typing import Any, TextIO
@@ -33,6 +35,12 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("loraple
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def about(request_id: str) -> dict[str, Any]:
+    """``extra=`` for a line about request ``request_id`` logged outside that request's context: on the engine
+    thread, where ``REQUEST_ID`` is unset (context variables do not cross threads)."""
+    return {"request_id": request_id}
 
 
 class RequestIdFilter(logging.Filter):
@@ -105,11 +113,26 @@ def handler(log_format: str, stream: TextIO | None = None) -> logging.Handler:
 
 
 def configure(log_format: str, log_level: str, stream: TextIO | None = None) -> logging.Handler:
-    """Make ``handler(log_format, stream)`` the root logger's only handler, at ``log_level``; returns it."""
+    """Make ``handler(log_format, stream)`` the root logger's only handler, at ``log_level``; returns it.
+    Python warnings (a library's deprecation notice) become records of ``py.warnings`` too, and an exception
+    that ends a thread an ERROR record of ``loraplex.threads`` with its traceback, so a JSON log stays one object
+    per line."""
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     new = handler(log_format, stream)
     root.addHandler(new)
     root.setLevel(log_level.upper())
+    logging.captureWarnings(True)
+    threading.excepthook = log_thread_exception
     return new
+
+
+def log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook``: the exception that ended a thread, as one record (not raw text on stderr)."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else None
+    logging.getLogger("loraplex.threads").error(
+        "event=thread_crashed thread=%s error=%s", name, args.exc_type.__name__, exc_info=args.exc_value
+    )

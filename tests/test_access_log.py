@@ -10,19 +10,23 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from adapter_files import rewrite_adapter_tensors, write_peft_adapter
 from helpers import stream_req, text_req, wait_until
+from helpers_http import base_url, call
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
@@ -195,6 +199,12 @@ def test_refused_by_auth_is_logged_with_its_id(
     assert captured.access("no-key-8")["code"] == "UNAUTHENTICATED"
 
 
+def test_http_peers_are_written_as_grpc_writes_them() -> None:
+    from service.api.access import peer_of
+
+    assert (peer_of("10.0.0.7", 51234), peer_of("::1", 8)) == ("ipv4:10.0.0.7:51234", "ipv6:[::1]:8")
+
+
 def test_log_settings_from_flags_and_environment() -> None:
     from service.cli import build_parser, serve_settings
 
@@ -225,12 +235,63 @@ def test_text_lines_are_key_value() -> None:
     ), line
 
 
+def test_engine_thread_lines_name_their_request(
+    tiny_server: Callable[..., BackgroundServer], captured: Captured, served_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Lines the engine thread writes about a request (a row whose adapter overflows to inf/NaN logits, a row whose
+    adapter fails to load) carry the client's id, over gRPC (one prompt, or two: the call's id on both rows'
+    lines) and HTTP, in JSON and text."""
+    boom = write_peft_adapter(tmp_path / "boom", served_tiny_dir, r=8, alpha=8, target_modules=("q_proj",), seed=2)
+    # Finite weights (they pass every check when read) whose products overflow fp32 at run time.
+    rewrite_adapter_tensors(boom, lambda t: {k: v.fill_(1e38) if "lora_B" in k else v for k, v in t.items()})
+    torn = write_peft_adapter(tmp_path / "torn", served_tiny_dir, r=4, target_modules=("q_proj",), seed=3)
+    text = io.StringIO()
+    text_handler = logs.handler("text", text)
+    logging.getLogger().addHandler(text_handler)
+    try:
+        srv = tiny_server(adapter_roots=(tmp_path,), http_port=0)
+        with grpc.insecure_channel(srv.target) as channel:
+            apb_grpc.AdaptersStub(channel).LoadAdapter(apb.LoadAdapterRequest(id="boom", source=str(boom)), timeout=60)
+            stub = pb_grpc.GenerationStub(channel)
+            error = _error(lambda: stub.Generate(text_req("Hi", 4, adapter_id="boom", request_id="nan-11"), timeout=60))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            two = text_req("Hi", 4, adapter_id="boom")
+            two.inputs.append(pb.Input(text="Hello there"))
+            error = _error(lambda: stub.Generate(two, metadata=(("x-request-id", "nan-two-12"),), timeout=60))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            apb_grpc.AdaptersStub(channel).LoadAdapter(apb.LoadAdapterRequest(id="torn", source=str(torn)), timeout=60)
+            # Registered (headers indexed), then its weights turn NaN: the load the first request starts fails.
+            rewrite_adapter_tensors(torn, lambda t: {k: v.fill_(math.nan) for k, v in t.items()})
+            torn_request = text_req("Hi", 4, adapter_id="torn", request_id="torn-14")
+            error = _error(lambda: stub.Generate(torn_request, timeout=60))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()  # type: ignore[attr-defined]
+        body = {"model": "boom", "prompt": "Hi", "max_tokens": 4}
+        reply = call(f"{base_url(srv)}/completions", body, headers={"x-request-id": "nan-http-13"})
+        assert reply.status == 400 and reply.headers["x-request-id"] == "nan-http-13"
+        for request_id in ("nan-11", "nan-two-12", "nan-http-13"):
+            captured.access(request_id)
+    finally:
+        logging.getLogger().removeHandler(text_handler)
+    lines = captured.lines()
+    for event, level in (("non_finite_logits", "WARNING"), ("request_ended", "INFO")):
+        about = [r for r in lines if r["message"].startswith(f"event={event} ") and "adapter=boom" in r["message"]]
+        assert {r["level"] for r in about} == {level}
+        ids = sorted(r["request_id"] for r in about)
+        assert ids == ["nan-11", "nan-http-13", "nan-two-12", "nan-two-12"], (event, ids)
+    (failed,) = [r for r in lines if r["message"].startswith("event=request_ended ") and "adapter=torn" in r["message"]]
+    assert failed["request_id"] == "torn-14" and "error=NonFiniteTensor" in failed["message"]
+    written = text.getvalue()
+    assert re.search(r"level=WARNING logger=loraplex.engine request_id=nan-11 event=non_finite_logits ", written)
+    assert re.search(r"request_id=nan-http-13 event=request_ended reason=error .*error=FailedPrecondition", written)
+
+
 @pytest.mark.slow
 def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
-    """`loraplex serve --log-format json`: its log lines are JSON objects; the access line has the id."""
+    """`loraplex serve --log-format json` (HTTP API on): every stderr line is one JSON object, the start-up
+    announcement included; the gRPC and HTTP access lines carry their client's id."""
     command = [
         sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", "0",
-        "--metrics-port", "-1", "--http-port", "-1", "--log-format", "json", "--max-batch-size", "2", "--threads", "1",
+        "--metrics-port", "-1", "--http-port", "0", "--log-format", "json", "--max-batch-size", "2", "--threads", "1",
     ]  # fmt: skip
     env = {**os.environ, "LORAPLEX_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -238,17 +299,56 @@ def test_serve_writes_json_access_lines(served_tiny_dir: Path) -> None:
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
-        assert wait_until(lambda: any("SERVING" in line for line in lines), 120, poll=0.05), lines
-        listening = next(json.loads(x) for x in lines if x.startswith("{") and "event=listening" in x)
-        target = re.search(r"grpc=(\S+)", listening["message"]).group(1)  # type: ignore[union-attr]
+        assert wait_until(lambda: any("event=serving" in line for line in lines), 120, poll=0.05), lines
+        serving = next(json.loads(x) for x in lines if "event=serving" in x)
+        target = re.search(r"grpc=(\S+)", serving["message"]).group(1)  # type: ignore[union-attr]
+        url = re.search(r"http=(\S+)", serving["message"]).group(1)  # type: ignore[union-attr]
         with grpc.insecure_channel(target) as channel:
             pb_grpc.GenerationStub(channel).Generate(text_req("Hi", 3, request_id="subprocess-10"), timeout=60)
-        assert wait_until(lambda: any("subprocess-10" in line for line in lines), 30, poll=0.05)
+        body = {"model": served_tiny_dir.name, "prompt": "Hi", "max_tokens": 2}
+        assert call(f"{url}/completions", body, headers={"x-request-id": "subprocess-http-11"}).status == 200
+        assert wait_until(lambda: any("subprocess-http-11" in line for line in lines), 30, poll=0.05)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         reader.join(5)
-    records = [json.loads(line) for line in lines if line.startswith("{")]
+    records = [json.loads(line) for line in lines if line.strip()]  # every line: a JSON object
+    assert all(isinstance(r, dict) and {"ts", "level", "logger", "request_id", "message"} <= set(r) for r in records)
     (access,) = [r for r in records if r["request_id"] == "subprocess-10"]
     assert access["logger"] == "loraplex.access" and access["code"] == "OK" and access["generated_tokens"] == 3
+    (http,) = [r for r in records if r["request_id"] == "subprocess-http-11"]
+    assert (http["method"], http["code"], http["generated_tokens"]) == ("http.completions", "OK", 2)
+    assert set(http) == ACCESS_KEYS and re.fullmatch(r"ipv4:127\.0\.0\.1:\d+", http["peer"])
     assert any(r["message"] == "event=stopped" for r in records)
+
+
+def test_python_warnings_and_thread_crashes_become_log_lines() -> None:
+    """``logs.configure`` routes ``warnings.warn`` and a thread's uncaught exception into the log (a JSON log
+    stays one object per line)."""
+    root = logging.getLogger()
+    handlers, level, buffer, hook = list(root.handlers), root.level, io.StringIO(), threading.excepthook
+
+    def crash() -> None:
+        raise RuntimeError("worker fell over")
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            logs.configure("json", "INFO", buffer)
+            warnings.warn("this knob is going away", FutureWarning, stacklevel=1)
+        thread = threading.Thread(target=crash, name="doomed")
+        thread.start()
+        thread.join(10)
+    finally:
+        logging.captureWarnings(False)
+        threading.excepthook = hook
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+    warned, crashed = [json.loads(x) for x in buffer.getvalue().splitlines()]
+    assert warned["logger"] == "py.warnings" and "this knob is going away" in warned["message"]
+    assert (crashed["logger"], crashed["level"]) == ("loraplex.threads", "ERROR")
+    assert crashed["message"] == "event=thread_crashed thread=doomed error=RuntimeError"
+    assert "worker fell over" in crashed["exception"]

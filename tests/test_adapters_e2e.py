@@ -351,6 +351,8 @@ def test_cli_adapters_verbs(server: BackgroundServer, adapter_root: Path) -> Non
     assert set(ADAPTERS) <= set(ids)
     loaded = cli("load", "cli-copy", str(adapter_root / "qv-r4"))
     assert loaded.returncode == 0 and json.loads(loaded.stdout)["id"] == "cli-copy"
+    rows = {line.split()[0]: line.split() for line in cli("list").stdout.splitlines()[1:]}
+    assert rows["cli-copy"][-1] == str(adapter_root / "qv-r4")  # the source, as given
     shown = json.loads(cli("show", "cli-copy").stdout)
     assert shown["state"] == "registered" and shown["rank"] == 4
     assert cli("unload", "cli-copy").returncode == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import threading
 import time
@@ -209,3 +210,6 @@ def test_cli_reads_target_and_api_key_from_the_environment(
     monkeypatch.setenv("LORAPLEX_API_KEY", "cli-key")
     assert main(["info"]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 49152
+    assert main(["generate", "--adapter", "ghost", "Hi"]) == 1  # a failed call names its request id
+    err = capsys.readouterr().err
+    assert "NOT_FOUND" in err and re.search(r"\(request_id=[0-9a-f]{32}\)", err), err

@@ -196,8 +196,19 @@ def test_hf_sources_serve_the_same_as_their_folders(server: BackgroundServer, hu
         got = client.generate(PROMPT, adapter="heads-ref", speculate=True, max_new_tokens=16, ignore_eos=True,
                               return_token_ids=True)  # fmt: skip
         assert list(got.token_ids) == base and metrics.SPECULATIVE_DRAFTED._value.get() > drafted
-        source = client.get_adapter("caps-hf").source
-        assert source == str(hub["cache"] / "models--acme--caps" / "snapshots" / COMMIT_A)
+        # The source as given, the snapshot it resolved to apart, in GetAdapter, ListAdapters and UnloadAdapter.
+        snapshot = str(hub["cache"] / "models--acme--caps" / "snapshots" / COMMIT_A)
+        caps = client.get_adapter("caps-hf")
+        assert (caps.source, caps.resolved_path) == ("hf://acme/caps", snapshot)
+        listed = {a.id: (a.source, a.resolved_path) for a in client.list_adapters()}
+        assert listed["caps-commit"] == (f"hf://acme/caps@{COMMIT_A}", snapshot)
+        assert listed["heads-ref"][0] == "hf://acme/caps@heads"  # Medusa heads only
+        assert listed["heads-ref"][1].startswith(str(hub["cache"] / "models--acme--caps" / "snapshots"))
+        assert listed["caps-dir"] == (str(plain / "caps"), str(plain / "caps"))
+        assert listed["boot"][0] == "hf://acme/boot"  # --adapter boot=hf://acme/boot at start-up
+        removed = client.unload_adapter("caps-commit")
+        assert (removed.source, removed.resolved_path) == (f"hf://acme/caps@{COMMIT_A}", snapshot)
+        assert "caps-commit" not in {a.id for a in client.list_adapters()}
 
 
 def test_missing_and_refused_hf_sources(server: BackgroundServer, hub: dict[str, Path]) -> None:
@@ -243,3 +254,10 @@ def test_config_files_that_escape_or_never_end_are_refused_unread(
         for path in (fifo, inside / "adapter_config.json"):
             with contextlib.suppress(OSError):  # ENXIO: nobody is reading it
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_cli_help_and_client_docs_name_hf_sources(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["adapters", "load", "--help"])
+    assert "hf://org/name[@revision]" in " ".join(capsys.readouterr().out.split())
+    assert "hf://org/name[@revision]" in (Client.load_adapter.__doc__ or "")

@@ -289,11 +289,18 @@ def test_request_ids_access_lines_and_unknown_routes(
         refused = call(f"{base_url(server)}/completions", bad, key=KEY, headers={"x-request-id": "t-43"})
         unnamed = call(f"{base_url(server)}/chat/completions", {"model": base, "messages": [{"role": "user",
                        "content": "hi"}], "max_tokens": 2}, key=KEY)  # fmt: skip
+        streamed = call(f"{base_url(server)}/completions", {**body, "stream": True, "n": 2}, key=KEY,
+                        headers={"x-request-id": "trace-44"})  # fmt: skip
     assert reply.status == 200 and reply.headers["x-request-id"] == "trace-42" and reply.body["id"] == "cmpl-trace-42"
     lines = {r.request_id: r.fields for r in caplog.records if r.getMessage() == "event=access"}  # type: ignore[attr-defined]
     ok = lines["trace-42"]
     assert (ok["method"], ok["adapter"], ok["code"], ok["generated_tokens"]) == ("http.completions", "qv", "OK", 2)
-    assert ok["prompt_tokens"] > 0 and ok["ttft_seconds"] is not None and ok["peer"].startswith("127.0.0.1:")
+    assert ok["prompt_tokens"] > 0 and ok["ttft_seconds"] is not None and ok["peer"].startswith("ipv4:127.0.0.1:")
+    assert 0 < ok["ttft_seconds"] <= ok["duration_seconds"]
+    assert streamed.status == 200 and streamed.headers["x-request-id"] == "trace-44"
+    two = lines["trace-44"]  # a stream of two choices: one line, both rows' tokens
+    assert (two["method"], two["adapter"], two["code"], two["generated_tokens"]) == ("http.completions", "qv", "OK", 4)
+    assert two["prompt_tokens"] > 0 and 0 < two["ttft_seconds"] <= two["duration_seconds"]
     assert refused.status == 400 and lines["t-43"]["code"] == "INVALID_ARGUMENT"
     assert refused.headers["x-request-id"] == "t-43"  # errors carry the id too
     made = unnamed.headers["x-request-id"]  # no header: the server made the id, the same everywhere

@@ -4,7 +4,8 @@ An adapter id names a folder holding a PEFT LoRA (``adapter_config.json``), Medu
 ``medusa_num_heads``) or both; the folder is given as a path or as ``hf://org/name[@revision]``, a snapshot in the
 local Hugging Face cache (``service.hf_cache``, resolved on disk before the path policy applies). Registration
 indexes each part it finds (config + headers only) and is all or nothing: when the LoRA part of a Medusa + LoRA
-folder is refused, the heads are not left registered either.
+folder is refused, the heads are not left registered either. The catalog remembers each adapter's source as given
+(``source_of``: what the API reports) next to the folder its parts index (what the API reports as resolved).
 ``resolve`` turns an id into a per-request ``Adapter`` object; callers branch on its capabilities, never on a kind.
 """
 
@@ -30,6 +31,7 @@ class AdapterCatalog:
         self.store = store
         self.medusa = medusa
         self.hub_cache = hub_cache  # where hf:// sources are looked up
+        self._given: dict[str, AdapterSource] = {}  # id -> the source it was registered from, as given
 
     @property
     def roots(self) -> tuple[Path, ...]:
@@ -54,7 +56,14 @@ class AdapterCatalog:
                 raise
         if not heads and not lora:
             raise InvalidAdapter(f"neither {LORA_CONFIG} nor a Medusa config.json", file=folder)
+        self._given[adapter_id] = source
         return self.resolve(adapter_id)
+
+    def source_of(self, adapter_id: str) -> str | None:
+        """The source ``adapter_id`` was registered from, as given: a path, or ``hf://org/name[@revision]``
+        (None for an adapter registered below the catalog, straight into its store or registry)."""
+        given = self._given.get(adapter_id)
+        return None if given is None else str(given)
 
     def prefetch(self, adapter_id: str) -> None:
         """Start loading every part of a registered adapter that is not on the device yet (quiet on any error:
@@ -75,6 +84,7 @@ class AdapterCatalog:
             self.store.unregister(adapter_id)
         if adapter.has_heads:
             self.medusa.unregister(adapter_id)
+        self._given.pop(adapter_id, None)
 
     def has_lora(self, adapter_id: str) -> bool:
         try:

@@ -13,7 +13,8 @@ access line then shows a new id, never the invalid text). A call the auth interc
 so its id is the header's (or a new one).
 
 The line: ``event=access method adapter code prompt_tokens generated_tokens ttft_seconds duration_seconds peer``
-(``ttft_seconds`` empty when no token was generated). Health and reflection calls are not logged.
+(``ttft_seconds`` empty when no token was generated; ``peer`` as gRPC writes it, ``ipv4:host:port``, for HTTP calls
+too). Health and reflection calls are not logged.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class Access:
 
 
 CURRENT: contextvars.ContextVar[Access | None] = contextvars.ContextVar("loraplex_access", default=None)
+
+
+def peer_of(host: str, port: int) -> str:
+    """An HTTP client's address written as gRPC writes a peer (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``), so access
+    lines of both APIs can be read and queried alike."""
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 def submitted(prompt_tokens: int) -> None:

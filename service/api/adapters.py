@@ -47,6 +47,7 @@ def describe(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
             return _medusa_only(catalog, adapter_id)
     assert info is not None
     message = info_to_pb(info, medusa_heads=heads)
+    message.source = catalog.source_of(adapter_id) or message.source
     return message
 
 
@@ -55,7 +56,8 @@ def _medusa_only(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
     loaded = catalog.medusa.loaded(adapter_id)
     return pb.AdapterInfo(
         id=adapter_id,
-        source=str(spec.source),
+        source=catalog.source_of(adapter_id) or str(spec.source),
+        resolved_path=str(spec.source),
         kind=pb.ADAPTER_KIND_MEDUSA,
         medusa_heads=spec.num_heads,
         state=pb.ADAPTER_STATE_DEVICE if loaded else pb.ADAPTER_STATE_REGISTERED,
@@ -70,6 +72,7 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
     message = pb.AdapterInfo(
         id=info.id,
         source=str(info.source),
+        resolved_path=str(info.source),
         kind=pb.ADAPTER_KIND_MEDUSA_LORA if medusa_heads else pb.ADAPTER_KIND_LORA,
         rank=info.rank,
         alpha=info.alpha,

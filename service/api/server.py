@@ -195,17 +195,26 @@ async def serve(settings: Settings, *, announce: bool = True) -> int:
 
 
 def _announce(settings: Settings, server: Server) -> None:
+    """The ``event=serving`` line, and with text logs a how-to-call banner for people (JSON logs stay one object
+    per line: log collectors read them)."""
     target = f"{settings.host}:{server.port}"
+    url = None if server.http is None else f"{server.http.scheme}://{settings.host}:{server.http.port}/v1"
+    metrics_url = None if server.metrics_port is None else f"http://{settings.metrics_host}:{server.metrics_port}"
+    log.info(
+        "event=serving version=%s model=%s grpc=%s http=%s metrics=%s",
+        __version__, settings.model, target, url, metrics_url,
+    )  # fmt: skip
+    if settings.log_format != "text":
+        return
     lines = [
         f"loraplex {__version__} is SERVING {settings.model} on {target}",
         f"  try:     .venv/bin/loraplex generate --target {target} 'What is the capital of France?'",
         f"  model:   .venv/bin/loraplex info --target {target}",
     ]
-    if server.http is not None:
-        url = f"{server.http.scheme}://{settings.host}:{server.http.port}/v1"
+    if url is not None:
         lines.append(f"  openai:  {url} (POST /chat/completions, /completions; GET /models)")
-    if server.metrics_port is not None:
-        lines.append(f"  metrics: http://{settings.metrics_host}:{server.metrics_port}/metrics")
+    if metrics_url is not None:
+        lines.append(f"  metrics: {metrics_url}/metrics")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -314,6 +314,7 @@ class Engine:
         included, stays behind in a slot. The prefix cache and the LoRA tables outlive rows and cannot tell which of
         their writes the pass finished: the runner drops both (they are caches and refill from the next requests).
         """
+        # One line for the step; each failed row's own event=request_ended line names its request.
         shown = ",".join(r.request.request_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
         log.error(
             "event=engine_step_failed rows=%d request_ids=%s error=%s", len(rows), shown, type(exc).__name__,

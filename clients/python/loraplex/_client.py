@@ -155,16 +155,20 @@ class Client(ClientBase[grpc.Channel]):
     def load_adapter(
         self, adapter_id: str, source: str | os.PathLike[str], *, timeout: float | None = None
     ) -> AdapterInfo:
-        """Register the adapter folder ``source`` (a path on the server) as ``adapter_id``.
+        """Register ``source`` as ``adapter_id``: an adapter folder's path on the server, or
+        ``"hf://org/name[@revision]"``, a snapshot in the server's local Hugging Face cache (never downloaded;
+        ``NotFound`` names the paths looked up). Either must lie inside the server's allowed adapter roots.
 
-        Only its config and headers are read now; weights load lazily on first use.
+        Only its config and headers are read now; weights load lazily on first use. The result's ``source`` is
+        ``source`` as given, its ``resolved_path`` the folder the server reads.
         """
         request = _convert.load_adapter_request(adapter_id, os.fspath(source))
         response: adapters_pb2.LoadAdapterResponse = self._call(self._adapters.LoadAdapter, request, timeout)
         return _convert.to_adapter_info(response.adapter)
 
     def unload_adapter(self, adapter_id: str, *, timeout: float | None = None) -> AdapterInfo:
-        """Remove an adapter; running requests that use it finish first. Returns its last state."""
+        """Remove an adapter: refused (``FailedPrecondition``, nothing removed) while requests use it. Returns what
+        happened: its description with state ``UNLOADED`` and nothing resident (hits, source... as they were)."""
         request = adapters_pb2.UnloadAdapterRequest(id=_convert.check_id("adapter id", adapter_id, allow_empty=False))
         response: adapters_pb2.UnloadAdapterResponse = self._call(self._adapters.UnloadAdapter, request, timeout)
         return _convert.to_adapter_info(response.adapter)

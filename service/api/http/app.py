@@ -66,7 +66,7 @@ class Outcome:
         header = request.headers.get(REQUEST_ID_HEADER, "")
         self.header_id = header
         self.request_id = header if convert.is_request_id(header) else new_request_id()
-        peer = "" if request.client is None else f"{request.client.host}:{request.client.port}"
+        peer = "" if request.client is None else access.peer_of(request.client.host, request.client.port)
         self.record = access.Access(self.request_id, method, "", peer, time.monotonic())
         REQUEST_ID.set(self.request_id)
         access.CURRENT.set(self.record)
