@@ -80,6 +80,9 @@ _MODEL_FLAGS = (
     _Flag("--device", "cpu, cuda, cuda:N (default cpu)"),
     _Flag("--dtype", "serving dtype (default float32)", choices=DTYPES),
     _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
+    _Flag("--gguf", "serve the weights of this llama.cpp GGUF file (Q4_0/Q4_1 as int4, Q8_0 as int8 blocks) "
+          "instead of --model's safetensors; config and tokenizer still come from --model", type=Path,
+          metavar="PATH"),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
     _Flag("--port", "gRPC port (default 50051)", type=int),
     _Flag("--metrics-host", "/metrics bind address (default 127.0.0.1)"),

@@ -35,6 +35,7 @@ class Settings:
     device: str = "cpu"
     dtype: str = "float32"
     load_mode: LoadMode = "stream"
+    gguf: Path | None = None  # serve this llama.cpp GGUF's weights packed as stored (config, tokenizer: `model`)
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_host: str = "127.0.0.1"
@@ -109,6 +110,8 @@ class Settings:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.gguf is not None and self.device != "cpu":
+            raise ConfigError(f"gguf weights are served on the CPU only, not device {self.device!r}")
         for name in (
             "max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens",
             "max_chat_messages", "max_stop_sequences", "max_stop_sequence_bytes",
@@ -141,7 +144,7 @@ class Settings:
             raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (server TLS) too")
 
 
-OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file"})
+OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file", "gguf"})
 
 
 def _parse(name: str, default: Any, raw: str) -> Any:

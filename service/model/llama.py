@@ -2,7 +2,8 @@
 
 Owns the forward pass and nothing else: parameters are allocated with ``torch.empty`` in their final, fused layout
 (per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows, see ``ModelConfig.fused_rows``) and filled by
-``service.model.weights``; a tied ``lm_head`` is the embedding tensor itself.
+``service.model.weights``; a tied ``lm_head`` is the embedding tensor itself. A GGUF load may swap the embedding for
+an ``EmbeddingTable`` (rows dequantized on gather; as the head, its own projection), see ``set_embeddings``.
 
 A forward pass runs ``B`` rows that occupy the contiguous cache slots ``[slot_start, slot_start + B)``. Row ``b``
 carries its tokens and their absolute positions; K/V are written at those positions, and each query attends to
@@ -29,8 +30,9 @@ from torch import Tensor, nn
 
 from service.model.config import ModelConfig
 from service.model.kv_cache import KVCache
+from service.model.quant import QuantizedWeight, linear
 
-__all__ = ["KV_LIMIT", "AdapterHook", "Llama", "ProjName", "finite_kv", "proj"]
+__all__ = ["KV_LIMIT", "AdapterHook", "EmbeddingTable", "Llama", "ProjName", "finite_kv", "proj"]
 
 ProjName = Literal["wqkv", "wo", "w13", "w2"]
 
@@ -47,11 +49,35 @@ class AdapterHook(Protocol):
         ...
 
 
+class EmbeddingTable(Protocol):
+    """A [vocab, hidden] embedding / output head kept in a compact form (``service.model.gguf_weights.Q8Table``)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def gather(self, tokens: Tensor) -> Tensor:
+        """tokens [...] int64 -> [..., hidden] in the model dtype."""
+        ...
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """hidden [..., hidden] -> [..., vocab]: the table as the output head."""
+        ...
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The whole table [vocab, hidden]."""
+        ...
+
+
 def proj(
-    x: Tensor, weight: Tensor, bias: Tensor | None, layer: int, name: ProjName, adapters: AdapterHook | None
+    x: Tensor,
+    weight: Tensor | QuantizedWeight,
+    bias: Tensor | None,
+    layer: int,
+    name: ProjName,
+    adapters: AdapterHook | None,
 ) -> Tensor:
     """One linear projection of the decoder, with the adapter delta added when a hook is given."""
-    out = F.linear(x, weight, bias)
+    out = linear(x, weight, bias)
     if adapters is not None:
         out = adapters.add_delta(out, x, layer, name)
     return out
@@ -228,13 +254,15 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.tok_embeddings = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device)
+        self.tok_embeddings: Tensor | EmbeddingTable = _param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device
+        )
         blocks = tuple(Block(cfg, i, dtype=dtype, device=self.device) for i in range(cfg.num_layers))
         self.layers = nn.ModuleList(blocks)  # registers the parameters
         self.blocks: tuple[Block, ...] = blocks  # the same modules, typed
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=self.device)
         if cfg.tie_word_embeddings:
-            self.lm_head = self.tok_embeddings
+            self.lm_head: Tensor | EmbeddingTable = self.tok_embeddings
         else:
             self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device)
         self._inv_freq = rope_inv_freq(cfg)  # [D/2] fp32, CPU
@@ -295,7 +323,8 @@ class Llama(nn.Module):
             adapters=adapters,
         )
 
-        x = F.embedding(tokens, self.tok_embeddings)  # [B, T, hidden]
+        emb = self.tok_embeddings
+        x = F.embedding(tokens, emb) if isinstance(emb, Tensor) else emb.gather(tokens)  # [B, T, hidden]
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
             x = x + layer.attention(layer.attention_norm(x), step, cache.rows[i], k_cache, v_cache)
@@ -305,7 +334,8 @@ class Llama(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> fp32 logits [..., vocab] (matmul in the model dtype, as transformers)."""
-        return F.linear(hidden, self.lm_head).float()
+        head = self.lm_head
+        return (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
 
     def draft_head(self) -> Tensor:
         """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32
@@ -320,7 +350,9 @@ class Llama(nn.Module):
                 and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
             )
             use_copy = self.dtype == torch.float32 and fast_bf16
-            self._draft_head = self.lm_head.detach().to(torch.bfloat16) if use_copy else self.lm_head.detach()
+            head = self.lm_head
+            dense = head.detach() if isinstance(head, Tensor) else head.dequantize(self.dtype)
+            self._draft_head = dense.to(torch.bfloat16) if use_copy else dense
         return self._draft_head
 
     @staticmethod
@@ -329,6 +361,17 @@ class Llama(nn.Module):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden[rows, lengths - 1]
 
+    def set_embeddings(self, table: Tensor | EmbeddingTable, head: Tensor | EmbeddingTable) -> None:
+        """Replace the embedding and the output head by compact forms (a GGUF load, ``service.model.gguf_weights``)."""
+        for name in ("tok_embeddings", "lm_head"):
+            self._parameters.pop(name, None)
+        self.tok_embeddings = table
+        self.lm_head = head
+        self._draft_head = None
+
     @property
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of every weight as served, the compact embedding and head (``set_embeddings``) included."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        compact = {id(w): w for w in (self.tok_embeddings, self.lm_head) if not isinstance(w, nn.Parameter)}
+        return dense + sum(w.nbytes for w in compact.values())

@@ -30,14 +30,14 @@ def build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]:
     cfg = model.cfg
     fused = cfg.fused_rows()
     plan: dict[str, Tensor] = {
-        "model.embed_tokens.weight": model.tok_embeddings.data,
+        "model.embed_tokens.weight": _dense(model.tok_embeddings),
         "model.norm.weight": model.norm.weight.data,
     }
     ignore = ["model.rotary_emb.inv_freq"]
     if cfg.tie_word_embeddings:
         ignore.append("lm_head.weight")  # some tied checkpoints still carry a copy; the embedding is the truth
     else:
-        plan["lm_head.weight"] = model.lm_head.data
+        plan["lm_head.weight"] = _dense(model.lm_head)
     for i, block in enumerate(model.blocks):
         p = f"model.layers.{i}."
         attn, ffn = block.attention, block.feed_forward
@@ -51,6 +51,13 @@ def build_load_plan(model: Llama) -> tuple[dict[str, Tensor], list[str]]:
         plan[f"{p}post_attention_layernorm.weight"] = block.ffn_norm.weight.data
         ignore.append(f"{p}self_attn.rotary_emb.inv_freq")  # written by old transformers versions
     return plan, ignore
+
+
+def _dense(weight: object) -> Tensor:
+    """The memory of a dense weight; an HF folder loads into a freshly built model, whose weights are all dense."""
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"expected a dense tensor, got {type(weight).__name__}")
+    return weight.data
 
 
 def _add_projection(
