@@ -29,7 +29,7 @@ from service.loading.gguf_blocks import GROUP, INT4_TYPES, Int4Rows, Int8Rows, R
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED, MODEL_PARAMETER_BYTES
 from service.model.config import ModelConfig
 from service.model.gguf_plan import Target, check_gguf, gguf_targets, unpermute_rows
-from service.model.llama import Llama
+from service.model.llama import PROJ_NAMES, Llama, ProjName
 from service.model.quant import Int4Weight
 
 __all__ = ["Q8Table", "load_gguf_model"]
@@ -108,10 +108,10 @@ def _fill(reader: RowReader, header: GGUFHeader, target: Target, dest: Int4Rows 
         reader.read(t, dest, rows)
 
 
-def _install(module: torch.nn.Module, attr: str, weight: Int4Weight) -> None:
-    """Replace a projection's dense parameter (allocated, never touched) by its packed weight."""
-    module._parameters.pop(attr, None)
-    setattr(module, attr, weight)
+def _projection(target: Target) -> tuple[int, ProjName]:
+    if target.layer is None or target.attr not in PROJ_NAMES:
+        raise ValueError(f"{target.attr} is not a projection")
+    return target.layer, target.attr
 
 
 def _types(header: GGUFHeader, target: Target) -> set[str]:
@@ -120,12 +120,18 @@ def _types(header: GGUFHeader, target: Target) -> set[str]:
 
 def _load_target(reader: RowReader, header: GGUFHeader, model: Llama, target: Target, packed: bool) -> None:
     types = _types(header, target)
-    module = _module(model, target)
-    if packed and target.is_projection and types <= INT4_TYPES:
-        rows = Int4Rows.empty(*target.shape)
-        _fill(reader, header, target, rows)
-        weight = Int4Weight.from_q_scale_zero(rows.q, rows.scale, rows.zero, GROUP, dtype=model.dtype)
-        _install(module, target.attr, weight)
+    if packed and target.is_projection:
+        layer, name = _projection(target)
+        if types <= INT4_TYPES:
+            rows = Int4Rows.empty(*target.shape)
+            _fill(reader, header, target, rows)
+            model.set_projection(
+                layer, name, Int4Weight.from_q_scale_zero(rows.q, rows.scale, rows.zero, GROUP, dtype=model.dtype)
+            )
+        else:  # a quantized model's placeholder becomes a dense weight: F16/BF16/F32 or Q8_0 kept exact
+            dense = torch.empty(target.shape, dtype=model.dtype)
+            _fill(reader, header, target, dense)
+            setattr(_module(model, target), target.attr, dense)
     elif packed and target.attr in ("tok_embeddings", "lm_head") and types == {"Q8_0"}:
         rows8 = Int8Rows.empty(*target.shape)
         _fill(reader, header, target, rows8)
@@ -155,7 +161,7 @@ def load_gguf_model(
         targets = gguf_targets(cfg)
         check_gguf(header, cfg, targets)
         header_seconds = time.perf_counter() - t0
-        model = Llama(cfg, dtype=dtype, device=torch.device("cpu"))
+        model = Llama(cfg, dtype=dtype, device=torch.device("cpu"), quantized=packed)
         reader = RowReader(fd)
         t1 = time.perf_counter()
         for target in targets:

@@ -50,9 +50,17 @@ __all__ = [
 
 QuantKind = Literal["int8", "int4"]
 GROUP_SIZES = (32, 64, 128)
-# Rows (M = batch x tokens) from which dequantize-then-dense beats the quantized kernel, per kind, on CPU.
-# Measured with bench/quant_kernels.py (bench/README.md, "Quantized kernels"); CUDA always uses the kernel.
-DENSE_FROM_ROWS: dict[QuantKind, int] = {"int8": 1 << 30, "int4": 1 << 30}
+# Rows (M = batch x tokens) from which dequantize-then-dense beats the quantized kernel on CPU, per kind and compute
+# dtype: measured with bench/quant_kernels.py (bench/README.md, "Quantized kernels"). In float32 torch's int4 kernel
+# is slower than dequantizing even at M = 2; float16 (unmeasured) takes bfloat16's. CUDA always uses the kernel.
+DENSE_FROM_ROWS: dict[tuple[QuantKind, torch.dtype], int] = {
+    ("int8", torch.float32): 4,
+    ("int4", torch.float32): 2,
+    ("int8", torch.bfloat16): 32,
+    ("int4", torch.bfloat16): 128,
+    ("int8", torch.float16): 32,
+    ("int4", torch.float16): 128,
+}
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -91,7 +99,7 @@ class Int8Weight:
 
     q: Tensor  # [N, K] int8
     scale: Tensor  # [N], compute dtype
-    dense_from_rows: int = DENSE_FROM_ROWS["int8"]
+    dense_from_rows: int  # M from which ``linear`` dequantizes and runs dense (DENSE_FROM_ROWS by default)
 
     @classmethod
     def from_q_scale(cls, q: Tensor, scale: Tensor, *, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -100,7 +108,8 @@ class Int8Weight:
         if tuple(scale.shape) != (q.shape[0],):
             raise ValueError(f"scale must be [{q.shape[0]}] (one per output row), got {tuple(scale.shape)}")
         dtype = _compute_dtype(dtype, scale.dtype)
-        return cls(q.contiguous(), scale.to(device=q.device, dtype=dtype).contiguous())
+        scale = scale.to(device=q.device, dtype=dtype).contiguous()
+        return cls(q.contiguous(), scale, DENSE_FROM_ROWS["int8", dtype])
 
     @classmethod
     def quantize(cls, w: Tensor, *, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -150,7 +159,7 @@ class Int4Weight:
     scales_and_zeros: Tensor  # [K / group, N, 2]
     group_size: int
     in_features: int
-    dense_from_rows: int = DENSE_FROM_ROWS["int4"]
+    dense_from_rows: int  # M from which ``linear`` dequantizes and runs dense (DENSE_FROM_ROWS by default)
 
     @classmethod
     def from_q_scale_zero(
@@ -175,7 +184,7 @@ class Int4Weight:
         else:
             packed = torch._convert_weight_to_int4pack_for_cpu(q32, 1)
         sz = torch.stack((scale.t(), zero.t()), dim=-1).to(device=q.device, dtype=dtype).contiguous()  # [K/g, N, 2]
-        return cls(packed, sz, group_size, k)
+        return cls(packed, sz, group_size, k, DENSE_FROM_ROWS["int4", dtype])
 
     @classmethod
     def quantize(cls, w: Tensor, group_size: int = 32, *, dtype: torch.dtype | None = None) -> Int4Weight:
@@ -214,7 +223,7 @@ class Int4Weight:
         """q [N, K] uint8 in 0..15, undoing the CPU kernel's layout (see ``_unpack_cpu``)."""
         if self.device.type != "cpu":
             raise NotImplementedError("unpacking the CUDA int4 layout is not supported; dequantize on the CPU path")
-        return _unpack_cpu(self.packed, *self.shape)  # [N, K]
+        return _unpack_cpu(self.packed, *self.shape, torch.empty(self.shape, dtype=torch.uint8))  # [N, K]
 
     def dequantize(self, dtype: torch.dtype | None = None, *, out: Tensor | None = None) -> Tensor:
         """The dense weight [N, K] (into ``out`` when given), computed as the kernel does: (q - 8) * scale + zero
@@ -223,8 +232,9 @@ class Int4Weight:
         g = self.group_size
         own = self.dtype
         dense = out if out is not None and out.dtype == own else torch.empty((n, k), dtype=own, device=self.device)
-        dense3 = dense.view(n, k // g, g)  # [N, K/g, g]
-        dense3.copy_(self.unpack().view(n, k // g, g)).sub_(8)
+        if self.device.type != "cpu":
+            raise NotImplementedError("unpacking the CUDA int4 layout is not supported; dequantize on the CPU path")
+        dense3 = _unpack_cpu(self.packed, n, k, dense).view(n, k // g, g).sub_(8)  # [N, K/g, g]
         scale = self.scales_and_zeros[..., 0].t()[..., None]  # [N, K/g, 1]
         zero = self.scales_and_zeros[..., 1].t()[..., None]
         dense3.mul_(scale).add_(zero)
@@ -251,21 +261,25 @@ def _check_int4_shape(n: int, k: int, group_size: int) -> None:
         raise ValueError(f"int4 needs in_features divisible by group_size {group_size}, got {k}")
 
 
-def _unpack_cpu(packed: Tensor, n: int, k: int) -> Tensor:
-    """Invert ``_convert_weight_to_int4pack_for_cpu``. Rows come in blocks: each full block of 64 rows is [K, 32]
-    bytes holding row j in the low and row j + 32 in the high nibble of byte j; the last N % 64 rows (R = 16, 32
-    or 48) are one [K, R / 2] block holding rows 2j and 2j + 1 in the low and high nibbles of byte j."""
+def _unpack_cpu(packed: Tensor, n: int, k: int, out: Tensor) -> Tensor:
+    """Invert ``_convert_weight_to_int4pack_for_cpu`` into ``out`` [N, K] (any dtype; q in 0..15). Rows come in
+    blocks: each full block of 64 rows is [K, 32] bytes holding row j in the low and row j + 32 in the high nibble
+    of byte j; the last N % 64 rows (R = 16, 32 or 48) are one [K, R / 2] block holding rows 2j and 2j + 1 in the
+    low and high nibbles of byte j. Each nibble plane is written with one converting, transposing copy."""
     full = n // 64 * 64
     flat = packed.reshape(-1)  # [N * K / 2]
-    parts = []
     if full:
         p = flat[: full * k // 2].view(full // 64, k, 32)  # [N/64, K, 32]
-        parts.append(torch.cat((p & 15, p >> 4), dim=2).transpose(1, 2).reshape(full, k))  # [full, K]
+        dst = out[:full].view(full // 64, 2, 32, k)  # [N/64, lo|hi, 32, K]
+        dst[:, 0].copy_((p & 15).transpose(1, 2))
+        dst[:, 1].copy_((p >> 4).transpose(1, 2))
     if n > full:
         r = n - full
         p = flat[full * k // 2 :].view(k, r // 2)  # [K, R/2]
-        parts.append(torch.stack((p & 15, p >> 4), dim=2).view(k, r).t())  # [R, K]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        dst = out[full:].view(r // 2, 2, k)  # [R/2, lo|hi, K]
+        dst[:, 0].copy_((p & 15).t())
+        dst[:, 1].copy_((p >> 4).t())
+    return out
 
 
 def _pack_cuda(q32: Tensor) -> Tensor:
