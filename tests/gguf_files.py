@@ -127,3 +127,22 @@ def reference_state(path: Path, cfg: dict[str, int]) -> dict[str, torch.Tensor]:
             w = _unpermute(w, cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"])
         out[t.name] = torch.from_numpy(np.ascontiguousarray(w))
     return out
+
+
+def write_reference_folder(src: Path, gguf_path: Path, dst: Path) -> Path:
+    """An HF folder holding exactly the weights ``gguf_path`` stores (``reference_state``, back under HF names), with
+    ``src``'s config and tokenizer files: what transformers / peft load as the float32 reference."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    by_gguf = reference_state(gguf_path, cfg)
+    hf_names = load_file(str(src / "model.safetensors")).keys()
+    tensors = {hf: by_gguf[gguf_name(hf)] for hf in hf_names if gguf_name(hf) in by_gguf}
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for file in src.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors"):
+            shutil.copy(file, dst / file.name)
+    return dst

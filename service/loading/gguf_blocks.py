@@ -146,7 +146,8 @@ class RowReader:
             yield r0, self._buf[:n].view(-1, row_bytes)
 
     def read(self, t: GGUFTensor, dest: Dest, dest_rows: Tensor | None = None) -> None:
-        """Fill ``dest`` (``[t.rows, K]`` rows; ``dest_rows`` [t.rows] permutes them) from tensor ``t``."""
+        """Fill ``dest`` (``[t.rows, K]`` rows; ``dest_rows`` [t.rows] permutes them, or for a vector its elements)
+        from tensor ``t``."""
         name = t.ggml_type.name
         if name not in SUPPORTED:
             served = ", ".join(sorted(SUPPORTED))
@@ -168,5 +169,7 @@ class RowReader:
         elif isinstance(dest, Int8Rows):
             for part, src in zip((dest.q, dest.scale), _decode_q8(raw), strict=True):
                 part[rows] = src
+        elif len(t.shape) == 1:  # a vector is one row: ``dest_rows`` places (and permutes) its elements
+            dest.view(-1)[slice(None) if dest_rows is None else dest_rows] = decode_float(t, raw).view(-1)
         else:
             dest.view(-1, t.row_elems)[rows] = decode_float(t, raw)
