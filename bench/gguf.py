@@ -8,7 +8,8 @@ loopback: ``folder-fp32`` / ``folder-bf16`` serve models/SmolLM2-135M-Instruct's
 ``gguf-bf16`` the Q4_1 GGUF beside it (``--gguf``). Measured per server: process start -> health SERVING (load),
 batch-1 tok/s over gRPC (prompts ``"Write a short story about a robot number {i}."``, no chat template, greedy,
 ``ignore_eos``, exactly ``--new-tokens``; tok/s = generated tokens / wall time of the round; warm median of
-``--rounds``), and the server's peak RSS (``ru_maxrss`` of the child from ``os.wait4`` after SIGTERM).
+``--rounds``), and the server's peak RSS (``ru_maxrss`` from ``os.wait4`` in a small launcher process, after
+SIGTERM).
 Results: bench/results/gguf.json; the table in bench/README.md is copied from the printed summary.
 """
 
@@ -28,6 +29,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+LAUNCHER = """
+import os, signal, subprocess, sys
+child = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+print(os.wait4(child.pid, 0)[2].ru_maxrss)
+"""  # runs argv, forwards SIGTERM, prints the child's peak RSS in KiB
 CONFIGS: dict[str, list[str]] = {
     "folder-fp32": ["--dtype", "float32"],
     "folder-bf16": ["--dtype", "bfloat16"],
@@ -74,7 +81,10 @@ def run_one(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd += ["--metrics-port", "-1", "--max-batch-size", "4", *CONFIGS[name]]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'clients' / 'python'}"}
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Through a small launcher: Linux starts a child's peak RSS at its parent's RSS at fork, so a server forked
+    # from a big process would report that process's size.
+    launch = [sys.executable, "-c", LAUNCHER, *cmd]
+    proc = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         ready = wait_serving(f"127.0.0.1:{port}", start, proc, args.timeout)
         target = f"127.0.0.1:{port}"
@@ -82,13 +92,12 @@ def run_one(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
         rates = [batch1_round(target, args.prompts, args.new_tokens) for _ in range(args.rounds)]
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, status, usage = os.wait4(proc.pid, 0)
+        out, _ = proc.communicate(timeout=120)
     return {
         "ready_seconds": ready,
         "tok_s": statistics.median(rates),
         "tok_s_all": rates,
-        "peak_rss_mib": usage.ru_maxrss / 1024,
-        "exit_status": status,
+        "peak_rss_mib": int(out.split()[-1]) / 1024,
     }
 
 

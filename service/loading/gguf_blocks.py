@@ -40,14 +40,14 @@ SUPPORTED = frozenset({*INT4_TYPES, "Q8_0", *_FLOATS})
 class Int4Rows:
     """Unpacked 4-bit weights, ready for the int4 kernel: ``w = (q - 8) * scale + zero`` per group of 32."""
 
-    q: Tensor  # [N, K] uint8 in 0..15
+    q: Tensor  # [N, K] values 0..15 (uint8, or int32 as the kernel's packer takes them)
     scale: Tensor  # [N, K / 32] float32
     zero: Tensor  # [N, K / 32] float32
 
     @classmethod
-    def empty(cls, n: int, k: int) -> Int4Rows:
+    def empty(cls, n: int, k: int, q_dtype: torch.dtype = torch.uint8) -> Int4Rows:
         g = k // GROUP
-        return cls(torch.empty(n, k, dtype=torch.uint8), torch.empty(n, g), torch.empty(n, g))
+        return cls(torch.empty(n, k, dtype=q_dtype), torch.empty(n, g), torch.empty(n, g))
 
     def dequantize(self) -> Tensor:
         n, k = self.q.shape
@@ -57,20 +57,26 @@ class Int4Rows:
 
 @dataclass(frozen=True)
 class Int8Rows:
-    """Unpacked Q8_0 weights: ``w = q * scale`` per group of 32."""
+    """Unpacked Q8_0 weights: ``w = q * scale`` per group of 32. ``q`` may be a strided view (``group_major``)."""
 
-    q: Tensor  # [N, K] int8
+    q: Tensor  # [N, K / 32, 32] int8
     scale: Tensor  # [N, K / 32] float32
 
     @classmethod
     def empty(cls, n: int, k: int) -> Int8Rows:
-        return cls(torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // GROUP))
+        return cls(torch.empty(n, k // GROUP, GROUP, dtype=torch.int8), torch.empty(n, k // GROUP))
+
+    @classmethod
+    def group_major(cls, n: int, k: int) -> Int8Rows:
+        """Rows over ``[K / 32, N, 32]`` / ``[K / 32, N]`` storage: each column group's slice contiguous."""
+        g = k // GROUP
+        q = torch.empty(g, n, GROUP, dtype=torch.int8)
+        return cls(q.transpose(0, 1), torch.empty(g, n).t())
 
     def dequantize(self, rows: Tensor | None = None) -> Tensor:
         """Rows ``rows`` (all when None) as float32 ``[R, K]``: exact (an int8 times an f16 fits a float32)."""
         q, s = (self.q, self.scale) if rows is None else (self.q[rows], self.scale[rows])
-        r, k = q.shape
-        return (q.view(r, k // GROUP, GROUP).float() * s[..., None]).view(r, k)
+        return (q.float() * s[..., None]).reshape(q.shape[0], -1)
 
 
 Dest = Int4Rows | Int8Rows | Tensor
@@ -111,7 +117,7 @@ def decode_float(t: GGUFTensor, raw: Tensor) -> Tensor:
         return raw.view(_FLOATS[name]).float()
     if name == "Q8_0":
         q, s = _decode_q8(raw)
-        return Int8Rows(q, s).dequantize()
+        return Int8Rows(q.view(q.shape[0], -1, GROUP), s).dequantize()
     q, scale, zero = _decode_int4(t, raw)
     return Int4Rows(q, scale, zero).dequantize()
 
@@ -165,10 +171,11 @@ class RowReader:
         rows = slice(r0, r0 + raw.shape[0]) if dest_rows is None else dest_rows[r0 : r0 + raw.shape[0]]
         if isinstance(dest, Int4Rows):
             for part, src in zip((dest.q, dest.scale, dest.zero), _decode_int4(t, raw), strict=True):
-                part[rows] = src
+                part[rows] = src if isinstance(rows, slice) else src.to(part.dtype)  # index_put needs one dtype
         elif isinstance(dest, Int8Rows):
-            for part, src in zip((dest.q, dest.scale), _decode_q8(raw), strict=True):
-                part[rows] = src
+            q, scale = _decode_q8(raw)
+            dest.q[rows] = q.view(q.shape[0], -1, GROUP)
+            dest.scale[rows] = scale
         elif len(t.shape) == 1:  # a vector is one row: ``dest_rows`` places (and permutes) its elements
             dest.view(-1)[slice(None) if dest_rows is None else dest_rows] = decode_float(t, raw).view(-1)
         else:

@@ -45,8 +45,10 @@ class Q8Table:
     slice is contiguous, as the kernel needs."""
 
     def __init__(self, rows: Int8Rows, dtype: torch.dtype) -> None:
-        v, k = rows.q.shape
-        self.q = rows.q.view(v, k // GROUP, GROUP).transpose(0, 1).contiguous()  # [G, V, 32]
+        """``rows`` from ``Int8Rows.group_major`` (its storage becomes the table's, no copy)."""
+        self.q = rows.q.transpose(0, 1)  # [G, V, 32]
+        if not self.q.is_contiguous():
+            raise ValueError("Q8Table needs group-major rows (Int8Rows.group_major)")
         self.d = rows.scale.t().to(dtype).contiguous()  # [G, V]
         self.dtype = dtype
 
@@ -118,12 +120,28 @@ def _types(header: GGUFHeader, target: Target) -> set[str]:
     return {header.tensors[p.name].ggml_type.name for p in target.parts}
 
 
-def _load_target(reader: RowReader, header: GGUFHeader, model: Llama, target: Target, packed: bool) -> None:
+class _Int4Staging:
+    """One ``Int4Rows`` buffer for the largest projection, reused by every projection (q as int32: what the kernel's
+    packer takes, so it makes no copy of it), so loading allocates no per-projection temporaries."""
+
+    def __init__(self, targets: list[Target]) -> None:
+        sizes = [t.shape for t in targets if t.is_projection]
+        n, k = max((s[0] * s[1] for s in sizes), default=0), max((s[0] * s[1] // GROUP for s in sizes), default=0)
+        self._rows = Int4Rows(torch.empty(n, dtype=torch.int32), torch.empty(k), torch.empty(k))
+
+    def take(self, n: int, k: int) -> Int4Rows:
+        r, g = self._rows, k // GROUP
+        return Int4Rows(r.q[: n * k].view(n, k), r.scale[: n * g].view(n, g), r.zero[: n * g].view(n, g))
+
+
+def _load_target(
+    reader: RowReader, header: GGUFHeader, model: Llama, target: Target, staging: _Int4Staging | None
+) -> None:
     types = _types(header, target)
-    if packed and target.is_projection:
+    if staging is not None and target.is_projection:
         layer, name = _projection(target)
         if types <= INT4_TYPES:
-            rows = Int4Rows.empty(*target.shape)
+            rows = staging.take(*target.shape)
             _fill(reader, header, target, rows)
             model.set_projection(
                 layer, name, Int4Weight.from_q_scale_zero(rows.q, rows.scale, rows.zero, GROUP, dtype=model.dtype)
@@ -132,8 +150,8 @@ def _load_target(reader: RowReader, header: GGUFHeader, model: Llama, target: Ta
             dense = torch.empty(target.shape, dtype=model.dtype)
             _fill(reader, header, target, dense)
             setattr(_module(model, target), target.attr, dense)
-    elif packed and target.attr in ("tok_embeddings", "lm_head") and types == {"Q8_0"}:
-        rows8 = Int8Rows.empty(*target.shape)
+    elif staging is not None and target.attr in ("tok_embeddings", "lm_head") and types == {"Q8_0"}:
+        rows8 = Int8Rows.group_major(*target.shape)
         _fill(reader, header, target, rows8)
         table = Q8Table(rows8, model.dtype)
         if target.attr == "lm_head":
@@ -164,8 +182,9 @@ def load_gguf_model(
         model = Llama(cfg, dtype=dtype, device=torch.device("cpu"), quantized=packed)
         reader = RowReader(fd)
         t1 = time.perf_counter()
+        staging = _Int4Staging(targets) if packed else None
         for target in targets:
-            _load_target(reader, header, model, target, packed)
+            _load_target(reader, header, model, target, staging)
         model.eval()
         read_seconds = time.perf_counter() - t1
     finally:
