@@ -82,7 +82,11 @@ class Runtime:
 
             model, cfg, stats = load_gguf_model(s.model, s.gguf, dtype=dtype, device=device)
         else:
-            model, cfg, stats = load_model(s.model, dtype=dtype, device=device, mode=s.load_mode)
+            quantize = None if s.quantize == "none" else s.quantize
+            model, cfg, stats = load_model(
+                s.model, dtype=dtype, device=device, mode=s.load_mode,
+                quantize=quantize, group_size=s.quantize_group_size,  # type: ignore[arg-type]
+            )  # fmt: skip
         roots = adapter_roots(s)
         store = AdapterStore(
             cfg,
@@ -99,10 +103,10 @@ class Runtime:
         engine.start()
         seconds = time.perf_counter() - start
         log.info(
-            "event=model_loaded path=%s weights=%s mode=%s dtype=%s device=%s bytes=%d parameter_bytes=%d "
+            "event=model_loaded path=%s weights=%s mode=%s dtype=%s quantize=%s device=%s bytes=%d parameter_bytes=%d "
             "load_seconds=%.3f weights_seconds=%.3f",
-            s.model, s.gguf or "safetensors", stats.mode, s.dtype, device, stats.bytes_read, model.parameter_bytes,
-            seconds, stats.total_seconds,
+            s.model, s.gguf or "safetensors", stats.mode, s.dtype, s.quantize, device, stats.bytes_read,
+            model.parameter_bytes, seconds, stats.total_seconds,
         )  # fmt: skip
         self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters)
         return self.loaded

@@ -116,10 +116,12 @@ class Int8Weight:
         """Symmetric per-row quantization: scale = max |w| / 127, q = round(w / scale)."""
         if w.dim() != 2 or not w.dtype.is_floating_point:
             raise ValueError(f"w must be a 2-D floating tensor, got {w.dtype} {tuple(w.shape)}")
-        w32 = w.float()
-        scale = w32.abs().amax(dim=1) / 127.0  # [N]
+        # One float temporary, worked in place: a streamed load quantizes 100+ projections, and every extra
+        # projection-sized temporary is heap the allocator may never return.
+        lo, hi = torch.aminmax(w, dim=1)  # [N] each
+        scale = torch.maximum(hi.float(), lo.float().neg()) / 127.0  # [N]
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+        q = torch.div(w.float(), scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [N, K]
         return cls.from_q_scale(q, scale, dtype=_compute_dtype(dtype, w.dtype))
 
     @property
@@ -175,8 +177,10 @@ class Int4Weight:
                 f"scale and zero must be {list(groups)} (rows, K / group_size), "
                 f"got {tuple(scale.shape)} and {tuple(zero.shape)}"
             )
-        if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
-            raise ValueError(f"q values must be in 0..15, got {int(q.min())}..{int(q.max())}")
+        if q.numel():
+            lo, hi = (int(v) for v in torch.aminmax(q))
+            if lo < 0 or hi > 15:
+                raise ValueError(f"q values must be in 0..15, got {lo}..{hi}")
         dtype = _compute_dtype(dtype, scale.dtype)
         q32 = q.to(torch.int32).contiguous()
         if q.device.type == "cuda":
@@ -195,11 +199,13 @@ class Int4Weight:
         n, k = w.shape
         _check_int4_shape(n, k, group_size)
         g = w.float().reshape(n, k // group_size, group_size)  # [N, K/g, g]
-        lo, hi = g.amin(dim=2), g.amax(dim=2)  # [N, K/g]
+        lo, hi = torch.aminmax(g, dim=2)  # [N, K/g]
         scale = (hi - lo) / 15.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).reshape(n, k).to(torch.int32)
-        return cls.from_q_scale_zero(q, scale, lo + 8.0 * scale, group_size, dtype=_compute_dtype(dtype, w.dtype))
+        q = torch.sub(g, lo[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)  # one temporary, in place
+        q32 = q.view(n, k).to(torch.int32)  # [N, K]
+        del q
+        return cls.from_q_scale_zero(q32, scale, lo + 8.0 * scale, group_size, dtype=_compute_dtype(dtype, w.dtype))
 
     @property
     def shape(self) -> tuple[int, int]:
