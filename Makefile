@@ -8,6 +8,9 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 METRICS_PORT ?= 9400
 SERVE_ARGS ?=
+# What `make serve` serves: the GGUF's own 4-bit blocks in bfloat16 (bench/README.md, "GGUF served directly": 3.4x
+# the bf16 folder's batch-1 tok/s, par at batch 16, 0.52x the fp32 server's peak RSS). WEIGHTS= serves the folder.
+WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --dtype bfloat16
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
@@ -34,7 +37,7 @@ $(MODEL_DIR)/config.json $(MODEL_DIR).Q4_1.gguf: | $(VENV)/.installed
 
 ## serve: set everything up and serve the default model on $(HOST):$(PORT) (metrics on :$(METRICS_PORT))
 serve: setup model
-	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
+	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) $(WEIGHTS) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
 		--metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 ## test: set everything up, lint, type-check and run the whole test suite

@@ -6,10 +6,10 @@
 Each configuration is a fresh ``loraplex serve`` subprocess (this checkout's code, ``python -m service.cli``) on
 loopback: ``folder-fp32`` / ``folder-bf16`` serve models/SmolLM2-135M-Instruct's safetensors, ``gguf-fp32`` /
 ``gguf-bf16`` the Q4_1 GGUF beside it (``--gguf``). Measured per server: process start -> health SERVING (load),
-batch-1 tok/s over gRPC (prompts ``"Write a short story about a robot number {i}."``, no chat template, greedy,
-``ignore_eos``, exactly ``--new-tokens``; tok/s = generated tokens / wall time of the round; warm median of
-``--rounds``), and the server's peak RSS (``ru_maxrss`` from ``os.wait4`` in a small launcher process, after
-SIGTERM).
+tok/s over gRPC at batch 1 (or ``--batch`` prompts per request; prompts ``"Write a short story about a robot
+number {i}."``, no chat template, greedy, ``ignore_eos``, exactly ``--new-tokens``; tok/s = generated tokens /
+wall time of the round; warm median of ``--rounds``), and the server's peak RSS (``ru_maxrss`` from ``os.wait4`` in
+a small launcher process, after SIGTERM).
 Results: bench/results/gguf.json; the table in bench/README.md is copied from the printed summary.
 """
 
@@ -62,23 +62,24 @@ def wait_serving(target: str, start: float, proc: subprocess.Popen[bytes], timeo
     raise TimeoutError(f"{target} not SERVING after {timeout} s")
 
 
-def batch1_round(target: str, prompts: int, new_tokens: int) -> float:
+def timed_round(target: str, prompts: int, new_tokens: int, batch: int) -> float:
+    """``prompts`` requests one after another, each of ``batch`` prompts (batched by the server): tok/s."""
     from loraplex import Client
 
     tokens = 0
     with Client(target, timeout=600) as client:
         start = time.perf_counter()
         for i in range(prompts):
-            text = f"Write a short story about a robot number {i}."
-            result = client.generate(text, max_new_tokens=new_tokens, ignore_eos=True, return_token_ids=True)
-            tokens += len(result.token_ids)
+            texts = [f"Write a short story about a robot number {i * batch + j}." for j in range(batch)]
+            results = client.generate(texts, max_new_tokens=new_tokens, ignore_eos=True, return_token_ids=True)
+            tokens += sum(len(r.token_ids) for r in results)
         wall = time.perf_counter() - start
     return tokens / wall
 
 
 def run_one(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(args.model), "--port", str(port)]
-    cmd += ["--metrics-port", "-1", "--max-batch-size", "4", *CONFIGS[name]]
+    cmd += ["--metrics-port", "-1", "--max-batch-size", str(max(4, args.batch)), *CONFIGS[name]]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'clients' / 'python'}"}
     start = time.monotonic()
     # Through a small launcher: Linux starts a child's peak RSS at its parent's RSS at fork, so a server forked
@@ -88,8 +89,8 @@ def run_one(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         ready = wait_serving(f"127.0.0.1:{port}", start, proc, args.timeout)
         target = f"127.0.0.1:{port}"
-        batch1_round(target, 1, 4)  # warm-up
-        rates = [batch1_round(target, args.prompts, args.new_tokens) for _ in range(args.rounds)]
+        timed_round(target, 1, 4, args.batch)  # warm-up
+        rates = [timed_round(target, args.prompts, args.new_tokens, args.batch) for _ in range(args.rounds)]
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per request, decoded together (default 1)")
     parser.add_argument("--port", type=int, default=50777)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf.json")
@@ -118,7 +120,7 @@ def main() -> None:
         r = results[name]
         print(
             f"{name:12s} ready {r['ready_seconds']:6.2f} s  peak RSS {r['peak_rss_mib']:7.1f} MiB  "
-            f"batch 1 {r['tok_s']:6.1f} tok/s  (rounds {', '.join(f'{x:.1f}' for x in r['tok_s_all'])})",
+            f"batch {args.batch} {r['tok_s']:6.1f} tok/s  (rounds {', '.join(f'{x:.1f}' for x in r['tok_s_all'])})",
             flush=True,
         )
     if "folder-fp32" in results:

@@ -83,3 +83,16 @@ def test_a_corrupt_gguf_fails_the_load_by_name(
     with grpc.insecure_channel(srv.target) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_gguf_setting_from_flag_and_env_and_its_refusals() -> None:
+    from service.cli import build_parser, serve_settings
+    from service.config import ConfigError, Settings
+
+    assert serve_settings(build_parser().parse_args(["serve", "--gguf", "m.gguf"]), env={}).gguf == Path("m.gguf")
+    assert Settings.from_env({"LORAPLEX_GGUF": "w.gguf"}).gguf == Path("w.gguf")
+    assert Settings.from_env({"LORAPLEX_GGUF": ""}).gguf is None
+    with pytest.raises(ConfigError, match="served as stored"):
+        Settings.from_env({}, gguf=Path("m.gguf"), quantize="int4")
+    with pytest.raises(ConfigError, match="CPU only"):
+        Settings.from_env({}, gguf=Path("m.gguf"), device="cuda")
