@@ -216,7 +216,8 @@ SMOL_PROMPTS = [
 @pytest.mark.parametrize("kind", KINDS)
 def test_smollm2_quantized_matches_its_dequantized_reference(smollm2_dir: Path, tmp_path: Path, kind: str) -> None:
     """The real SmolLM2 quantized while streaming vs transformers on its dequantized weights: prefill logits within
-    ATOL on every prompt, 16 greedy tokens identical on at least 90 % of the prompts."""
+    ATOL on every prompt, 12 greedy tokens identical on at least 90 % of the prompts (minutes: torch's float32 int4
+    kernel is slow, see bench/README.md "Quantized kernels")."""
     from transformers import AutoTokenizer
 
     ours = load_ours(smollm2_dir, quantize=kind)
@@ -230,7 +231,7 @@ def test_smollm2_quantized_matches_its_dequantized_reference(smollm2_dir: Path, 
         got = ours.logits(ours(t, torch.arange(len(ids))[None, :], cache, 0))
         with torch.no_grad():
             ref_logits = hf(t).logits
-            ref = hf.generate(t, max_new_tokens=16, do_sample=False, eos_token_id=None)
+            ref = hf.generate(t, max_new_tokens=12, do_sample=False, eos_token_id=None)
         assert float((got - ref_logits).abs().max()) < ATOL * 10  # logits of order 10-30 here
-        same += greedy_generate(ours, ids, 16) == ref[0, len(ids) :].tolist()
+        same += greedy_generate(ours, ids, 12) == ref[0, len(ids) :].tolist()
     assert same >= 0.9 * len(SMOL_PROMPTS)

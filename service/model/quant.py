@@ -51,10 +51,10 @@ __all__ = [
 QuantKind = Literal["int8", "int4"]
 GROUP_SIZES = (32, 64, 128)
 # Rows (M = batch x tokens) from which dequantize-then-dense beats the quantized kernel on CPU, per kind and compute
-# dtype: measured with bench/quant_kernels.py (bench/README.md, "Quantized kernels"). In float32 torch's int4 kernel
-# is slower than dequantizing even at M = 2; float16 (unmeasured) takes bfloat16's. CUDA always uses the kernel.
+# dtype: measured with bench/quant_kernels.py (bench/README.md, "Quantized kernels"). In float32 torch's int8 and int4
+# kernels lose to dequantizing from M = 2 on; float16 (unmeasured) takes bfloat16's. CUDA always uses the kernel.
 DENSE_FROM_ROWS: dict[tuple[QuantKind, torch.dtype], int] = {
-    ("int8", torch.float32): 4,
+    ("int8", torch.float32): 2,
     ("int4", torch.float32): 2,
     ("int8", torch.bfloat16): 32,
     ("int4", torch.bfloat16): 128,
