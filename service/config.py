@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the type lives with the loader; importing it at run time wo
 # The --load-mode choices: mypy checks each is a LoadMode, tests/test_loading.py that none is missing.
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projections (service.model.quant)
 # The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
 # (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
 PROMPT_BYTES_PER_TOKEN = 128
@@ -38,6 +39,9 @@ class Settings:
     device: str = "cpu"
     dtype: str = "float32"
     load_mode: LoadMode = "stream"
+    quantize: str = "none"  # "int8" / "int4": projections quantized while streaming the checkpoint
+    quantize_group_size: int = 32  # int4: input columns per scale and zero (32, 64 or 128)
+    gguf: Path | None = None  # serve this llama.cpp GGUF's weights packed as stored (config, tokenizer: `model`)
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_host: str = "127.0.0.1"
@@ -120,6 +124,14 @@ class Settings:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.load_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
+        if self.quantize_group_size not in (32, 64, 128):
+            raise ValueError(f"quantize_group_size must be 32, 64 or 128, got {self.quantize_group_size}")
+        if self.gguf is not None and self.device != "cpu":
+            raise ConfigError(f"gguf weights are served on the CPU only, not device {self.device!r}")
+        if self.gguf is not None and self.quantize != "none":
+            raise ConfigError("quantize applies to safetensors checkpoints; a gguf file's blocks are served as stored")
         for name in (
             "max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens",
             "max_chat_messages", "max_stop_sequences", "max_stop_sequence_bytes",
@@ -160,7 +172,7 @@ class Settings:
             raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (server TLS) too")
 
 
-OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file"})
+OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file", "gguf"})
 
 
 def _parse(name: str, default: Any, raw: str) -> Any:

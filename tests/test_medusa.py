@@ -74,6 +74,14 @@ def tiny(tiny_llama_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def tiny_int4(tiny_llama_dir: Path) -> dict[str, Any]:
+    """The tiny model on an int4-quantized base: speculation must stay token-identical to its own plain decoding
+    (verification runs k + 1 rows per step, so it takes the other ``quant.linear`` path than a plain step)."""
+    model = load_ours(tiny_llama_dir, quantize="int4")
+    return {"dir": tiny_llama_dir, "model": model, "cfg": model.cfg}
+
+
+@pytest.fixture(scope="module")
 def predictable(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A tiny Llama whose greedy text heads can learn, plus trained v2 heads for it written to a real folder."""
     from safetensors.torch import load_file, save_file
@@ -392,18 +400,22 @@ def test_rejection_sampling_chi_square_with_generators() -> None:
 # --- the loop ----------------------------------------------------------------------------------------------
 
 
-def test_plain_loop_matches_reference_greedy(tiny: dict[str, Any]) -> None:
-    model = tiny["model"]
+@pytest.mark.parametrize("base", ["tiny", "tiny_int4"])
+def test_plain_loop_matches_reference_greedy(request: pytest.FixtureRequest, base: str) -> None:
+    model = request.getfixturevalue(base)["model"]
     prompts = prompts_for(model.cfg, 4, seed=3)
     out = generate(model, prompts, 40, eos_token_ids=(EOS,))
     assert out.tokens == [greedy_generate(model, p, 40, eos_token_ids=(EOS,)) for p in prompts]
     assert out.stats.mean_accepted_length == 1.0 and out.stats.drafted == 0
 
 
+@pytest.mark.parametrize("base", ["tiny", "tiny_int4"])
 @pytest.mark.parametrize("version", [1, 2])
-def test_random_heads_speculation_is_token_identical(tiny: dict[str, Any], tmp_path: Path, version: int) -> None:
+def test_random_heads_speculation_is_token_identical(
+    request: pytest.FixtureRequest, tmp_path: Path, version: int, base: str
+) -> None:
     """24 prompts x 128 new tokens: alone, and in one batch mixing these heads, other heads and none."""
-    model, cfg = tiny["model"], tiny["cfg"]
+    model, cfg = request.getfixturevalue(base)["model"], request.getfixturevalue(base)["cfg"]
     heads = MedusaHeads.load(
         index_medusa(write_random_heads(tmp_path / "a", cfg, version=version, n_heads=3), cfg),
         device="cpu",

@@ -3,6 +3,7 @@
     write_tiny_llama(folder, *, seed=0, max_shard_size=None, legacy_rope_keys=False, **config_overrides) -> Path
     tiny_llama_config(**config_overrides) -> transformers.LlamaConfig
     load_hf_llama(folder) -> transformers.LlamaForCausalLM   (fp32, eval, the reference implementation)
+    load_ours(folder, *, dtype=float32, quantize=None) -> service.model.Llama
 
 The folder holds ``config.json``, ``generation_config.json`` and ``model.safetensors`` (or shards plus
 ``model.safetensors.index.json`` when ``max_shard_size`` is given, e.g. ``"200KB"``). Every parameter, norms and
@@ -100,11 +101,11 @@ def _rewrite_legacy_rope(config_path: Path) -> None:
     config_path.write_text(json.dumps(raw, indent=2))
 
 
-def load_ours(folder: Path, *, dtype: torch.dtype = torch.float32) -> Any:
-    """``service.model.weights.load_model`` on the CPU; returns the ``Llama``."""
+def load_ours(folder: Path, *, dtype: torch.dtype = torch.float32, quantize: str | None = None) -> Any:
+    """``service.model.weights.load_model`` on the CPU (``quantize``: None, "int8" or "int4"); returns the ``Llama``."""
     from service.model.weights import load_model
 
-    return load_model(folder, dtype=dtype, device="cpu")[0]
+    return load_model(folder, dtype=dtype, device="cpu", quantize=quantize)[0]  # type: ignore[arg-type]
 
 
 def greedy_generate(

@@ -180,7 +180,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             limits=pb.Limits(**{name: getattr(s, name) for name in LIMIT_FIELDS}),
             features=features,
             server_version=__version__,
-            load_mode=s.load_mode,
+            load_mode="gguf" if s.gguf is not None else s.load_mode,
             load_seconds=rt.load_seconds,
             eos_token_ids=sorted(rt.engine.eos_ids),
         )

@@ -78,7 +78,16 @@ class Runtime:
         device = torch.device(s.device)
         tokenizer = Tokenizer.from_folder(s.model)
         dtype = getattr(torch, s.dtype)
-        model, cfg, stats = load_model(s.model, dtype=dtype, device=device, mode=s.load_mode)
+        if s.gguf is not None:
+            from service.model.gguf_weights import load_gguf_model
+
+            model, cfg, stats = load_gguf_model(s.model, s.gguf, dtype=dtype, device=device)
+        else:
+            quantize = None if s.quantize == "none" else s.quantize
+            model, cfg, stats = load_model(
+                s.model, dtype=dtype, device=device, mode=s.load_mode,
+                quantize=quantize, group_size=s.quantize_group_size,  # type: ignore[arg-type]
+            )  # fmt: skip
         roots = adapter_roots(s)
         store = AdapterStore(
             cfg,
@@ -95,8 +104,10 @@ class Runtime:
         engine.start()
         seconds = time.perf_counter() - start
         log.info(
-            "event=model_loaded path=%s mode=%s dtype=%s device=%s bytes=%d load_seconds=%.3f weights_seconds=%.3f",
-            s.model, s.load_mode, s.dtype, device, stats.bytes_read, seconds, stats.total_seconds,
+            "event=model_loaded path=%s weights=%s mode=%s dtype=%s quantize=%s device=%s bytes=%d parameter_bytes=%d "
+            "load_seconds=%.3f weights_seconds=%.3f",
+            s.model, s.gguf or "safetensors", stats.mode, s.dtype, s.quantize, device, stats.bytes_read,
+            model.parameter_bytes, seconds, stats.total_seconds,
         )  # fmt: skip
         self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters)
         return self.loaded

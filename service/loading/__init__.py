@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from service.loading.header import DTYPES, MAX_HEADER_BYTES, TensorRecord, read_safetensors_header
 from service.loading.index import CheckpointIndex
-from service.loading.loader import LoadMode, LoadStats, load_tensors
+from service.loading.loader import LoadMode, LoadStats, check_plan, load_tensors
 
 __all__ = [
     "DTYPES",
@@ -18,6 +18,7 @@ __all__ = [
     "LoadMode",
     "LoadStats",
     "TensorRecord",
+    "check_plan",
     "load_tensors",
     "read_safetensors_header",
 ]

@@ -26,7 +26,7 @@ from service.loading.header import TensorRecord
 from service.loading.index import CheckpointIndex
 from service.loading.plan import Job
 
-__all__ = ["LoadMode", "LoadStats", "load_tensors"]
+__all__ = ["LoadMode", "LoadStats", "check_plan", "load_tensors"]
 
 LoadMode = Literal["stream", "mmap", "eager"]
 
@@ -91,6 +91,18 @@ def load_tensors(
     )
 
 
+def check_plan(
+    source: CheckpointIndex,
+    plan: Mapping[str, torch.Tensor],
+    *,
+    unexpected: Literal["error", "ignore"] = "ignore",
+    ignore_unexpected: Collection[str] = (),
+) -> None:
+    """Validate ``plan`` exactly as ``load_tensors`` does, reading no data; a destination may also be a ``meta``
+    tensor (its shape and dtype only), for a caller that fills it later in pieces (quantized projections)."""
+    _validate(source.tensors, plan, unexpected, ignore_unexpected, source.root, devices=("cpu", "cuda", "meta"))
+
+
 def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     if src == dst:
         return True
@@ -105,6 +117,7 @@ def _validate(
     unexpected: str,
     ignore_unexpected: Collection[str],
     where: Path | None,
+    devices: tuple[str, ...] = ("cpu", "cuda"),
 ) -> list[Job]:
     missing = sorted(name for name in plan if name not in records)
     if missing:
@@ -122,7 +135,7 @@ def _validate(
             problems.append((rec, f"shape {rec.shape} in the file, {tuple(dest.shape)} in the plan"))
         elif not _convertible(rec.torch_dtype, dest.dtype):
             problems.append((rec, f"dtype {rec.dtype} cannot be converted to {dest.dtype}"))
-        elif dest.device.type not in ("cpu", "cuda"):
+        elif dest.device.type not in devices:
             problems.append((rec, f"destination device {dest.device} is not supported"))
         else:
             jobs.append(Job(rec, dest))

@@ -2,7 +2,8 @@
 
 Owns the forward pass and nothing else: parameters are allocated with ``torch.empty`` in their final, fused layout
 (per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows, see ``ModelConfig.fused_rows``) and filled by
-``service.model.weights``; a tied ``lm_head`` is the embedding tensor itself.
+``service.model.weights``; a tied ``lm_head`` is the embedding tensor itself. A GGUF load may swap the embedding for
+an ``EmbeddingTable`` (rows dequantized on gather; as the head, its own projection), see ``set_embeddings``.
 
 A forward pass runs ``B`` rows that occupy the contiguous cache slots ``[slot_start, slot_start + B)``. Row ``b``
 carries its tokens and their absolute positions; K/V are written at those positions, and each query attends to
@@ -13,8 +14,11 @@ verification step). Values the cache stores are finite and bounded (``finite_kv`
 slot's next occupant.
 
 ``adapters`` is the seam for LoRA: every projection goes through ``proj``, which hands the adapter hook the input
-and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. Nothing here implements an adapter, reads a
-file or keeps per-request state.
+and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. With ``quantized=True`` those four weights of
+every layer are weight-only quantized (``service.model.quant``): they start as shape-only ``meta`` placeholders
+that the loader replaces one by one (``set_projection``), so no dense copy of them is ever allocated; ``proj``
+runs them through ``quant.linear`` with the model's one reusable ``scratch``. Embeddings, norms, biases and the
+``lm_head`` stay dense. Nothing here implements an adapter, reads a file or keeps per-request state.
 """
 
 from __future__ import annotations
@@ -29,10 +33,23 @@ from torch import Tensor, nn
 
 from service.model.config import ModelConfig
 from service.model.kv_cache import KVCache
+from service.model.quant import QuantizedWeight, Scratch, linear
 
-__all__ = ["KV_LIMIT", "AdapterHook", "Llama", "ProjName", "finite_kv", "proj"]
+__all__ = [
+    "KV_LIMIT",
+    "PROJ_NAMES",
+    "AdapterHook",
+    "EmbeddingTable",
+    "Llama",
+    "ProjName",
+    "ProjWeight",
+    "finite_kv",
+    "proj",
+]
 
 ProjName = Literal["wqkv", "wo", "w13", "w2"]
+PROJ_NAMES: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")
+ProjWeight = Tensor | QuantizedWeight  # a dense [out, in] weight, or its quantized form
 
 
 class AdapterHook(Protocol):
@@ -47,11 +64,38 @@ class AdapterHook(Protocol):
         ...
 
 
+class EmbeddingTable(Protocol):
+    """A [vocab, hidden] embedding / output head kept in a compact form (``service.model.gguf_weights.Q8Table``)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def gather(self, tokens: Tensor) -> Tensor:
+        """tokens [...] int64 -> [..., hidden] in the model dtype."""
+        ...
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """hidden [..., hidden] -> [..., vocab]: the table as the output head."""
+        ...
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The whole table [vocab, hidden]."""
+        ...
+
+
 def proj(
-    x: Tensor, weight: Tensor, bias: Tensor | None, layer: int, name: ProjName, adapters: AdapterHook | None
+    x: Tensor,
+    weight: ProjWeight,
+    bias: Tensor | None,
+    layer: int,
+    name: ProjName,
+    adapters: AdapterHook | None,
+    *,
+    scratch: Scratch | None = None,
 ) -> Tensor:
-    """One linear projection of the decoder, with the adapter delta added when a hook is given."""
-    out = F.linear(x, weight, bias)
+    """One linear projection of the decoder (dense or quantized ``weight``, see ``quant.linear``), with the adapter
+    delta added when a hook is given."""
+    out = linear(x, weight, bias, scratch=scratch)
     if adapters is not None:
         out = adapters.add_delta(out, x, layer, name)
     return out
@@ -121,6 +165,7 @@ class Step:
     mask: Tensor  # [B, 1, T*G, L] additive (0 / -inf), rows ordered t*G + g (see Attention)
     write_index: Tensor  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V
     adapters: AdapterHook | None
+    scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
 
 
 def _visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:
@@ -143,6 +188,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _proj_weight(rows: int, cols: int, *, quantized: bool, dtype: torch.dtype, device: torch.device) -> ProjWeight:
+    """A projection's weight: a dense parameter, or (quantized) a ``meta`` placeholder of its shape, no memory."""
+    if quantized:
+        return torch.empty(rows, cols, dtype=dtype, device="meta")
+    return _param(rows, cols, dtype=dtype, device=device)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, accumulated in fp32 (``F.rms_norm`` upcasts reduced precisions internally)."""
 
@@ -156,15 +208,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device, quantized: bool = False
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.n_head = cfg.num_heads
         self.n_kv = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.wqkv = _param(qkv_rows, cfg.hidden_size, dtype=dtype, device=device)
-        self.wo = _param(cfg.hidden_size, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        hidden, q_cols = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        self.wqkv: ProjWeight = _proj_weight(qkv_rows, hidden, quantized=quantized, dtype=dtype, device=device)
+        self.wo: ProjWeight = _proj_weight(hidden, q_cols, quantized=quantized, dtype=dtype, device=device)
         self.bqkv: nn.Parameter | None = None
         self.bo: nn.Parameter | None = None
         if cfg.attention_bias:
@@ -177,7 +232,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv, d = self.n_head, self.n_kv, self.head_dim
         g = h // kv
-        qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters).view(b, t, h + 2 * kv, d)
+        qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters, scratch=step.scratch)
+        qkv = qkv.view(b, t, h + 2 * kv, d)
         qk = apply_rope(qkv.narrow(2, 0, h + kv), step.cos, step.sin)  # [B, T, H + KV, D]
         # This step's K and V go to their positions first; then the slot range is read back as a plain slice.
         new_kv = torch.cat((qk.narrow(2, h, kv), qkv.narrow(2, h + kv, kv)), dim=2)  # [B, T, 2 * KV, D]
@@ -190,51 +246,62 @@ class Attention(nn.Module):
         q = qk.narrow(2, 0, h).view(b, t, kv, g * d).transpose(1, 2).reshape(b, kv, t * g, d)  # [B, KV, T*G, D]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)  # [B, KV, T*G, D]
         y = y.view(b, kv, t, g * d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D], head = kv*G + g
-        return proj(y, self.wo, self.bo, self.layer, "wo", step.adapters)
+        return proj(y, self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch)
 
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(gate(x)) * up(x)), with gate and up fused into one ``w13`` matmul."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device, quantized: bool = False
+    ) -> None:
         super().__init__()
         self.layer = layer
         i = cfg.intermediate_size
-        self.w13 = _param(2 * i, cfg.hidden_size, dtype=dtype, device=device)
-        self.w2 = _param(cfg.hidden_size, i, dtype=dtype, device=device)
+        self.w13: ProjWeight = _proj_weight(2 * i, cfg.hidden_size, quantized=quantized, dtype=dtype, device=device)
+        self.w2: ProjWeight = _proj_weight(cfg.hidden_size, i, quantized=quantized, dtype=dtype, device=device)
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if cfg.mlp_bias:
             self.b13 = _param(2 * i, dtype=dtype, device=device)
             self.b2 = _param(cfg.hidden_size, dtype=dtype, device=device)
 
-    def forward(self, x: Tensor, adapters: AdapterHook | None) -> Tensor:
-        gate, up = proj(x, self.w13, self.b13, self.layer, "w13", adapters).chunk(2, dim=-1)  # [B, T, I] each
-        return proj(F.silu(gate).mul_(up), self.w2, self.b2, self.layer, "w2", adapters)  # [B, T, hidden]
+    def forward(self, x: Tensor, adapters: AdapterHook | None, scratch: Scratch | None = None) -> Tensor:
+        gu = proj(x, self.w13, self.b13, self.layer, "w13", adapters, scratch=scratch)
+        gate, up = gu.chunk(2, dim=-1)  # [B, T, I] each
+        return proj(F.silu(gate).mul_(up), self.w2, self.b2, self.layer, "w2", adapters, scratch=scratch)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device, quantized: bool = False
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.attention = Attention(cfg, layer, dtype=dtype, device=device)
+        self.attention = Attention(cfg, layer, dtype=dtype, device=device, quantized=quantized)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.feed_forward = FeedForward(cfg, layer, dtype=dtype, device=device)
+        self.feed_forward = FeedForward(cfg, layer, dtype=dtype, device=device, quantized=quantized)
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, quantized: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.tok_embeddings = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device)
-        blocks = tuple(Block(cfg, i, dtype=dtype, device=self.device) for i in range(cfg.num_layers))
+        self.quantized = quantized
+        self.scratch = Scratch()
+        self.tok_embeddings: Tensor | EmbeddingTable = _param(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device
+        )
+        blocks = tuple(
+            Block(cfg, i, dtype=dtype, device=self.device, quantized=quantized) for i in range(cfg.num_layers)
+        )
         self.layers = nn.ModuleList(blocks)  # registers the parameters
         self.blocks: tuple[Block, ...] = blocks  # the same modules, typed
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=self.device)
         if cfg.tie_word_embeddings:
-            self.lm_head = self.tok_embeddings
+            self.lm_head: Tensor | EmbeddingTable = self.tok_embeddings
         else:
             self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=self.device)
         self._inv_freq = rope_inv_freq(cfg)  # [D/2] fp32, CPU
@@ -293,19 +360,22 @@ class Llama(nn.Module):
             mask=mask.repeat_interleave(g, dim=1).unsqueeze(1),  # [B, 1, T*G, L]
             write_index=cache.write_index(slot_start, slots_at),
             adapters=adapters,
+            scratch=self.scratch,
         )
 
-        x = F.embedding(tokens, self.tok_embeddings)  # [B, T, hidden]
+        emb = self.tok_embeddings
+        x = F.embedding(tokens, emb) if isinstance(emb, Tensor) else emb.gather(tokens)  # [B, T, hidden]
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
             x = x + layer.attention(layer.attention_norm(x), step, cache.rows[i], k_cache, v_cache)
-            x = x + layer.feed_forward(layer.ffn_norm(x), adapters)
+            x = x + layer.feed_forward(layer.ffn_norm(x), adapters, self.scratch)
         return self.norm(x)  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> fp32 logits [..., vocab] (matmul in the model dtype, as transformers)."""
-        return F.linear(hidden, self.lm_head).float()
+        head = self.lm_head
+        return (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
 
     def draft_head(self) -> Tensor:
         """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32
@@ -320,7 +390,9 @@ class Llama(nn.Module):
                 and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
             )
             use_copy = self.dtype == torch.float32 and fast_bf16
-            self._draft_head = self.lm_head.detach().to(torch.bfloat16) if use_copy else self.lm_head.detach()
+            head = self.lm_head
+            dense = head.detach() if isinstance(head, Tensor) else head.dequantize(self.dtype)
+            self._draft_head = dense.to(torch.bfloat16) if use_copy else dense
         return self._draft_head
 
     @staticmethod
@@ -329,6 +401,36 @@ class Llama(nn.Module):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden[rows, lengths - 1]
 
+    def set_embeddings(self, table: Tensor | EmbeddingTable, head: Tensor | EmbeddingTable) -> None:
+        """Replace the embedding and the output head by compact forms (a GGUF load, ``service.model.gguf_weights``)."""
+        for name in ("tok_embeddings", "lm_head"):
+            self._parameters.pop(name, None)
+        self.tok_embeddings = table
+        self.lm_head = head
+        self._draft_head = None
+
+    def projection(self, layer: int, name: ProjName) -> ProjWeight:
+        """The weight of projection ``name`` of ``layer`` (dense, quantized, or a placeholder not yet loaded)."""
+        block = self.blocks[layer]
+        return getattr(block.attention if name in ("wqkv", "wo") else block.feed_forward, name)  # type: ignore[no-any-return]
+
+    def set_projection(self, layer: int, name: ProjName, weight: QuantizedWeight) -> None:
+        """Install the quantized weight of a ``quantized`` model's projection (the loader, once per projection)."""
+        if not self.quantized:
+            raise ValueError("set_projection is for quantized models; a dense model's weights are loaded in place")
+        expected = tuple(self.projection(layer, name).shape)
+        if weight.shape != expected:
+            raise ValueError(f"layer {layer} {name}: weight {weight.shape} where the model needs {expected}")
+        block = self.blocks[layer]
+        setattr(block.attention if name in ("wqkv", "wo") else block.feed_forward, name, weight)
+
     @property
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of every weight as served: dense parameters, compact embedding / head, packed projections."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        compact = {id(w): w for w in (self.tok_embeddings, self.lm_head) if not isinstance(w, nn.Parameter)}
+        dense += sum(w.nbytes for w in compact.values())  # a compact embedding / head (set_embeddings)
+        if not self.quantized:
+            return dense
+        quantized = (self.projection(i, n) for i in range(self.cfg.num_layers) for n in PROJ_NAMES)
+        return dense + sum(w.nbytes for w in quantized if not isinstance(w, Tensor))

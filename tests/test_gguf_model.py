@@ -1,0 +1,130 @@
+"""A Llama served from GGUF blocks against transformers on the same weights dequantized by ``gguf`` (float32).
+
+The reference folder (tests/gguf_files.py) is built from the file by the ``gguf`` package alone (its dequantizer,
+numpy for llama.cpp's Q/K row order), so it shares no code with the loader under test. Two tiny variants cover
+every served type and the fallbacks: ``mixed`` (Q8_0 embedding and a Q8_0 part inside ``wqkv``, F16 ``wo``, Q4_0
+``w2``, BF16 untied head) and ``tied`` (MHA with biases, Q8_0 tied embedding/head, Q4_0 and Q4_1 projections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf_files import write_reference_folder, write_tiny_gguf
+from tiny_models import greedy_generate, load_hf_llama
+
+from service.loading.gguf import read_gguf_header
+from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION
+from service.model import KVCache, Llama
+from service.model.gguf_weights import Q8Table, load_gguf_model
+from service.model.llama import PROJ_NAMES
+from service.model.quant import Int4Weight
+
+ATOL = 1e-4
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "mixed": (
+        {},
+        {"token_embd": "Q8_0", "attn_v": "Q8_0", "attn_output": "F16", "ffn_down": "Q4_0", "output.": "BF16"},
+    ),
+    "tied": (
+        {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+        {"token_embd": "Q8_0", "ffn_gate": "Q4_0"},
+    ),
+}
+INT4 = {"mixed": {"w13", "w2"}, "tied": set(PROJ_NAMES)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def triple(
+    request: pytest.FixtureRequest, tiny_llama_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Llama, Any]:
+    variant = request.param
+    config, types = VARIANTS[variant]
+    folder = tiny_llama_factory(seed=21 + len(variant), **config)
+    tmp = tmp_path_factory.mktemp(f"gguf_{variant}")
+    gguf = write_tiny_gguf(folder, tmp / "model.gguf", types=types)
+    ours = load_gguf_model(folder, gguf, dtype=torch.float32)[0]
+    return variant, ours, load_hf_llama(write_reference_folder(folder, gguf, tmp / "reference"))
+
+
+def _prompts(n: int, vocab: int = 256) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(9)
+    return [
+        torch.randint(3, vocab, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
+
+
+def test_blocks_stay_packed_where_the_kernel_expresses_them(triple: tuple[str, Llama, Any]) -> None:
+    variant, ours, _ = triple
+    for i in range(ours.cfg.num_layers):
+        for name in PROJ_NAMES:
+            assert isinstance(ours.projection(i, name), Int4Weight) == (name in INT4[variant]), (i, name)
+    assert isinstance(ours.tok_embeddings, Q8Table)
+    if variant == "tied":
+        assert ours.lm_head is ours.tok_embeddings
+    else:
+        assert isinstance(ours.lm_head, torch.Tensor) and ours.lm_head.dtype == torch.float32
+
+
+def test_prefill_logits_match_the_dequantized_reference(triple: tuple[str, Llama, Any]) -> None:
+    _, ours, hf = triple
+    for ids in _prompts(4):
+        t = torch.tensor([ids])
+        cache = KVCache(ours.cfg, 1, len(ids), dtype=torch.float32, device=ours.device)
+        got = ours.logits(ours(t, torch.arange(len(ids))[None, :], cache, 0))
+        with torch.no_grad():
+            ref = hf(t).logits
+        assert float((got - ref).abs().max()) < ATOL
+
+
+def test_greedy_tokens_match_the_dequantized_reference(triple: tuple[str, Llama, Any]) -> None:
+    _, ours, hf = triple
+    prompts = _prompts(10)
+    same = 0
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+        same += greedy_generate(ours, ids, 24) == ref[0, len(ids) :].tolist()
+    assert same >= 0.9 * len(prompts)
+
+
+def test_row_result_independent_of_batch_and_slot(triple: tuple[str, Llama, Any]) -> None:
+    _, ours, _ = triple
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (9,), generator=gen)
+    solo = ours(ids[None, :], torch.arange(9)[None, :], KVCache(ours.cfg, 1, 32, dtype=torch.float32, device="cpu"), 0)
+    for batch, row, slot_start in ((2, 1, 0), (5, 3, 2)):
+        tokens = torch.randint(3, 256, (batch, 9), generator=gen)
+        tokens[row] = ids
+        cache = KVCache(ours.cfg, 8, 32, dtype=torch.float32, device=ours.device)
+        got = ours(tokens, torch.arange(9).expand(batch, 9), cache, slot_start)[row]
+        torch.testing.assert_close(got, solo[0], rtol=1e-5, atol=1e-5)
+
+
+def test_unpacked_load_is_the_reference_weights(tiny_llama_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """``packed=False`` dequantizes every block into float32: the same numbers gguf's dequantizer gives."""
+    from tiny_models import load_ours
+
+    folder = tiny_llama_factory(seed=21 + len("mixed"))
+    gguf = write_tiny_gguf(folder, tmp_path / "m.gguf", types=VARIANTS["mixed"][1])
+    dense = load_gguf_model(folder, gguf, dtype=torch.float32, packed=False)[0]
+    reference = load_ours(write_reference_folder(folder, gguf, tmp_path / "ref"))
+    for (name, got), (_, want) in zip(dense.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_load_metrics_cover_the_gguf_path(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tiny_llama_dir, tmp_path / "m.gguf")
+    total = MODEL_LOAD_DURATION.labels(stage="total", mode="gguf")
+    seconds, nbytes = total._sum.get(), MODEL_LOAD_BYTES.labels(mode="gguf")._value.get()
+    _, _, stats = load_gguf_model(tiny_llama_dir, gguf, dtype=torch.float32)
+    assert stats.mode == "gguf" and stats.tensors == 2 * 9 + 3
+    assert total._sum.get() - seconds == pytest.approx(stats.total_seconds)
+    assert MODEL_LOAD_BYTES.labels(mode="gguf")._value.get() - nbytes == stats.bytes_read
+    data = read_gguf_header(gguf).tensors.values()
+    assert stats.bytes_read == sum(t.nbytes for t in data)  # each data byte read once
