@@ -32,6 +32,7 @@ from service.engine.request import GenerationRequest, RequestHandle, Sink
 from service.errors import LoraplexError, Unavailable
 from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
+from service.model.dtypes import choose_dtype
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.runtime")
@@ -55,6 +56,7 @@ class Loaded:
     load_seconds: float
 
     adapters: AdapterCatalog
+    dtype: str  # the serving dtype, ``--dtype auto`` resolved (service.model.dtypes)
 
     def validate(self, request: GenerationRequest) -> None:
         self.engine.validate(request)
@@ -76,7 +78,10 @@ class Runtime:
         start = time.perf_counter()
         device = torch.device(s.device)
         tokenizer = Tokenizer.from_folder(s.model)
-        dtype = getattr(torch, s.dtype)
+        choice = choose_dtype(s.dtype, device)
+        log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.name, device,
+                 choice.reason)  # fmt: skip
+        dtype = choice.dtype
         model, cfg, stats = load_model(s.model, dtype=dtype, device=device, mode=s.load_mode)
         roots = adapter_roots(s)
         store = AdapterStore(
@@ -95,9 +100,9 @@ class Runtime:
         seconds = time.perf_counter() - start
         log.info(
             "event=model_loaded path=%s mode=%s dtype=%s device=%s bytes=%d load_seconds=%.3f weights_seconds=%.3f",
-            s.model, s.load_mode, s.dtype, device, stats.bytes_read, seconds, stats.total_seconds,
+            s.model, s.load_mode, choice.name, device, stats.bytes_read, seconds, stats.total_seconds,
         )  # fmt: skip
-        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters)
+        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters, choice.name)
         return self.loaded
 
     def ready(self) -> Loaded:
