@@ -185,9 +185,9 @@ class AdapterBatch:
         xg = x if self._gather is None else x.index_select(0, self._gather)  # [G*k, T, in]
         xg = xg.to(self.tables.compute_dtype).reshape(g, -1, x.shape[-1])  # [G, k*T, in]
         h = torch.bmm(xg, table.a.transpose(1, 2))  # [G, k*T, R]
-        for c0, c1, members in table.runs:
-            parts = [torch.bmm(h[..., start:stop], bt) for _, start, stop, bt in (table.segs[i] for i in members)]
-            d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(-1, t, c1 - c0)  # [G*k, T, cols]
+        for module, start, stop, bt in table.segs:
+            c0, c1 = self.tables.modules[module].cols
+            d = torch.bmm(h[..., start:stop], bt).view(-1, t, c1 - c0)  # [G*k, T, out_m]
             if self._back is not None:
                 d = d.index_select(0, self._back)  # [n, T, out_m]: the span's rows with an adapter, in order
             if self._real_rows is None:

@@ -102,9 +102,6 @@ class SharedTable:
 
     a: Tensor
     segs: list[tuple[str, int, int, Tensor]]
-    # Runs of modules whose output columns adjoin (all of q|k|v when all three are targeted): (first column, last
-    # column, their indices in ``segs``). One run's deltas go back to their rows in one move.
-    runs: list[tuple[int, int, tuple[int, ...]]]
 
     @property
     def nbytes(self) -> int:
@@ -192,14 +189,8 @@ class LoraTables:
         dt, dev = self.compute_dtype, self.device
         a = torch.zeros(g, width, self.modules[next(iter(need))].in_features, dtype=dt, device=dev)  # [G, R, in]
         segs: list[tuple[str, int, int, Tensor]] = []
-        runs: list[tuple[int, int, tuple[int, ...]]] = []
         start = 0
         for name, r_max in need.items():
-            c0, c1 = self.modules[name].cols
-            if runs and runs[-1][1] == c0:
-                runs[-1] = (runs[-1][0], c1, (*runs[-1][2], len(segs)))
-            else:
-                runs.append((c0, c1, (len(segs),)))
             bt = torch.zeros(g, r_max, self.modules[name].out_features, dtype=dt, device=dev)  # [G, r_m, out_m]
             for i, lora in enumerate(distinct):
                 module = None if lora is None else lora.modules.get(name)
@@ -209,7 +200,7 @@ class LoraTables:
                     bt[i, : module.rank].copy_(module.b.t())  # [r, out] <- [out, r]^T
             segs.append((name, start, start + r_max, bt))
             start += r_max
-        return SharedTable(a, segs, runs)
+        return SharedTable(a, segs)
 
     # --- per-slot tables -----------------------------------------------------------------------------------
 
