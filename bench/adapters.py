@@ -11,7 +11,10 @@ ignored).
   (b) the same mixed workload through `peft` (batch 32, `adapter_names=` one per row, and a single adapter);
   (c) cold vs warm time to first token (fresh server, each adapter's first request vs its second), and the
       inter-token latency of a running base stream while cold adapters load (a cold load must not stall others);
-  (d) registering 1,000 adapters: time per registration and host memory, in a fresh process.
+  (d) registering 1,000 adapters: time per registration and host memory, in a fresh process;
+  (e) LoRA on every projection: ``--all-distinct`` (16) adapters r=8 on all seven projections (q, k, v, o, gate, up,
+      down: the common PEFT choice; bench/.work/adapters-all), per ``--dtypes`` one server, rounds alternating
+      base-only / all-projection mix at the same streams and requests, medians of the per-round ratios.
 Results: bench/results/adapters.json; the table in bench/README.md.
 """
 
@@ -42,8 +45,13 @@ from serve import QUESTIONS, OurServer, pct, stream_request, summary  # noqa: E4
 WORK = ROOT / "bench/.work"
 
 
-def write_adapters(model_dir: Path, folder: Path, count: int, *, r: int = 8) -> list[str]:
-    """``count`` PEFT adapters on q_proj/v_proj with seeded random A and B (peft would start B at 0)."""
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapters(
+    model_dir: Path, folder: Path, count: int, *, r: int = 8, targets: tuple[str, ...] = ("q_proj", "v_proj")
+) -> list[str]:
+    """``count`` PEFT adapters on ``targets`` with seeded random A and B (peft would start B at 0)."""
     names = [f"lora{i:02d}" for i in range(count)]
     if all((folder / n / "adapter_model.safetensors").exists() for n in names):
         return names
@@ -52,7 +60,7 @@ def write_adapters(model_dir: Path, folder: Path, count: int, *, r: int = 8) -> 
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for i, name in enumerate(names):
-        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"]))
+        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
         gen = torch.Generator().manual_seed(i)
         with torch.no_grad():
             for pname, p in model.named_parameters():
@@ -262,14 +270,17 @@ def main() -> None:
     parser.add_argument("--register", type=int, default=1000)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/adapters.json")
-    parser.add_argument("--parts", default="abcd", help="which of (a)-(d) to run; the others keep --out's figures")
+    parser.add_argument("--parts", default="abcde", help="which of (a)-(e) to run; the others keep --out's figures")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="(e): one server per dtype")
+    parser.add_argument("--all-distinct", type=int, default=16, help="(e): distinct all-projection adapters")
     args = parser.parse_args()
     if args.quick:
         args.runs, args.new_tokens, args.streams, args.distinct, args.register = 1, 4, 4, "1,4", 20
+        args.all_distinct, args.dtypes = 2, "float32"
     distinct = [int(x) for x in args.distinct.split(",")]
     folder = WORK / "adapters"
     names = write_adapters(args.model, folder, max(distinct))
-    results: dict[str, Any] = json.loads(args.out.read_text()) if args.parts != "abcd" and args.out.is_file() else {}
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.parts != "abcde" and args.out.is_file() else {}
     results |= {
         "model": args.model.name,
         "adapters": f"{len(names)} x r=8 q_proj,v_proj",
@@ -287,6 +298,8 @@ def main() -> None:
         part_c(args, results, names, folder)
     if "d" in args.parts:
         part_d(args, results, names, folder)
+    if "e" in args.parts:
+        part_e(args, results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     if "throughput" in results:
@@ -360,6 +373,35 @@ def part_d(args: argparse.Namespace, results: dict[str, Any], names: list[str], 
     print(f"(d) {reg['n']} registrations: median {reg['per_adapter_ms']['median']:.2f} ms, max "
           f"{reg['per_adapter_ms']['max']:.2f} ms, RSS +{reg['rss_growth_MB']:.1f} MB, "
           f"Python heap +{reg['traced_MB']:.1f} MB", flush=True)  # fmt: skip
+
+
+def part_e(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """(e) all-projection adapters vs base-only, per dtype, interleaved rounds on one server."""
+    folder = WORK / "adapters-all"
+    names = write_adapters(args.model, folder, args.all_distinct, targets=ALL_PROJECTIONS)
+    requests = 2 * args.streams
+    out: dict[str, Any] = {"adapters": f"{len(names)} x r=8 on {','.join(ALL_PROJECTIONS)}"}
+    for dtype in args.dtypes.split(","):
+        srv = OurServer(args.model, dtype, 50812, args.streams, extra=["--adapter-dir", str(folder)])
+        target = f"127.0.0.1:{srv.port}"
+        rows: dict[str, list[float]] = {"base": [], "mix": [], "ratio": []}
+        try:
+            asyncio.run(stream_round(target, list(names), args.streams, 2))  # every adapter resident
+            mix = [names[i % len(names)] for i in range(requests)]
+            for r in range(args.runs + 1):  # round 0 warms up
+                base = asyncio.run(stream_round(target, [None] * requests, args.streams, args.new_tokens))["tok_s"]
+                got = asyncio.run(stream_round(target, mix, args.streams, args.new_tokens))["tok_s"]
+                if r:
+                    rows["base"].append(base)
+                    rows["mix"].append(got)
+                    rows["ratio"].append(got / base)
+                print(f"(e) {dtype} round {r}: base {base:.1f} tok/s, all-projection mix {got:.1f}", flush=True)
+        finally:
+            srv.stop()
+        out[dtype] = {k: summary(v) for k, v in rows.items()}
+        print(f"(e) {dtype}: {args.streams} streams over {len(names)} all-projection adapters = "
+              f"{out[dtype]['ratio']['median']:.2f}x base-only (median of {args.runs})", flush=True)  # fmt: skip
+    results["all_projections"] = out
 
 
 def print_table(results: dict[str, Any], distinct: list[int]) -> None:

@@ -77,10 +77,11 @@ class OurServer:
     def __init__(self, model: Path, dtype: str, port: int, max_batch: int, extra: list[str] | None = None) -> None:
         self.port = port
         self.start = time.monotonic()
-        args = [str(ROOT / ".venv/bin/loraplex"), "serve", "--model", str(model), "--dtype", dtype]
+        # `python -m service.cli` from ROOT: the checkout's own code (a worktree's too), not what .venv installed
+        args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--dtype", dtype]
         args += ["--port", str(port), "--metrics-port", "-1", "--http-port", "-1", "--max-batch-size", str(max_batch)]
         args += ["--max-total-tokens", "1024", "--max-prompt-tokens", "512", *(extra or [])]
-        self.proc = subprocess.Popen(args, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=ROOT)
         self.ready_seconds = wait_serving(f"127.0.0.1:{port}", self.start)
 
     def stop(self) -> None:

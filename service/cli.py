@@ -87,7 +87,8 @@ class _Flag:
 _MODEL_FLAGS = (
     _Flag("--model", "HF-format model folder (default models/SmolLM2-135M-Instruct)", type=Path),
     _Flag("--device", "cpu, cuda, cuda:N (default cpu)"),
-    _Flag("--dtype", "serving dtype (default float32)", choices=DTYPES),
+    _Flag("--dtype", "serving dtype (default auto: bfloat16 on CPUs with native bf16 and on GPUs, else float32)",
+          choices=DTYPES),
     _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
     _Flag("--quantize", "weight-only quantization of every layer's projections while loading (default none)",
           choices=QUANTIZE),

@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # the type lives with the loader; importing it at run time wo
 
 # The --load-mode choices: mypy checks each is a LoadMode, tests/test_loading.py that none is missing.
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
-DTYPES = ("float32", "bfloat16", "float16")
+# "auto": bfloat16 where the device computes it natively, float32 on other CPUs (service.model.dtypes)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projections (service.model.quant)
 # The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
 # (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
@@ -37,7 +38,7 @@ class ConfigError(ValueError):
 class Settings:
     model: Path = Path("models/SmolLM2-135M-Instruct")
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     load_mode: LoadMode = "stream"
     quantize: str = "none"  # "int8" / "int4": projections quantized while streaming the checkpoint
     quantize_group_size: int = 32  # int4: input columns per scale and zero (32, 64 or 128)

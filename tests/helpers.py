@@ -20,6 +20,7 @@ TEST_SETTINGS: dict[str, object] = {
     "port": 0,
     "metrics_port": -1,
     "http_port": -1,  # a test that drives the HTTP API asks for port 0
+    "dtype": "float32",  # exactness tests compare with fp32 references; the server default is "auto"
     "max_batch_size": 8,
     "max_queue": 4,
     "max_prompt_tokens": 128,

@@ -24,7 +24,7 @@ from service.tokenizer import Tokenizer
 def stepped_engine(folder: Path, **overrides: object) -> Engine:
     """An engine (fp32, CPU) over the model in ``folder`` with these settings (``quantize`` included), never
     started: the test drives it with ``step()``."""
-    settings = Settings(model=folder, **overrides).replace()  # type: ignore[arg-type]
+    settings = Settings(model=folder, dtype="float32", **overrides).replace()  # type: ignore[arg-type]
     quantize = None if settings.quantize == "none" else settings.quantize
     model, _, _ = load_model(
         folder, dtype=torch.float32, device=torch.device("cpu"), quantize=quantize,  # type: ignore[arg-type]

@@ -235,7 +235,7 @@ def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str
     assert step(["qv"] * 8) == n_layers  # one adapter: shared
     assert tables.layouts() == {}  # no per-slot table was needed
     assert step(["qv"] * 8) == 0
-    assert step(["qv", None, "qv", "qv", None, "qv", "qv", None]) == 0  # same adapters, other rows: only the mask
+    assert step(["qv", None, "qv", "qv", None, "qv", "qv", None]) == 0  # same adapters, other rows: only the row moves
     assert step(["all_rs", "qv"] * 4) == n_layers  # 4 rows per adapter: still shared, new set
     assert step(["qv"] * 8) == 0  # the last two sets are kept (an engine step's prefill and decode)
     assert step(["all_rs", "qv"] * 4) == 0
@@ -243,8 +243,27 @@ def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str
     assert step(["qv"] * 8) == n_layers  # three sets ago: dropped
     reloaded = {**layers, "qv": peft_lora_layers(setup["folders"]["qv"])}
     assert step(["all_rs", "qv"] * 4, reloaded) == n_layers
-    assert step(["all_rs", "qv", "regex", "mlp_l1"] * 2) == 0  # 2 rows per adapter: per-slot
+    assert step(["all_rs", "qv", "regex", "mlp_l1"] * 2) == n_layers  # 2 rows per adapter: still shared
+    assert tables.layouts() == {}
+    assert step(["all_rs", "qv", "regex", "mlp_l1", None, None, None, None]) == 0  # 1 row per adapter: per-slot
     assert tables.layouts() != {}
+
+
+def test_shared_row_moves(setup: dict[str, Any]) -> None:
+    """Rows already grouped move nowhere; others are gathered into equal groups padded with the group's own rows."""
+    tables = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32)
+    lookup = lookup_for(setup["layers"])
+
+    def moves(rows: list[str | None]) -> dict[str, list[int] | None]:
+        batch = AdapterBatch.build(rows, lookup, tables, mode="shared")
+        assert batch is not None
+        return batch.row_moves
+
+    assert moves(["qv", "qv", "regex", "regex"]) == {"gather": None, "back": None, "rows": None}
+    # groups qv: rows 0, 2; regex: row 1 (padded with itself) -> padded positions 0, 1 | 2, 3
+    assert moves(["qv", "regex", "qv"]) == {"gather": [0, 2, 1, 1], "back": [0, 2, 1], "rows": None}
+    # a base-only row inside the span is in no group and gets nothing added
+    assert moves([None, "qv", None, "qv"]) == {"gather": [0, 2], "back": None, "rows": [0, 2]}
 
 
 def test_no_adapter_rows_build_nothing(setup: dict[str, Any]) -> None:

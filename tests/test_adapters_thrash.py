@@ -127,7 +127,9 @@ def _engine(served: dict[str, Any], budget_adapters: int) -> tuple[Engine, Adapt
     catalog = AdapterCatalog(store, MedusaRegistry(cfg, device=CPU, dtype=torch.float32))
     for n in served["names"]:
         catalog.register(n, served["root"] / n)
-    settings = Settings(model=served["dir"], max_batch_size=8, max_total_tokens=128, max_prompt_tokens=64)
+    settings = Settings(
+        model=served["dir"], dtype="float32", max_batch_size=8, max_total_tokens=128, max_prompt_tokens=64
+    )
     engine = Engine(served["model"], Tokenizer.from_folder(served["dir"]), settings, adapters=catalog)
     engine.start()
     return engine, store

@@ -127,7 +127,9 @@ def engine(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     # Finite weights (they pass every check when read) whose products overflow fp32 at run time.
     rewrite_adapter_tensors(boom, lambda t: {k: v.fill_(1e38) if "lora_B" in k else v for k, v in t.items()})
     write_peft_adapter(root / "calm", served_tiny_dir, r=8, alpha=8, target_modules=("q_proj",), seed=2)
-    settings = Settings(model=served_tiny_dir, max_batch_size=8, max_total_tokens=256, max_prompt_tokens=128)
+    settings = Settings(
+        model=served_tiny_dir, dtype="float32", max_batch_size=8, max_total_tokens=256, max_prompt_tokens=128
+    )
     model, cfg, _ = load_model(served_tiny_dir, dtype=torch.float32, device=CPU)
     store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=1 << 24, host_budget_bytes=1 << 24)
     catalog = AdapterCatalog(store, MedusaRegistry(cfg, device=CPU, dtype=torch.float32))

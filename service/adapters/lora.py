@@ -3,25 +3,28 @@
 ``AdapterBatch.build`` makes the batch of one forward pass (``None`` when no row has an adapter: such a batch pays
 nothing); the model calls ``add_delta`` (its ``AdapterHook``) on every projection. Only rows ``[lo, hi)``, from
 the first to the last row with an adapter, are touched; a base-only row inside that span meets zero weights
-(per-slot) or no weights at all (shared), so its output is unchanged bit for bit. Each (layer, site) is computed
+(per-slot) or is not in any group (shared), so its output is unchanged bit for bit. Each (layer, site) is computed
 one of two ways over the tables of ``service.adapters.lora_tables``, chosen per batch from the number ``N`` of
 distinct adapters among the ``b`` rows of the span:
 
-- **per-slot** (``4 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ at`` ``[b, T, R]`` and
+- **per-slot** (``2 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ at`` ``[b, T, R]`` and
   ``out[..., cols_m] += h[..., seg_m] @ bt[m]``: one bmm plus one bmm and one add per module, whatever the mix of
-  ranks and target subsets.
-- **shared** (``N == 1`` or ``4 * N <= b``, many rows per adapter): for each adapter, only its own rows are
-  gathered (``index_select``; no gather when it serves the whole span): ``h = x_a @ A^T``,
-  ``d_m = h[..., seg_m] @ B_m^T`` and ``d_m`` is scattered back into its rows' columns (``index_add_``). Reads each
-  adapter's weights once per step where per-slot reads one copy per row.
+  ranks and target subsets. A request joining or leaving rewrites only its own slot.
+- **shared** (``N == 1`` or ``2 * N <= b``, several rows per adapter): the span's rows are gathered once per
+  site into ``[G, k]`` groups, one per distinct adapter (padded to the largest group with copies of the group's own
+  first row; no gather when the rows already lie that way), then one grouped bmm per product over the set's
+  stacked tables: ``h = x_g @ A_g^T`` ``[G, k*T, R]``, ``d_m = h[..., seg_m] @ B_m,g^T``, and ``d_m`` goes back to
+  its rows (``index_select`` + add, or ``index_add_`` where base-only rows lie inside the span). Reads each
+  adapter's weights once per step where per-slot reads one copy per row, with the same number of kernel calls
+  whatever ``N``; the stacked tables are rebuilt only when the set of adapters changes.
 
 Row isolation is structural in both: a row's input meets only its own adapter's weights (per-slot: its own table
 row in a ``bmm``; shared: its own group), so no value of one row (a NaN, an inf) can reach another row's output;
 nothing relies on multiplying other rows' deltas by zero.
 
 Which layout wins at which ``N`` is measured by ``bench/adapters_math.py --compare`` (figures in
-``bench/README.md``); the shared form costs one gather and one scatter per adapter and site, and none when a
-single adapter serves the whole span (the common case).
+``bench/README.md``): with all seven projections targeted, shared is ahead from one to 32 adapters over 32
+rows; per-slot is kept where each row has its own adapter, since there the set changes with every request.
 """
 
 from __future__ import annotations
@@ -30,15 +33,15 @@ from collections.abc import Callable, Sequence
 from typing import Final, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from service.adapters.lora_tables import SITES, LoraTables, ModuleSpec, SharedTable, SlotTable, module_layout
 from service.adapters.types import LoraLayer
 from service.model.llama import ProjName
 
-# Shared mode while each distinct adapter has at least this many rows (measured crossover: ~4 at 32 rows).
-SHARED_MIN_ROWS_PER_ADAPTER: Final = 4
+# Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
+# projection").
+SHARED_MIN_ROWS_PER_ADAPTER: Final = 2
 
 LayerLookup = Callable[[str, int], LoraLayer | None]
 Mode = Literal["auto", "slots", "shared"]
@@ -68,13 +71,12 @@ class AdapterBatch:
         n = len(self._distinct)
         auto = n == 1 or n * SHARED_MIN_ROWS_PER_ADAPTER <= len(span_ids)
         self.shared = mode == "shared" or (mode == "auto" and auto)
-        # Shared math: per distinct adapter, the span rows it serves ([n_i] int64), None when it serves them all.
-        self._group_rows: list[Tensor | None] = []
+        # Shared math's row moves (see _plan_groups); None where no move is needed.
+        self._gather: Tensor | None = None
+        self._back: Tensor | None = None
+        self._real_rows: Tensor | None = None
         if self.shared:
-            for a in self._distinct:
-                mine = [i for i, row in enumerate(span_ids) if row == a]
-                whole = len(mine) == len(span_ids)
-                self._group_rows.append(None if whole else torch.tensor(mine, device=tables.device))
+            self._plan_groups(span_ids, tables.device)
         self._synced = [False] * tables.num_layers
         self._shared_of: list[dict[str, SharedTable]] = [{} for _ in range(tables.num_layers)]
 
@@ -152,22 +154,46 @@ class AdapterBatch:
             d = torch.bmm(h[..., off : off + width], table.bt[module][slots])  # [b, T, out_m]
             out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
 
+    def _plan_groups(self, span_ids: list[str | None], device: torch.device) -> None:
+        """The shared math's row moves, once per batch: span rows -> [G, k] groups (padded to the largest group
+        with copies of the group's own first row) and the deltas back to their rows. ``None``: no move needed."""
+        groups = [[i for i, row in enumerate(span_ids) if row == a] for a in self._distinct]
+        k = max(len(g) for g in groups)
+        gather = [g[j] if j < len(g) else g[0] for g in groups for j in range(k)]
+        at = {row: gi * k + j for gi, g in enumerate(groups) for j, row in enumerate(g)}
+        real = [i for i, a in enumerate(span_ids) if a is not None]  # span rows with an adapter, in order
+        back = [at[row] for row in real]
+
+        def index(ix: list[int], identity: bool) -> Tensor | None:
+            return None if identity else torch.tensor(ix, dtype=torch.int64, device=device)
+
+        self._gather = index(gather, gather == list(range(len(span_ids))))
+        self._back = index(back, back == list(range(len(gather))))
+        self._real_rows = index(real, len(real) == len(span_ids))
+
+    @property
+    def row_moves(self) -> dict[str, list[int] | None]:
+        """The shared math's row moves (span-relative; ``None``: no move): ``gather`` builds the padded groups,
+        ``back`` picks each adapter row's delta from them, ``rows`` are the span rows that receive one."""
+        moves = {"gather": self._gather, "back": self._back, "rows": self._real_rows}
+        return {k: None if v is None else [int(i) for i in v.tolist()] for k, v in moves.items()}
+
     def _add_shared(self, out: Tensor, x: Tensor, table: SharedTable) -> None:
-        # x [b, T, in], out [b, T, out_fused]: views of the span's rows. Each adapter's rows only: a row's values
-        # never meet another adapter's weights (no masking by zero, where 0 * NaN would leak across rows).
-        xc = x.to(self.tables.compute_dtype)
-        for group, rows in zip(table.groups, self._group_rows, strict=True):
-            if group is None:
-                continue
-            xg = xc if rows is None else xc.index_select(0, rows)  # [n, T, in]
-            h = F.linear(xg, group.a)  # [n, T, R]
-            for module, start, stop, b in group.segs:
-                c0, c1 = self.tables.modules[module].cols
-                d = F.linear(h[..., start:stop], b)  # [n, T, out_m]
-                if rows is None:
-                    out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
-                else:
-                    out[..., c0:c1].index_add_(0, rows, d.to(out.dtype))
+        # x [b, T, in], out [b, T, out_fused]: views of the span's rows. One grouped bmm per product: each group's
+        # rows meet only its own adapter's weights (no masking by zero, where 0 * NaN would leak across rows).
+        t, g = x.shape[1], table.a.shape[0]
+        xg = x if self._gather is None else x.index_select(0, self._gather)  # [G*k, T, in]
+        xg = xg.to(self.tables.compute_dtype).reshape(g, -1, x.shape[-1])  # [G, k*T, in]
+        h = torch.bmm(xg, table.a.transpose(1, 2))  # [G, k*T, R]
+        for module, start, stop, bt in table.segs:
+            c0, c1 = self.tables.modules[module].cols
+            d = torch.bmm(h[..., start:stop], bt).view(-1, t, c1 - c0)  # [G*k, T, out_m]
+            if self._back is not None:
+                d = d.index_select(0, self._back)  # [n, T, out_m]: the span's rows with an adapter, in order
+            if self._real_rows is None:
+                out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
+            else:
+                out[..., c0:c1].index_add_(0, self._real_rows, d.to(out.dtype))
 
     def delta(self, layer: int, site: ProjName, x: Tensor) -> Tensor | None:
         """The delta ``[B, T, out_fused]`` to add to projection ``site`` of ``layer``, or ``None`` if it has none.

@@ -8,8 +8,9 @@ Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (laye
   steps and only slots whose adapter (``LoraLayer`` object) changed are rewritten: the engine keeps rows compacted
   in slots, so a retiring request changes one slot and an admitted one fills one. A table grows when the rows need
   a module or a rank it lacks, and shrinks only when it is over twice as wide as they need.
-- **shared**: per distinct adapter, its modules' ``A`` stacked along the rank axis ``[R, in]`` and per module its
-  ``B`` ``[out_m, r_m]``, kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
+- **shared**: the set's distinct adapters stacked along a leading axis for grouped ``bmm``: ``a`` ``[G, R, in]``
+  (each adapter's modules' ``A`` along the rank axis) and per module ``bt`` ``[G, r_m, out_m]``, ranks zero-padded
+  to the widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
 
 On CPU the tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times slower than
 fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype. The tables hold weak
@@ -94,9 +95,10 @@ class SlotTable:
 
 
 @dataclass
-class GroupTable:
-    """One adapter's weights of one (layer, site) for the shared math: ``a`` [R, in] (its modules' A stacked
-    along the rank axis) and per module (module, start, stop of its columns of ``h``, B [out_m, r_m])."""
+class SharedTable:
+    """Shared (layer, site) table of a set of G distinct adapters, stacked for grouped ``bmm``: ``a`` [G, R, in]
+    (each adapter's modules' A along the rank axis, ranks zero-padded to the widest in the set, absent modules zero)
+    and per module (module, start, stop of its columns of ``h``, ``bt`` [G, r_m, out_m] = the scaled B^T)."""
 
     a: Tensor
     segs: list[tuple[str, int, int, Tensor]]
@@ -104,17 +106,6 @@ class GroupTable:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.a, *(s[3] for s in self.segs)))
-
-
-@dataclass
-class SharedTable:
-    """Shared (layer, site) table of N distinct adapters: one ``GroupTable`` each (None: it skips the site)."""
-
-    groups: list[GroupTable | None]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups if g is not None)
 
 
 @dataclass
@@ -176,27 +167,40 @@ class LoraTables:
                 sets.insert(0, sets.pop(i))
                 return kept
         tables: dict[str, SharedTable] = {}
-        dt = self.compute_dtype
-        for site, names in SITES.items():
-            groups: list[GroupTable | None] = []
-            for lora in distinct:
-                a_parts: list[Tensor] = []
-                segs: list[tuple[str, int, int, Tensor]] = []
-                width = 0
-                for name in names:
-                    module = None if lora is None else lora.modules.get(name)
-                    if module is not None:
-                        self._check(name, module)
-                        a_parts.append(module.a)
-                        segs.append((name, width, width + module.rank, module.b.to(dt)))  # B [out_m, r_m]
-                        width += module.rank
-                groups.append(GroupTable(torch.cat(a_parts).to(dt), segs) if a_parts else None)  # A [R, in]
-            if any(g is not None for g in groups):
-                tables[site] = SharedTable(groups)
+        for site in SITES:
+            table = self._stack(site, distinct)
+            if table is not None:
+                tables[site] = table
         sets.insert(0, (tuple(None if lora is None else weakref.ref(lora) for lora in distinct), tables))
         del sets[SHARED_SETS_KEPT:]
         self.stats.shared_builds += 1
         return tables
+
+    def _stack(self, site: ProjName, distinct: Sequence[LoraLayer | None]) -> SharedTable | None:
+        """The site's weights of ``distinct`` stacked along a leading adapter axis; None if none targets it."""
+        need: dict[str, int] = {}  # module -> widest rank among the set, in fused column order
+        for name in SITES[site]:
+            ranks = [m.rank for lora in distinct if lora is not None and (m := lora.modules.get(name)) is not None]
+            if ranks:
+                need[name] = max(ranks)
+        if not need:
+            return None
+        g, width = len(distinct), sum(need.values())
+        dt, dev = self.compute_dtype, self.device
+        a = torch.zeros(g, width, self.modules[next(iter(need))].in_features, dtype=dt, device=dev)  # [G, R, in]
+        segs: list[tuple[str, int, int, Tensor]] = []
+        start = 0
+        for name, r_max in need.items():
+            bt = torch.zeros(g, r_max, self.modules[name].out_features, dtype=dt, device=dev)  # [G, r_m, out_m]
+            for i, lora in enumerate(distinct):
+                module = None if lora is None else lora.modules.get(name)
+                if module is not None:
+                    self._check(name, module)
+                    a[i, start : start + module.rank].copy_(module.a)  # [r, in]
+                    bt[i, : module.rank].copy_(module.b.t())  # [r, out] <- [out, r]^T
+            segs.append((name, start, start + r_max, bt))
+            start += r_max
+        return SharedTable(a, segs)
 
     # --- per-slot tables -----------------------------------------------------------------------------------
 

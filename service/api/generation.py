@@ -173,7 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model_name=s.model.resolve().name,
             model_path=str(s.model),
             architecture=cfg.architecture,
-            dtype=s.dtype,
+            dtype=rt.dtype,
             device=str(rt.device),
             vocab_size=cfg.vocab_size,
             context_length=cfg.max_position_embeddings,

@@ -33,6 +33,7 @@ from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
 from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
+from service.model.dtypes import choose_dtype
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("loraplex.runtime")
@@ -56,6 +57,7 @@ class Loaded:
     load_seconds: float
 
     adapters: AdapterCatalog
+    dtype: str  # the serving dtype, ``--dtype auto`` resolved (service.model.dtypes)
 
     def validate(self, request: GenerationRequest) -> None:
         self.engine.validate(request)
@@ -77,7 +79,10 @@ class Runtime:
         start = time.perf_counter()
         device = torch.device(s.device)
         tokenizer = Tokenizer.from_folder(s.model)
-        dtype = getattr(torch, s.dtype)
+        choice = choose_dtype(s.dtype, device)
+        log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.name, device,
+                 choice.reason)  # fmt: skip
+        dtype = choice.dtype
         if s.gguf is not None:
             from service.model.gguf_weights import load_gguf_model
 
@@ -106,10 +111,10 @@ class Runtime:
         log.info(
             "event=model_loaded path=%s weights=%s mode=%s dtype=%s quantize=%s device=%s bytes=%d parameter_bytes=%d "
             "load_seconds=%.3f weights_seconds=%.3f",
-            s.model, s.gguf or "safetensors", stats.mode, s.dtype, s.quantize, device, stats.bytes_read,
+            s.model, s.gguf or "safetensors", stats.mode, choice.name, s.quantize, device, stats.bytes_read,
             model.parameter_bytes, seconds, stats.total_seconds,
         )  # fmt: skip
-        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters)
+        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters, choice.name)
         return self.loaded
 
     def ready(self) -> Loaded:

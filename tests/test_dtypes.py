@@ -1,0 +1,92 @@
+"""``--dtype auto``: bfloat16 on CPUs with native bf16, float32 on others, from the flags of a real cpuinfo file;
+the default of ``loraplex serve``, logged with its reason and reported by ModelInfo as the dtype it resolved to."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from loraplex.v1 import generation_pb2 as pb
+from loraplex.v1 import generation_pb2_grpc as pb_grpc
+
+from service.cli import build_parser, serve_settings
+from service.config import Settings
+from service.model.dtypes import choose_dtype, cpu_flags
+
+CPU = torch.device("cpu")
+# Two processors of an AVX-512 machine, as /proc/cpuinfo lists them; FLAGS is replaced per case.
+CPUINFO = """processor\t: {n}
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu vme sse sse2 avx avx2 avx512f avx512bw avx512vl FLAGS
+bogomips\t: 5200.00
+
+"""
+
+
+def fake_cpuinfo(tmp_path: Path, flags: str) -> Path:
+    path = tmp_path / "cpuinfo"
+    path.write_text("".join(CPUINFO.format(n=n).replace("FLAGS", flags) for n in range(2)))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        ("avx512_bf16 avx512_vnni", torch.bfloat16),  # AMD Zen 4 / Intel Cooper Lake
+        ("amx_bf16 amx_tile amx_int8", torch.bfloat16),  # Intel Sapphire Rapids and later
+        ("avx512_vnni", torch.float32),  # AVX-512 without bf16 (Skylake / Ice Lake)
+        ("", torch.float32),
+        ("avx512_bf16x", torch.float32),  # whole flags only
+    ],
+)
+def test_auto_on_cpu_follows_the_bf16_flags(tmp_path: Path, flags: str, want: torch.dtype) -> None:
+    choice = choose_dtype("auto", CPU, cpuinfo=fake_cpuinfo(tmp_path, flags))
+    assert choice.dtype == want
+    assert choice.name == str(want).removeprefix("torch.")
+    assert choice.reason.startswith("auto: native bf16" if want == torch.bfloat16 else "auto: no native bf16")
+    assert str(tmp_path / "cpuinfo") in choice.reason
+
+
+def test_an_explicit_dtype_is_taken_as_given(tmp_path: Path) -> None:
+    info = fake_cpuinfo(tmp_path, "avx512_bf16")
+    for name in ("float32", "bfloat16", "float16"):
+        choice = choose_dtype(name, CPU, cpuinfo=info)
+        assert choice.name == name and choice.reason == "given"
+
+
+def test_unreadable_cpuinfo_falls_back_to_torchs_check(tmp_path: Path) -> None:
+    assert cpu_flags(tmp_path / "missing") is None
+    (tmp_path / "empty").write_text("processor\t: 0\n")
+    assert cpu_flags(tmp_path / "empty") is None  # no flags line: not evidence of "no bf16"
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    choice = choose_dtype("auto", CPU, cpuinfo=tmp_path / "missing")
+    assert choice.dtype == (torch.bfloat16 if native else torch.float32)
+    assert "torch's CPU capability check" in choice.reason
+
+
+def test_auto_is_the_default_and_a_valid_flag() -> None:
+    assert Settings().dtype == "auto"
+    assert Settings.from_env({"LORAPLEX_DTYPE": "auto"}).dtype == "auto"
+    assert serve_settings(build_parser().parse_args(["serve", "--dtype", "auto"]), {}).dtype == "auto"
+    assert serve_settings(build_parser().parse_args(["serve"]), {}).dtype == "auto"
+    with pytest.raises(ValueError, match="dtype"):
+        Settings.from_env({}, dtype="fp8")
+
+
+def test_server_logs_and_reports_the_resolved_dtype(served_tiny_dir: Path, caplog: Any) -> None:
+    from helpers import tiny_settings
+
+    from service.api.server import BackgroundServer
+
+    want = choose_dtype("auto", CPU)
+    settings = tiny_settings(served_tiny_dir, dtype="auto")
+    with caplog.at_level(logging.INFO), BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
+        info = pb_grpc.GenerationStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    assert info.dtype == want.name != "auto"
+    chosen = [r.getMessage() for r in caplog.records if "event=dtype_chosen" in r.getMessage()]
+    assert len(chosen) == 1 and f"requested=auto dtype={want.name}" in chosen[0] and want.reason in chosen[0]
