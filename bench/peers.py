@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,7 +76,7 @@ def run_child(python: Path, script: str, spec: dict[str, Any], env: dict[str, st
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
-        return {"skipped": f"{script} exited {proc.returncode}: {tail[-600:]}"}
+        return {"skipped": f"{script} exited {proc.returncode}: {tail[-600:]}", "returncode": proc.returncode}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 
@@ -102,14 +103,16 @@ def preloads(python: Path) -> tuple[list[str], list[str]]:
     return found, missing
 
 
-def run_vllm(env: envs.Env, model: Path, dtypes: list[str], rows: list[Row], loras: list[Path], runs: int) -> Any:
+def run_vllm(env: envs.Env, args: argparse.Namespace, rows: list[Row], loras: list[Path]) -> Any:
     if env.python is None:
         return {"skipped": env.reason}
     libs, missing = preloads(env.python)
     if missing:
         log(f"vLLM runs without {', '.join(missing)}")
     extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "LD_PRELOAD": ":".join(libs)}
-    out: dict[str, Any] = {"preload": libs}
+    extra |= peer_env(args)
+    out: dict[str, Any] = {"env": extra}
+    model, dtypes, runs = args.model, args.vllm_dtypes.split(","), args.runs
     for dtype in dtypes:
         log(f"vLLM {dtype} ...")
         spec = {
@@ -127,17 +130,30 @@ def run_vllm(env: envs.Env, model: Path, dtypes: list[str], rows: list[Row], lor
     return out
 
 
-def run_llamacpp(env: envs.Env, gguf: Path, lora: Path | None, threads: list[int], rows: list[Row], runs: int) -> Any:
+def peer_env(args: argparse.Namespace) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in args.peer_env)
+
+
+def run_llamacpp(env: envs.Env, args: argparse.Namespace, gguf: Path, lora: Path | None, rows: list[Row]) -> Any:
     if env.python is None:
         return {"skipped": env.reason}
     batch1 = [r for r in rows if r.requests == 1]
-    out: dict[str, Any] = {"gguf": gguf.name}
+    threads, runs = [int(t) for t in args.llamacpp_threads.split(",")], args.runs
+    out: dict[str, Any] = {"gguf": gguf.name, "env": peer_env(args)}
     for t in threads:
-        spec = {"gguf": str(gguf), "lora_gguf": str(lora) if lora else None, "threads": t}
+        spec = {"gguf": str(gguf), "lora_gguf": str(lora) if lora else None, "threads": t, "extra_bufts": True}
         spec |= {"rows": [r.as_dict() for r in batch1], "runs": runs, "n_ctx": 256}
-        out[f"threads_{t}"] = run_child(env.python, "peers_llamacpp.py", spec, child_env({}), timeout=600)
-        if "skipped" in out[f"threads_{t}"]:
-            log(f"llama.cpp {t} threads skipped: {out[f'threads_{t}']['skipped']}")
+        got = run_child(env.python, "peers_llamacpp.py", spec, child_env(peer_env(args)), timeout=600)
+        if got.get("returncode") == -signal.SIGSEGV:
+            # seen with this build's AMX buffer type on an AMX VM: measure without the extra buffer types instead
+            log(f"llama.cpp {t} threads crashed (SIGSEGV); again without extra buffer types (repack / AMX)")
+            got = run_child(
+                env.python, "peers_llamacpp.py", spec | {"extra_bufts": False}, child_env(peer_env(args)), timeout=600
+            )
+            got["extra_bufts_crashed"] = True
+        out[f"threads_{t}"] = got
+        if "skipped" in got:
+            log(f"llama.cpp {t} threads skipped: {got['skipped']}")
     return out
 
 
@@ -165,6 +181,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default="loraplex,vllm,llamacpp", help="comma list of loraplex, vllm, llamacpp")
     p.add_argument("--loraplex-config", action="append", metavar="NAME=FLAGS", help="repeatable; see the docstring")
     p.add_argument("--vllm-dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--peer-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the peers' runs (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE on a busy machine",
+    )
     p.add_argument("--llamacpp-threads", default="1,2")
     p.add_argument("--rows", default=",".join(r.key for r in ROWS), help="row keys (bench/peers_workload.py)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per row (after one warm-up)")
@@ -216,11 +239,9 @@ def main() -> None:
     if "loraplex" in engines:
         results["loraplex"] = run_loraplex(args, rows, loras, paths)
     if "vllm" in engines:
-        dtypes = args.vllm_dtypes.split(",")
-        results["vllm"] = run_vllm(peer_envs["vllm"], args.model, dtypes, rows, loras, args.runs)
+        results["vllm"] = run_vllm(peer_envs["vllm"], args, rows, loras)
     if "llamacpp" in engines and gguf is not None:
-        threads = [int(t) for t in args.llamacpp_threads.split(",")]
-        results["llamacpp"] = run_llamacpp(peer_envs["llamacpp"], gguf, lora_gguf, threads, rows, args.runs)
+        results["llamacpp"] = run_llamacpp(peer_envs["llamacpp"], args, gguf, lora_gguf, rows)
         if why:
             results["llamacpp"]["lora_skipped"] = why
     results["machine"]["load_avg_after"] = os.getloadavg()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,14 +162,17 @@ def lora_gguf(work: Path, model_dir: Path, adapter: Path, log: Log) -> tuple[Pat
     if not script.exists():
         _extract_converter(sdist, tools)
     log(f"converting {adapter.name} to a GGUF LoRA ...")
-    env = {"PYTHONPATH": str(tools / "gguf-py"), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    cmd = [sys.executable, str(script), "--base", str(model_dir), "--outtype", "f32", "--outfile", str(out)]
-    err = _run([*cmd, str(adapter)], work / "lora-convert.log", env=env)
-    return (None, err) if err else (out, "")
+    env = {**os.environ, "PYTHONPATH": str(tools / "gguf-py")}
+    partial = out.with_suffix(".part")  # renamed when complete: a crash never leaves a file that looks done
+    cmd = [sys.executable, str(script), "--base", str(model_dir), "--outtype", "f32", "--outfile", str(partial)]
+    if err := _run([*cmd, str(adapter)], work / "lora-convert.log", env=env):
+        return None, err
+    partial.rename(out)
+    return out, ""
 
 
 def _extract_converter(sdist: Path, tools: Path) -> None:
-    """The converter scripts, their local imports and gguf-py out of the sdist's vendor/llama.cpp."""
+    """The converter scripts, their ``conversion`` package and gguf-py out of the sdist's vendor/llama.cpp."""
     tools.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
         for member in tar.getmembers():
@@ -177,7 +181,7 @@ def _extract_converter(sdist: Path, tools: Path) -> None:
                 continue
             rel = Path(*parts[3:])
             top = rel.parts[0]
-            if not (top == "gguf-py" or (len(rel.parts) == 1 and rel.suffix == ".py")):
+            if not (top in ("gguf-py", "conversion") or (len(rel.parts) == 1 and rel.suffix == ".py")):
                 continue
             if member.isfile() and (src := tar.extractfile(member)) is not None:
                 dest = tools / rel

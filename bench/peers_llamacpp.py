@@ -5,8 +5,9 @@ bench/peers.py once per thread count as
 
     bench/.work/llamacpp/bin/python bench/peers_llamacpp.py SPEC.json
 
-SPEC holds the GGUF, the LoRA converted to GGUF (or null), the thread count, the rows (batch 1 only) and the run
-count; the last stdout line is one JSON object. Decoding is greedy through ``Llama.generate`` (which never stops
+SPEC holds the GGUF, the LoRA converted to GGUF (or null), the thread count, the rows (batch 1 only), the run
+count and whether llama.cpp may use its extra buffer types (weight repacking, AMX); the last stdout line is one JSON
+object. Decoding is greedy through ``Llama.generate`` (which never stops
 at EOS by itself), cut at exactly ``NEW_TOKENS`` sampled tokens; ``reset()`` before each request so that no prompt
 is served from the previous request's KV cache. A LoRA is applied at load in llama.cpp, so the LoRA row gets its
 own ``Llama``.
@@ -51,10 +52,27 @@ def run_row(llm: Any, row: Row, runs: int) -> dict[str, Any]:
     return summarise(walls, NEW_TOKENS)
 
 
+def without_extra_buffers(llama_cpp: Any) -> None:
+    """Make every ``Llama`` load with ``use_extra_bufts = False`` (no CPU repack / AMX buffer types): the wrapper
+    has no argument for it, so the default model parameters it starts from (``llama_cpp.llama_cpp``, the module
+    ``Llama`` calls) are patched."""
+    low_level = llama_cpp.llama_cpp
+    default = low_level.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low_level.llama_model_default_params = params
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     import llama_cpp
 
+    if not spec["extra_bufts"]:
+        without_extra_buffers(llama_cpp)
     threads = spec["threads"]
     results: dict[str, Any] = {}
     load_s: dict[str, float] = {}
@@ -86,6 +104,7 @@ def main() -> None:
                 "load_s": load_s,
                 "peak_rss_bytes": peak_rss_bytes(),
                 "threads": threads,
+                "extra_bufts": spec["extra_bufts"],
                 "version": llama_cpp.__version__,
             }
         )
