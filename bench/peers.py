@@ -46,7 +46,7 @@ DEFAULT_CONFIGS = (
     "bf16=--dtype bfloat16",
     "int8=--dtype bfloat16 --quantize int8",
     "int4=--dtype bfloat16 --quantize int4",
-    "gguf=--dtype bfloat16 --weights gguf:{gguf}",
+    "gguf=--dtype bfloat16 --gguf {gguf}",
 )
 QUICK_ROWS = ("b1", "b16_l8")
 

@@ -23,9 +23,10 @@ def test_config_parses_name_flags_and_dtype() -> None:
     assert config.dtype() == "bfloat16"
     assert Config.parse("q=--dtype=float32 --quantize int4").dtype() == "float32"
     assert Config.parse("plain=").dtype() is None
-    assert Config.parse("g=--weights gguf:{gguf}").expanded({"gguf": "/m.gguf", "model": "/m"}) == [
-        "--weights",
-        "gguf:/m.gguf",
+    assert Config.parse("g=--gguf {gguf} --adapter-dir={model}/a").expanded({"gguf": "/m.gguf", "model": "/m"}) == [
+        "--gguf",
+        "/m.gguf",
+        "--adapter-dir=/m/a",
     ]
     with pytest.raises(ValueError, match="NAME=FLAGS"):
         Config.parse("--dtype bfloat16")
