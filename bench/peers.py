@@ -234,6 +234,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "workload": {"model": args.model.name, "rows": [r.as_dict() for r in rows], "runs": args.runs},
         "machine": machine(),
+        "peer_env": peer_env(args),
     }
     paths = {"gguf": str(gguf or ""), "model": str(args.model)}
     if "loraplex" in engines:

@@ -71,6 +71,9 @@ def _skips(results: dict[str, Any]) -> list[str]:
                 notes.append(f"- {engine} {key} skipped: {d['skipped']}")
         if isinstance(section, dict) and "lora_skipped" in section:
             notes.append(f"- {engine} LoRA row skipped: {section['lora_skipped']}")
+    for key, d in results.get("llamacpp", {}).items():
+        if isinstance(d, dict) and d.get("extra_bufts_crashed"):
+            notes.append(f"- llama.cpp {key}: its default load crashed (SIGSEGV); measured without extra buffer types")
     return notes
 
 
@@ -96,6 +99,8 @@ def markdown(results: dict[str, Any]) -> str:
     rss = [_fmt(d["peak_rss_bytes"] / 1e6, ".0f") if d.get("peak_rss_bytes") else "–" for _, d in cols]
     lines.append("| peak RSS, MB | " + " | ".join(rss) + " |")
     lines.append("| start / load, s | " + " | ".join(_fmt(_load_s(d), ".1f") for _, d in cols) + " |")
+    lines += ["", "start / load: loraplex from process start to health SERVING; vLLM the `LLM(...)` constructor;"]
+    lines.append("llama.cpp the base model's `Llama(...)`. Peak RSS: VmHWM of the engine's process.")
     table = ratios(results)
     if table:
         titles = {r["key"]: r["title"] for r in rows}
@@ -111,6 +116,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(_fmt(per_row.get(k), ".2f") for k in keys) + " |")
     if notes := _skips(results):
         lines += ["", *notes]
+    if env := results.get("peer_env"):
+        lines += ["", "peers ran with " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + " (--peer-env)"]
     m = results.get("machine", {})
     lines += ["", f"machine: {m.get('cpu')} x{m.get('cpus')}; load average before {m.get('load_avg_before')}, "
               f"after {m.get('load_avg_after')}"]  # fmt: skip

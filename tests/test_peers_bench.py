@@ -55,7 +55,8 @@ def test_ratios_pair_each_config_with_the_peer_of_its_dtype_and_llamacpp_at_batc
             "int4": {"skipped": "this loraplex serve has no --quantize"},
         },
         "vllm": {"float32": _engine({"b1": 40.0, "b16_l8": 100.0}), "bfloat16": {"skipped": "boom"}},
-        "llamacpp": {"threads_2": _engine({"b1": 120.0, "b1_lora": 90.0})},
+        "llamacpp": {"threads_2": {**_engine({"b1": 120.0, "b1_lora": 90.0}), "extra_bufts_crashed": True}},
+        "peer_env": {"OMP_WAIT_POLICY": "PASSIVE"},
     }
     got = ratios(results)
     assert got == {
@@ -68,6 +69,8 @@ def test_ratios_pair_each_config_with_the_peer_of_its_dtype_and_llamacpp_at_batc
     assert "| fp32 / vLLM fp32 | 0.75 | – | 2.00 |" in table
     assert "- loraplex int4 skipped: this loraplex serve has no --quantize" in table
     assert "- vllm bfloat16 skipped: boom" in table
+    assert "- llama.cpp threads_2: its default load crashed (SIGSEGV)" in table
+    assert "peers ran with `OMP_WAIT_POLICY=PASSIVE`" in table
 
 
 @pytest.mark.slow
