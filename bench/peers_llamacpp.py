@@ -25,16 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_workload import NEW_TOKENS, Row, peak_rss_bytes, prompt, summarise
 
 
-def generate(llm: Any, text: str) -> int:
-    """Greedy tokens for ``text`` until ``NEW_TOKENS``; the count (always ``NEW_TOKENS``)."""
+def generate(llm: Any, text: str) -> list[int]:
+    """Greedy token ids for ``text``, ``NEW_TOKENS`` of them."""
     ids = llm.tokenize(text.encode(), add_bos=True, special=False)
     llm.reset()
-    count = 0
-    for _ in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        count += 1
-        if count == NEW_TOKENS:
+    out: list[int] = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(token))
+        if len(out) == NEW_TOKENS:
             break
-    return count
+    return out
 
 
 def run_row(llm: Any, row: Row, runs: int) -> dict[str, Any]:
@@ -43,13 +43,13 @@ def run_row(llm: Any, row: Row, runs: int) -> dict[str, Any]:
     walls = []
     for run in range(runs + 1):  # run 0 warms up
         t = time.perf_counter()
-        count = generate(llm, prompt(0))
+        ids = generate(llm, prompt(0))
         wall = time.perf_counter() - t
-        if count != NEW_TOKENS:
-            raise SystemExit(f"llama.cpp {row.key}: {count} tokens, expected {NEW_TOKENS}")
+        if len(ids) != NEW_TOKENS:
+            raise SystemExit(f"llama.cpp {row.key}: {len(ids)} tokens, expected {NEW_TOKENS}")
         if run:
             walls.append(wall)
-    return summarise(walls, NEW_TOKENS)
+    return summarise(walls, NEW_TOKENS, ids)
 
 
 def without_extra_buffers(llama_cpp: Any) -> None:

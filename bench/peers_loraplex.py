@@ -103,16 +103,16 @@ class Server:
         self.log.close()
 
 
-async def batch_wall(target: str, row: Row, adapters: list[str]) -> float:
-    """Send ``row``'s requests at once; wall seconds until the last one finished."""
+async def batch_wall(target: str, row: Row, adapters: list[str]) -> tuple[float, list[int]]:
+    """Send ``row``'s requests at once; wall seconds until the last one finished, and request 0's token ids."""
     from loraplex import AsyncClient
 
     async with AsyncClient(target) as client:
         await client.health()  # the channel is connected before the clock starts
 
-        async def one(i: int) -> int:
+        async def one(i: int) -> list[int]:
             a = row.adapter_of(i)
-            count = 0
+            ids: list[int] = []
             async for delta in client.stream(
                 prompt(i),
                 adapter=adapters[a] if a is not None else None,
@@ -122,15 +122,15 @@ async def batch_wall(target: str, row: Row, adapters: list[str]) -> float:
                 return_token_ids=True,
                 timeout=600,
             ):
-                count += len(delta.token_ids)
-            return count
+                ids += delta.token_ids
+            return ids
 
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(row.requests)))
+        outs = await asyncio.gather(*(one(i) for i in range(row.requests)))
         wall = time.perf_counter() - start
-    if list(counts) != [NEW_TOKENS] * row.requests:
+    if (counts := [len(ids) for ids in outs]) != [NEW_TOKENS] * row.requests:
         raise RuntimeError(f"loraplex {row.key}: token counts {counts}, expected {NEW_TOKENS} each")
-    return wall
+    return wall, outs[0]
 
 
 def run_config(
@@ -145,10 +145,10 @@ def run_config(
         for row in rows:
             walls = []
             for run in range(runs + 1):  # run 0 warms up (and loads this row's adapters)
-                wall = asyncio.run(batch_wall(server.target, row, [p.name for p in loras]))
+                wall, first_ids = asyncio.run(batch_wall(server.target, row, [p.name for p in loras]))
                 if run:
                     walls.append(wall)
-            results[row.key] = summarise(walls, NEW_TOKENS * row.requests)
+            results[row.key] = summarise(walls, NEW_TOKENS * row.requests, first_ids)
             print(f"loraplex {config.name} {row.key}: {results[row.key]['tok_s']:.1f} tok/s", flush=True)
         rss = server.peak_rss()
     finally:

@@ -1,4 +1,5 @@
-"""bench/peers.py's results as ratios and a markdown table (figures, peak RSS, load time, ratios, skips).
+"""bench/peers.py's results as ratios and a markdown table (figures, peak RSS, load time, ratios, token agreement,
+skips).
 
 Pure functions of the results dict that bench/peers.py writes; nothing here measures. A ratio is formed only between
 figures of the same run: loraplex config / vLLM in the config's ``--dtype``, and loraplex config / llama.cpp for
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["columns", "markdown", "ratios"]
+__all__ = ["agreement", "columns", "markdown", "ratios"]
 
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -57,6 +58,39 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
             if per_row:
                 out.setdefault(f"{name} / {title}", {}).update(per_row)
     return out
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(results: dict[str, Any]) -> list[str]:
+    """Markdown lines: per row, how many leading greedy tokens of request 0 each engine shares with the first
+    column (same prompt and adapter everywhere: a check that the engines did the same work), and a note for each
+    engine whose 1-LoRA row gave the base row's tokens (its LoRA had no visible effect)."""
+    cols = [(t, d) for t, d in columns(results) if any("first_ids" in r for r in d["rows"].values())]
+    if len(cols) < 2:
+        return []
+    ref_title, ref = cols[0]
+    lines = ["", f"request 0's greedy tokens: leading tokens equal to {ref_title}'s (of 32)", ""]
+    lines += ["| workload | " + " | ".join(t for t, _ in cols[1:]) + " |", "|---" * len(cols) + "|"]
+    for row in results["workload"]["rows"]:
+        base = ref["rows"].get(row["key"], {}).get("first_ids")
+        cells = []
+        for _, d in cols[1:]:
+            ids = d["rows"].get(row["key"], {}).get("first_ids")
+            cells.append("–" if base is None or ids is None else str(_prefix(base, ids)))
+        lines.append(f"| {row['title']} | " + " | ".join(cells) + " |")
+    for title, d in cols:
+        b1, lora = d["rows"].get("b1", {}).get("first_ids"), d["rows"].get("b1_lora", {}).get("first_ids")
+        if b1 is not None and b1 == lora:
+            lines.append(f"- {title}: the 1-LoRA row gave the base row's tokens (the LoRA had no visible effect)")
+    return lines
 
 
 def _skips(results: dict[str, Any]) -> list[str]:
@@ -114,6 +148,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("|---" * (len(keys) + 1) + "|")
         for name, per_row in table.items():
             lines.append(f"| {name} | " + " | ".join(_fmt(per_row.get(k), ".2f") for k in keys) + " |")
+    lines += agreement(results)
     if notes := _skips(results):
         lines += ["", *notes]
     if env := results.get("peer_env"):

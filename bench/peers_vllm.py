@@ -60,7 +60,7 @@ def main() -> None:
                 raise SystemExit(f"vLLM {row.key}: token counts {counts}, expected {NEW_TOKENS} each")
             if run:
                 walls.append(wall)
-        results[row.key] = summarise(walls, NEW_TOKENS * row.requests)
+        results[row.key] = summarise(walls, NEW_TOKENS * row.requests, list(outs[0].outputs[0].token_ids))
         print(f"vllm {spec['dtype']} {row.key}: {results[row.key]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     import vllm
 

@@ -57,14 +57,16 @@ def prompt(i: int) -> str:
     return f"Write a short story about a robot number {i}."
 
 
-def summarise(walls: list[float], tokens: int) -> dict[str, Any]:
-    """tok/s of each measured run (``tokens`` generated in ``walls[k]`` seconds) and their median."""
+def summarise(walls: list[float], tokens: int, first_ids: list[int]) -> dict[str, Any]:
+    """tok/s of each measured run (``tokens`` generated in ``walls[k]`` seconds) and their median; ``first_ids``
+    (request 0's token ids in the last run) lets the report check that the engines did the same work."""
     rates = [tokens / w for w in walls]
     return {
         "tok_s": statistics.median(rates),
         "tok_s_runs": rates,
         "wall_s_runs": walls,
         "tokens": tokens,
+        "first_ids": first_ids,
     }
 
 

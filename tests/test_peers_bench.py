@@ -42,8 +42,9 @@ def test_missing_flags_against_the_real_serve_help() -> None:
     ]
 
 
-def _engine(rates: dict[str, float]) -> dict[str, object]:
-    return {"rows": {k: {"tok_s": v} for k, v in rates.items()}, "peak_rss_bytes": 100e6, "load_s": 1.0}
+def _engine(rates: dict[str, float], ids: dict[str, list[int]] | None = None) -> dict[str, object]:
+    rows = {k: {"tok_s": v, "first_ids": (ids or {}).get(k, [int(k == "b1_lora"), 2, 3])} for k, v in rates.items()}
+    return {"rows": rows, "peak_rss_bytes": 100e6, "load_s": 1.0}
 
 
 def test_ratios_pair_each_config_with_the_peer_of_its_dtype_and_llamacpp_at_batch_1() -> None:
@@ -55,7 +56,12 @@ def test_ratios_pair_each_config_with_the_peer_of_its_dtype_and_llamacpp_at_batc
             "int4": {"skipped": "this loraplex serve has no --quantize"},
         },
         "vllm": {"float32": _engine({"b1": 40.0, "b16_l8": 100.0}), "bfloat16": {"skipped": "boom"}},
-        "llamacpp": {"threads_2": {**_engine({"b1": 120.0, "b1_lora": 90.0}), "extra_bufts_crashed": True}},
+        "llamacpp": {
+            "threads_2": {
+                **_engine({"b1": 120.0, "b1_lora": 90.0}, {"b1": [0, 2, 9], "b1_lora": [0, 2, 9]}),
+                "extra_bufts_crashed": True,
+            }
+        },
         "peer_env": {"OMP_WAIT_POLICY": "PASSIVE"},
     }
     got = ratios(results)
@@ -71,6 +77,11 @@ def test_ratios_pair_each_config_with_the_peer_of_its_dtype_and_llamacpp_at_batc
     assert "- vllm bfloat16 skipped: boom" in table
     assert "- llama.cpp threads_2: its default load crashed (SIGSEGV)" in table
     assert "peers ran with `OMP_WAIT_POLICY=PASSIVE`" in table
+    # request 0's tokens against the first column (loraplex fp32, ids [0, 2, 3]): llama.cpp shares 2 of them; its
+    # LoRA row repeated its base row's tokens, which the report calls out
+    assert "| 1 request, no LoRA | 3 | 3 | 2 |" in table
+    assert "- llama.cpp Q4_1 2 thr: the 1-LoRA row gave the base row's tokens" in table
+    assert "- loraplex fp32: the 1-LoRA row" not in table
 
 
 @pytest.mark.slow
