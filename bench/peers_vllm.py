@@ -43,7 +43,9 @@ def main() -> None:
         seed=0,
     )
     load_s = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, ignore_eos=True)
+    # no min_tokens: vLLM implements it by masking EOS, which would change the greedy path; ignore_eos alone
+    # keeps going past an EOS that was picked, as the other engines do
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results: dict[str, Any] = {}
     for row in rows:
         prompts = [prompt(i) for i in range(row.requests)]
