@@ -79,8 +79,8 @@ COPY --from=model /opt/models /app/models
 COPY adapters/demo /app/adapters/demo
 ENV PATH=/opt/venv/bin:$PATH
 USER 10001:10001
-# gRPC, then Prometheus /metrics (service.config.Settings defaults).
-EXPOSE 50051 9400
+# gRPC, the OpenAI-compatible HTTP API, then Prometheus /metrics (service.config.Settings defaults).
+EXPOSE 50051 8000 9400
 # The model is /app/models/SmolLM2-135M-Instruct (Settings' default, relative to /app); every other flag comes
 # from LORAPLEX_* variables (in Kubernetes: the loraplex-config ConfigMap).
 ENTRYPOINT ["loraplex", "serve", "--host", "0.0.0.0", "--metrics-host", "0.0.0.0"]

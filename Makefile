@@ -7,6 +7,7 @@ MODEL_DIR ?= models/SmolLM2-135M-Instruct
 HOST ?= 127.0.0.1
 PORT ?= 50051
 METRICS_PORT ?= 9400
+HTTP_PORT ?= 8000
 SERVE_ARGS ?=
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
@@ -33,10 +34,10 @@ model: $(MODEL_DIR)/config.json
 $(MODEL_DIR)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/loraplex fetch-model --output $(MODEL_DIR)
 
-## serve: set everything up and serve the default model on $(HOST):$(PORT) (metrics on :$(METRICS_PORT))
+## serve: set everything up and serve the default model on $(HOST):$(PORT) (OpenAI HTTP API on :$(HTTP_PORT), metrics on :$(METRICS_PORT))
 serve: setup model
 	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
-		--metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+		--http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
 ## test: set everything up, lint, type-check and run the whole test suite
 test: setup system-deps model lint typecheck

@@ -77,6 +77,7 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients/python"), env.get("PYTHONPATH", "")])
         args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--dtype", dtype]
         args += ["--port", str(self.port), "--metrics-port", "-1", "--max-batch-size", str(streams)]
+        args += ["--http-port", "-1"]
         args += ["--max-total-tokens", "1024", "--max-prompt-tokens", "512", *self.flags]
         log = subprocess.DEVNULL if log_dir is None else (log_dir / f"{self.name}.log").open("wb")
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=log)

@@ -115,6 +115,7 @@ class Server:
         self.log = (WORK / "server.log").open("w")
         cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", str(port)]
         cmd += ["--metrics-port", "-1", "--adapter-dir", str(adapters), "--max-batch-size", str(args.max_batch_size)]
+        cmd += ["--http-port", "-1"]
         cmd += ["--max-queue", str(args.max_queue), "--max-total-tokens", "1024", "--max-prompt-tokens", "512"]
         cmd += ["--adapter-device-budget-bytes", str(budget)]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'clients/python'}"}

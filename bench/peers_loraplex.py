@@ -76,7 +76,7 @@ class Server:
     """A ``loraplex serve`` child on 127.0.0.1:``port``; its stderr goes to ``log``."""
 
     def __init__(self, model: Path, flags: list[str], adapters: Path | None, port: int, log: Path) -> None:
-        args = [*SERVE, "--model", str(model), "--port", str(port), "--metrics-port", "-1"]
+        args = [*SERVE, "--model", str(model), "--port", str(port), "--metrics-port", "-1", "--http-port", "-1"]
         args += ["--max-batch-size", "32", "--max-total-tokens", "512", "--max-prompt-tokens", "256"]
         if adapters is not None:
             args += ["--adapter-dir", str(adapters)]

@@ -78,7 +78,7 @@ class OurServer:
         self.port = port
         self.start = time.monotonic()
         args = [str(ROOT / ".venv/bin/loraplex"), "serve", "--model", str(model), "--dtype", dtype]
-        args += ["--port", str(port), "--metrics-port", "-1", "--max-batch-size", str(max_batch)]
+        args += ["--port", str(port), "--metrics-port", "-1", "--http-port", "-1", "--max-batch-size", str(max_batch)]
         args += ["--max-total-tokens", "1024", "--max-prompt-tokens", "512", *(extra or [])]
         self.proc = subprocess.Popen(args, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.ready_seconds = wait_serving(f"127.0.0.1:{port}", self.start)

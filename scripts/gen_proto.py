@@ -5,8 +5,10 @@ temporary folder and fails if anything differs, so run ``make proto`` after edit
 
 Per proto file this writes ``*_pb2.py`` + ``*_pb2.pyi`` (grpcio-tools' protoc) and ``*_pb2_grpc.py``
 (grpcio-tools' plugin) + ``*_pb2_grpc.pyi`` (mypy-protobuf's ``protoc-gen-mypy_grpc``, so servicers and
-stubs are typed), plus an ``__init__.py``. Output is deterministic: files are listed in sorted order and
-nothing in them depends on the machine or the time.
+stubs are typed), plus an ``__init__.py`` and ``descriptors.binpb``: every proto file with its imports as one
+``FileDescriptorSet`` *with source info* (the comments), which the server's reflection serves so ``grpcurl
+describe`` shows them (the ``*_pb2.py`` descriptors carry none). Output is deterministic: files are listed in
+sorted order and nothing in them depends on the machine or the time.
 
 Usage: ``python scripts/gen_proto.py [--out DIR]`` (DIR receives ``loraplex/v1/...``; default
 ``clients/python``).
@@ -24,7 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE_DIR = Path("loraplex") / "v1"
 DEFAULT_OUT = ROOT / "clients" / "python"
-GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi", ".binpb")
+DESCRIPTOR_SET = "descriptors.binpb"
+OUTPUT_SUFFIXES = (".py", ".pyi", ".binpb")
 INIT_TEXT = '"""Generated protobuf / gRPC modules of the loraplex.v1 API (``make proto``; do not edit)."""\n'
 
 
@@ -65,13 +69,16 @@ def generate(out: Path) -> list[Path]:
         f"--mypy_out={out}",
         f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
         f"--mypy_grpc_out={out}",
+        f"--descriptor_set_out={target / DESCRIPTOR_SET}",
+        "--include_source_info",
+        "--include_imports",
         *protos,
     ]
     code = protoc.main(args)
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
     (target / "__init__.py").write_text(INIT_TEXT)
-    return sorted(p for p in target.iterdir() if p.is_file() and p.suffix in (".py", ".pyi"))
+    return sorted(p for p in target.iterdir() if p.is_file() and p.suffix in OUTPUT_SUFFIXES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,11 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.cli_convert import add_convert_command, run_convert
 from service.config import DTYPES, LOAD_MODES, ConfigError, Settings
 from service.errors import LoraplexError
+from service.hf_cache import AdapterSource, parse_source
+from service.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
@@ -32,17 +35,23 @@ def openmp_defaults(env: MutableMapping[str, str]) -> None:
         env.update(OPENMP_DEFAULTS)
 
 
-def _adapter_pair(text: str) -> tuple[str, Path]:
-    key, sep, path = text.partition("=")
-    if not sep or not key or not path:
-        raise argparse.ArgumentTypeError(f"expected ID=PATH, got {text!r}")
-    return key, Path(path)
+def _adapter_pair(text: str) -> tuple[str, AdapterSource]:
+    key, sep, source = text.partition("=")
+    if not sep or not key or not source:
+        raise argparse.ArgumentTypeError(f"expected ID=PATH or ID=hf://org/name[@revision], got {text!r}")
+    try:
+        return key, parse_source(source)
+    except LoraplexError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _connection_flags() -> argparse.ArgumentParser:
     """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    flags.add_argument(
+        "--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
+        help=f"server address (default: the LORAPLEX_TARGET variable, else {DEFAULT_TARGET})",
+    )  # fmt: skip
     flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
     flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
     flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
@@ -82,6 +91,8 @@ _MODEL_FLAGS = (
     _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
     _Flag("--port", "gRPC port (default 50051)", type=int),
+    _Flag("--http-port", "OpenAI-compatible HTTP API port on --host (default 8000; 0 = any free port, -1 = off)",
+          type=int),
     _Flag("--metrics-host", "/metrics bind address (default 127.0.0.1)"),
     _Flag("--metrics-port", "/metrics port (default 9400; 0 = any free port, -1 = off)", type=int),
     _Flag("--metrics-adapter-series",
@@ -105,11 +116,16 @@ _LIMIT_FLAGS = (
     _Flag("--max-stop-sequences", "stop sequences per request (default 16)", type=int),
     _Flag("--max-stop-sequence-bytes", "UTF-8 bytes of each stop sequence (default 1024)", type=int),
     _Flag("--grace-seconds", "drain time on SIGTERM (default 10)", type=float),
+    _Flag("--prefill-chunk-tokens",
+          "prompt tokens per prefill pass between decode steps, so long prompts cannot stall running streams "
+          "(default 256; 0 = prefill whole prompts)", type=int),
 )  # fmt: skip
 # Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa.
 _ADAPTER_FLAGS = (
-    _Flag("--adapter", "register an adapter at start-up (repeatable)",
-          dest="adapters", action="append", type=_adapter_pair, metavar="ID=PATH"),
+    _Flag("--adapter", "register an adapter at start-up: a folder, or hf://org/name[@rev] in the HF cache (repeatable)",
+          dest="adapters", action="append", type=_adapter_pair, metavar="ID=SOURCE"),
+    _Flag("--hf-hub-cache", "where hf:// sources are looked up, never downloaded (default: HF_HUB_CACHE, HF_HOME/hub, "
+          "~/.cache/huggingface/hub)", type=Path, metavar="DIR"),
     _Flag("--adapter-dir", "register every adapter folder under DIR lazily at start-up (repeatable)",
           dest="adapter_dirs", action="append", type=Path, metavar="DIR"),
     _Flag("--adapter-root", "more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
@@ -144,13 +160,22 @@ _SECURITY_FLAGS = (
 )  # fmt: skip
 
 
+# Server logs (service.logs).
+_LOG_FLAGS = (
+    _Flag("--log-format", "text (key=value, default) or json (one object per line)", choices=LOG_FORMATS),
+    _Flag("--log-level", "root log level (default INFO; every request's access line is INFO)",
+          choices=LOG_LEVELS, type=str.upper),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS):
+    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS, *_LOG_FLAGS):
         serve.add_argument(flag.name, help=flag.help, **flag.options)
     _other_commands(sub, _connection_flags())
+    add_convert_command(sub)
     return parser
 
 
@@ -194,12 +219,19 @@ def _other_commands(
     )
     adapters.add_argument("--json", action="store_true", help="JSON output")
     verbs = adapters.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits")
+    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits, source")
     show = verbs.add_parser("show", help="everything about one adapter")
     show.add_argument("id")
-    load = verbs.add_parser("load", help="register the adapter folder PATH (a path on the server) as ID")
+    load = verbs.add_parser(
+        "load", help="register SOURCE as ID: an adapter folder's path on the server, or hf://org/name[@revision]"
+    )
     load.add_argument("id")
-    load.add_argument("path")
+    load.add_argument(
+        "path",
+        metavar="SOURCE",
+        help="a folder path on the server, or hf://org/name[@revision] (a snapshot in the server's local Hugging "
+        "Face cache, never downloaded); either must lie inside the server's allowed adapter roots",
+    )
     unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
     unload.add_argument("id")
 
@@ -303,12 +335,13 @@ def _adapters(args: argparse.Namespace) -> int:
                 print(json.dumps(_plain(infos), indent=2, default=str))
                 return 0
             print(
-                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} {'HITS':>6}"
+                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} "
+                f"{'HITS':>6} SOURCE"
             )
             for a in infos:
                 print(
                     f"{a.id:<24} {a.kind.value:<12} {a.state.value:<11} {a.rank:>4} {a.device_bytes:>12} "
-                    f"{a.host_bytes:>10} {a.hits:>6}"
+                    f"{a.host_bytes:>10} {a.hits:>6} {a.source}"
                 )
             return 0
         if args.verb == "show":
@@ -323,6 +356,7 @@ def _adapters(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "serve": _serve,
+    "convert": run_convert,
     "fetch-model": _fetch,
     "generate": _generate,
     "tokenize": _tokenize,
@@ -344,7 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # grpc errors from the client commands carry their own message
         code = getattr(exc, "code", None)
         if code is not None and args.command != "serve":
-            print(f"loraplex {args.command}: {exc}", file=sys.stderr)
+            request_id = getattr(exc, "request_id", None)  # what the server's log lines of the call name
+            where = f" (request_id={request_id})" if isinstance(request_id, str) else ""
+            print(f"loraplex {args.command}: {exc}{where}", file=sys.stderr)
             return 1
         raise
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.errors import InvalidRequest
+from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, hub_cache_dir, parse_source
+
 if TYPE_CHECKING:  # the type lives with the loader; importing it at run time would pull torch into the CLI
     from service.loading import LoadMode
 
@@ -39,6 +42,7 @@ class Settings:
     port: int = 50051
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9400
+    http_port: int = 8000  # the OpenAI-compatible HTTP API on ``host`` (service.api.http); 0 = any free port, -1 = off
     threads: int = 0  # most torch intra-op threads; 0 = min(affinity, cgroup CPU quota, physical cores)
     adaptive_threads: bool = True  # measure decode steps and use fewer threads while the CPUs are contended
     # engine limits
@@ -55,10 +59,13 @@ class Settings:
     grace_seconds: float = 10.0
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
+    prefill_chunk_tokens: int = 256  # padded prompt tokens per prefill pass between decode steps; 0 = whole prompts
     # adapters
-    adapters: tuple[tuple[str, Path], ...] = ()
+    adapters: tuple[tuple[str, AdapterSource], ...] = ()  # a folder path, or hf://org/name[@revision]
     adapter_dirs: tuple[Path, ...] = ()
     adapter_roots: tuple[Path, ...] = ()
+    # where hf:// adapter sources are looked up (never downloaded); from_env: HF_HUB_CACHE / HF_HOME when unset
+    hf_hub_cache: Path = DEFAULT_HUB_CACHE
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
     # medusa
@@ -68,6 +75,9 @@ class Settings:
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
     # metrics: distinct values of the `adapter` label (first come; the rest count as adapter="other")
     metrics_adapter_series: int = 32
+    # logs (service.logs): key=value text or one JSON object per line, and the root level
+    log_format: str = "text"
+    log_level: str = "INFO"
     # transport and access (README "Security")
     max_message_bytes: int = 4 << 20  # largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)
     max_connection_age_seconds: float = 300.0  # GOAWAY after this, so round_robin clients see new replicas; 0 = off
@@ -100,6 +110,7 @@ class Settings:
                 except ValueError as exc:
                     raise ConfigError(f"LORAPLEX_{f.name.upper()}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
+        values.setdefault("hf_hub_cache", hub_cache_dir(env))  # huggingface_hub's own variables
         settings = cls(**values)
         settings.validate()
         return settings
@@ -124,8 +135,14 @@ class Settings:
             raise ValueError("draft_threshold must be in [0, 1)")
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0 (0 = prefill whole prompts)")
         if self.metrics_adapter_series < 0:
             raise ValueError("metrics_adapter_series must be >= 0")
+        from service.logs import LOG_FORMATS, LOG_LEVELS
+
+        if self.log_format not in LOG_FORMATS or self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS} and log_level one of {LOG_LEVELS}")
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
         self._validate_transport()
@@ -133,6 +150,8 @@ class Settings:
     def _validate_transport(self) -> None:
         if not 0 < self.max_message_bytes < 1 << 31:
             raise ConfigError("max_message_bytes must be in [1, 2^31)")
+        if self.http_port < -1 or self.http_port > 65535:
+            raise ConfigError("http_port must be a port number, 0 (any free port) or -1 (off)")
         if self.max_connection_age_seconds < 0 or not self.max_connection_age_grace_seconds >= 0:
             raise ConfigError("max_connection_age_seconds and max_connection_age_grace_seconds must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -160,10 +179,13 @@ def _parse(name: str, default: Any, raw: str) -> Any:
         if name == "adapters":
             pairs = []
             for item in items:
-                key, sep, path = item.partition("=")
+                key, sep, source = item.partition("=")
                 if not sep:
                     raise ValueError(f"LORAPLEX_ADAPTERS: expected ID=PATH, got {item!r}")
-                pairs.append((key.strip(), Path(path.strip())))
+                try:
+                    pairs.append((key.strip(), parse_source(source.strip())))
+                except InvalidRequest as exc:
+                    raise ValueError(str(exc)) from None
             return tuple(pairs)
         if name in ("adapter_dirs", "adapter_roots"):
             return tuple(Path(s.strip()) for s in items)

@@ -11,7 +11,9 @@ Every value in ``details()`` is cut by ``shorten``.
 
     LoraplexError                     status
     ├── InvalidRequest                INVALID_ARGUMENT
-    │   └── MalformedRequest          the request bytes are not a valid protobuf message
+    │   ├── MalformedRequest          the request bytes are not a valid protobuf message
+    │   ├── UnsupportedParameter      an OpenAI API parameter this server knows and does not do (HTTP API)
+    │   └── UnknownParameter          a parameter the OpenAI API does not have (HTTP API)
     ├── NotFound                      NOT_FOUND
     │   └── AdapterNotFound
     ├── AlreadyExists                 ALREADY_EXISTS
@@ -90,6 +92,12 @@ class InvalidRequest(LoraplexError, status="INVALID_ARGUMENT"):
 
 
 class MalformedRequest(InvalidRequest): ...
+
+
+class UnsupportedParameter(InvalidRequest): ...
+
+
+class UnknownParameter(InvalidRequest): ...
 
 
 class NotFound(LoraplexError, status="NOT_FOUND"): ...

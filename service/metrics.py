@@ -73,7 +73,12 @@ MODEL_PARAMETER_BYTES = _gauge(
 )
 
 # --- requests ---------------------------------------------------------------------------------------------
-REQUESTS = _counter("loraplex_requests_total", "Finished RPCs by method and gRPC status code.", ["method", "code"])
+REQUESTS = _counter(
+    "loraplex_requests_total",
+    "Finished RPCs and HTTP API calls (method http.chat, http.completions, http.models) by method and gRPC status "
+    "code.",
+    ["method", "code"],
+)
 TIME_TO_FIRST_TOKEN = _histogram(
     "loraplex_time_to_first_token_seconds",
     "From request arrival to its first generated token.",
@@ -96,6 +101,15 @@ PREFIX_CACHE_HIT_TOKENS = _counter(
     "Prompt tokens whose K/V came from the prefix cache instead of a prefill (included in prompt tokens).",
 )
 PREFIX_CACHE_BLOCKS = _gauge("loraplex_prefix_cache_blocks", "Prompt blocks held by the prefix cache.")
+PREFILL_CHUNKS = _counter(
+    "loraplex_prefill_chunks_total",
+    "Prompt chunks computed: one per row per prefill pass (a prompt longer than --prefill-chunk-tokens takes several).",
+)
+PREFILL_PASS_SECONDS = _histogram(
+    "loraplex_prefill_pass_seconds",
+    "Wall time of each prefill pass: what the running streams wait for between two decode steps.",
+    buckets=LATENCY_BUCKETS,
+)
 GENERATED_TOKENS = _counter("loraplex_generated_tokens_total", "Tokens generated.")
 RUNNING_REQUESTS = _gauge("loraplex_running_requests", "Requests in the running batch.")
 WAITING_REQUESTS = _gauge("loraplex_waiting_requests", "Requests queued for admission.")

@@ -19,6 +19,7 @@ from service.config import Settings
 TEST_SETTINGS: dict[str, object] = {
     "port": 0,
     "metrics_port": -1,
+    "http_port": -1,  # a test that drives the HTTP API asks for port 0
     "max_batch_size": 8,
     "max_queue": 4,
     "max_prompt_tokens": 128,

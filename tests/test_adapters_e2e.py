@@ -143,7 +143,11 @@ def test_admin_api_and_states(server: BackgroundServer, adapter_root: Path, tmp_
         assert generate_ids(client, PROMPTS[1], "copy") == generate_ids(client, PROMPTS[1], "qv-r4")
         with pytest.raises(AlreadyExists):
             client.load_adapter("copy", adapter_root / "qv-r4")
-        client.unload_adapter("copy")
+        used = client.get_adapter("copy")
+        assert used.state.value == "device" and used.device_bytes > 0
+        removed = client.unload_adapter("copy")  # says what happened, not the state it had before
+        assert (removed.id, removed.state.value, removed.device_bytes, removed.host_bytes) == ("copy", "unloaded", 0, 0)
+        assert removed.hits == used.hits and removed.source == used.source
         with pytest.raises(NotFound):
             client.get_adapter("copy")
         with pytest.raises(NotFound):
@@ -347,6 +351,8 @@ def test_cli_adapters_verbs(server: BackgroundServer, adapter_root: Path) -> Non
     assert set(ADAPTERS) <= set(ids)
     loaded = cli("load", "cli-copy", str(adapter_root / "qv-r4"))
     assert loaded.returncode == 0 and json.loads(loaded.stdout)["id"] == "cli-copy"
+    rows = {line.split()[0]: line.split() for line in cli("list").stdout.splitlines()[1:]}
+    assert rows["cli-copy"][-1] == str(adapter_root / "qv-r4")  # the source, as given
     shown = json.loads(cli("show", "cli-copy").stdout)
     assert shown["state"] == "registered" and shown["rank"] == 4
     assert cli("unload", "cli-copy").returncode == 0

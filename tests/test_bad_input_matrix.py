@@ -325,6 +325,8 @@ CASES: dict[str, Callable[[Live], list[Outcome]]] = {
     "load-outside-roots": _load("outside", _outside),
     "load-plain-file": _load("plain", lambda live: str(live.root / "plain.txt")),
     "load-empty-source": _load("empty", lambda live: ""),
+    "load-hf-malformed": _load("hf-bad", lambda live: "hf://acme/../etc"),
+    "load-hf-absent": _load("hf-absent", lambda live: "hf://acme/loraplex-not-in-any-cache"),
     "load-bad-id": _load("bad id", lambda live: str(live.root / "good")),
     "load-id-too-long": _load("i" * 10_000, lambda live: str(live.root / "good")),
     "load-duplicate": _load("good", lambda live: str(live.root / "good")),

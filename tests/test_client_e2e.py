@@ -21,6 +21,7 @@ def settings_for(folder: Path, **overrides: object) -> Settings:
         "model": folder,
         "port": 0,
         "metrics_port": -1,
+        "http_port": -1,
         "max_batch_size": 8,
         "max_prompt_tokens": 256,
         "max_new_tokens": 128,

@@ -103,7 +103,7 @@ def test_wheel_is_typed_complete_and_runs_with_only_its_requirements(tmp_path: P
     names = set(zipfile.ZipFile(wheel).namelist())
     package_files = {n for n in names if ".dist-info/" not in n}
     assert all(n.startswith("loraplex/") for n in package_files), package_files
-    generated = {p.name for p in (CLIENT_DIR / "loraplex" / "v1").iterdir() if p.suffix in (".py", ".pyi")}
+    generated = {p.name for p in (CLIENT_DIR / "loraplex" / "v1").iterdir() if p.suffix in (".py", ".pyi", ".binpb")}
     assert {f"loraplex/v1/{n}" for n in generated} <= names
     assert {"loraplex/py.typed", "loraplex/__init__.py"} <= names
 

@@ -130,8 +130,16 @@ def test_strict_validation_catches_a_misspelled_field(rendered: dict[str, list[O
 def test_probes_use_the_servers_port_and_health_services(rendered: dict[str, list[Obj]], overlay: str) -> None:
     container = server_container(rendered[overlay])
     settings = served_settings(rendered[overlay])
-    assert container_ports(container) == {"grpc": settings.port, "metrics": settings.metrics_port}
-    assert settings.port == DEFAULTS.port and settings.metrics_port == DEFAULTS.metrics_port
+    assert container_ports(container) == {
+        "grpc": settings.port,
+        "http": settings.http_port,
+        "metrics": settings.metrics_port,
+    }
+    assert (settings.port, settings.http_port, settings.metrics_port) == (
+        DEFAULTS.port,
+        DEFAULTS.http_port,
+        DEFAULTS.metrics_port,
+    )
     # Readiness and start-up: the generation service, NOT_SERVING while loading and while draining.
     for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["grpc"] == {"port": settings.port, "service": GENERATION_SERVICE}, probe
@@ -258,12 +266,13 @@ def test_network_policy_admits_only_the_served_ports(rendered: dict[str, list[Ob
         assert rule["from"], "an ingress rule without `from` admits every source"
         for port in rule["ports"]:
             admitted[port["port"]] = rule["from"]
-    assert set(admitted) == set(ports) == {"grpc", "metrics"}
+    assert set(admitted) == set(ports) == {"grpc", "http", "metrics"}
     # /metrics only from Prometheus' namespace; gRPC only from pods labelled as clients.
     (scraper,) = admitted["metrics"]
     assert scraper["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
     (client,) = admitted["grpc"]
     assert client["podSelector"]["matchLabels"] == {"loraplex.io/client": "true"}
+    assert admitted["http"] == admitted["grpc"]  # the HTTP API: the same clients as gRPC
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=OVERLAY_IDS)
@@ -332,7 +341,7 @@ def test_dockerfile_base_ports_user_and_entrypoint() -> None:
     assert steps[0] == ("ARG", "BASE=python:3.11-slim")
     assert ("FROM", "${BASE} AS python") in steps
     (exposed,) = [args for word, args in steps if word == "EXPOSE"]
-    assert {int(p) for p in exposed.split()} == {DEFAULTS.port, DEFAULTS.metrics_port}
+    assert {int(p) for p in exposed.split()} == {DEFAULTS.port, DEFAULTS.http_port, DEFAULTS.metrics_port}
     assert dockerfile_user().split(":")[0] not in ("0", "root")
     entry = dockerfile_entrypoint()
     assert entry[0] == "loraplex"

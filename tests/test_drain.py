@@ -29,7 +29,7 @@ def health(channel: grpc.Channel) -> int:
 def serving(served_tiny_dir: Path, free_port: int) -> tuple[subprocess.Popen[str], str]:
     port = free_port
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(served_tiny_dir), "--port", str(port)]
-    cmd += ["--metrics-port", "-1", "--grace-seconds", str(GRACE), "--max-total-tokens", "1024"]
+    cmd += ["--metrics-port", "-1", "--http-port", "-1", "--grace-seconds", str(GRACE), "--max-total-tokens", "1024"]
     cmd += ["--max-prompt-tokens", "256", "--max-batch-size", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = f"127.0.0.1:{port}"

@@ -161,6 +161,7 @@ def test_a_model_that_cannot_be_read_never_serves_and_exits_non_zero(
         weights.unlink()
         weights.mkdir()
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(broken), "--port", "0", "--metrics-port", "-1"]
+    cmd += ["--http-port", "-1"]
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'clients' / 'python'}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

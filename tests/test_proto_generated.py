@@ -31,8 +31,8 @@ def test_regenerated_stubs_are_identical(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools")
     gen_proto = _load_gen_proto()
     fresh = {p.name: p.read_bytes() for p in gen_proto.generate(tmp_path)}
-    committed = {p.name: p.read_bytes() for p in COMMITTED.iterdir() if p.suffix in (".py", ".pyi")}
+    committed = {p.name: p.read_bytes() for p in COMMITTED.iterdir() if p.suffix in gen_proto.OUTPUT_SUFFIXES}
     assert sorted(fresh) == sorted(committed), "generated file set differs: run `make proto`"
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated files {stale}: run `make proto` and commit the result"
-    assert {f"{p.stem}_pb2.py" for p in PROTO_DIR.glob("*.proto")} <= set(fresh)
+    assert {f"{p.stem}_pb2.py" for p in PROTO_DIR.glob("*.proto")} | {gen_proto.DESCRIPTOR_SET} <= set(fresh)

@@ -141,7 +141,7 @@ def replicas(
                 proc = subprocess.Popen(
                     [
                         str(LORAPLEX), "serve", "--model", str(served_tiny_dir),
-                        "--port", str(replica.port), "--metrics-port", str(replica.metrics_port),
+                        "--port", str(replica.port), "--metrics-port", str(replica.metrics_port), "--http-port", "-1",
                         "--adapter-dir", str(adapter_dir), "--threads", "1", "--max-batch-size", "4",
                         "--max-new-tokens", "16", "--grace-seconds", "1",
                     ],

@@ -46,7 +46,30 @@ def test_quiet_keeps_all_threads_and_probes_one_step_down() -> None:
     gov.record(KEY, 1, 32 / 650.0, 32)  # one thread is slower: stay
     assert (gov.current, gov.choose(KEY), gov.switches) == (2, 2, 0)
     assert gov.estimate(KEY, 1) == pytest.approx(650.0) and gov.estimate(KEY, 2) == pytest.approx(1000.0)
-    assert gov.interval == 10  # a probe down that loses costs little and keeps its interval
+    assert gov.interval == 20  # a probe that loses makes the next one rarer: on a quiet machine they are cost
+    for _ in range(6):
+        while gov.choose(KEY) == 2:
+            feed(gov, 1000.0)
+        gov.record(KEY, 1, 32 / 650.0, 32)
+    assert (gov.current, gov.interval) == (2, gov.max_probe_every)
+
+
+def test_a_hint_down_is_checked_by_a_probe_up_soon() -> None:
+    gov = ThreadGovernor(2, min_samples=4, probe_every=50, max_probe_every=800)
+    gov.interval = 800  # probes kept losing earlier (a neighbour came and went)
+    feed(gov, 1000.0, 10)
+    gov.hint(1)  # after an idle spell the window saw a client's burst, not a neighbour
+    assert gov.current == 1
+    feed(gov, 600.0, 4)
+    assert gov.choose(KEY) == 2  # the check, after min_samples steps, not after 800
+    feed(gov, 1000.0)
+    assert gov.current == 2  # the guess was wrong: back at two threads after five steps
+    gov.hint(1)  # a real neighbour this time: the check loses, and the next probe waits longer
+    feed(gov, 600.0, 4)
+    gov.record(KEY, 2, 32 / 200.0, 32)
+    assert gov.current == 1 and gov.interval == 100
+    gov.hint(2)
+    assert gov.current == 2 and gov.choose(KEY) == 2  # a hint up is trusted: no probe scheduled
 
 
 def test_a_collapse_drops_a_thread_after_one_step_and_lasting_contention_makes_probes_up_rare() -> None:

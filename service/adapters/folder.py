@@ -31,7 +31,10 @@ def refuse_pickles(folder: Path, names: Sequence[str], what: str, hint: str) -> 
 
 
 def read_json_object(path: Path, missing: str) -> dict[str, Any]:
-    """The JSON object in ``path``; ``missing`` is the message when the file does not exist."""
+    """The JSON object in ``path``; ``missing`` is the message when the file does not exist. Only a regular file is
+    read: a FIFO or device file would block the reader or never end."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise InvalidAdapter("not a regular file", file=path)
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:

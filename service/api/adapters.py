@@ -6,7 +6,6 @@ Methods raise typed errors; the interceptors (``service.api.interceptors``) turn
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from loraplex.v1 import adapters_pb2 as pb
@@ -17,6 +16,7 @@ from service.adapters.catalog import AdapterCatalog
 from service.api.runtime import Runtime
 from service.api.status import Context
 from service.errors import InvalidRequest, PermissionDenied
+from service.hf_cache import parse_source
 
 _STATES = {
     "registered": pb.ADAPTER_STATE_REGISTERED,
@@ -47,6 +47,7 @@ def describe(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
             return _medusa_only(catalog, adapter_id)
     assert info is not None
     message = info_to_pb(info, medusa_heads=heads)
+    message.source = catalog.source_of(adapter_id) or message.source
     return message
 
 
@@ -55,7 +56,8 @@ def _medusa_only(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
     loaded = catalog.medusa.loaded(adapter_id)
     return pb.AdapterInfo(
         id=adapter_id,
-        source=str(spec.source),
+        source=catalog.source_of(adapter_id) or str(spec.source),
+        resolved_path=str(spec.source),
         kind=pb.ADAPTER_KIND_MEDUSA,
         medusa_heads=spec.num_heads,
         state=pb.ADAPTER_STATE_DEVICE if loaded else pb.ADAPTER_STATE_REGISTERED,
@@ -70,6 +72,7 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
     message = pb.AdapterInfo(
         id=info.id,
         source=str(info.source),
+        resolved_path=str(info.source),
         kind=pb.ADAPTER_KIND_MEDUSA_LORA if medusa_heads else pb.ADAPTER_KIND_LORA,
         rank=info.rank,
         alpha=info.alpha,
@@ -101,6 +104,15 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
     return message
 
 
+def unloaded(info: pb.AdapterInfo) -> pb.AdapterInfo:
+    """``info`` of an adapter just removed: state UNLOADED, nothing resident any more."""
+    gone = pb.AdapterInfo()
+    gone.CopyFrom(info)
+    gone.state = pb.ADAPTER_STATE_UNLOADED
+    gone.host_bytes = gone.device_bytes = gone.host_layers = gone.device_layers = 0
+    return gone
+
+
 class AdaptersServicer(pb_grpc.AdaptersServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -108,20 +120,21 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
         store = self.runtime.ready().adapters
         if not request.source:
-            raise InvalidRequest("source is empty: give the adapter folder's path on the server")
+            raise InvalidRequest("source is empty: give the adapter folder's path on the server, or hf://org/name")
         if not store.roots:
             raise PermissionDenied(
                 "this server loads adapters from no folder: start it with --adapter-root DIR (or --adapter-dir DIR)"
             )
-        # Registration reads a config file and safetensors headers: file I/O, so off the event loop.
-        await asyncio.to_thread(store.register, request.id, Path(request.source))
+        source = parse_source(request.source)
+        # Registration reads a config file and safetensors headers (and an hf:// ref): file I/O, off the event loop.
+        await asyncio.to_thread(store.register, request.id, source)
         return pb.LoadAdapterResponse(adapter=describe(store, request.id))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
         store = self.runtime.ready().adapters
         info = describe(store, request.id)
-        store.unregister(request.id)
-        return pb.UnloadAdapterResponse(adapter=info)
+        store.unregister(request.id)  # raises (and changes nothing) while requests use it
+        return pb.UnloadAdapterResponse(adapter=unloaded(info))
 
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Context) -> pb.ListAdaptersResponse:
         store = self.runtime.ready().adapters

@@ -21,6 +21,7 @@ from service.config import Settings
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent, check_max_new_tokens
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
+from service.logs import REQUEST_ID
 from service.tokenizer import Tokenizer
 
 _REQUEST_ID = re.compile(rf"^[\x21-\x7e]{{1,{limits.REQUEST_ID_MAX_CHARS}}}$")
@@ -112,6 +113,11 @@ def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int 
     )
 
 
+def is_request_id(text: str) -> bool:
+    """Whether ``text`` is a valid request id: 1-128 printable ASCII characters without spaces."""
+    return bool(_REQUEST_ID.match(text))
+
+
 def request_id_of(given: str) -> str:
     if not given:
         return uuid.uuid4().hex[:16]
@@ -133,7 +139,8 @@ def generation_request(
     index: int = 0,
 ) -> GenerationRequest:
     """Input ``index`` of ``message`` as a domain request (its id is ``<request id>/<index>`` when there are
-    several): assembly only, every field was checked by ``precheck``."""
+    several; its ``call_id`` the id of the call running it, which its engine log lines carry): assembly only, every
+    field was checked by ``precheck``."""
     stopping = message.stopping
     several = len(checked.sampling) > 1
     return GenerationRequest(
@@ -146,6 +153,7 @@ def generation_request(
         ignore_eos=stopping.ignore_eos,
         speculate=message.speculate if message.HasField("speculate") else None,
         deadline=deadline,
+        call_id=REQUEST_ID.get() or "",
     )
 
 

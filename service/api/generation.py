@@ -4,22 +4,23 @@ Order inside every method: cheap per-field checks on the event loop (``convert.p
 and chat templating on the runtime's worker pool (a large prompt never stalls other RPCs or health), then
 submission. A request over a limit is refused before any of its prompts is tokenized. Auth, error statuses and
 metrics are the interceptors' (``service.api.interceptors``): a method raises typed errors and never builds a
-status or counts a request itself.
+status or counts a request itself; it only tells the call's access record (``service.api.access``) its tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service import __version__
-from service.api import convert, limits
+from service.api import access, convert, limits
 from service.api.runtime import Runtime
 from service.api.status import Context
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
@@ -78,12 +79,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         def sink(event: TokenEvent) -> None:  # engine thread -> event loop
             mailbox.post(events, event)
 
-        return self.runtime.submit(request, sink), events
+        handle = self.runtime.submit(request, sink)
+        access.submitted(len(request.prompt_ids))
+        return handle, events
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        return await self.generate(request, self._deadline(context))
+
+    async def generate(self, request: pb.GenerateRequest, deadline: float | None) -> pb.GenerateResponse:
+        """``Generate`` for any edge: ``deadline`` is a ``time.monotonic()`` instant, or None (the HTTP API)."""
         rt = self.runtime.ready()
         checked = convert.precheck(request, rt.settings)
-        deadline = self._deadline(context)
         prompts = await asyncio.gather(*(self.runtime.prompt(item) for item in request.inputs))
         domain = [
             convert.generation_request(request, checked, prompt, deadline=deadline, index=i)
@@ -106,6 +112,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         text: list[str] = []
         while True:
             event = await events.get()
+            access.observe(event)
             _raise_if_failed(event)
             text.append(event.text)
             if options.return_token_ids:
@@ -122,14 +129,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: pb.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with contextlib.aclosing(self.stream(request, self._deadline(context))) as responses:
+            async for response in responses:
+                yield response
+
+    async def stream(
+        self, request: pb.GenerateStreamRequest, deadline: float | None
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
+        """``GenerateStream`` for any edge (``deadline`` as in ``generate``). Closing it cancels the request."""
         checked = convert.precheck(request, self.runtime.ready().settings)
         prompt = await self.runtime.prompt(request.input)
-        domain = convert.generation_request(request, checked, prompt, deadline=self._deadline(context))
+        domain = convert.generation_request(request, checked, prompt, deadline=deadline)
         handle, events = self._submit(domain)
         first = True
         try:
             while True:
                 event = await events.get()
+                access.observe(event)
                 _raise_if_failed(event)
                 response = convert.stream_response(event, request.return_options)
                 if first:

@@ -2,6 +2,8 @@
 
 In ``grpc.aio.server(interceptors=chain(...))`` order, outermost first:
 
+0. ``AccessInterceptor`` (``service.api.access``) — the request id (response metadata, every log line of the
+   call) and one access line per finished call of the loraplex services, refused ones included.
 1. ``AuthInterceptor`` — API-key roles. A refused caller never has its request bytes parsed.
 2. ``TransportInterceptor`` — safe request decoding (a ``DecodeError`` becomes INVALID_ARGUMENT, one warning line,
    instead of UNKNOWN with a traceback inside grpc) and streamed writes (``_write_stream``: a call ending while a
@@ -11,9 +13,10 @@ In ``grpc.aio.server(interceptors=chain(...))`` order, outermost first:
 4. ``AdapterMetricsInterceptor`` — ``loraplex_adapter_requests_total`` for the generation RPCs; it sees the typed
    error before it becomes a status and never changes what the RPC returns or raises.
 
-Invariants: every wrapped handler keeps its method's (de)serializers and kind; all but ``AuthInterceptor`` wrap a
-method's handler once and reuse it (grpc returns the same registered handler for a method every time), which is
-why ``AuthInterceptor``'s per-call refusals must stay outermost. Reader/writer handlers (health's Watch) and
+Invariants: every wrapped handler keeps its method's (de)serializers and kind; all but ``AuthInterceptor`` and
+``AccessInterceptor`` wrap a method's handler once and reuse it (grpc returns the same registered handler for a
+method every time), which is why ``AuthInterceptor``'s per-call refusals must stay outside them, and the access
+interceptor, which logs those refusals too, outside it (wrapping per call). Reader/writer handlers (health's Watch) and
 request-streaming ones (reflection) pass through 2-4 as they are.
 """
 
@@ -31,7 +34,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from service import metrics
-from service.api import status
+from service.api import access, status
+from service.api.access import AccessInterceptor
 from service.api.auth import KeyRing
 from service.api.status import Context
 from service.errors import LoraplexError, MalformedRequest
@@ -60,6 +64,7 @@ def chain(keys: KeyRing, *, services: tuple[str, ...], known_adapter: Callable[[
     """The server's interceptors in order: ``services`` get error mapping and request metrics, ``known_adapter``
     says whether an id may take one of the per-adapter label's slots."""
     return [
+        AccessInterceptor(services),
         AuthInterceptor(keys),
         TransportInterceptor(),
         StatusInterceptor(services),
@@ -229,9 +234,13 @@ async def _write_stream(responses: AsyncGenerator[Any, None], context: Context) 
     mid-send, and close the generator later, unseen. Here the generator is cancelled at its ``yield``, as grpc
     cancels a waiting handler, so the call is counted (DEADLINE_EXCEEDED / CANCELLED) and frees its engine slot at
     once."""
+    first = True
     try:
         async for item in responses:
             try:
+                if first:
+                    await access.send_request_id(context)  # headers with the first reply: see there why
+                    first = False
                 await context.write(item)
             except (grpc.aio.InternalError, asyncio.CancelledError):  # a failed send batch, or cancelled mid-send
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):

@@ -30,6 +30,7 @@ from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest, RequestHandle, Sink
 from service.errors import LoraplexError, Unavailable
+from service.hf_cache import AdapterSource, HubRef
 from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.tokenizer import Tokenizer
@@ -88,7 +89,7 @@ class Runtime:
             roots=roots,
         )
         medusa = MedusaRegistry(cfg, device=device, dtype=dtype, check_path=lambda p: resolve_source(p, roots))
-        adapters = AdapterCatalog(store, medusa)
+        adapters = AdapterCatalog(store, medusa, hub_cache=s.hf_hub_cache)
         register_startup_adapters(adapters, s)
         engine = Engine(model, tokenizer, s, adapters=adapters)
         engine.start()
@@ -137,20 +138,25 @@ class Runtime:
 
 def adapter_roots(s: Settings) -> tuple[Path, ...]:
     """Folders adapters may be read from: the --adapter-dir folders and the folders holding the --adapter paths (the
-    operator's own flags), plus every --adapter-root. A root only ever adds: what the operator registered at
-    start-up stays readable. Empty: LoadAdapter is refused (see ``AdaptersServicer``)."""
-    own = (*s.adapter_dirs, *(path.parent for _, path in s.adapters))
+    operator's own flags; for an hf:// source its ``models--org--name`` folder, snapshots and blobs), plus every
+    --adapter-root. A root only ever adds: what the operator registered at start-up stays readable. Empty:
+    LoadAdapter is refused (see ``AdaptersServicer``)."""
+    own = (*s.adapter_dirs, *(_own_root(source, s.hf_hub_cache) for _, source in s.adapters))
     return tuple(dict.fromkeys((*own, *s.adapter_roots)))
 
 
+def _own_root(source: AdapterSource, hub_cache: Path) -> Path:
+    return source.repo_folder(hub_cache) if isinstance(source, HubRef) else source.parent
+
+
 def register_startup_adapters(store: AdapterCatalog, s: Settings) -> None:
-    """Register --adapter ID=PATH and every adapter folder under --adapter-dir (configs and headers only).
+    """Register --adapter ID=SOURCE and every adapter folder under --adapter-dir (configs and headers only).
 
     A bad explicit --adapter fails start-up; a bad folder under --adapter-dir is logged and skipped, so one broken
     upload does not keep the server down. Folders without an adapter config (lost+found, ...) are ignored.
     """
-    for adapter_id, path in s.adapters:
-        store.register(adapter_id, path)
+    for adapter_id, source in s.adapters:
+        store.register(adapter_id, source)
     for folder in s.adapter_dirs:
         if not folder.is_dir():
             raise Unavailable(f"--adapter-dir {folder} is not a folder")

@@ -1,11 +1,13 @@
-"""Server assembly: gRPC (generation, health, reflection), /metrics over HTTP, loading, graceful drain.
+"""Server assembly: gRPC (generation, adapters, health, reflection), the OpenAI-compatible HTTP API, /metrics,
+loading, graceful drain.
 
 Start-up order: bind gRPC with health NOT_SERVING → start /metrics → load the model on a worker thread →
 SERVING. On SIGTERM/SIGINT: NOT_SERVING, new generation RPCs get UNAVAILABLE, running streams get up to
 ``grace_seconds`` to finish, then the server stops and ``run`` returns 0.
-gRPC is plaintext or TLS (``--tls-cert``; mutual with ``--tls-client-ca``); /metrics is always plain HTTP (bind it
-to a private address). Every RPC passes the interceptor chain of ``service.api.interceptors`` (API-key roles, safe
-decoding, error statuses, request metrics) before its servicer.
+gRPC and the HTTP API (``--http-port``, same host, same event loop, ``service.api.http``) are plaintext or TLS
+(``--tls-cert``; mutual with ``--tls-client-ca``); /metrics is always plain HTTP (bind it to a private address).
+Every RPC passes the interceptor chain of ``service.api.interceptors`` (API-key roles, safe decoding, error
+statuses, request metrics) before its servicer.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
 from prometheus_client import start_http_server
 
-from service import __version__, metrics
-from service.api import interceptors
+from service import __version__, logs, metrics
+from service.api import interceptors, reflection
 from service.api.adapters import AdaptersServicer
 from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
+from service.api.health import HealthServicer
+from service.api.http import HttpListener, OpenAIRoutes
 from service.api.runtime import Runtime
 from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
@@ -49,10 +52,11 @@ class Server:
     settings: Settings
     runtime: Runtime
     grpc_server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: HealthServicer
     port: int
     metrics_http: WSGIServer | None
     tls: CertificateFiles | None = None  # the watched certificate files when serving TLS
+    http: HttpListener | None = None  # the OpenAI-compatible HTTP API (--http-port), None when off
 
     @property
     def metrics_port(self) -> int | None:
@@ -84,7 +88,11 @@ class Server:
             if loaded.engine.in_flight == 0:
                 break
             await asyncio.sleep(0.05)
-        await self.grpc_server.stop(max(0.0, deadline - time.monotonic()))
+        remaining = max(0.0, deadline - time.monotonic())
+        if self.http is not None:  # --- HTTP API: stops with gRPC, within the same grace
+            await asyncio.gather(self.http.stop(remaining), self.grpc_server.stop(remaining))
+        else:
+            await self.grpc_server.stop(remaining)
         self.runtime.close()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
@@ -121,13 +129,13 @@ async def start(settings: Settings) -> Server:
     runtime = Runtime(settings)
     chain = interceptors.chain(keys, services=SERVICES, known_adapter=runtime.knows_adapter)
     server = grpc.aio.server(interceptors=chain, options=grpc_options(settings))
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(runtime), server)
+    generation = GenerationServicer(runtime)
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runtime), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.add_to_server(server, (*SERVICES, health_service), health_pb2)  # v1 and v1alpha
     address = f"{settings.host}:{settings.port}"
     port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls[0])
     if port == 0:
@@ -140,6 +148,19 @@ async def start(settings: Settings) -> Server:
         )
     running = Server(settings, runtime, server, health_servicer, port, metrics_http, None if tls is None else tls[1])
     await running.set_serving(False)
+    # --- HTTP API (service.api.http): the OpenAI routes over the same servicer, keys and TLS files ---
+    if settings.http_port >= 0:
+        try:
+            routes = OpenAIRoutes(runtime, generation, keys)
+            running.http = HttpListener(routes.app(), settings.host, settings.http_port, running.tls)
+            await running.http.start()
+        except BaseException:
+            runtime.close()
+            await server.stop(0)
+            if metrics_http is not None:
+                metrics_http.shutdown()
+                metrics_http.server_close()
+            raise
     return running
 
 
@@ -150,14 +171,17 @@ async def serve(settings: Settings, *, announce: bool = True) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "event=listening grpc=%s:%d tls=%s mtls=%s metrics_port=%s",
+        "event=listening grpc=%s:%d tls=%s mtls=%s metrics_port=%s http_port=%s",
         settings.host, server.port, server.tls is not None, settings.tls_client_ca is not None, server.metrics_port,
+        None if server.http is None else server.http.port,
     )  # fmt: skip
     loading = asyncio.create_task(server.load())
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if loading in done and loading.exception() is not None:
         log.error("event=load_failed error=%s", loading.exception())
+        if server.http is not None:
+            await server.http.stop(0)
         await server.grpc_server.stop(0)
         return 1
     if loading in done and announce:
@@ -171,28 +195,32 @@ async def serve(settings: Settings, *, announce: bool = True) -> int:
 
 
 def _announce(settings: Settings, server: Server) -> None:
+    """The ``event=serving`` line, and with text logs a how-to-call banner for people (JSON logs stay one object
+    per line: log collectors read them)."""
     target = f"{settings.host}:{server.port}"
+    url = None if server.http is None else f"{server.http.scheme}://{settings.host}:{server.http.port}/v1"
+    metrics_url = None if server.metrics_port is None else f"http://{settings.metrics_host}:{server.metrics_port}"
+    log.info(
+        "event=serving version=%s model=%s grpc=%s http=%s metrics=%s",
+        __version__, settings.model, target, url, metrics_url,
+    )  # fmt: skip
+    if settings.log_format != "text":
+        return
     lines = [
         f"loraplex {__version__} is SERVING {settings.model} on {target}",
         f"  try:     .venv/bin/loraplex generate --target {target} 'What is the capital of France?'",
         f"  model:   .venv/bin/loraplex info --target {target}",
     ]
-    if server.metrics_port is not None:
-        lines.append(f"  metrics: http://{settings.metrics_host}:{server.metrics_port}/metrics")
+    if url is not None:
+        lines.append(f"  openai:  {url} (POST /chat/completions, /completions; GET /models)")
+    if metrics_url is not None:
+        lines.append(f"  metrics: {metrics_url}/metrics")
     print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def run(settings: Settings) -> int:
     """Entry point of `loraplex serve`."""
-    configure_logging()
+    logs.configure(settings.log_format, settings.log_level)
     return asyncio.run(serve(settings))
 
 

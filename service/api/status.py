@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 
 from service import metrics
 from service.errors import DOMAIN, LoraplexError
+from service.logs import REQUEST_ID, REQUEST_ID_HEADER
 
 log = logging.getLogger("loraplex.api")
 
@@ -73,11 +74,18 @@ def code_of(exc: BaseException, context: Context) -> str:
 
 
 async def abort(context: Context, method: str, exc: BaseException) -> None:
-    """End the call with ``exc``'s rich status and count it in ``loraplex_requests_total``. Always raises."""
+    """End the call with ``exc``'s rich status and count it in ``loraplex_requests_total``. Always raises.
+
+    The call's request id (``service.logs.REQUEST_ID``), when there is one, goes in the trailers beside the
+    details (``x-request-id``); ``ErrorInfo.metadata`` keeps only the error's own fields."""
+    request_id = REQUEST_ID.get()
     if isinstance(exc, LoraplexError):
         status = of_error(exc)
     else:
         log.exception("bug in %s", method, exc_info=exc)
         status = of_bug(exc)
     metrics.REQUESTS.labels(method, status.code.name).inc()
-    await context.abort_with_status(status)
+    trailers = tuple(status.trailing_metadata)
+    if request_id is not None:
+        trailers = (*trailers, (REQUEST_ID_HEADER, request_id))
+    await context.abort(status.code, status.details, trailers)

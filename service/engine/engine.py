@@ -80,8 +80,13 @@ class Engine:
         self.outputs = OutputProcessor(eos, settings.max_total_tokens, self._release)
         lookup = adapters.layer if adapters is not None else None
         self.runner = Runner(model, self.cache, settings, self.outputs, lookup)
-        limits = SchedulerLimits(settings.max_batch_size, settings.speculate_max_batch, settings.speculate_adaptive)
-        self.scheduler = Scheduler(limits, self.cache.move)
+        limits = SchedulerLimits(
+            settings.max_batch_size,
+            settings.speculate_max_batch,
+            settings.speculate_adaptive,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        )
+        self.scheduler = Scheduler(limits, self.cache.move, cached=self.runner.cached)
         self.threads = ThreadControl(settings)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink, Adapter | None] | None] = queue.SimpleQueue()
         self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)
@@ -258,24 +263,34 @@ class Engine:
         plan = self.scheduler.schedule(time.monotonic())
         try:
             self._execute(plan)
-        except Exception as exc:  # a bug or a device fault in a step: fail its rows, keep serving
-            self._recover(exc)
+        except Exception as exc:  # outside the two passes (delivering retirements): fail every row in a slot
+            self._recover(exc, list(self.scheduler.running), 0)
         self.scheduler.compact()
         self.outputs.publish()
         self._publish_state()
 
     def _execute(self, plan: StepPlan) -> None:
-        """Run one plan: deliver retirements, prefill the newcomers, decode every running row."""
+        """Run one plan: deliver retirements, run the prefill pass, decode every row that has its whole prompt.
+
+        The prefill pass and the decode step fail separately: an exception in one fails only the rows it ran."""
         for row, reason in plan.retired:
             self.outputs.finish(row, reason)
         for row, error in plan.failed:
             self.outputs.finish(row, FinishReason.ERROR, error=error)
         if plan.prefill:
-            self.runner.prefill(plan.prefill, plan.prefill_start, plan.draft)
+            start = time.perf_counter()
+            try:
+                self.runner.prefill(plan.prefill, plan.prefill_tokens, plan.prefill_start, plan.draft)
+            except Exception as exc:  # a bug or a device fault: fail the rows of the pass, keep decoding the others
+                self._recover(exc, list(plan.prefill), plan.prefill_start)
+            metrics.PREFILL_PASS_SECONDS.observe(time.perf_counter() - start)
             self.scheduler.compact()
-        rows = self.scheduler.running
+        rows = self.scheduler.running[: self.scheduler.decoding]
         if rows:
-            self._decode(rows, plan.draft)
+            try:
+                self._decode(rows, plan.draft)
+            except Exception as exc:
+                self._recover(exc, rows, 0)
 
     def _decode(self, rows: list[Row], draft: bool) -> None:
         """One decode step, timed for the governors: threads per step kind, speculation by output tokens / s."""
@@ -290,15 +305,16 @@ class Engine:
         if spec_governed:  # what the speculation governor learns from: output tokens / s of each kind of step
             self.scheduler.governor.record(n, speculative, seconds, sum(r.generated for r in rows) - before)
 
-    def _recover(self, exc: Exception) -> None:
-        """After an exception escaped the runner: fail the rows of that step and reset what it may have half-written.
+    def _recover(self, exc: Exception, rows: list[Row], first: int) -> None:
+        """After an exception escaped the runner: fail the rows it ran (slots ``first ..``), reset what it may have
+        half-written.
 
-        Only the running rows took part in the step; waiting rows stay queued. The failed rows' slots are zeroed up
-        to the last position the step could have written (prompt, length + drafts), so nothing half-computed, NaN
+        Other rows (waiting, or in the other pass of the step) go on. The failed rows' slots are zeroed up to the
+        last position the pass could have written (prompt, length + drafts), so nothing half-computed, NaN
         included, stays behind in a slot. The prefix cache and the LoRA tables outlive rows and cannot tell which of
-        their writes the step finished: the runner drops both (they are caches and refill from the next requests).
+        their writes the pass finished: the runner drops both (they are caches and refill from the next requests).
         """
-        rows = list(self.scheduler.running)
+        # One line for the step; each failed row's own event=request_ended line names its request.
         shown = ",".join(r.request.request_id for r in rows[:16]) + (",..." if len(rows) > 16 else "")
         log.error(
             "event=engine_step_failed rows=%d request_ids=%s error=%s", len(rows), shown, type(exc).__name__,
@@ -310,9 +326,8 @@ class Engine:
         )
         written = max((max(len(r.request.prompt_ids), r.length) + len(r.drafts) + 1 for r in rows), default=0)
         for row in rows:
-            self.outputs.finish(row, FinishReason.ERROR, error=error)
-        self.scheduler.running.clear()
-        self.cache.clear(len(rows), written)
+            self.outputs.finish(row, FinishReason.ERROR, error=error)  # the row is done: it leaves its slot
+        self.cache.clear(len(rows), written, first=first)
         self.runner.reset()
 
     def _publish_state(self) -> None:

@@ -4,7 +4,8 @@ It owns everything that happens after a token is chosen: the incremental detoken
 row, the finish rules (EOS, stop sequence, ``max_new_tokens``, the cache's end), releasing a finished row's
 adapter and queue place, delivering to the row's sink, and the step's statistics, gathered while the step runs
 and published once at its end (``publish``). It never touches tensors. Sinks run on the engine thread; a sink
-that raises cancels its request and never takes the engine down.
+that raises cancels its request and never takes the engine down. Its log lines name their request
+(``request_id``: the call's id, ``service.logs.about``): this thread runs outside every request's context.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from service import metrics
 from service.engine.request import FinishReason, RequestHandle, TokenEvent
 from service.engine.row import Row
 from service.errors import FailedPrecondition, LoraplexError
+from service.logs import about
 
 log = logging.getLogger("loraplex.engine")
 
@@ -115,6 +117,13 @@ class OutputProcessor:
         if row.closed:
             return
         self._close(row, reason)
+        req = row.request
+        log.log(
+            logging.INFO if error is not None else logging.DEBUG,
+            "event=request_ended reason=%s request=%s adapter=%s generated=%d error=%s",
+            reason.value, req.request_id, req.adapter_id, row.generated, type(error).__name__ if error else None,
+            extra=about(req.log_id),
+        )  # fmt: skip
         text = row.detok.flush() if reason not in _SILENT else ""
         event = TokenEvent(
             token_ids=(),
@@ -132,8 +141,9 @@ class OutputProcessor:
         adapter = row.request.adapter_id
         what = f"adapter {adapter!r}" if adapter is not None else "the base model"
         log.warning(
-            "event=non_finite_logits request=%s adapter=%s generated=%d", row.request.request_id, adapter, row.generated
-        )
+            "event=non_finite_logits request=%s adapter=%s generated=%d",
+            row.request.request_id, adapter, row.generated, extra=about(row.request.log_id),
+        )  # fmt: skip
         error = FailedPrecondition(
             f"the output of {what} became non-finite (NaN or inf logits) after {row.generated} generated tokens; "
             "the request was stopped. Other requests are not affected; check the adapter's weights"
@@ -146,7 +156,9 @@ class OutputProcessor:
             try:
                 row.adapter.release()
             except LoraplexError:
-                log.exception("release of adapter %s failed", row.adapter.id)
+                log.exception(
+                    "event=adapter_release_failed adapter=%s", row.adapter.id, extra=about(row.request.log_id)
+                )
         self._release(row.handle)
         latency = time.monotonic() - row.request.arrival if reason in _COMPLETED else None
         self.stats.finished.append((row.request.adapter_id, row.generated, latency))
@@ -155,7 +167,9 @@ class OutputProcessor:
         try:
             row.sink(event)
         except Exception:  # a consumer that went away must not take the engine down
-            log.exception("sink of request %s failed; cancelling it", row.request.request_id)
+            log.exception(
+                "event=sink_failed request=%s action=cancel", row.request.request_id, extra=about(row.request.log_id)
+            )
             row.handle.cancel()
 
     def publish(self) -> None:

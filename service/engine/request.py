@@ -38,6 +38,12 @@ class GenerationRequest:
     speculate: bool | None = None  # None: speculate when the adapter has Medusa heads
     deadline: float | None = None  # time.monotonic() instant after which the request is dropped
     arrival: float = field(default_factory=time.monotonic)
+    call_id: str = ""  # the id of the API call this request is part of (one of several prompts); empty: request_id
+
+    @property
+    def log_id(self) -> str:
+        """The ``request_id`` of this request's log lines: its call's id, as on the call's access line."""
+        return self.call_id or self.request_id
 
 
 def check_max_new_tokens(n: int, limit: int) -> None:

@@ -2,8 +2,9 @@
 
 A ``Row`` is created on the engine thread when a submission is taken from the inbox and lives until it is
 retired; only the engine thread touches it. ``length`` counts the tokens whose K/V are in the row's slot (the
-runner advances it); ``pending`` is the last emitted token, fed at the next decode step (the output processor
-sets it). This module imports no torch: the scheduler and its tests run without it.
+runner advances it; below the prompt's length the row is still being prefilled, one chunk per step); ``pending``
+is the last emitted token, fed at the next decode step (the output processor sets it). This module imports no
+torch: the scheduler and its tests run without it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ class Row:
     @property
     def request(self) -> GenerationRequest:
         return self.handle.request
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens whose K/V are not in the slot yet."""
+        return len(self.handle.request.prompt_ids) - self.length
+
+    @property
+    def prefilling(self) -> bool:
+        """Part-way through its prompt (chunked prefill, or admitted and not yet prefilled): it does not decode."""
+        return self.length < len(self.handle.request.prompt_ids)
 
 
 __all__ = ["Row"]

@@ -5,13 +5,15 @@ rows with Medusa heads draft for the next step. It hands each row's new tokens t
 advances ``row.length`` (the tokens whose K/V are in the row's slot); every slot move goes through the KV cache.
 It never decides who runs (the scheduler's job) and never builds events (the output processor's).
 
-Row ``b`` of a decode step lives in KV slot ``b``; newcomers of a prefill live in slots ``start + b``.
+Row ``b`` of a decode step lives in KV slot ``b``; row ``b`` of a prefill pass in slot ``start + b``. A prefill
+pass computes each of its rows' next prompt chunk (the whole prompt, with chunking off); only rows whose chunk
+ends their prompt reach the vocabulary projection, the sampler and the prefix cache.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -70,46 +72,68 @@ class Runner:
         return tree
 
     # --- prefill ----------------------------------------------------------------------------------------------
-    def prefill(self, rows: Sequence[Row], start: int, draft: bool) -> None:
-        """Prefill the newcomers (slots ``start ..``): K/V of cached prompt blocks are copied in, the rest computed.
+    def prefill(self, rows: Sequence[Row], grants: Sequence[int], start: int, draft: bool) -> None:
+        """One prefill pass over rows in slots ``start ..``: every row but the last computes the rest of its prompt,
+        the last up to ``grants[-1]`` more tokens (the scheduler's counts budget the pass).
 
-        Row b feeds its prompt from ``cached_b`` on, at positions ``cached_b ..``, right-padded to the longest
-        remainder; padding lands beyond the row's length (clamped into the cache), where it is never read."""
-        prompts = [r.request.prompt_ids for r in rows]
-        self._prefill_shared_prefixes(rows, start)
-        cached = [
-            self.prefix.restore(self.prefix.lookup(p, r.kv_key, limit=len(p) - 1), start + b)
-            for b, (r, p) in enumerate(zip(rows, prompts, strict=True))
-        ]
-        width = max(len(p) - c for p, c in zip(prompts, cached, strict=True))
+        A row's first pass copies in the K/V of its cached prompt blocks; then row b feeds its prompt from what its
+        slot holds, ``s_b``, to ``e_b`` (its prompt's end; for the last row ``min(s_b + grant, len)``), at
+        positions ``s_b ..`` (attending to its own earlier chunks in the cache), right-padded to the widest chunk;
+        padding lands beyond ``e_b`` (clamped into the cache), where the next chunk or nothing writes first and
+        nothing reads. A row whose chunk ends its prompt samples its first token (and drafts, with heads) and its
+        prompt blocks enter the prefix cache."""
+        self._start_rows([(r, start + b) for b, r in enumerate(rows) if r.length == 0])
+        last_end = min(rows[-1].length + grants[-1], len(rows[-1].request.prompt_ids))
+        ends = [len(r.request.prompt_ids) for r in rows[:-1]] + [last_end]  # all but the last complete
+        width = max(e - r.length for r, e in zip(rows, ends, strict=True))
         tokens = torch.zeros((len(rows), width), dtype=torch.long)  # [B, T], right-padded
-        for b, (p, c) in enumerate(zip(prompts, cached, strict=True)):
-            tokens[b, : len(p) - c] = torch.tensor(p[c:], dtype=torch.long)
-        starts = torch.tensor(cached, dtype=torch.long)[:, None]  # [B, 1]
+        for b, (r, e) in enumerate(zip(rows, ends, strict=True)):
+            tokens[b, : e - r.length] = torch.tensor(r.request.prompt_ids[r.length : e], dtype=torch.long)
+        starts = torch.tensor([r.length for r in rows], dtype=torch.long)[:, None]  # [B, 1]
         positions = (starts + torch.arange(width, dtype=torch.long)).clamp_(max=self.cache.max_len - 1)  # [B, T]
-        now = time.monotonic()
-        for r in rows:
-            metrics.QUEUE_TIME.observe(now - r.enqueued)
-        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
-        metrics.PREFIX_CACHE_HIT_TOKENS.inc(sum(cached))
+        metrics.PROMPT_TOKENS.inc(sum(e - r.length for r, e in zip(rows, ends, strict=True)))
+        metrics.PREFILL_CHUNKS.inc(len(rows))
         batch = self._adapter_batch(rows, start)
         kv_len = int(positions.max()) + 1
         hidden = self.model(
             tokens.to(self.device), positions.to(self.device), self.cache, start, batch, kv_len=kv_len
         )  # [B, T, H]
-        last = torch.tensor([len(p) - c - 1 for p, c in zip(prompts, cached, strict=True)], device=self.device)
-        final = hidden[torch.arange(len(rows), device=self.device), last]  # [B, H]
-        logits = self.model.logits(final)  # [B, V]
-        for b, (r, p) in enumerate(zip(rows, prompts, strict=True)):
-            r.length = len(p)
-            self.prefix.insert(p, r.kv_key, start + b, len(p))
+        done = [b for b, (r, e) in enumerate(zip(rows, ends, strict=True)) if e == len(r.request.prompt_ids)]
+        last = torch.tensor([ends[b] - rows[b].length - 1 for b in done], dtype=torch.long, device=self.device)
+        for r, e in zip(rows, ends, strict=True):
+            r.length = e
+        if not done:
+            return
+        final = hidden[torch.tensor(done, device=self.device), last]  # [C, H]: each completed row's last token
+        logits = self.model.logits(final)  # [C, V]
+        completed = [rows[b] for b in done]
+        for b, r in zip(done, completed, strict=True):
+            self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
         metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
-        self._sample(rows, logits)
-        self._draft(rows, final, draft)
+        self._sample(completed, logits)
+        self._draft(completed, final, draft)
 
-    def _prefill_shared_prefixes(self, rows: Sequence[Row], start: int) -> None:
-        """Newcomers that start with the same uncached blocks (a burst of requests with one system prompt) would
-        each compute them: prefill those blocks once, for one of the rows, and cache them for the others."""
+    def _start_rows(self, fresh: Sequence[tuple[Row, int]]) -> None:
+        """Rows (and their slots) in their first pass: their queue time ends; their cached prompt blocks are copied
+        into their slots, those shared by several of them and not cached yet computed once first."""
+        now = time.monotonic()
+        self._prefill_shared_prefixes([r for r, _ in fresh], [slot for _, slot in fresh])
+        for r, slot in fresh:
+            metrics.QUEUE_TIME.observe(now - r.enqueued)
+            p = r.request.prompt_ids
+            r.length = self.prefix.restore(self.prefix.lookup(p, r.kv_key, limit=len(p) - 1), slot)
+            metrics.PREFIX_CACHE_HIT_TOKENS.inc(r.length)
+            metrics.PROMPT_TOKENS.inc(r.length)
+
+    def cached(self, prompt: Sequence[int], key: Hashable) -> int:
+        """Prompt tokens a first pass would copy from the prefix cache for ``prompt`` under ``key`` (the scheduler's
+        estimate; the pass itself looks again)."""
+        return len(self.prefix.lookup(prompt, key, limit=len(prompt) - 1)) * self.prefix.block
+
+    def _prefill_shared_prefixes(self, rows: Sequence[Row], slots: Sequence[int]) -> None:
+        """Newcomers (in ``slots``) that start with the same uncached blocks (a burst of requests with one system
+        prompt) would each compute them: prefill those blocks once, for one of the rows, and cache them for the
+        others."""
         if len(rows) < 2 or not self.prefix.enabled:
             return
         chains = [self.prefix.hashes(r.request.prompt_ids, r.kv_key, limit=len(r.request.prompt_ids) - 1) for r in rows]
@@ -118,7 +142,7 @@ class Runner:
             for h in chain:
                 counts[h] = counts.get(h, 0) + 1
         done: set[int] = set()
-        for b, (row, chain) in enumerate(zip(rows, chains, strict=True)):
+        for row, slot, chain in zip(rows, slots, chains, strict=True):
             depth = 0
             while depth < len(chain) and counts[chain[depth]] > 1:
                 depth += 1
@@ -126,16 +150,14 @@ class Runner:
                 continue
             done.add(chain[depth - 1])
             prompt = row.request.prompt_ids
-            have = self.prefix.restore(
-                self.prefix.lookup(prompt, row.kv_key, limit=depth * self.prefix.block), start + b
-            )
+            have = self.prefix.restore(self.prefix.lookup(prompt, row.kv_key, limit=depth * self.prefix.block), slot)
             n = depth * self.prefix.block
             if have >= n:
                 continue
             tokens = torch.tensor([prompt[have:n]], dtype=torch.long, device=self.device)  # [1, T]
             positions = torch.arange(have, n, dtype=torch.long, device=self.device)[None, :]  # [1, T]
-            self.model(tokens, positions, self.cache, start + b, self._adapter_batch([row], start + b), kv_len=n)
-            self.prefix.insert(prompt, row.kv_key, start + b, n)
+            self.model(tokens, positions, self.cache, slot, self._adapter_batch([row], slot), kv_len=n)
+            self.prefix.insert(prompt, row.kv_key, slot, n)
 
     # --- decode -----------------------------------------------------------------------------------------------
     def decode(self, rows: list[Row], draft: bool) -> None:

@@ -21,15 +21,18 @@ for the whole engine, since contention is a property of the machine, not of the 
 * every ``interval`` steps (``probe_every`` at first) one step runs at a neighbouring count on the ladder
   ``max, max/2, ..., 1`` (down from the top, up from the bottom, alternating in between), so that the end of
   contention is noticed too.
-  A probe up that loses doubles the interval (up to ``max_probe_every``): under lasting contention a probe with
-  more threads is the expensive one, so it gets rare; a switch resets the interval;
+  A probe that loses doubles the interval (up to ``max_probe_every``): under lasting contention probes with
+  more threads are the expensive ones, and on a quiet machine the probes with fewer threads are pure cost, so
+  both get rare while they keep losing; a switch resets the interval;
 * a probe faster than the current count's estimate for the same key by ``margin`` switches to it; during the
   first ``min_samples`` steps after a switch, an average below the previous count's estimate switches back
   (one lucky probe costs one slow step, not many);
 * when the engine starts work after being idle, ``ThreadControl`` counts the CPUs other processes kept busy
   in the last moments before (``OtherLoad``, a window restarted at every idle wait) and hints the governor to
   start from the threads the rest can hold, so a neighbour that arrived while the engine slept costs no slow
-  step at all; measurements correct a wrong hint as above.
+  step at all. A hint down is checked by a probe up ``min_samples`` steps later (one step costs little, a wrong
+  guess kept for a whole probe interval costs a whole burst of traffic); a CPU counts as taken only when others
+  kept it more than three quarters busy.
 
 Outputs do not depend on the thread count beyond floating-point summation order.
 """
@@ -54,6 +57,7 @@ __all__ = ["ThreadControl", "ThreadGovernor", "step_key"]
 log = logging.getLogger("loraplex.engine")
 IDLE_SECONDS = 0.25  # a gap between decode steps this long is a restart: look at the other load first
 SAMPLE_SECONDS = 0.1  # while busy, restart the other-load window at most this often
+TAKEN = 0.25  # a CPU others keep busy more than 1 - TAKEN of the time is not free for us
 
 
 def step_key(rows: int, speculative: bool) -> tuple[int, bool]:
@@ -122,7 +126,7 @@ class ThreadGovernor:
             self._est[(key, threads)] = _Estimate(rate, 1)  # what it did before contention changed is stale
             if base is not None and rate > base * (1 + self.margin):
                 self._switch(threads)
-            elif threads > self.current:
+            else:
                 self.interval = min(2 * self.interval, self.max_probe_every)
             return
         if threads != self.current:
@@ -146,11 +150,16 @@ class ThreadGovernor:
             self._probe = self._neighbour(down=self._probes % 2 == 1)
 
     def hint(self, threads: int) -> None:
-        """Continue at the largest level <= ``threads`` (not a measured switch: no trial, estimates and the probe
-        interval kept, so probes up that kept losing stay rare across idle spells)."""
+        """Continue at the largest level <= ``threads``. Not a measured switch: no trial, estimates and the probe
+        interval kept, so probes that kept losing stay rare across idle spells. A hint down is a guess from a
+        fraction of a second of other processes' CPU time (a client's burst looks like a neighbour), so it is
+        checked: the step after ``min_samples`` steps at the hinted level probes the level above."""
         level = next((t for t in self.levels if t <= threads), self.levels[-1])
         if level != self.current:
+            down = level < self.current
             self.current, self._probe, self._trial, self._since_probe = level, None, 0, 0
+            if down:
+                self._since_probe = max(0, self.interval - self.min_samples)
             self.switches += 1
 
     def _neighbour(self, down: bool) -> int | None:
@@ -247,7 +256,7 @@ class ThreadControl:
             return
         free = len(self.cpus) - busy
         before = self.governor.current
-        self.governor.hint(max(1, min(self.max_threads, math.floor(free + 0.5))))
+        self.governor.hint(max(1, min(self.max_threads, math.floor(free + TAKEN))))
         if self.governor.current != before:
             metrics.ENGINE_THREADS.set(self.governor.current)
             log.info("event=threads_switch from=%d to=%d other_cpus_busy=%.2f", before, self.governor.current, busy)

@@ -68,7 +68,7 @@ PREFIX = "medusa_head."
 _NAMED_MISSING_SLACK = 1024  # tensors a config may claim beyond the file's and still get them listed by name
 CONVERT_HINT = (
     "loraplex reads only safetensors (pickled weights can run code when loaded). Convert once with "
-    "`safetensors.torch.save_file(torch.load('medusa_lm_head.pt'), 'medusa_lm_head.safetensors')`"
+    "`loraplex convert medusa SRC DST` (SRC: this folder or its .pt file; DST: a new folder, then load that one)"
 )
 
 # "{h}.{l}.linear.weight" / "{h}.{l}.linear.bias" (a residual block) or "{h}.{n}.weight" (v1 output projection)

@@ -75,10 +75,12 @@ class KVCache:
             return
         self.data[:, :, dst_slot, :, :length] = self.data[:, :, src_slot, :, :length]  # [L, 2, n_kv, length, D]
 
-    def clear(self, slots: int, length: int) -> None:
-        """Zero positions ``[0, length)`` of slots ``[0, slots)`` (after a failed step: nothing half-written stays)."""
-        slots, length = min(max(slots, 0), self.slots), min(max(length, 0), self.max_len)
-        self.data[:, :, :slots, :, :length].zero_()  # [L, 2, slots, n_kv, length, D]
+    def clear(self, slots: int, length: int, *, first: int = 0) -> None:
+        """Zero positions ``[0, length)`` of slots ``[first, first + slots)`` (after a failed step: nothing
+        half-written stays)."""
+        first = min(max(first, 0), self.slots)
+        stop, length = min(first + max(slots, 0), self.slots), min(max(length, 0), self.max_len)
+        self.data[:, :, first:stop, :, :length].zero_()  # [L, 2, slots, n_kv, length, D]
 
     def keep_path(self, slot: int, start: int, path: list[int]) -> None:
         """After a draft verification wrote tree node ``i`` of ``slot`` at position ``start + i``, keep the

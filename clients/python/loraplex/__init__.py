@@ -35,6 +35,8 @@ from loraplex._errors import (
     error_class,
     from_rpc_error,
 )
+from loraplex._retry import RetryPolicy
+from loraplex._stream import AsyncDeltaStream, DeltaStream
 from loraplex._types import (
     AdapterInfo,
     AdapterKind,
@@ -64,12 +66,14 @@ __all__ = [
     "AdapterState",
     "AlreadyExists",
     "AsyncClient",
+    "AsyncDeltaStream",
     "Cancelled",
     "ChatMessage",
     "Client",
     "Conversation",
     "DeadlineExceeded",
     "Delta",
+    "DeltaStream",
     "FailedPrecondition",
     "FinishReason",
     "GenerateOptions",
@@ -85,6 +89,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "RetryPolicy",
     "SamplingParams",
     "TokenizeResult",
     "Unauthenticated",

@@ -19,6 +19,7 @@ from loraplex._base import ClientBase
 from loraplex._channel import Metadata
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
+from loraplex._stream import AsyncDeltaStream
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -67,7 +68,9 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
     ) -> _Response:
         deadline = self._deadline(timeout)
         try:
-            return await method(request, timeout=deadline, metadata=metadata or self._metadata)
+            return await method(
+                request, timeout=deadline, metadata=metadata or self._metadata, wait_for_ready=self._wait_for_ready
+            )
         except grpc.RpcError as error:  # grpc.aio.AioRpcError is a grpc.RpcError
             raise from_rpc_error(error) from error
 
@@ -98,19 +101,22 @@ class AsyncClient(ClientBase[grpc.aio.Channel]):
 
     def stream(
         self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
-    ) -> AsyncGenerator[Delta, None]:
-        """As ``Client.stream``, for ``async for``. Arguments are checked here; the call starts on the
-        first iteration. Leaving the loop early (or ``await gen.aclose()``) cancels the request."""
+    ) -> AsyncDeltaStream:
+        """As ``Client.stream``, for ``async for`` or ``async with client.stream(...) as deltas:``.
+        Arguments are checked here; the call starts on the first iteration. Leaving the block or the
+        loop early (or ``await deltas.aclose()``) cancels the request."""
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
         deadline = self._deadline(timeout)
-        return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
+        metadata = _channel.with_adapter(self._metadata, opts.adapter_id)
+        return AsyncDeltaStream(self._deltas(request, deadline, metadata))
 
     async def _deltas(
         self, request: generation_pb2.GenerateStreamRequest, deadline: float | None, metadata: Metadata
     ) -> AsyncGenerator[Delta, None]:
         generation = self._open().generation
-        call = generation.GenerateStream(request, timeout=deadline, metadata=metadata)
+        ready = self._wait_for_ready
+        call = generation.GenerateStream(request, timeout=deadline, metadata=metadata, wait_for_ready=ready)
         try:
             async for message in call:
                 yield _convert.to_delta(message)

@@ -1,5 +1,6 @@
 """What ``Client`` and ``AsyncClient`` share: their constructor (argument checks, metadata, credentials, channel
-options) and per-call deadlines. Each subclass makes its own kind of channel; nothing here sends an RPC."""
+options with the retry policy) and per-call deadlines. Each subclass makes its own kind of channel; nothing here
+sends an RPC."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from loraplex import _channel
+from loraplex import _channel, _retry
 from loraplex._channel import DEFAULT_TARGET, Metadata, PathLike
+from loraplex._retry import RetryPolicy
+
+DEFAULT_RETRY = RetryPolicy()
 
 ChannelT = TypeVar("ChannelT")
 
@@ -32,7 +36,14 @@ class ClientBase(abc.ABC, Generic[ChannelT]):
         tls_ca: PathLike | None = None,
         tls_cert: PathLike | None = None,
         tls_key: PathLike | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        wait_for_ready: bool = False,
     ) -> None:
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy or None (no retries), got {type(retry).__name__}")
+        if not isinstance(wait_for_ready, bool):
+            raise TypeError("wait_for_ready must be a bool")
+        self._wait_for_ready = wait_for_ready
         self._timeout = _channel.check_timeout(timeout)
         self._metadata: Metadata = _channel.base_metadata(metadata, api_key)
         credentials = _channel.tls_credentials(credentials, tls_ca, tls_cert, tls_key)
@@ -40,7 +51,7 @@ class ClientBase(abc.ABC, Generic[ChannelT]):
             _channel.check_own_channel(target, credentials, load_balancing, options)
         self._target = target
         self._credentials = credentials
-        self._options = _channel.channel_options(load_balancing, options)
+        self._options = _channel.channel_options(load_balancing, options, _retry.service_config(retry))
         self._owns_channel = channel is None
         self._setup(channel)
 

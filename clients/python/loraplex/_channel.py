@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from loraplex._retry import SERVICE_CONFIG_OPTION
 from loraplex._types import HealthStatus
 
 ADAPTER_HEADER = "x-loraplex-adapter"
@@ -39,9 +40,12 @@ _HEALTH_STATUSES = {
 }
 
 
-def channel_options(load_balancing: str | None, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def channel_options(
+    load_balancing: str | None, options: Sequence[tuple[str, Any]], service_config: str | None = None
+) -> list[tuple[str, Any]]:
     """gRPC channel arguments: ``load_balancing`` (e.g. "round_robin") as the LB policy, then ``options``, then
-    the message size limits ``options`` left out (``DEFAULT_MAX_MESSAGE_BYTES`` both ways)."""
+    the message size limits ``options`` left out (``DEFAULT_MAX_MESSAGE_BYTES`` both ways), then
+    ``service_config`` (the retry policy's JSON) unless ``options`` has a service config of its own."""
     result: list[tuple[str, Any]] = []
     if load_balancing is not None:
         if not isinstance(load_balancing, str) or not load_balancing:
@@ -50,6 +54,8 @@ def channel_options(load_balancing: str | None, options: Sequence[tuple[str, Any
     result.extend((str(key), value) for key, value in options)
     given = {key for key, _ in result}
     result.extend((key, DEFAULT_MAX_MESSAGE_BYTES) for key in _MESSAGE_LIMITS if key not in given)
+    if service_config is not None and SERVICE_CONFIG_OPTION not in given:
+        result.append((SERVICE_CONFIG_OPTION, service_config))
     return result
 
 

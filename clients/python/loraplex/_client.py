@@ -18,6 +18,7 @@ from loraplex._base import ClientBase
 from loraplex._channel import Metadata
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
+from loraplex._stream import DeltaStream
 from loraplex._types import AdapterInfo, Conversation, Delta, Generation, HealthStatus, ModelInfo, TokenizeResult
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -38,6 +39,14 @@ class Client(ClientBase[grpc.Channel]):
     ``DEFAULT_MAX_MESSAGE_BYTES``, like the server's). ``channel``: use this channel instead of making
     one (then ``target``, the TLS arguments, ``load_balancing`` and ``options`` must be left out, and
     ``close`` leaves the channel open).
+
+    ``retry``: a ``RetryPolicy`` (default: 4 attempts, backoff from 0.2 s up to 5 s) for calls the
+    server refused with UNAVAILABLE or RESOURCE_EXHAUSTED before answering (loading, draining, queue
+    full), on the idempotent methods only (not ``load_adapter`` / ``unload_adapter``); gRPC retries
+    them itself, within each call's deadline. None = no retries. It is part of the channel the client
+    makes (a ``channel=`` passed in keeps its own service config). ``wait_for_ready``: a call made
+    while the server cannot be reached waits for it (up to the call's deadline: give a ``timeout``)
+    instead of failing with UNAVAILABLE at once.
 
     Every generation call sends the adapter id as the ``x-loraplex-adapter`` request header (empty
     for the base model), so a proxy can route each adapter to the replicas where it is hot.
@@ -65,7 +74,9 @@ class Client(ClientBase[grpc.Channel]):
     ) -> _Response:
         deadline = self._deadline(timeout)
         try:
-            return method(request, timeout=deadline, metadata=metadata or self._metadata)
+            return method(
+                request, timeout=deadline, metadata=metadata or self._metadata, wait_for_ready=self._wait_for_ready
+            )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
 
@@ -100,21 +111,24 @@ class Client(ClientBase[grpc.Channel]):
 
     def stream(
         self, prompt: Prompt, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
-    ) -> Generator[Delta, None, None]:
+    ) -> DeltaStream:
         """Generate for one prompt and yield ``Delta``s as tokens arrive; the last has ``is_last``.
 
-        Arguments are checked here, before any RPC; the call starts on the first iteration. Leaving
-        the loop early or calling ``.close()`` on the returned generator cancels the request.
+        Arguments are checked here, before any RPC; the call starts on the first iteration. Use it in a
+        ``for`` loop, or as ``with client.stream(...) as deltas:``: leaving the block, breaking out of
+        the loop early or calling ``.close()`` cancels the request on the server.
         """
         opts = _convert.generation_options(**options)
         request = _convert.stream_request(_convert.build_input(prompt, chat=opts.chat), opts)
         deadline = self._deadline(timeout)
-        return self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id))
+        return DeltaStream(self._deltas(request, deadline, _channel.with_adapter(self._metadata, opts.adapter_id)))
 
     def _deltas(
         self, request: generation_pb2.GenerateStreamRequest, deadline: float | None, metadata: Metadata
     ) -> Generator[Delta, None, None]:
-        call = self._generation.GenerateStream(request, timeout=deadline, metadata=metadata)
+        call = self._generation.GenerateStream(
+            request, timeout=deadline, metadata=metadata, wait_for_ready=self._wait_for_ready
+        )
         try:
             for message in call:
                 yield _convert.to_delta(message)
@@ -141,16 +155,20 @@ class Client(ClientBase[grpc.Channel]):
     def load_adapter(
         self, adapter_id: str, source: str | os.PathLike[str], *, timeout: float | None = None
     ) -> AdapterInfo:
-        """Register the adapter folder ``source`` (a path on the server) as ``adapter_id``.
+        """Register ``source`` as ``adapter_id``: an adapter folder's path on the server, or
+        ``"hf://org/name[@revision]"``, a snapshot in the server's local Hugging Face cache (never downloaded;
+        ``NotFound`` names the paths looked up). Either must lie inside the server's allowed adapter roots.
 
-        Only its config and headers are read now; weights load lazily on first use.
+        Only its config and headers are read now; weights load lazily on first use. The result's ``source`` is
+        ``source`` as given, its ``resolved_path`` the folder the server reads.
         """
         request = _convert.load_adapter_request(adapter_id, os.fspath(source))
         response: adapters_pb2.LoadAdapterResponse = self._call(self._adapters.LoadAdapter, request, timeout)
         return _convert.to_adapter_info(response.adapter)
 
     def unload_adapter(self, adapter_id: str, *, timeout: float | None = None) -> AdapterInfo:
-        """Remove an adapter; running requests that use it finish first. Returns its last state."""
+        """Remove an adapter: refused (``FailedPrecondition``, nothing removed) while requests use it. Returns what
+        happened: its description with state ``UNLOADED`` and nothing resident (hits, source... as they were)."""
         request = adapters_pb2.UnloadAdapterRequest(id=_convert.check_id("adapter id", adapter_id, allow_empty=False))
         response: adapters_pb2.UnloadAdapterResponse = self._call(self._adapters.UnloadAdapter, request, timeout)
         return _convert.to_adapter_info(response.adapter)

@@ -58,6 +58,7 @@ _ADAPTER_STATES = {
     adapters_pb2.ADAPTER_STATE_DEVICE: AdapterState.DEVICE,
     adapters_pb2.ADAPTER_STATE_LOADING: AdapterState.LOADING,
     adapters_pb2.ADAPTER_STATE_FAILED: AdapterState.FAILED,
+    adapters_pb2.ADAPTER_STATE_UNLOADED: AdapterState.UNLOADED,
 }
 
 
@@ -341,7 +342,7 @@ def stream_request(
 def load_adapter_request(adapter_id: object, source: object) -> adapters_pb2.LoadAdapterRequest:
     if not isinstance(source, str):
         # os.PathLike is accepted by the clients and turned into str before this point.
-        raise TypeError(f"source must be a path (str), got {type(source).__name__}")
+        raise TypeError(f"source must be a path or hf://org/name[@revision] (str), got {type(source).__name__}")
     if not source:
         raise ValueError("source must not be empty")
     return adapters_pb2.LoadAdapterRequest(id=check_id("adapter id", adapter_id, allow_empty=False), source=source)
@@ -459,4 +460,5 @@ def to_adapter_info(message: adapters_pb2.AdapterInfo) -> AdapterInfo:
         error=message.error or None,
         loads=message.loads,
         disk_reads=message.disk_reads,
+        resolved_path=message.resolved_path,
     )

@@ -33,6 +33,8 @@ from google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 """Trailing metadata key of the serialized ``google.rpc.Status`` that carries the error details."""
+REQUEST_ID_KEY = "x-request-id"
+"""Trailing metadata key of the request id the server used in its logs."""
 
 
 class LoraplexError(Exception):
@@ -43,7 +45,7 @@ class LoraplexError(Exception):
     "" when the server sent none), ``domain`` ("loraplex") and ``details``, its metadata: the error's
     fields where it has them (``field``, ``limit``, ``adapter_id``, ``file``, ``tensor``), all ``str``.
     ``trailing_metadata``: the call's trailing metadata as sent (keys lower-case; values ``str``, or
-    ``bytes`` for ``-bin`` keys).
+    ``bytes`` for ``-bin`` keys); ``request_id`` the server's id of the request, from it.
     """
 
     def __init__(
@@ -63,6 +65,13 @@ class LoraplexError(Exception):
         self.domain = domain
         self.details: Mapping[str, str] = MappingProxyType(dict(details or {}))
         self.trailing_metadata: Mapping[str, str | bytes] = MappingProxyType(dict(trailing_metadata or {}))
+
+    @property
+    def request_id(self) -> str | None:
+        """The server's id of the failed request (its ``x-request-id`` trailer), as in its log lines; None when
+        the server sent none (an older server, or a failure before the server saw the call)."""
+        value = self.trailing_metadata.get(REQUEST_ID_KEY)
+        return value if isinstance(value, str) else None
 
 
 class InvalidArgument(LoraplexError):

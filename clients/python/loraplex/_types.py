@@ -39,6 +39,7 @@ class AdapterState(enum.StrEnum):
     DEVICE = "device"  # every layer on the serving device
     LOADING = "loading"  # being read for a request
     FAILED = "failed"  # its last load failed (AdapterInfo.error)
+    UNLOADED = "unloaded"  # removed by unload_adapter (only in its result); the id is free again
     UNSPECIFIED = "unspecified"
 
 
@@ -181,7 +182,7 @@ class AdapterInfo:
     """A registered adapter and where its weights are now."""
 
     id: str
-    source: str
+    source: str  # as given at registration: a path on the server, or hf://org/name[@revision]
     kind: AdapterKind
     state: AdapterState
     rank: int = 0  # largest LoRA rank
@@ -203,3 +204,4 @@ class AdapterInfo:
     error: str | None = None  # why the last load failed (state FAILED)
     loads: int = 0  # completed loads onto the device
     disk_reads: int = 0  # of those, the ones that read the disk
+    resolved_path: str = ""  # the folder the server reads its files from (an hf:// source's snapshot folder)

@@ -77,6 +77,10 @@ class _AdapterStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdapterS
     roots...); requests for it fail with that error until its weights file changes (the next request
     then indexes and loads it again) or it is unloaded and loaded again.
     """
+    ADAPTER_STATE_UNLOADED: _AdapterState.ValueType  # 6
+    """Removed by UnloadAdapter (only in its answer): new requests for the id get NOT_FOUND, its memory is
+    freed and the id may be loaded again.
+    """
 
 class AdapterState(_AdapterState, metaclass=_AdapterStateEnumTypeWrapper):
     """Where an adapter's weights are. Layer counts in AdapterInfo say how much of it."""
@@ -95,6 +99,10 @@ ADAPTER_STATE_FAILED: AdapterState.ValueType  # 5
 """Its last load failed (AdapterInfo.error says why: a file that changed, holds NaN/inf, left the
 roots...); requests for it fail with that error until its weights file changes (the next request
 then indexes and loads it again) or it is unloaded and loaded again.
+"""
+ADAPTER_STATE_UNLOADED: AdapterState.ValueType  # 6
+"""Removed by UnloadAdapter (only in its answer): new requests for the id get NOT_FOUND, its memory is
+freed and the id may be loaded again.
 """
 Global___AdapterState: _TypeAlias = AdapterState  # noqa: Y015
 
@@ -161,10 +169,13 @@ class AdapterInfo(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     LOADS_FIELD_NUMBER: _builtins.int
     DISK_READS_FIELD_NUMBER: _builtins.int
+    RESOLVED_PATH_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Adapter id, as used in GenerateRequest.adapter_id."""
     source: _builtins.str
-    """Where it was loaded from (a path on the server)."""
+    """Where it was loaded from, as LoadAdapter / --adapter named it: a path on the server, or
+    "hf://org/name[@revision]" (the revision left out when it is "main"). See resolved_path.
+    """
     kind: Global___AdapterKind.ValueType
     """What it contains."""
     rank: _builtins.int
@@ -199,6 +210,10 @@ class AdapterInfo(_message.Message):
     """Completed loads onto the device since registration."""
     disk_reads: _builtins.int
     """Of `loads`, those that read the weights file (the rest came from the host tier)."""
+    resolved_path: _builtins.str
+    """The folder its files are read from: source resolved on the server (for an hf:// source, the snapshot
+    folder of the commit its revision named at registration).
+    """
     @_builtins.property
     def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Base-model module names the LoRA changes, e.g. "q_proj", "v_proj" (sorted)."""
@@ -241,10 +256,11 @@ class AdapterInfo(_message.Message):
         error: _builtins.str = ...,
         loads: _builtins.int = ...,
         disk_reads: _builtins.int = ...,
+        resolved_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_used", b"last_used", "load_latency", b"load_latency", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "error", b"error", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "source", b"source", "state", b"state", "target_modules", b"target_modules", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "error", b"error", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "resolved_path", b"resolved_path", "source", b"source", "state", b"state", "target_modules", b"target_modules", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -262,7 +278,8 @@ class LoadAdapterRequest(_message.Message):
     """New adapter id: 1-128 chars of [A-Za-z0-9._-], not starting with "."."""
     source: _builtins.str
     """Path on the server of the adapter folder (adapter_config.json + adapter_model.safetensors, or a
-    Medusa folder).
+    Medusa folder), or "hf://org/name[@revision]": a snapshot in the server's local Hugging Face cache
+    (never downloaded; NOT_FOUND names the paths looked up), which must lie inside the allowed roots too.
     """
     def __init__(
         self,
@@ -333,7 +350,9 @@ class UnloadAdapterResponse(_message.Message):
     ADAPTER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def adapter(self) -> Global___AdapterInfo:
-        """Its last description (state UNLOADING if requests still use it, else REGISTERED with no bytes)."""
+        """The removed adapter: state UNLOADED, no bytes or layers resident; the rest (kind, source, hits, load
+        latency...) as it was just before removal.
+        """
 
     def __init__(
         self,

@@ -64,15 +64,17 @@ class AdaptersServicer:
     def LoadAdapter(self, request, context):
         """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
         Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-        message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-        server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+        message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+        server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+        FAILED_PRECONDITION (adapter built for another base model).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadAdapter(self, request, context):
-        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+        with state UNLOADED. Errors: NOT_FOUND,
         FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
         them, then call again. Nothing is half-removed by a refused call.
         """

@@ -44,11 +44,13 @@ class AdaptersStub:
     LoadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.LoadAdapterRequest, _adapters_pb2.LoadAdapterResponse]
     """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
     Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-    message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-    server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+    message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+    server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+    FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]
-    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+    with state UNLOADED. Errors: NOT_FOUND,
     FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
     them, then call again. Nothing is half-removed by a refused call.
     """
@@ -65,11 +67,13 @@ class AdaptersAsyncStub(AdaptersStub):
     LoadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.LoadAdapterRequest, _adapters_pb2.LoadAdapterResponse]  # type: ignore[assignment]
     """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
     Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-    message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-    server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+    message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+    server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+    FAILED_PRECONDITION (adapter built for another base model).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_adapters_pb2.UnloadAdapterRequest, _adapters_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
-    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+    """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+    with state UNLOADED. Errors: NOT_FOUND,
     FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
     them, then call again. Nothing is half-removed by a refused call.
     """
@@ -89,8 +93,9 @@ class AdaptersServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_adapters_pb2.LoadAdapterResponse, _abc.Awaitable[_adapters_pb2.LoadAdapterResponse]]:
         """Registers the adapter found at `source` under `id` and returns its description (state REGISTERED).
         Errors: ALREADY_EXISTS (id taken), INVALID_ARGUMENT (bad id, unreadable or invalid adapter: the
-        message names the file and tensor), NOT_FOUND (no such path), PERMISSION_DENIED (path outside the
-        server's allowed adapter roots), FAILED_PRECONDITION (adapter built for another base model).
+        message names the file and tensor), NOT_FOUND (no such path; an hf:// repo or revision not in the
+        server's Hugging Face cache), PERMISSION_DENIED (path outside the server's allowed adapter roots),
+        FAILED_PRECONDITION (adapter built for another base model).
         """
 
     @_abc_1.abstractmethod
@@ -99,7 +104,8 @@ class AdaptersServicer(metaclass=_abc_1.ABCMeta):
         request: _adapters_pb2.UnloadAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_adapters_pb2.UnloadAdapterResponse, _abc.Awaitable[_adapters_pb2.UnloadAdapterResponse]]:
-        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Errors: NOT_FOUND,
+        """Removes an adapter and frees its memory; new requests for it get NOT_FOUND. Answers its description
+        with state UNLOADED. Errors: NOT_FOUND,
         FAILED_PRECONDITION while requests run with it (they keep it pinned): let them finish or cancel
         them, then call again. Nothing is half-removed by a refused call.
         """

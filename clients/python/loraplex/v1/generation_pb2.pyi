@@ -335,7 +335,8 @@ class GenerateRequest(_message.Message):
     """
     request_id: _builtins.str
     """Caller's id for this request, echoed in server logs (max 128 printable ASCII chars). Empty = the
-    server makes one.
+    `x-request-id` request metadata, else the server makes one. The id used is also returned in the
+    `x-request-id` response metadata (initial and trailing, errors included).
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Input]:

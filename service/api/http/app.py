@@ -1,0 +1,348 @@
+"""The OpenAI-compatible routes: a Starlette app over the gRPC servicer's own ``generate`` / ``stream``.
+
+Order in every route, as in the gRPC interceptor chain: the API key (``KeyRing``, the generate role) before the
+body is read; the serving state (``Runtime.ready``: 503 while loading or draining); the body, bounded by
+``--max-message-bytes`` while it is read; the parameters (``params``); then the servicer's generation path with its
+checks. One ``loraplex_requests_total`` sample per call, ``method="http.chat"`` / ``"http.completions"`` /
+``"http.models"``, ``code`` = the gRPC status name of the outcome (the same label values as gRPC's), one
+``loraplex_adapter_requests_total`` sample per generation, and one ``event=access`` line on ``loraplex.access``,
+as for gRPC calls (``Outcome``).
+
+A client that goes away cancels its generation: a non-streamed call races the generation against the connection's
+``http.disconnect``; a stream is closed by Starlette's disconnect watch, and closing it cancels every choice's
+request in the engine (its KV slot is freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from loraplex.v1 import generation_pb2 as pb
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from service import metrics
+from service.api import access, convert
+from service.api.auth import KeyRing
+from service.api.generation import GenerationServicer
+from service.api.http import errors, params
+from service.api.http.replies import Replies
+from service.api.runtime import Runtime
+from service.errors import AdapterNotFound, InvalidRequest
+from service.logs import REQUEST_ID, REQUEST_ID_HEADER, new_request_id
+
+T = TypeVar("T")
+
+GENERATE_METHOD = "/loraplex.v1.Generation/Generate"
+"""The gRPC method whose role every route needs (``KeyRing.authorize``): generate."""
+
+JSON_OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on the runtime's worker pool
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its reply was ready."""
+
+
+class Outcome:
+    """The request metrics and the access line (``service.api.access``, as gRPC calls have) of one HTTP call.
+
+    Made at the start of a call, it picks the request id (a valid ``x-request-id`` header, else a new one) and sets
+    the call's ``REQUEST_ID`` and access record for the rest of the request's task (uvicorn runs each request in a
+    task of its own; the streams' tasks inherit both), so the servicer counts tokens into the record and every log
+    line of the call names its id. ``finish`` writes the metrics and the line, once."""
+
+    def __init__(self, method: str, known: Callable[[str], bool], request: Request) -> None:
+        self.method = method
+        self.adapter_id: str | None = None
+        header = request.headers.get(REQUEST_ID_HEADER, "")
+        self.header_id = header
+        self.request_id = header if convert.is_request_id(header) else new_request_id()
+        peer = "" if request.client is None else access.peer_of(request.client.host, request.client.port)
+        self.record = access.Access(self.request_id, method, "", peer, time.monotonic())
+        REQUEST_ID.set(self.request_id)
+        access.CURRENT.set(self.record)
+        self._known = known
+        self._done = False
+
+    def finish(self, code: str) -> None:
+        if self._done:
+            return
+        self._done = True
+        metrics.REQUESTS.labels(self.method, code).inc()
+        if self.adapter_id is not None:
+            known = self._known(self.adapter_id)
+            metrics.ADAPTERS.request_finished(self.adapter_id, code, known=known)
+        self.record.adapter = self.adapter_id or ""
+        access.log.info("event=access", extra={"fields": self.record.fields(code, time.monotonic())})
+
+
+class OpenAIRoutes:
+    def __init__(self, runtime: Runtime, generation: GenerationServicer, keys: KeyRing) -> None:
+        self.runtime = runtime
+        self.generation = generation
+        self.keys = keys
+        self.created = int(time.time())  # ``created`` of every model card: when this server started
+        self.base_name = runtime.settings.model.resolve().name  # ``model`` of the base: its folder's name, as
+        # ModelInfo.model_name (resolved once: no file system call per request on the event loop)
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+
+    # ----------------------------------------------------------------------------------------------- models
+
+    async def models(self, request: Request) -> Response:
+        return await self._listing(request, None)
+
+    async def model(self, request: Request) -> Response:
+        return await self._listing(request, request.path_params["model"])
+
+    async def _listing(self, request: Request, name: str | None) -> Response:
+        outcome = Outcome("http.models", self.runtime.knows_adapter, request)
+        try:
+            self._authorize(request)
+            cards = self._cards()
+            if name is not None:
+                card = next((c for c in cards if c["id"] == name), None)
+                if card is None:
+                    raise AdapterNotFound(name)
+                body: dict[str, Any] = card
+            else:
+                body = {"object": "list", "data": cards}
+        except Exception as exc:
+            outcome.finish(errors.status_name(exc))
+            return _error(exc, chat=False, request_id=outcome.request_id)
+        outcome.finish("OK")
+        return JSONResponse(body, headers={REQUEST_ID_HEADER: outcome.request_id})
+
+    def _cards(self) -> list[dict[str, Any]]:
+        rt = self.runtime.ready()
+        base, created = self.base_name, self.created
+        cards = [{"id": base, "object": "model", "created": created, "owned_by": "loraplex", "root": base}]
+        for adapter_id in rt.adapters.ids():
+            if adapter_id != base:
+                cards.append(
+                    {"id": adapter_id, "object": "model", "created": created, "owned_by": "loraplex",
+                     "root": base, "parent": base}
+                )  # fmt: skip
+        return cards
+
+    def _adapter_of(self, model: str) -> str:
+        if model == self.base_name:
+            return ""
+        if not self.runtime.knows_adapter(model):
+            raise AdapterNotFound(model)
+        return model
+
+    def _authorize(self, request: Request) -> None:
+        header = request.headers.get("authorization")
+        self.keys.authorize(GENERATE_METHOD, [] if header is None else [("authorization", header)])
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    async def _generate(self, request: Request, kind: params.Kind) -> Response:
+        outcome = Outcome(f"http.{kind}", self.runtime.knows_adapter, request)
+        chat = kind == "chat"
+        try:
+            self._authorize(request)
+            rt = self.runtime.ready()
+            body = await self._body(request, rt.settings.max_message_bytes)
+            request_id = outcome.request_id
+            if outcome.header_id:  # an invalid one is refused (400) naming the header, never used or echoed
+                request_id = convert.request_id_of(outcome.header_id)
+            call = params.parse(kind, body, request_id=request_id, adapter_of=self._adapter_of)
+            outcome.adapter_id = call.request.adapter_id
+            replies = Replies(call, request_id, rt.tokenizer)
+            headers = {REQUEST_ID_HEADER: request_id}
+            if call.stream:
+                return await self._stream(request, call, replies, outcome, headers)
+            response = await _until_disconnect(request, self.generation.generate(call.request, None))
+        except ClientGone:
+            outcome.finish("CANCELLED")
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        except Exception as exc:
+            outcome.finish(errors.status_name(exc))
+            return _error(exc, chat=chat, request_id=outcome.request_id)
+        outcome.finish("OK")
+        return JSONResponse(replies.completion(response), headers=headers)
+
+    async def _body(self, request: Request, limit: int) -> object:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            if len(raw) > JSON_OFF_LOOP_BYTES:
+                return await self.runtime.off_loop(json.loads, raw)
+            return json.loads(raw)
+        except ValueError:  # UnicodeDecodeError included
+            raise InvalidRequest("the request body is not valid JSON") from None
+
+    async def _stream(
+        self, request: Request, call: params.Call, replies: Replies, outcome: Outcome, headers: dict[str, str]
+    ) -> Response:
+        """Start every choice's stream and wait for the first reply before answering, so a request refused by
+        the engine (queue full, bad prompt) still gets its HTTP status instead of a 200 stream with an error."""
+        streams = _merged([self.generation.stream(call.stream_request(i), None) for i in range(call.choices)])
+        try:
+            first = await _until_disconnect(request, anext(streams))
+        except BaseException:
+            await streams.aclose()
+            raise
+        headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        return _EventStream(_events(first, streams, replies, outcome), streams, outcome, headers)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose streams are closed however it ends: also when the client left before its first event
+    was sent (Starlette then never starts the body, so the body's own ``finally`` would not run)."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        streams: AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None],
+        outcome: Outcome,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._streams, self._outcome = streams, outcome
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._outcome.finish("CANCELLED")  # a no-op when the stream ended by itself
+            await self._streams.aclose()
+
+
+async def _events(
+    first: tuple[int, pb.GenerateStreamResponse], rest: AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None],
+    replies: Replies, outcome: Outcome,
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """The SSE body: ``data: <chunk>`` per reply, the usage chunk when asked, ``data: [DONE]``. An error after the
+    headers went out is sent as a last ``data: {"error": ...}`` event (there is no status left to set)."""
+    code = "CANCELLED"  # unless the stream ends otherwise: the client went away, Starlette cancelled this
+    try:
+        for chunk in replies.chunks(*first):
+            yield _sse(chunk)
+        async for index, response in rest:
+            for chunk in replies.chunks(index, response):
+                yield _sse(chunk)
+        if replies.call.include_usage:
+            yield _sse(replies.usage_chunk())
+        yield b"data: [DONE]\n\n"
+        code = "OK"
+    except Exception as exc:
+        code = errors.status_name(exc)
+        yield _sse(errors.error_body(exc, chat=replies.chat, where="stream"))
+    finally:
+        outcome.finish(code)
+        await rest.aclose()
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _merged(
+    streams: list[AsyncGenerator[pb.GenerateStreamResponse, None]],
+) -> AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None]:
+    """``(choice index, reply)`` of every stream as they come; the first error ends all of them. Closing this
+    closes every stream (each cancels its request)."""
+    queue: asyncio.Queue[tuple[int, pb.GenerateStreamResponse | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[pb.GenerateStreamResponse, None]) -> None:
+        async with contextlib.aclosing(stream):
+            try:
+                async for response in stream:
+                    queue.put_nowait((index, response, None))
+            except Exception as exc:
+                queue.put_nowait((index, None, exc))
+                return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, response, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if response is None:
+                running -= 1
+                continue
+            yield index, response
+    finally:
+        for task in tasks:
+            task.cancel()  # synchronous, so it happens even when this generator is being cancelled itself
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled and ``ClientGone`` raised."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _too_large(limit: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"the request body has more than {limit} bytes; this server accepts at most {limit} (--max-message-bytes)",
+        limit=limit,
+    )
+
+
+def _error(exc: BaseException, *, chat: bool, request_id: str) -> JSONResponse:
+    """The error reply, with the call's id in ``x-request-id`` (a valid id: an invalid header's is never echoed)."""
+    body = errors.error_body(exc, chat=chat)
+    headers = {**errors.headers_of(exc), REQUEST_ID_HEADER: request_id}
+    return JSONResponse(body, status_code=errors.http_status(exc), headers=headers)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's error shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = f"{request.method} {request.url.path}: {exc.detail if isinstance(exc, HTTPException) else exc}"
+    kind = "not_found" if status == 404 else "method_not_allowed" if status == 405 else "invalid_request"
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": kind}}
+    return JSONResponse(body, status_code=status)

@@ -1,0 +1,121 @@
+"""The gRPC API's replies -> OpenAI response bodies and stream chunks (plain dicts, ready for JSON).
+
+One ``Replies`` per request: it fixes the reply's ``id`` (``chatcmpl-<request id>`` / ``cmpl-<request id>``),
+``created`` and ``model`` and adds up usage across choices (each prompt's tokens counted once, as OpenAI does,
+however many choices it has). Finish reasons: EOS and a stop sequence are ``stop``, the token limit ``length``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from loraplex.v1 import generation_pb2 as pb
+
+from service.api.http.params import Call
+from service.tokenizer import Tokenizer
+
+FINISH = {
+    pb.FINISH_REASON_EOS: "stop",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+}
+
+Result = pb.GenerationResult | pb.GenerateStreamResponse
+
+
+class Replies:
+    def __init__(self, call: Call, request_id: str, tokenizer: Tokenizer) -> None:
+        self.call = call
+        self.chat = call.kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self._prompt_tokens = [0] * call.choices
+        self._completion_tokens = [0] * call.choices
+        self._text_offsets = [0] * call.choices  # completions logprobs: where the next token starts
+        self._started = [False] * call.choices
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.call.model}
+
+    def _count(self, index: int, usage: pb.Usage) -> None:
+        if index % self.call.n == 0:  # the first choice of its prompt: that prompt's tokens, once
+            self._prompt_tokens[index] = usage.prompt_tokens
+        self._completion_tokens[index] = usage.generated_tokens
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = sum(self._prompt_tokens), sum(self._completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ------------------------------------------------------------------------------------------ whole replies
+
+    def completion(self, response: pb.GenerateResponse) -> dict[str, Any]:
+        """The body of a non-streamed reply: one choice per result."""
+        choices = []
+        for index, result in enumerate(response.results):
+            self._count(index, result.usage)
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            choice["logprobs"] = self._logprobs(index, result)
+            choice["finish_reason"] = FINISH.get(result.finish_reason)
+            choices.append(choice)
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body.update(choices=choices, usage=self.usage())
+        return body
+
+    # ---------------------------------------------------------------------------------------------- streams
+
+    def chunks(self, index: int, response: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
+        """The stream chunks of one streamed reply of choice ``index`` (none for an empty delta)."""
+        finished = response.finish_reason in FINISH
+        if finished:
+            self._count(index, response.usage)
+        first = not self._started[index]
+        self._started[index] = True
+        if not response.text and not finished and not (first and self.chat):
+            return []
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if response.text or first:
+                delta["content"] = response.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = response.text
+        choice["logprobs"] = self._logprobs(index, response)
+        choice["finish_reason"] = FINISH.get(response.finish_reason) if finished else None
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = [choice]
+        if self.call.include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with ``stream_options.include_usage``: no choices, the request's usage."""
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        chunk.update(choices=[], usage=self.usage())
+        return chunk
+
+    # --------------------------------------------------------------------------------------------- logprobs
+
+    def _logprobs(self, index: int, result: Result) -> dict[str, Any] | None:
+        if not self.call.logprobs:
+            return None
+        pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in result.token_ids]
+        values: Sequence[float] = list(result.logprobs)
+        if self.chat:
+            content = [
+                {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
+                for piece, value in zip(pieces, values, strict=False)  # drafted tokens carry none
+            ]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for piece in pieces:
+            offsets.append(self._text_offsets[index])
+            self._text_offsets[index] += len(piece)
+        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
