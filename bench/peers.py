@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/peers.py                    # everything (peer venvs are built on the first run)
     .venv/bin/python bench/peers.py --setup-only       # only build the peer venvs and inputs under bench/.work
-    .venv/bin/python bench/peers.py --quick --engines loraplex   # smoke: one run of two rows (the test's mode)
+    .venv/bin/python bench/peers.py --quick            # smoke of every engine: one run of two rows, fp32
+    .venv/bin/python bench/peers.py --quick --engines loraplex   # the test's mode (on a tiny model there)
     .venv/bin/python bench/peers.py --loraplex-config int4="--dtype bfloat16 --quantize int4"
 
 Workload (bench/peers_workload.py): SmolLM2-135M-Instruct, prompts "Write a short story about a robot number {i}."
@@ -180,7 +181,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=ROOT / "models/SmolLM2-135M-Instruct")
     p.add_argument("--engines", default="loraplex,vllm,llamacpp", help="comma list of loraplex, vllm, llamacpp")
     p.add_argument("--loraplex-config", action="append", metavar="NAME=FLAGS", help="repeatable; see the docstring")
-    p.add_argument("--vllm-dtypes", default="float32,bfloat16")
+    p.add_argument("--vllm-dtypes", help="comma list (default float32,bfloat16; --quick: float32)")
     p.add_argument(
         "--peer-env",
         action="append",
@@ -188,10 +189,10 @@ def parse_args() -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra environment for the peers' runs (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE on a busy machine",
     )
-    p.add_argument("--llamacpp-threads", default="1,2")
+    p.add_argument("--llamacpp-threads", help="comma list (default 1,2; --quick: 2)")
     p.add_argument("--rows", default=",".join(r.key for r in ROWS), help="row keys (bench/peers_workload.py)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per row (after one warm-up)")
-    p.add_argument("--quick", action="store_true", help=f"1 run, rows {','.join(QUICK_ROWS)}, fp32 only")
+    p.add_argument("--quick", action="store_true", help=f"1 run, rows {','.join(QUICK_ROWS)}, fp32, 2 threads")
     p.add_argument("--setup-only", action="store_true", help="build the peer venvs and inputs, measure nothing")
     p.add_argument("--work", type=Path, default=ROOT / "bench/.work")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/peers.json")
@@ -199,7 +200,9 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.runs, args.rows = 1, ",".join(QUICK_ROWS)
         args.loraplex_config = args.loraplex_config or ["fp32=--dtype float32"]
+        args.vllm_dtypes, args.llamacpp_threads = args.vllm_dtypes or "float32", args.llamacpp_threads or "2"
     args.loraplex_config = args.loraplex_config or list(DEFAULT_CONFIGS)
+    args.vllm_dtypes, args.llamacpp_threads = args.vllm_dtypes or "float32,bfloat16", args.llamacpp_threads or "1,2"
     return args
 
 
@@ -220,7 +223,7 @@ def main() -> None:
         peer_envs["vllm"] = envs.vllm_env(args.work, log)
     if "llamacpp" in engines:
         peer_envs["llamacpp"] = envs.llamacpp_env(args.work, log)
-    needs_gguf = "llamacpp" in engines or any("{gguf}" in c for c in args.loraplex_config)
+    needs_gguf = "llamacpp" in engines or ("loraplex" in engines and any("{gguf}" in c for c in args.loraplex_config))
     gguf = envs.q4_gguf(args.work, log) if needs_gguf else None
     loras = envs.write_loras(args.model, args.work, max(r.adapters for r in rows), log=log)
     lora_gguf, why = (None, "")
