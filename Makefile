@@ -15,8 +15,9 @@ WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --dtype bfloat16
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
+PEERS_ARGS ?=
 
-.PHONY: setup system-deps model serve test test-fast lint typecheck check proto fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak clean distclean
+.PHONY: setup system-deps model serve test test-fast lint typecheck check proto fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak bench-peers clean distclean
 
 ## setup: create .venv and install the server, the client package, fetch-model's converter and the dev tools (idempotent)
 setup: $(VENV)/.installed
@@ -89,6 +90,11 @@ bench-loadgen: setup model
 ## bench-soak: 10 min with adapter churn under a device budget a third of the adapters' size
 bench-soak: setup model
 	$(PY) bench/loadgen.py --soak 600 --json bench/results/loadgen-soak.json
+
+## bench-peers: loraplex vs vLLM (CPU) and llama-cpp-python, same workload (builds their venvs under bench/.work once)
+bench-peers: setup model
+	-bash scripts/peer_deps.sh
+	$(PY) bench/peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache bench/.work
