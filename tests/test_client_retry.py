@@ -19,7 +19,7 @@ import grpc
 import loraplex
 import pytest
 from helpers import stream_req, tiny_settings, wait_until
-from helpers_metrics import scrape, value
+from helpers_metrics import requests_total
 from loraplex import _channel, _retry
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
@@ -29,15 +29,6 @@ from service.api.server import BackgroundServer
 PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=0.5, max_backoff=2.0, backoff_multiplier=2.0)
 # For a wait as long as a model load on a busy machine: the four randomized backoffs add up to ~11 s on average.
 VERY_PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=2.0, max_backoff=8.0, backoff_multiplier=2.0)
-
-
-def requests_total(server: BackgroundServer, method: str, code: str) -> float:
-    """``loraplex_requests_total{method, code}`` from a real /metrics scrape (0 before the first such call)."""
-    assert server.server is not None and server.server.metrics_port
-    try:
-        return value(scrape(server.server.metrics_port), "loraplex_requests_total", method=method, code=code)
-    except AssertionError:
-        return 0.0
 
 
 def in_flight(server: BackgroundServer) -> int:
