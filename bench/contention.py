@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPUS = len(os.sched_getaffinity(0))
 PROMPTS = 16  # the first 16 of serve.py's questions, cycled
 sys.path.insert(0, str(ROOT / "bench"))
-from serve import serve_command, server_env, stop_server, stream_request, wait_serving  # noqa: E402
+from serve import run_record, serve_command, server_env, stop_server, stream_request, wait_serving  # noqa: E402
 
 # libgomp's own behaviour when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set: spin 300000 iterations.
 LIBGOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}
@@ -228,12 +227,7 @@ def main() -> None:
     summary = summarize(servers)
     print_table(summary, args)
     result = {
-        "command": " ".join(["bench/contention.py", *sys.argv[1:]]),
-        "started": started,
-        "cpus": CPUS,
-        "machine": f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip(),
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
+        **run_record("bench/contention.py", started, load_before),
         "dtype": args.dtype,
         "streams": args.streams,
         "requests": args.requests,

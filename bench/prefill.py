@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPUS = len(os.sched_getaffinity(0))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from serve import pct, serve_command, server_env, stop_server, stream_request, wait_serving  # noqa: E402
+from serve import pct, run_record, serve_command, server_env, stop_server, stream_request, wait_serving  # noqa: E402
 
 from service.tokenizer import Tokenizer  # noqa: E402
 
@@ -244,12 +243,7 @@ def main() -> None:
     summary = summarize(on, off)
     print_table(summary, args)
     result = {
-        "command": " ".join(["bench/prefill.py", *sys.argv[1:]]),
-        "started": started,
-        "cpus": CPUS,
-        "machine": f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip(),
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
+        **run_record("bench/prefill.py", started, load_before),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "summary": summary,
     }

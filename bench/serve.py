@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,19 @@ class OurServer:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+def run_record(script: str, started: str, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """The head of a result file: the command line, when it began, the machine and its load before and now."""
+    machine = f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip()
+    return {
+        "command": " ".join([script, *sys.argv[1:]]),
+        "started": started,
+        "cpus": len(os.sched_getaffinity(0)),
+        "machine": machine,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+    }
 
 
 def serve_command(model: Path, dtype: str, port: int, max_batch: int) -> list[str]:
