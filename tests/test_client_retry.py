@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -64,15 +63,9 @@ LONG = 7000  # tokens of a blocking stream: tens of seconds, however fast the ma
 @pytest.fixture(scope="module")
 def long_model_dir(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path) -> Path:
     """``served_tiny_dir``'s tiny model with room for ``LONG``-token streams (8192 positions)."""
-    from tiny_models import write_tiny_llama
+    from tiny_models import write_served_tiny
 
-    folder = write_tiny_llama(
-        tmp_path_factory.mktemp("long_tiny"), vocab_size=49152, max_position_embeddings=8192, seed=7
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (served_tiny_dir / name).exists():
-            shutil.copy(served_tiny_dir / name, folder / name)
-    return folder
+    return write_served_tiny(tmp_path_factory.mktemp("long_tiny"), served_tiny_dir, max_position_embeddings=8192)
 
 
 @pytest.fixture

@@ -84,6 +84,17 @@ def write_tiny_llama(
     return folder
 
 
+def write_served_tiny(folder: Path, tokenizer_from: Path, max_position_embeddings: int) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and the tokenizer files found in ``tokenizer_from``."""
+    import shutil
+
+    write_tiny_llama(folder, vocab_size=49152, max_position_embeddings=max_position_embeddings, seed=7)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
 def load_hf_llama(folder: Path) -> Any:
     """The reference: transformers' own ``LlamaForCausalLM`` from ``folder``, fp32, eval mode, SDPA attention."""
     from transformers import LlamaForCausalLM
