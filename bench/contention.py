@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPUS = len(os.sched_getaffinity(0))
 PROMPTS = 16  # the first 16 of serve.py's questions, cycled
 sys.path.insert(0, str(ROOT / "bench"))
-from serve import stream_request, wait_serving  # noqa: E402
+from serve import run_record, serve_command, server_env, stop_server, stream_request, wait_serving  # noqa: E402
 
 # libgomp's own behaviour when neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set: spin 300000 iterations.
 LIBGOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}
@@ -72,23 +71,14 @@ class Server:
     cut: list[str] = field(default_factory=list)
 
     def start(self, model: Path, dtype: str, streams: int, log_dir: Path | None) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
-        env.update(self.env)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients/python"), env.get("PYTHONPATH", "")])
-        args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--dtype", dtype]
-        args += ["--port", str(self.port), "--metrics-port", "-1", "--max-batch-size", str(streams)]
-        args += ["--http-port", "-1"]
+        env = server_env({k: v for k, v in os.environ.items() if k not in OMP_VARS} | self.env)
+        args = serve_command(model, dtype, self.port, streams)
         args += ["--max-total-tokens", "1024", "--max-prompt-tokens", "512", *self.flags]
         log = subprocess.DEVNULL if log_dir is None else (log_dir / f"{self.name}.log").open("wb")
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_server(self.proc)
 
 
 async def measure(target: str, streams: int, requests: int, new_tokens: int, timeout: float) -> tuple[float, bool]:
@@ -237,12 +227,7 @@ def main() -> None:
     summary = summarize(servers)
     print_table(summary, args)
     result = {
-        "command": " ".join(["bench/contention.py", *sys.argv[1:]]),
-        "started": started,
-        "cpus": CPUS,
-        "machine": f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip(),
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
+        **run_record("bench/contention.py", started, load_before),
         "dtype": args.dtype,
         "streams": args.streams,
         "requests": args.requests,

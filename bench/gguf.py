@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -29,6 +28,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(ROOT / "bench"))
+from serve import server_env, wait_serving  # noqa: E402
+
 LAUNCHER = """
 import os, signal, subprocess, sys
 child = subprocess.Popen(sys.argv[1:])
@@ -41,25 +43,6 @@ CONFIGS: dict[str, list[str]] = {
     "gguf-fp32": ["--dtype", "float32", "--gguf", str(GGUF)],
     "gguf-bf16": ["--dtype", "bfloat16", "--gguf", str(GGUF)],
 }
-
-
-def wait_serving(target: str, start: float, proc: subprocess.Popen[bytes], timeout: float) -> float:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() - start < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before SERVING")
-            try:
-                req = health_pb2.HealthCheckRequest(service="loraplex.v1.Generation")
-                if stub.Check(req, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return time.monotonic() - start
-            except grpc.RpcError:
-                pass
-            time.sleep(0.02)
-    raise TimeoutError(f"{target} not SERVING after {timeout} s")
 
 
 def timed_round(target: str, prompts: int, new_tokens: int, batch: int) -> float:
@@ -80,14 +63,14 @@ def timed_round(target: str, prompts: int, new_tokens: int, batch: int) -> float
 def run_one(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(args.model), "--port", str(port)]
     cmd += ["--metrics-port", "-1", "--max-batch-size", str(max(4, args.batch)), *CONFIGS[name]]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'clients' / 'python'}"}
+    env = server_env()
     start = time.monotonic()
     # Through a small launcher: Linux starts a child's peak RSS at its parent's RSS at fork, so a server forked
     # from a big process would report that process's size.
     launch = [sys.executable, "-c", LAUNCHER, *cmd]
     proc = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        ready = wait_serving(f"127.0.0.1:{port}", start, proc, args.timeout)
+        ready = wait_serving(f"127.0.0.1:{port}", start, args.timeout, proc)
         target = f"127.0.0.1:{port}"
         timed_round(target, 1, 4, args.batch)  # warm-up
         rates = [timed_round(target, args.prompts, args.new_tokens, args.batch) for _ in range(args.rounds)]

@@ -61,6 +61,11 @@ def measure(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: i
         "ours": make_ours(folder, dtype, batch, context, steps),
         "hf": make_hf(folder, dtype, batch, context, steps),
     }
+    return interleaved_steps(steppers, steps)
+
+
+def interleaved_steps(steppers: dict[str, Callable[[int], object]], steps: int) -> dict[str, list[float]]:
+    """Seconds of steps 1..``steps`` of each stepper, one step of each in turn, after one warm-up step 0 each."""
     times: dict[str, list[float]] = {name: [] for name in steppers}
     with torch.inference_mode():
         for step in steppers.values():

@@ -26,7 +26,6 @@ import contextlib
 import itertools
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPUS = len(os.sched_getaffinity(0))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from serve import pct, stream_request, wait_serving  # noqa: E402
+from serve import pct, run_record, serve_command, server_env, stop_server, stream_request, wait_serving  # noqa: E402
 
 from service.tokenizer import Tokenizer  # noqa: E402
 
@@ -64,21 +63,14 @@ class Server:
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def start(self, args: argparse.Namespace) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients/python"), env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(args.model), "--dtype", args.dtype]
-        cmd += ["--port", str(self.port), "--metrics-port", "-1", "--max-batch-size", str(args.streams + 8)]
+        env = server_env()
+        cmd = serve_command(args.model, args.dtype, self.port, args.streams + 8)
         cmd += ["--max-prompt-tokens", str(args.prompt_tokens + 64), "--max-total-tokens", "4096"]
-        cmd += ["--prefill-chunk-tokens", str(self.chunk), "--http-port", "-1"]
+        cmd += ["--prefill-chunk-tokens", str(self.chunk)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_server(self.proc)
 
 
 def long_prompt(tokenizer: Tokenizer, seed: int, tokens: int) -> str:
@@ -251,12 +243,7 @@ def main() -> None:
     summary = summarize(on, off)
     print_table(summary, args)
     result = {
-        "command": " ".join(["bench/prefill.py", *sys.argv[1:]]),
-        "started": started,
-        "cpus": CPUS,
-        "machine": f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip(),
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
+        **run_record("bench/prefill.py", started, load_before),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "summary": summary,
     }

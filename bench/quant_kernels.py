@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from model_step import interleaved_steps
 
 from service.model.quant import Scratch, quantize
 
@@ -90,16 +91,7 @@ def model_steps(folder: str, dtype: torch.dtype, batch: int, steps: int) -> dict
             return model.logits(model(nxt, pos, cache, 0, kv_len=context + i + 1)[:, -1])  # type: ignore[attr-defined]
 
         runs[kind] = step
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    with torch.inference_mode():
-        for fn in runs.values():
-            fn(0)
-        for i in range(1, steps + 1):
-            for k, fn in runs.items():
-                t0 = time.perf_counter()
-                fn(i)
-                times[k].append(time.perf_counter() - t0)
-    return times
+    return interleaved_steps(runs, steps)
 
 
 def main() -> None:

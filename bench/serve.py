@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -78,8 +79,7 @@ class OurServer:
         self.port = port
         self.start = time.monotonic()
         # `python -m service.cli` from ROOT: the checkout's own code (a worktree's too), not what .venv installed
-        args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--dtype", dtype]
-        args += ["--port", str(port), "--metrics-port", "-1", "--http-port", "-1", "--max-batch-size", str(max_batch)]
+        args = serve_command(model, dtype, port, max_batch)
         args += ["--max-total-tokens", "1024", "--max-prompt-tokens", "512", *(extra or [])]
         self.proc = subprocess.Popen(args, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=ROOT)
         self.ready_seconds = wait_serving(f"127.0.0.1:{port}", self.start)
@@ -89,10 +89,49 @@ class OurServer:
         self.proc.wait(30)
 
 
-def wait_serving(target: str, start: float, timeout: float = 120.0) -> float:
+def run_record(script: str, started: str, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """The head of a result file: the command line, when it began, the machine and its load before and now."""
+    machine = f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip()
+    return {
+        "command": " ".join([script, *sys.argv[1:]]),
+        "started": started,
+        "cpus": len(os.sched_getaffinity(0)),
+        "machine": machine,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+    }
+
+
+def serve_command(model: Path, dtype: str, port: int, max_batch: int) -> list[str]:
+    """``loraplex serve`` on gRPC ``port`` alone (no metrics or HTTP listener); callers append their flags."""
+    args = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--dtype", dtype, "--port", str(port)]
+    return [*args, "--metrics-port", "-1", "--http-port", "-1", "--max-batch-size", str(max_batch)]
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with the checkout and its client first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "clients/python"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def stop_server(proc: subprocess.Popen[Any] | None) -> None:
+    """SIGTERM a server still running, SIGKILL it if it has not exited 30 s later."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_serving(target: str, start: float, timeout: float = 120.0, proc: subprocess.Popen[Any] | None = None) -> float:
+    """Seconds from ``start`` until ``target`` reports SERVING; RuntimeError as soon as ``proc`` has exited."""
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() - start < timeout:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before SERVING")
             try:
                 req = health_pb2.HealthCheckRequest(service="loraplex.v1.Generation")
                 if stub.Check(req, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:

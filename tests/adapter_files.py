@@ -113,6 +113,21 @@ def load_peft_model(base: Path | Any, adapter_dirs: Mapping[str, Path]) -> Any:
     return peft_model.eval()
 
 
+def reference_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """Exactly ``new_tokens`` greedy tokens from a transformers/peft model (no end-of-sequence stop)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+
+
 def edit_adapter_config(folder: Path, **changes: Any) -> None:
     """Rewrite keys of ``adapter_config.json`` (None deletes a key)."""
     path = Path(folder) / "adapter_config.json"

@@ -77,17 +77,9 @@ def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer files: a servable model that runs in ms."""
-    import shutil
+    from tiny_models import write_served_tiny
 
-    from tiny_models import write_tiny_llama
-
-    folder = write_tiny_llama(
-        tmp_path_factory.mktemp("served_tiny"), vocab_size=49152, max_position_embeddings=1024, seed=7
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
-    return folder
+    return write_served_tiny(tmp_path_factory.mktemp("served_tiny"), smollm2_dir, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")

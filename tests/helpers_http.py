@@ -35,8 +35,8 @@ def call(
     context: ssl.SSLContext | None = None,
     timeout: float = 60,
 ) -> Reply:
-    """``POST`` ``body`` as JSON (``GET`` without one); HTTP errors are returned, not raised."""
-    data = None if body is None else json.dumps(body).encode()
+    """``POST`` ``body`` as JSON, or as sent where it is bytes (``GET`` without one); HTTP errors are returned."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     request.add_header("content-type", "application/json")
     if key is not None:

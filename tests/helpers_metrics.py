@@ -62,6 +62,15 @@ SERIES_SUFFIXES = {
 }
 
 
+def requests_total(server: BackgroundServer, method: str, code: str) -> float:
+    """``loraplex_requests_total{method, code}`` from a real /metrics scrape (0 before the first such call)."""
+    assert server.server is not None and server.server.metrics_port
+    try:
+        return value(scrape(server.server.metrics_port), "loraplex_requests_total", method=method, code=code)
+    except AssertionError:
+        return 0.0
+
+
 def series_names(families: Iterable[Metric]) -> set[str]:
     """Every series name these families expose, whether or not a labelled family has children yet."""
     names: set[str] = set()

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from adapter_files import load_peft_model, write_peft_adapter
+from adapter_files import load_peft_model, reference_greedy, write_peft_adapter
 from helpers import tiny_settings
 from loraplex import AlreadyExists, Client, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
@@ -61,17 +61,7 @@ def peft_greedy(base: Path, adapter: Path | None, prompt: list[int]) -> list[int
         model = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     else:
         model = load_peft_model(base, {"a": adapter})
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return reference_greedy(model, prompt, NEW_TOKENS)
 
 
 def generate_ids(client: Client, prompt: list[int], adapter: str | None) -> list[int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import grpc
 import loraplex
 import pytest
 from helpers import stream_req, tiny_settings, wait_until
-from helpers_metrics import scrape, value
+from helpers_metrics import requests_total
 from loraplex import _channel, _retry
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
@@ -29,15 +28,6 @@ from service.api.server import BackgroundServer
 PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=0.5, max_backoff=2.0, backoff_multiplier=2.0)
 # For a wait as long as a model load on a busy machine: the four randomized backoffs add up to ~11 s on average.
 VERY_PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=2.0, max_backoff=8.0, backoff_multiplier=2.0)
-
-
-def requests_total(server: BackgroundServer, method: str, code: str) -> float:
-    """``loraplex_requests_total{method, code}`` from a real /metrics scrape (0 before the first such call)."""
-    assert server.server is not None and server.server.metrics_port
-    try:
-        return value(scrape(server.server.metrics_port), "loraplex_requests_total", method=method, code=code)
-    except AssertionError:
-        return 0.0
 
 
 def in_flight(server: BackgroundServer) -> int:
@@ -73,15 +63,9 @@ LONG = 7000  # tokens of a blocking stream: tens of seconds, however fast the ma
 @pytest.fixture(scope="module")
 def long_model_dir(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path) -> Path:
     """``served_tiny_dir``'s tiny model with room for ``LONG``-token streams (8192 positions)."""
-    from tiny_models import write_tiny_llama
+    from tiny_models import write_served_tiny
 
-    folder = write_tiny_llama(
-        tmp_path_factory.mktemp("long_tiny"), vocab_size=49152, max_position_embeddings=8192, seed=7
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (served_tiny_dir / name).exists():
-            shutil.copy(served_tiny_dir / name, folder / name)
-    return folder
+    return write_served_tiny(tmp_path_factory.mktemp("long_tiny"), served_tiny_dir, max_position_embeddings=8192)
 
 
 @pytest.fixture

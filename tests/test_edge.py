@@ -11,7 +11,7 @@ import grpc
 import pytest
 from adapter_files import write_peft_adapter
 from helpers import stream_req, text_req, tiny_settings
-from helpers_metrics import scrape, value
+from helpers_metrics import requests_total
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
@@ -38,15 +38,6 @@ def raw_call(channel: grpc.Channel, method: str, data: bytes, *, stream: bool = 
         with pytest.raises(grpc.RpcError) as err:
             channel.unary_unary(method, request_serializer=None, response_deserializer=None)(data, timeout=30)
     return err.value
-
-
-def requests_total(server: BackgroundServer, method: str, code: str) -> float:
-    """``loraplex_requests_total{method, code}`` from a real /metrics scrape (0 before the first such call)."""
-    assert server.server is not None and server.server.metrics_port
-    try:
-        return value(scrape(server.server.metrics_port), "loraplex_requests_total", method=method, code=code)
-    except AssertionError:
-        return 0.0
 
 
 def _bad_utf8() -> bytes:

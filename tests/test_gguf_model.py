@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 from gguf_files import write_reference_folder, write_tiny_gguf
-from tiny_models import greedy_generate, load_hf_llama
+from tiny_models import assert_row_independent, greedy_agreement, load_hf_llama, max_prefill_logit_gap, random_prompts
 
 from service.loading.gguf import read_gguf_header
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION
-from service.model import KVCache, Llama
+from service.model import Llama
 from service.model.gguf_weights import Q8Table, load_gguf_model
 from service.model.llama import PROJ_NAMES
 from service.model.quant import Int4Weight
@@ -51,12 +51,8 @@ def triple(
     return variant, ours, load_hf_llama(write_reference_folder(folder, gguf, tmp / "reference"))
 
 
-def _prompts(n: int, vocab: int = 256) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(9)
-    return [
-        torch.randint(3, vocab, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
-        for _ in range(n)
-    ]
+def _prompts(n: int) -> list[list[int]]:
+    return random_prompts(n, seed=9)
 
 
 def test_blocks_stay_packed_where_the_kernel_expresses_them(triple: tuple[str, Llama, Any]) -> None:
@@ -73,37 +69,18 @@ def test_blocks_stay_packed_where_the_kernel_expresses_them(triple: tuple[str, L
 
 def test_prefill_logits_match_the_dequantized_reference(triple: tuple[str, Llama, Any]) -> None:
     _, ours, hf = triple
-    for ids in _prompts(4):
-        t = torch.tensor([ids])
-        cache = KVCache(ours.cfg, 1, len(ids), dtype=torch.float32, device=ours.device)
-        got = ours.logits(ours(t, torch.arange(len(ids))[None, :], cache, 0))
-        with torch.no_grad():
-            ref = hf(t).logits
-        assert float((got - ref).abs().max()) < ATOL
+    assert max_prefill_logit_gap(ours, hf, _prompts(4)) < ATOL
 
 
 def test_greedy_tokens_match_the_dequantized_reference(triple: tuple[str, Llama, Any]) -> None:
     _, ours, hf = triple
     prompts = _prompts(10)
-    same = 0
-    for ids in prompts:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None)
-        same += greedy_generate(ours, ids, 24) == ref[0, len(ids) :].tolist()
-    assert same >= 0.9 * len(prompts)
+    assert greedy_agreement(ours, hf, prompts, 24) >= 0.9 * len(prompts)
 
 
 def test_row_result_independent_of_batch_and_slot(triple: tuple[str, Llama, Any]) -> None:
     _, ours, _ = triple
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 256, (9,), generator=gen)
-    solo = ours(ids[None, :], torch.arange(9)[None, :], KVCache(ours.cfg, 1, 32, dtype=torch.float32, device="cpu"), 0)
-    for batch, row, slot_start in ((2, 1, 0), (5, 3, 2)):
-        tokens = torch.randint(3, 256, (batch, 9), generator=gen)
-        tokens[row] = ids
-        cache = KVCache(ours.cfg, 8, 32, dtype=torch.float32, device=ours.device)
-        got = ours(tokens, torch.arange(9).expand(batch, 9), cache, slot_start)[row]
-        torch.testing.assert_close(got, solo[0], rtol=1e-5, atol=1e-5)
+    assert_row_independent(ours, ((2, 1, 0), (5, 3, 2)), cache_rows=8)
 
 
 def test_unpacked_load_is_the_reference_weights(tiny_llama_factory: Callable[..., Path], tmp_path: Path) -> None:

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from adapter_files import load_peft_model, write_peft_adapter
+from adapter_files import load_peft_model, reference_greedy, write_peft_adapter
 from gguf_files import write_reference_folder, write_tiny_gguf
 from loraplex import Client
 
@@ -35,17 +34,7 @@ def files(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 
 def _peft_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+    return reference_greedy(model, prompt, NEW_TOKENS)
 
 
 def test_lora_on_the_served_gguf_matches_peft(

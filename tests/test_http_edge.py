@@ -238,6 +238,16 @@ def test_request_bounds_hold_before_any_work(
     assert chat.status == 400 and chat.body["error"]["param"] == "messages", chat.body
 
 
+def test_a_body_that_is_not_a_json_object_is_400(
+    tiny_server: Callable[..., BackgroundServer], served_tiny_dir: Path
+) -> None:
+    srv = tiny_server(http_port=0)
+    for body, words in ((b'{"model": ', "not valid JSON"), ([1, 2], "must be a JSON object")):
+        reply = call(f"{base_url(srv)}/completions", body)
+        assert reply.status == 400 and reply.body["error"]["type"] == "invalid_request_error", reply.body
+        assert words in reply.body["error"]["message"], reply.body
+
+
 def _error_classes(cls: type[LoraplexError] = LoraplexError) -> list[type[LoraplexError]]:
     return [cls, *(c for sub in cls.__subclasses__() for c in _error_classes(sub))]
 

@@ -22,7 +22,15 @@ from helpers import text_req
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from quant_reference import write_dequantized
-from tiny_models import greedy_generate, load_hf_llama, load_ours
+from tiny_models import (
+    assert_row_independent,
+    greedy_agreement,
+    greedy_generate,
+    load_hf_llama,
+    load_ours,
+    max_prefill_logit_gap,
+    random_prompts,
+)
 
 from service import cli
 from service.config import ConfigError
@@ -51,12 +59,8 @@ def triple(
     return kind, ours, load_hf_llama(reference)
 
 
-def _prompts(n: int, vocab: int = 256) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return [
-        torch.randint(3, vocab, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
-        for _ in range(n)
-    ]
+def _prompts(n: int) -> list[list[int]]:
+    return random_prompts(n, seed=5)
 
 
 def test_projections_are_quantized_and_nothing_dense_is_kept(triple: tuple[str, Llama, Any]) -> None:
@@ -71,40 +75,19 @@ def test_projections_are_quantized_and_nothing_dense_is_kept(triple: tuple[str, 
 
 def test_prefill_logits_match_the_dequantized_reference(triple: tuple[str, Llama, Any]) -> None:
     _, ours, hf = triple
-    for ids in _prompts(4):
-        t = torch.tensor([ids])
-        cache = KVCache(ours.cfg, 1, len(ids), dtype=torch.float32, device=ours.device)
-        got = ours.logits(ours(t, torch.arange(len(ids))[None, :], cache, 0))
-        with torch.no_grad():
-            ref = hf(t).logits
-        assert float((got - ref).abs().max()) < ATOL
+    assert max_prefill_logit_gap(ours, hf, _prompts(4)) < ATOL
 
 
 def test_greedy_tokens_match_the_dequantized_reference(triple: tuple[str, Llama, Any]) -> None:
     _, ours, hf = triple
     prompts = _prompts(10)
-    same = 0
-    for ids in prompts:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None)
-        same += greedy_generate(ours, ids, 24) == ref[0, len(ids) :].tolist()
-    assert same >= 0.9 * len(prompts)
+    assert greedy_agreement(ours, hf, prompts, 24) >= 0.9 * len(prompts)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_row_result_independent_of_batch_and_slot(tiny_llama_dir: Path, kind: str) -> None:
     """The batch-invariance check of tests/test_model.py on a quantized base."""
-    ours = load_ours(tiny_llama_dir, quantize=kind)
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 256, (9,), generator=gen)
-    solo_cache = KVCache(ours.cfg, 1, 32, dtype=torch.float32, device=ours.device)
-    solo = ours(ids[None, :], torch.arange(9)[None, :], solo_cache, 0)[0]  # [9, hidden]
-    for batch, row, slot_start in ((2, 1, 0), (5, 3, 2), (8, 0, 0)):
-        tokens = torch.randint(3, 256, (batch, 9), generator=gen)
-        tokens[row] = ids
-        cache = KVCache(ours.cfg, 10, 32, dtype=torch.float32, device=ours.device)
-        got = ours(tokens, torch.arange(9).expand(batch, 9), cache, slot_start)[row]
-        torch.testing.assert_close(got, solo, rtol=1e-5, atol=1e-5)
+    assert_row_independent(load_ours(tiny_llama_dir, quantize=kind), ((2, 1, 0), (5, 3, 2), (8, 0, 0)), cache_rows=10)
 
 
 def test_bf16_quantized_stays_close_to_its_fp32_reference(tiny_llama_dir: Path) -> None:

@@ -84,6 +84,17 @@ def write_tiny_llama(
     return folder
 
 
+def write_served_tiny(folder: Path, tokenizer_from: Path, max_position_embeddings: int) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and the tokenizer files found in ``tokenizer_from``."""
+    import shutil
+
+    write_tiny_llama(folder, vocab_size=49152, max_position_embeddings=max_position_embeddings, seed=7)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
 def load_hf_llama(folder: Path) -> Any:
     """The reference: transformers' own ``LlamaForCausalLM`` from ``folder``, fp32, eval mode, SDPA attention."""
     from transformers import LlamaForCausalLM
@@ -131,3 +142,54 @@ def greedy_generate(
         position = torch.tensor([[len(prompt) + step]], device=model.device)
         hidden = model(torch.tensor([[token]], device=model.device), position, cache, 0)[:, -1]
     return out
+
+
+def random_prompts(n: int, seed: int, vocab: int = 256) -> list[list[int]]:
+    """``n`` seeded prompts of 4 to 19 token ids in [3, vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, vocab, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
+
+
+def max_prefill_logit_gap(ours: Any, hf: Any, prompts: list[list[int]]) -> float:
+    """Largest |ours - transformers| over the prefill logits of each prompt (float32, slot 0 of a fresh cache)."""
+    from service.model import KVCache
+
+    gap = 0.0
+    for ids in prompts:
+        t = torch.tensor([ids])  # [1, P]
+        cache = KVCache(ours.cfg, 1, len(ids), dtype=torch.float32, device=ours.device)
+        got = ours.logits(ours(t, torch.arange(len(ids))[None, :], cache, 0))  # [1, P, vocab]
+        with torch.no_grad():
+            ref = hf(t).logits
+        gap = max(gap, float((got - ref).abs().max()))
+    return gap
+
+
+def greedy_agreement(ours: Any, hf: Any, prompts: list[list[int]], new_tokens: int) -> int:
+    """How many prompts ``greedy_generate`` continues exactly as transformers' greedy ``generate`` does."""
+    same = 0
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+        same += greedy_generate(ours, ids, new_tokens) == ref[0, len(ids) :].tolist()
+    return same
+
+
+def assert_row_independent(model: Any, cases: tuple[tuple[int, int, int], ...], cache_rows: int) -> None:
+    """A 9-token row's hidden states alone equal those it gets as row ``row`` of a ``batch``-row step written
+    from KV slot ``slot_start`` on (each case ``(batch, row, slot_start)``), its neighbours random."""
+    from service.model import KVCache
+
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (9,), generator=gen)
+    solo_cache = KVCache(model.cfg, 1, 32, dtype=torch.float32, device=model.device)
+    solo = model(ids[None, :], torch.arange(9)[None, :], solo_cache, 0)[0]  # [9, hidden]
+    for batch, row, slot_start in cases:
+        tokens = torch.randint(3, 256, (batch, 9), generator=gen)
+        tokens[row] = ids
+        cache = KVCache(model.cfg, cache_rows, 32, dtype=torch.float32, device=model.device)
+        got = model(tokens, torch.arange(9).expand(batch, 9), cache, slot_start)[row]
+        torch.testing.assert_close(got, solo, rtol=1e-5, atol=1e-5)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Sequence
-from types import TracebackType
-from typing import Self, TypeVar, Unpack, overload
+from typing import TypeVar, Unpack, overload
 
 import grpc
 
 from loraplex import _channel, _convert
 from loraplex._base import ClientBase
 from loraplex._channel import Metadata
+from loraplex._closing import Closing
 from loraplex._convert import GenerateOptions, Prompt
 from loraplex._errors import from_rpc_error
 from loraplex._stream import DeltaStream
@@ -25,7 +25,7 @@ from loraplex.v1 import adapters_pb2, adapters_pb2_grpc, generation_pb2, generat
 _Response = TypeVar("_Response")
 
 
-class Client(ClientBase[grpc.Channel]):
+class Client(Closing, ClientBase[grpc.Channel]):
     """Blocking client. Thread-safe: one client (one channel) can serve many threads.
 
     ``target``: "host:port", or e.g. "dns:///loraplex-headless.ns.svc:50051" with
@@ -201,11 +201,3 @@ class Client(ClientBase[grpc.Channel]):
         """Close the channel (unless it was passed in). Calls in flight are cancelled."""
         if self._owns_channel:
             self._channel.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

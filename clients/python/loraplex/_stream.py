@@ -10,10 +10,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from types import TracebackType
 from typing import Self
 
+from loraplex._closing import Closing
 from loraplex._types import Delta
 
 
-class DeltaStream(Iterator[Delta]):
+class DeltaStream(Closing, Iterator[Delta]):
     """``for delta in client.stream(...)``, or ``with client.stream(...) as deltas:``."""
 
     def __init__(self, deltas: Generator[Delta, None, None]) -> None:
@@ -28,14 +29,6 @@ class DeltaStream(Iterator[Delta]):
     def close(self) -> None:
         """Cancel the RPC if it is running; further iteration ends at once."""
         self._deltas.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 class AsyncDeltaStream(AsyncIterator[Delta]):
