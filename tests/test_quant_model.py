@@ -121,12 +121,15 @@ def test_parameter_bytes_count_the_packed_weights(tiny_llama_dir: Path) -> None:
     assert proj < proj_dense / 4  # 4 bits + a float32 scale and zero per 32 weights
 
 
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec (a large pytest process would
+# set both figures to its own size).
 _PEAK_RSS = """
-import json, resource, sys, torch
+import json, sys, torch
 from service.model.weights import load_model
 kind = None if sys.argv[2] == "none" else sys.argv[2]
 model, _, _ = load_model(sys.argv[1], dtype=torch.float32, device="cpu", quantize=kind)
-print(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "bytes": model.parameter_bytes}))
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"peak_kib": int(hwm.split()[1]), "bytes": model.parameter_bytes}))
 """
 
 

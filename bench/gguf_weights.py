@@ -1,7 +1,7 @@
 """GGUF served directly vs the converted folder: load time, peak RSS and batch-1 tok/s, same run.
 
-    PYTHONPATH=.:clients/python .venv/bin/python bench/gguf.py            # four servers, ~5 min on 2 quiet cores
-    PYTHONPATH=.:clients/python .venv/bin/python bench/gguf.py --rounds 1 --configs gguf-fp32 folder-fp32
+    PYTHONPATH=.:clients/python .venv/bin/python bench/gguf_weights.py   # four servers, ~5 min on 2 quiet cores
+    PYTHONPATH=.:clients/python .venv/bin/python bench/gguf_weights.py --rounds 1 --configs gguf-fp32 folder-fp32
 
 Each configuration is a fresh ``loraplex serve`` subprocess (this checkout's code, ``python -m service.cli``) on
 loopback: ``folder-fp32`` / ``folder-bf16`` serve models/SmolLM2-135M-Instruct's safetensors, ``gguf-fp32`` /
