@@ -10,7 +10,9 @@ per module, started with the module's `server_settings`, unless the module defin
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,6 +36,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs ``cli.main(["serve", ...])`` lets ``logs.configure`` bind a root handler to that test's
+    captured stderr, which pytest closes afterwards: every later log line would end in "--- Logging error ---".
+    Handlers the service's logging set-up added during the test are removed after it (pytest's own are left to
+    pytest), the thread excepthook is put back and warnings go back to Python (a later test that routes them
+    into its own log would otherwise find them already routed)."""
+    root = logging.getLogger()
+    before, level, hook = set(root.handlers), root.level, threading.excepthook
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and type(handler.formatter).__module__ == "service.logs":
+            root.removeHandler(handler)
+            root.setLevel(level)
+    threading.excepthook = hook
+    logging.captureWarnings(False)  # logs.configure routes warnings into logging; pytest records them itself
 
 
 @pytest.fixture(scope="session")
