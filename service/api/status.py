@@ -88,4 +88,10 @@ async def abort(context: Context, method: str, exc: BaseException) -> None:
     trailers = tuple(status.trailing_metadata)
     if request_id is not None:
         trailers = (*trailers, (REQUEST_ID_HEADER, request_id))
-    await context.abort(status.code, status.details, trailers)
+    try:
+        await context.abort(status.code, status.details, trailers)
+    except grpc.aio.InternalError:
+        # The call ended while the status was being sent (its deadline passed in the core a moment after ours,
+        # or the client left): nothing can reach the client any more. Counted above; leave as a cancelled call,
+        # which gRPC closes quietly, rather than as an error gRPC logs with a traceback.
+        raise asyncio.CancelledError from None
