@@ -83,10 +83,12 @@ def full_server(
     calls: list[Any] = []
 
     def fill() -> None:
-        for _ in range(2):
-            calls.append(stub.GenerateStream(stream_req("Keep busy", LONG), timeout=120))
+        # One at a time: sent together, the second could reach the engine first and run, and calls[0] would then
+        # wait in the queue for a whole LONG stream before its first token (a CI failure).
+        calls.append(stub.GenerateStream(stream_req("Keep busy", LONG), timeout=120))
         next(calls[0])  # running
-        assert wait_until(lambda: in_flight(srv) == 2, 30)
+        calls.append(stub.GenerateStream(stream_req("Keep busy", LONG), timeout=120))
+        assert wait_until(lambda: in_flight(srv) == 2, 30)  # waiting
 
     def release() -> None:
         for call in calls:
