@@ -50,7 +50,7 @@ RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.tom
     && /opt/venv/bin/pip install -r convert.txt
 # Only the modules fetch-model imports (tests/test_deploy.py checks the list), so other code changes keep the
 # converted model cached.
-COPY service/__init__.py service/errors.py service/fetch.py service/
+COPY service/__init__.py service/errors.py service/fetch.py service/torch_threads.py service/
 COPY service/loading service/loading
 RUN PYTHONPATH=/build /opt/venv/bin/python -c \
     'from pathlib import Path; from service.fetch import fetch_model; fetch_model(Path("/opt/models/SmolLM2-135M-Instruct"))'

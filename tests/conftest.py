@@ -20,11 +20,14 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from loraplex.v1 import generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = Path(os.environ.get("LORAPLEX_TEST_MODEL", ROOT / "models" / "SmolLM2-135M-Instruct"))
 SMOLLM2_GGUF = SMOLLM2_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"  # `fetch-model` keeps it beside the folder
+# pytest's thread keeps torch's default thread count whatever the servers' serial threads set (service.torch_threads)
+torch.get_num_threads()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

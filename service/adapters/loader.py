@@ -28,6 +28,7 @@ from service.adapters.spec import AdapterSpec, plan_nbytes
 from service.adapters.tiers import Entry, Tiers
 from service.errors import InvalidAdapter, LoraplexError, ResourceExhausted, Unavailable
 from service.model.config import ModelConfig
+from service.torch_threads import serial_torch
 
 log = logging.getLogger("service.adapters.store")
 
@@ -107,6 +108,7 @@ class Loader:
             self._thread.start()
 
     def _run(self) -> None:
+        serial_torch()  # only the engine thread runs parallel kernels (service.torch_threads)
         while True:
             with self._cond:
                 job = self._next_job()

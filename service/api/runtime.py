@@ -35,6 +35,7 @@ from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.model.dtypes import choose_dtype
 from service.tokenizer import Tokenizer
+from service.torch_threads import serial_torch
 
 log = logging.getLogger("loraplex.runtime")
 
@@ -69,7 +70,9 @@ class Runtime:
         self.loaded: Loaded | None = None
         self.draining = False
         self.load_error: BaseException | None = None
-        self._pool = ThreadPoolExecutor(max_workers=TOKENIZE_WORKERS, thread_name_prefix="loraplex-tokenize")
+        self._pool = ThreadPoolExecutor(
+            max_workers=TOKENIZE_WORKERS, thread_name_prefix="loraplex-tokenize", initializer=serial_torch
+        )
 
     def load(self) -> Loaded:
         """Load tokenizer and weights, start the engine. Blocking: call it off the event loop."""

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -37,6 +38,8 @@ from service.api.http import HttpListener, OpenAIRoutes
 from service.api.runtime import Runtime
 from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
+from service.cpu_budget import read_cpu_budget
+from service.torch_threads import in_own_thread, serial_torch
 
 log = logging.getLogger("loraplex.server")
 
@@ -70,7 +73,9 @@ class Server:
     async def load(self) -> None:
         """Load the model off the event loop, then report SERVING."""
         try:
-            await asyncio.to_thread(self.runtime.load)
+            # Its own thread, which exits after the load: its OpenMP workers go with it (service.torch_threads).
+            threads = self.settings.threads if self.settings.threads > 0 else read_cpu_budget().threads
+            await in_own_thread(self.runtime.load, threads=threads, name="loraplex-model-load")
         except BaseException as exc:
             self.runtime.load_error = exc
             raise
@@ -218,10 +223,19 @@ def _announce(settings: Settings, server: Server) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
+def serial_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Called on the thread that will run ``loop``: it and the threads behind ``asyncio.to_thread`` run torch
+    serially, so only the engine thread starts parallel kernels (service.torch_threads)."""
+    serial_torch()
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loraplex-io", initializer=serial_torch))
+
+
 def run(settings: Settings) -> int:
     """Entry point of `loraplex serve`."""
     logs.configure(settings.log_format, settings.log_level)
-    return asyncio.run(serve(settings))
+    with asyncio.Runner() as runner:
+        serial_loop(runner.get_loop())
+        return runner.run(serve(settings))
 
 
 class BackgroundServer:
@@ -235,8 +249,12 @@ class BackgroundServer:
         self.settings = settings
         self._load = load
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-test-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="loraplex-test-loop", daemon=True)
         self.server: Server | None = None
+
+    def _run_loop(self) -> None:
+        serial_loop(self._loop)
+        self._loop.run_forever()
 
     def call(self, coro: object, timeout: float | None = 120.0) -> object:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
@@ -263,6 +281,8 @@ class BackgroundServer:
         if self.server is not None:
             self.call(self.server.drain(grace))
             self.server = None
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._loop.shutdown_default_executor(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 

@@ -7,7 +7,7 @@ Public API::
     governor.record(key, threads, seconds, rows)   what that step took
     governor.hint(threads)                         start from this many (what other processes leave free)
     governor.current, governor.levels, governor.estimate(key, threads) -> rows/s | None
-    ThreadControl(settings)                        the engine's side: budget, governor, torch.set_num_threads
+    ThreadControl(settings)                        the engine's side: budget, governor, torch's thread count
 
 Every intra-op parallel region ends at a barrier that waits for its slowest thread. When another process takes
 a core, the kernel deschedules one of our threads for a time slice now and then, and each of the hundreds of
@@ -46,11 +46,10 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-import torch
-
 from service import metrics
 from service.config import Settings
 from service.cpu_budget import OtherLoad, read_cpu_budget
+from service.torch_threads import set_threads
 
 __all__ = ["ThreadControl", "ThreadGovernor", "step_key"]
 
@@ -205,7 +204,7 @@ class ThreadControl:
 
     def start(self) -> None:
         """On the engine thread, before its first forward pass (torch's thread count is per calling thread)."""
-        torch.set_num_threads(self.max_threads)
+        set_threads(self.max_threads)
         metrics.ENGINE_THREADS_BUDGET.set(self.max_threads)
         metrics.ENGINE_THREADS.set(self.max_threads)
         if self.others is not None:
@@ -217,7 +216,7 @@ class ThreadControl:
                 self._resume()
             threads = self.governor.choose(key)
             if threads != self.threads:
-                torch.set_num_threads(threads)
+                set_threads(threads)
                 self.threads = threads
         return self.threads
 

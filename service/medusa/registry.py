@@ -26,6 +26,7 @@ from service.errors import AdapterNotFound, AlreadyExists, LoraplexError, Unavai
 from service.medusa.format import MedusaSpec, index_medusa
 from service.medusa.heads import MedusaHeads
 from service.model.config import ModelConfig
+from service.torch_threads import serial_torch
 
 __all__ = ["RETRY_CHECK_SECONDS", "MedusaRegistry"]
 
@@ -59,7 +60,9 @@ class MedusaRegistry:
         self._check_path = check_path
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-medusa-loader")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="loraplex-medusa-loader", initializer=serial_torch
+        )
         self._closed = False
 
     def register(self, adapter_id: str, folder: Path) -> MedusaSpec:
