@@ -96,6 +96,9 @@ _MODEL_FLAGS = (
     _Flag("--gguf", "serve the weights of this llama.cpp GGUF file (Q4_0/Q4_1 as int4, Q8_0 as int8 blocks) "
           "instead of --model's safetensors; config and tokenizer still come from --model", type=Path,
           metavar="PATH"),
+    _Flag("--dense-copies-mb", "with --quantize or --gguf: keep dense copies of the compact weights, up to this many "
+          "MiB (-1 = all, default 0 = none), and use them for large batches: the 4-bit kernel's speed at small "
+          "batches, dense speed at large ones, for the memory of both", type=int, metavar="MIB"),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
     _Flag("--port", "gRPC port (default 50051)", type=int),
     _Flag("--http-port", "OpenAI-compatible HTTP API port on --host (default 8000; 0 = any free port, -1 = off)",

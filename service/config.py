@@ -43,6 +43,7 @@ class Settings:
     quantize: str = "none"  # "int8" / "int4": projections quantized while streaming the checkpoint
     quantize_group_size: int = 32  # int4: input columns per scale and zero (32, 64 or 128)
     gguf: Path | None = None  # serve this llama.cpp GGUF's weights packed as stored (config, tokenizer: `model`)
+    dense_copies_mb: int = 0  # quantized / GGUF: MiB of dense weight copies kept for large batches; -1 = all
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_host: str = "127.0.0.1"
@@ -129,6 +130,10 @@ class Settings:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
         if self.quantize_group_size not in (32, 64, 128):
             raise ValueError(f"quantize_group_size must be 32, 64 or 128, got {self.quantize_group_size}")
+        if self.dense_copies_mb < -1:
+            raise ValueError(f"dense_copies_mb must be -1 (all), 0 (none) or a size in MiB, got {self.dense_copies_mb}")
+        if self.dense_copies_mb and self.gguf is None and self.quantize == "none":
+            raise ConfigError("dense_copies_mb applies to a quantized base (quantize int8/int4, or a gguf file)")
         if self.gguf is not None and self.device != "cpu":
             raise ConfigError(f"gguf weights are served on the CPU only, not device {self.device!r}")
         if self.gguf is not None and self.quantize != "none":

@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 from loraplex.v1 import generation_pb2 as pb
 
+from service import metrics
 from service.adapters import AdapterStore
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.registry import resolve_source
@@ -76,6 +77,7 @@ class Runtime:
 
     def load(self) -> Loaded:
         """Load tokenizer and weights, start the engine. Blocking: call it off the event loop."""
+        from service.model.quant import keep_dense_copies
         from service.model.weights import load_model
 
         s = self.settings
@@ -96,6 +98,10 @@ class Runtime:
                 s.model, dtype=dtype, device=device, mode=s.load_mode,
                 quantize=quantize, group_size=s.quantize_group_size,  # type: ignore[arg-type]
             )  # fmt: skip
+        if s.dense_copies_mb:
+            kept = keep_dense_copies(model, None if s.dense_copies_mb < 0 else s.dense_copies_mb * 2**20)
+            metrics.MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
+            log.info("event=dense_copies budget_mb=%d bytes=%d", s.dense_copies_mb, kept)
         roots = adapter_roots(s)
         store = AdapterStore(
             cfg,

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from service.errors import FailedPrecondition
@@ -35,11 +36,18 @@ from service.model.quant import Int4Weight
 __all__ = ["Q8Table", "load_gguf_model"]
 
 
+# Vocabulary rows the head dequantizes at a time when it projects several hidden states (``Q8Table.project``).
+HEAD_CHUNK_ROWS = 4096
+
+
 class Q8Table:
     """A [vocab, hidden] table kept as Q8_0 blocks (``w = q * d`` per 32 columns), used exactly both ways: as the
-    embedding (a gather dequantizes only the rows asked for) and as the output head (one int8-kernel call per
-    column group, each with that group's per-row scales, summed: the kernel's one-scale-per-row format expresses
-    each group exactly, where one call over all columns would need the table requantized).
+    embedding (a gather dequantizes only the rows asked for) and as the output head. One hidden state is projected
+    by one int8-kernel call per column group, each with that group's per-row scales, summed: the kernel's
+    one-scale-per-row format expresses each group exactly, where one call over all columns would need the table
+    requantized. Several (a batch's decode step) go through dense matmuls instead, over the dense copy when one
+    is kept (``keep_dense``) or chunks of ``HEAD_CHUNK_ROWS`` vocabulary rows dequantized into one small buffer:
+    the kernel with more than one row costs tens of times more (bench/README.md, "GGUF served directly").
 
     Layout: ``q`` [G, vocab, 32] int8 and ``d`` [G, vocab] in the compute dtype, G = hidden / 32: each group's
     slice is contiguous, as the kernel needs."""
@@ -51,6 +59,7 @@ class Q8Table:
             raise ValueError("Q8Table needs group-major rows (Int8Rows.group_major)")
         self.d = rows.scale.t().to(dtype).contiguous()  # [G, V]
         self.dtype = dtype
+        self.dense: Tensor | None = None  # [V, hidden] in the compute dtype, see keep_dense
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,7 +67,8 @@ class Q8Table:
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * self.d.element_size()
+        dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+        return self.q.numel() + self.d.numel() * self.d.element_size() + dense
 
     def gather(self, tokens: Tensor) -> Tensor:
         """tokens [...] int64 -> [..., hidden] in the compute dtype."""
@@ -70,14 +80,40 @@ class Q8Table:
     def project(self, hidden: Tensor) -> Tensor:
         """hidden [..., hidden] -> [..., vocab] in the compute dtype."""
         x2 = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)  # [M, K]
+        if x2.shape[0] > 1:
+            out = F.linear(x2, self.dense) if self.dense is not None else self._project_chunks(x2)
+            return out.view(*hidden.shape[:-1], -1)
         out = torch._weight_int8pack_mm(x2[:, :GROUP].contiguous(), self.q[0], self.d[0])  # [M, V]
         for g in range(1, self.q.shape[0]):
             out += torch._weight_int8pack_mm(x2[:, g * GROUP : (g + 1) * GROUP].contiguous(), self.q[g], self.d[g])
         return out.view(*hidden.shape[:-1], -1)
 
+    def _project_chunks(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] -> [M, V]: each chunk of vocabulary rows dequantized (as ``dequantize``) and multiplied."""
+        vocab, k = self.shape
+        rows = min(HEAD_CHUNK_ROWS, vocab)
+        buf = torch.empty(rows, self.q.shape[0], GROUP, dtype=self.dtype, device=x2.device)  # [n, G, 32]
+        out_t = torch.empty(vocab, x2.shape[0], dtype=self.dtype, device=x2.device)  # [V, M]
+        for start in range(0, vocab, rows):
+            n = min(rows, vocab - start)
+            w = buf[:n]
+            w.copy_(self.q[:, start : start + n].transpose(0, 1)).mul_(self.d[:, start : start + n].t()[..., None])
+            torch.mm(w.view(n, k), x2.t(), out=out_t[start : start + n])
+        return out_t.t()
+
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         w = (self.q.to(torch.float32) * self.d.float()[..., None]).transpose(0, 1)  # [V, G, 32]
         return w.reshape(self.shape).to(self.dtype if dtype is None else dtype)
+
+    def keep_dense(self) -> int:
+        """Keep the dequantized table for projecting batches (``--dense-copies-mb``); returns the bytes it added."""
+        if self.dense is not None:
+            return 0
+        groups, vocab, _ = self.q.shape
+        dense = torch.empty(vocab, groups, GROUP, dtype=self.dtype, device=self.q.device)  # [V, G, 32]
+        dense.copy_(self.q.transpose(0, 1)).mul_(self.d.t()[..., None])
+        self.dense = dense.view(self.shape)
+        return self.dense.numel() * self.dense.element_size()
 
 
 def _module(model: Llama, target: Target) -> torch.nn.Module:

@@ -82,6 +82,10 @@ class EmbeddingTable(Protocol):
         """The whole table [vocab, hidden]."""
         ...
 
+    def keep_dense(self) -> int:
+        """Keep a dense copy for projecting batches; the bytes it added (0 if kept already)."""
+        ...
+
 
 def proj(
     x: Tensor,

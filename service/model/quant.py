@@ -11,6 +11,8 @@ The API (the GGUF reader builds on it; shapes are ``N`` = out_features rows, ``K
     quantize(w, kind, group_size=32, *, dtype=None) -> QuantizedWeight   kind "int8" | "int4"
     weight.dequantize(dtype) -> Tensor [N, K];  weight.shape == (N, K);  weight.nbytes;  weight.dtype
     linear(x [..., K], w: Tensor | QuantizedWeight, bias=None, *, scratch=None) -> [..., N]
+    with_dense_copy(w) -> QuantizedWeight   the same weight keeping its dequantized copy, for large batches
+    keep_dense_copies(model, budget_bytes) -> int   dense copies of a model's compact weights, within a budget
 
 ``dtype`` is the compute dtype: the activations' dtype, which torch's kernels require the scales to share (float32,
 bfloat16 or float16). Constraints (a ``ValueError`` naming the one violated): int4 needs ``N % 16 == 0`` and
@@ -21,22 +23,31 @@ Kernels: on CPU ``torch._weight_int4pack_mm_for_cpu`` (packed by ``_convert_weig
 inner-k tiles 8, bfloat16 only) and the same int8 kernel. ``linear`` chooses by shape: below a weight's
 ``dense_from_rows`` rows it runs the quantized kernel; from there on (prefill, large batches) it dequantizes into a
 caller-owned ``Scratch`` buffer (one per model, reused by every layer: never a second full copy of the weights) and
-runs the dense matmul, which is then faster (measured: bench/README.md, "Quantized kernels").
+runs the dense matmul, which is then faster (measured: bench/README.md, "Quantized kernels"). A weight made by
+``with_dense_copy`` (``--dense-copies-mb``: memory traded for speed at large batches) keeps its dequantized copy
+and multiplies by it from ``DENSE_COPY_FROM_ROWS`` rows on, where the dense matmul beats the kernel without a
+dequantize to pay for.
 
-Invariants: a weight holds only its packed form and scales (never a dense copy); ``dequantize`` reproduces exactly
-the values the kernel multiplies by (tests/test_quant.py checks it against the kernel itself).
+Invariants: a weight holds its packed form and scales, plus a dense copy only when ``with_dense_copy`` made it
+(counted in ``nbytes``); ``dequantize`` reproduces exactly the values the kernel multiplies by (tests/test_quant.py
+checks it against the kernel itself), and the dense copy is that dequantized weight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from service.model.llama import Llama, ProjName
+
 __all__ = [
+    "DENSE_COPY_FROM_ROWS",
     "DENSE_FROM_ROWS",
     "GROUP_SIZES",
     "Int4Weight",
@@ -44,8 +55,10 @@ __all__ = [
     "QuantKind",
     "QuantizedWeight",
     "Scratch",
+    "keep_dense_copies",
     "linear",
     "quantize",
+    "with_dense_copy",
 ]
 
 QuantKind = Literal["int8", "int4"]
@@ -60,6 +73,16 @@ DENSE_FROM_ROWS: dict[tuple[QuantKind, torch.dtype], int] = {
     ("int4", torch.bfloat16): 128,
     ("int8", torch.float16): 32,
     ("int4", torch.float16): 128,
+}
+# Rows from which a weight's kept dense copy (``with_dense_copy``) beats the kernel: the "dense" columns of the same
+# table against the kernel's, no dequantize in the way. In float32 the kernels lose from M = 1 on.
+DENSE_COPY_FROM_ROWS: dict[tuple[QuantKind, torch.dtype], int] = {
+    ("int8", torch.float32): 1,
+    ("int4", torch.float32): 1,
+    ("int8", torch.bfloat16): 8,
+    ("int4", torch.bfloat16): 16,
+    ("int8", torch.float16): 8,
+    ("int4", torch.float16): 16,
 }
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -99,7 +122,9 @@ class Int8Weight:
 
     q: Tensor  # [N, K] int8
     scale: Tensor  # [N], compute dtype
-    dense_from_rows: int  # M from which ``linear`` dequantizes and runs dense (DENSE_FROM_ROWS by default)
+    dense_from_rows: int  # M from which ``linear`` runs dense (DENSE_FROM_ROWS; DENSE_COPY_FROM_ROWS with a copy)
+    dense: Tensor | None = None  # the dequantized weight [N, K], kept by ``with_dense_copy``
+    kind: ClassVar[QuantKind] = "int8"
 
     @classmethod
     def from_q_scale(cls, q: Tensor, scale: Tensor, *, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -138,7 +163,7 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        return self.q.numel() + self.scale.numel() * self.scale.element_size() + _nbytes(self.dense)
 
     def dequantize(self, dtype: torch.dtype | None = None, *, out: Tensor | None = None) -> Tensor:
         """The dense weight [N, K] (into ``out`` when given): exactly ``q * scale`` in ``dtype``."""
@@ -161,7 +186,9 @@ class Int4Weight:
     scales_and_zeros: Tensor  # [K / group, N, 2]
     group_size: int
     in_features: int
-    dense_from_rows: int  # M from which ``linear`` dequantizes and runs dense (DENSE_FROM_ROWS by default)
+    dense_from_rows: int  # M from which ``linear`` runs dense (DENSE_FROM_ROWS; DENSE_COPY_FROM_ROWS with a copy)
+    dense: Tensor | None = None  # the dequantized weight [N, K], kept by ``with_dense_copy``
+    kind: ClassVar[QuantKind] = "int4"
 
     @classmethod
     def from_q_scale_zero(
@@ -221,8 +248,10 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * (
-            self.scales_and_zeros.element_size()
+        return (
+            self.packed.numel() * self.packed.element_size()
+            + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+            + _nbytes(self.dense)
         )
 
     def unpack(self) -> Tensor:
@@ -256,6 +285,48 @@ class Int4Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+
+
+def _nbytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def with_dense_copy(w: QuantizedWeight) -> QuantizedWeight:
+    """``w`` keeping its dequantized weight, which ``linear`` multiplies by from ``DENSE_COPY_FROM_ROWS`` rows on:
+    the kernel's speed at small batches, the dense matmul's at large ones, for the memory of both."""
+    if w.dense is not None:
+        return w
+    rows = DENSE_COPY_FROM_ROWS[w.kind, w.dtype]
+    return dataclasses.replace(w, dense=w.dequantize(), dense_from_rows=rows)
+
+
+def keep_dense_copies(model: Llama, budget_bytes: int | None) -> int:
+    """Keep dense copies of ``model``'s compact weights while they fit in ``budget_bytes`` (None: all), for large
+    batches (``with_dense_copy``; a compact head's ``keep_dense``): the head first, the slowest at large batches
+    without one, then the projections layer by layer. Returns the bytes added."""
+    left = budget_bytes
+    added = 0
+    head = model.lm_head
+    if not isinstance(head, Tensor):
+        size = model.cfg.vocab_size * model.cfg.hidden_size * model.dtype.itemsize
+        if left is None or size <= left:
+            added += head.keep_dense()
+            left = None if left is None else left - size
+    if not model.quantized:
+        return added
+    for layer in range(model.cfg.num_layers):
+        names: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")  # llama.PROJ_NAMES (that module imports this one)
+        for name in names:
+            w = model.projection(layer, name)
+            if isinstance(w, Tensor) or w.dense is not None:
+                continue
+            size = w.shape[0] * w.shape[1] * w.dtype.itemsize
+            if left is not None and size > left:
+                return added
+            model.set_projection(layer, name, with_dense_copy(w))
+            added += size
+            left = None if left is None else left - size
+    return added
 
 
 def _check_int4_shape(n: int, k: int, group_size: int) -> None:
@@ -307,12 +378,16 @@ def linear(
 ) -> Tensor:
     """``F.linear(x, w, bias)`` for a dense or quantized ``w``; x [..., K] -> [..., N].
 
-    For a quantized ``w`` with at least ``w.dense_from_rows`` rows of ``x`` and a ``scratch`` given, the weight is
-    dequantized into the scratch buffer and multiplied densely; otherwise the quantized kernel runs."""
+    For a quantized ``w`` with at least ``w.dense_from_rows`` rows of ``x``: its kept dense copy multiplies, or
+    with a ``scratch`` given the weight is dequantized into the scratch buffer and multiplied densely; otherwise
+    the quantized kernel runs."""
     if isinstance(w, Tensor):
         return F.linear(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if scratch is not None and x2.shape[0] >= w.dense_from_rows and x.device.type == "cpu":
+    large = x2.shape[0] >= w.dense_from_rows
+    if large and w.dense is not None:
+        out2 = F.linear(x2, w.dense, bias)
+    elif large and scratch is not None and x.device.type == "cpu":
         out2 = F.linear(x2, w.dequantize(out=scratch.get(w.shape, w.dtype, w.device)), bias)
     else:
         out2 = w.matmul(x2.contiguous())
