@@ -48,6 +48,7 @@ DEFAULT_CONFIGS = (
     "int8=--dtype bfloat16 --quantize int8",
     "int4=--dtype bfloat16 --quantize int4",
     "gguf=--dtype bfloat16 --gguf {gguf}",
+    "gguf-dense=--dtype bfloat16 --gguf {gguf} --dense-copies-mb -1",
 )
 QUICK_ROWS = ("b1", "b16_l8")
 
