@@ -2,7 +2,8 @@
 
 References: the heads' math against a per-head reimplementation of the reference ``ResBlock`` + projection built
 from ``safetensors.torch.load_file``; the loop's plain path against ``tiny_models.greedy_generate``; the speculative
-loop against the plain loop, token for token; the KV cache after speculation against a fresh prefill of the same
+loop against the plain loop, token for token (on a dense, an int4 and a GGUF base, the last with and without dense
+copies); the KV cache after speculation against a fresh prefill of the same
 tokens; LoRA rows through the batched LoRA math (``AdapterBatch``) with peft-written adapters; rejection sampling
 against the exact target distribution.
 
@@ -79,6 +80,32 @@ def tiny_int4(tiny_llama_dir: Path) -> dict[str, Any]:
     (verification runs k + 1 rows per step, so it takes the other ``quant.linear`` path than a plain step)."""
     model = load_ours(tiny_llama_dir, quantize="int4")
     return {"dir": tiny_llama_dir, "model": model, "cfg": model.cfg}
+
+
+def _tiny_gguf_model(folder: Path, tmp: Path, *, dense_copies: bool) -> dict[str, Any]:
+    """The tiny model served from GGUF blocks (Q4_1 projections, Q8_0 embedding and head), float32; with
+    ``dense_copies`` it keeps dense copies of every compact weight (``--dense-copies-mb -1``): a verification
+    step's k + 1 rows then multiply by the copies, a plain step's one row by the kernels."""
+    from gguf_files import write_tiny_gguf
+
+    from service.model.gguf_weights import load_gguf_model
+    from service.model.quant import keep_dense_copies
+
+    gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", types={"token_embd": "Q8_0", "output.": "Q8_0"})
+    model = load_gguf_model(folder, gguf, dtype=torch.float32)[0]
+    if dense_copies:
+        assert keep_dense_copies(model, None) > 0
+    return {"dir": folder, "model": model, "cfg": model.cfg}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _tiny_gguf_model(tiny_llama_dir, tmp_path_factory.mktemp("medusa_gguf"), dense_copies=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_dense(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _tiny_gguf_model(tiny_llama_dir, tmp_path_factory.mktemp("medusa_gguf_dense"), dense_copies=True)
 
 
 @pytest.fixture(scope="module")
@@ -400,7 +427,7 @@ def test_rejection_sampling_chi_square_with_generators() -> None:
 # --- the loop ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("base", ["tiny", "tiny_int4"])
+@pytest.mark.parametrize("base", ["tiny", "tiny_int4", "tiny_gguf", "tiny_gguf_dense"])
 def test_plain_loop_matches_reference_greedy(request: pytest.FixtureRequest, base: str) -> None:
     model = request.getfixturevalue(base)["model"]
     prompts = prompts_for(model.cfg, 4, seed=3)
@@ -409,7 +436,7 @@ def test_plain_loop_matches_reference_greedy(request: pytest.FixtureRequest, bas
     assert out.stats.mean_accepted_length == 1.0 and out.stats.drafted == 0
 
 
-@pytest.mark.parametrize("base", ["tiny", "tiny_int4"])
+@pytest.mark.parametrize("base", ["tiny", "tiny_int4", "tiny_gguf", "tiny_gguf_dense"])
 @pytest.mark.parametrize("version", [1, 2])
 def test_random_heads_speculation_is_token_identical(
     request: pytest.FixtureRequest, tmp_path: Path, version: int, base: str
