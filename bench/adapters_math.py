@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/adapters_math.py [--dtype float32 bfloat16] [--adapters 1 4 16 32] [--compare]
 
-``--rows`` rows (default 32) decode one token each over a ``--context``-token KV cache (forward + logits, as
-the engine's decode step); row ``i`` uses adapter ``i % N``. Adapters are random ``LoraLayer`` objects of rank
-``--rank`` on ``--modules`` (``qv`` or ``all``; ``--mixed-ranks`` cycles ranks 4/8/16). Reported: ms per step
-(best and median of interleaved rounds, so a shared machine's drift hits every variant alike) and throughput
-relative to the base-only step (1.00 = LoRA costs nothing). The clock is the process's CPU time unless ``--wall``:
-on a shared machine it is much steadier, and with one thread (``--threads 1``) it is the step's cost.
+``--rows`` rows (default 32) decode one token each over a ``--context``-token KV cache (forward + logits, as the
+engine's decode step); row ``i`` uses adapter ``i % N`` (``--row-order grouped``: rows of one adapter side by side,
+as if the engine kept slots ordered by adapter; the shared layout then moves no rows). Adapters are random
+``LoraLayer`` objects of rank ``--rank`` on ``--modules`` (``qv`` or ``all``; ``--mixed-ranks`` cycles ranks
+4/8/16). Reported: ms per step (best and median of interleaved rounds, so a shared machine's drift hits every
+variant alike) and throughput relative to the base-only step (1.00 = LoRA costs nothing). The clock is the process's
+CPU time unless ``--wall``: on a shared machine it is much steadier, and with one thread (``--threads 1``) it is the
+step's cost.
 
 ``auto N=..`` is ``AdapterBatch`` as the engine uses it. ``--compare`` also forces each of its two layouts at
 every N (``slots``: per-slot tables + bmm; ``shared``: per adapter, its rows gathered, its stacked A and its B
@@ -16,6 +18,9 @@ alternatives weighed:
 
 - ``grouped``: per adapter, index_select its rows, two small matmuls, index_add back;
 - ``gather``: per step, index_select each row's weights from rank-padded stacks (cached), then bmm.
+
+``--profile`` prints torch.profiler's op table (self CPU time) of a few steps of ``auto`` at the largest N and of
+the base step: where the LoRA time goes.
 """
 
 from __future__ import annotations
@@ -177,6 +182,8 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
     modes: tuple[Mode, ...] = ("auto", "slots", "shared") if args.compare else ("auto",)
     for n in args.adapters:
         row_ids = [names[i % n] for i in range(rows)]
+        if args.row_order == "grouped":
+            row_ids.sort()  # the order AdapterBatch groups them in: no row moves
         for mode in modes:
             tables = LoraTables(cfg, device="cpu", dtype=dtype)
             name = f"{mode} N={n}"
@@ -200,6 +207,9 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
     for _ in range(args.rounds):  # interleave so drift on a shared machine hits every variant alike
         for name, step in variants.items():
             times[name] += time_step(step, args.steps, clock)
+    if args.profile:
+        top = f"auto N={max(args.adapters)}"
+        profile_ops({"base": variants["base"], top: variants[top]})
     base_best, base_med = min(times["base"]), statistics.median(times["base"])
     print(
         f"-- {dtype} rows={rows} context={ctx} modules={args.modules} ranks={ranks} threads={torch.get_num_threads()} "
@@ -221,6 +231,18 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
         )
 
 
+def profile_ops(steps: dict[str, Callable[[], None]], rows: int = 15) -> None:
+    """torch.profiler's table of the ops that took the most self CPU time over 5 runs of each step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                step()
+        print(f"-- profile of 5 x {name}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
@@ -235,6 +257,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compare", action="store_true", help="also time the alternative layouts at the largest N")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--row-order",
+        choices=["interleaved", "grouped"],
+        default="interleaved",
+        help="row i uses adapter i %% N (interleaved) or rows sorted by adapter (grouped)",
+    )
+    parser.add_argument("--profile", action="store_true", help="print the op profile of auto at the largest N")
     parser.add_argument("--wall", action="store_true", help="wall-clock time instead of process CPU time")
     parser.add_argument(
         "--hook-only",
