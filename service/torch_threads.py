@@ -22,6 +22,7 @@ the count set stays the thread's own whatever other threads set later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -58,19 +59,21 @@ async def in_own_thread(fn: Callable[[], T], *, threads: int, name: str) -> T:
         else:
             done.set_result(result)  # type: ignore[arg-type]
 
+    def hand_over(result: T | None, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed (the server stopped meanwhile): nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
     def run() -> None:
         set_threads(threads)
         try:
             result = fn()
         except BaseException as e:  # handed to the awaiting coroutine, never lost on this thread
-            loop.call_soon_threadsafe(settle, None, e)
+            hand_over(None, e)
             return
-        loop.call_soon_threadsafe(settle, result, None)
+        hand_over(result, None)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    try:
-        return await done
-    finally:
-        if done.done():
-            await asyncio.to_thread(thread.join)  # the workers are gone once the thread has exited
+    result = await done  # fn's error, or CancelledError (the thread then finishes on its own, unwaited)
+    await asyncio.to_thread(thread.join)  # the workers are gone once the thread has exited
+    return result

@@ -96,3 +96,25 @@ def test_only_the_engine_thread_runs_parallel_kernels(tiny_server: Callable[...,
 
     assert srv.call(elsewhere()) == {"loop": 1, "to_thread": 1, "tokenize pool": 1}
     assert not [t for t in threading.enumerate() if t.name == "loraplex-model-load"]
+
+
+def test_in_own_thread_outliving_its_loop_ends_quietly() -> None:
+    """The server stopped while the load ran: the awaiting coroutine is gone and the loop closed; the thread ends
+    without an error of its own."""
+    release, errors = threading.Event(), []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+
+        async def main() -> None:
+            task = asyncio.ensure_future(in_own_thread(release.wait, threads=1, name="probe-outlived"))
+            await asyncio.sleep(0.05)
+            task.cancel()
+
+        asyncio.run(main())
+        release.set()
+        for t in [t for t in threading.enumerate() if t.name == "probe-outlived"]:
+            t.join(10)
+    finally:
+        threading.excepthook = previous
+    assert errors == []
