@@ -23,6 +23,8 @@ BAD_VALUES = [
     ("QUANTIZE", "int3", "quantize must be one of"),
     ("QUANTIZE_GROUP_SIZE", "16", "quantize_group_size must be 32, 64 or 128"),
     ("PREFILL_CHUNK_TOKENS", "-1", "prefill_chunk_tokens must be >= 0"),
+    ("DENSE_COPIES_MB", "-2", "dense_copies_mb must be -1"),
+    ("DENSE_COPIES_MB", "64", "dense_copies_mb applies to a quantized base"),
     ("LOG_FORMAT", "xml", "log_format must be one of"),
     ("LOG_LEVEL", "LOUD", "log_level one of"),
 ]
@@ -46,11 +48,18 @@ def test_a_bad_setting_value_is_a_config_error_naming_it(name: str, value: str, 
         serve_settings(args, {f"LORAPLEX_{name}": value})
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--prefill-chunk-tokens", "-1"), ("--quantize-group-size", "16")])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--prefill-chunk-tokens", "-1"), ("--quantize-group-size", "16"), ("--dense-copies-mb", "-2")]
+)
 def test_serve_with_a_bad_number_exits_2_before_loading(
     flag: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for var in ("LORAPLEX_PREFILL_CHUNK_TOKENS", "LORAPLEX_QUANTIZE_GROUP_SIZE", *OPENMP_DEFAULTS):
+    for var in (
+        "LORAPLEX_PREFILL_CHUNK_TOKENS",
+        "LORAPLEX_QUANTIZE_GROUP_SIZE",
+        "LORAPLEX_DENSE_COPIES_MB",
+        *OPENMP_DEFAULTS,
+    ):
         monkeypatch.delenv(var, raising=False)  # serve sets its OpenMP defaults in os.environ: undone after
     assert main(["serve", flag, value, "--model", "no-such-model-folder"]) == 2
     err = capsys.readouterr().err
