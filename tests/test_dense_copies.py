@@ -64,13 +64,14 @@ def test_the_q8_head_projects_a_batch_as_its_dequantized_table(
     head = model.lm_head
     assert isinstance(head, Q8Table)
     monkeypatch.setattr(gguf_weights, "HEAD_CHUNK_ROWS", 1000)  # several chunks, the last one short
-    hidden = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
+    rows = gguf_weights.PAIR_MAX_ROWS + 1  # past the int4 pair's rows (bf16): the chunked / dense path
+    hidden = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
     dense = head.dequantize(dtype)
     want = F.linear(hidden, dense)
     chunked = head.project(hidden)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(chunked, want, atol=tol, rtol=tol)
-    one = head.project(hidden[:1])  # one state: the per-group kernel path, exact in float32
+    one = head.project(hidden[:1])  # one state: the per-group kernel (float32, exact) or the int4 pair (bf16)
     if dtype == torch.float32:
         torch.testing.assert_close(one, F.linear(hidden[:1], dense), atol=tol, rtol=tol)
     size = head.keep_dense()
@@ -78,6 +79,29 @@ def test_the_q8_head_projects_a_batch_as_its_dequantized_table(
     assert torch.equal(head.dense, dense)  # type: ignore[arg-type]
     assert torch.equal(head.project(hidden), want)
     assert torch.equal(head.project(hidden[:1]), one)
+
+
+def test_the_bf16_head_int4_pair_holds_the_tables_values(served_tiny_dir: Path, tiny_gguf: dict[str, Path]) -> None:
+    """lo with scale d and zero 8d plus hi + 8 with scale 16d: through the kernel itself (one-hot inputs reading
+    single columns; the kernel's bf16 output rounds each half once) the halves are exactly ``lo * d`` and
+    ``16 * d * hi`` of the table's ``q = 16 hi + lo``; a few rows project close to the float32 head; float32 keeps
+    the per-group kernel."""
+    model = load_gguf_model(served_tiny_dir, tiny_gguf["gguf"], dtype=torch.bfloat16)[0]
+    head = model.lm_head
+    assert isinstance(head, Q8Table) and head.pair is not None
+    lo, hi = head.pair
+    k = model.cfg.hidden_size
+    eye = torch.eye(k, dtype=torch.bfloat16)[:8]  # columns 0..7 of every row, through the kernel
+    q = head.q.transpose(0, 1).reshape(-1, k)[:, :8].to(torch.int32)  # [V, 8]
+    d = head.d[0].float()[:, None]  # [V, 1]: group 0's scales (columns 0..7)
+    assert torch.equal(lo.matmul(eye).t(), ((q & 15) * d).to(torch.bfloat16))
+    assert torch.equal(hi.matmul(eye).t(), ((q >> 4) * 16 * d).to(torch.bfloat16))
+    table = head.dequantize(torch.float32)  # q * d with the bf16 d, exact in float32
+    hidden = torch.randn(3, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ref = F.linear(hidden.float(), table)
+    torch.testing.assert_close(head.project(hidden).float(), ref, atol=5e-2, rtol=2e-2)
+    assert head.nbytes == head.q.numel() + head.d.numel() * 2 + lo.nbytes + hi.nbytes
+    assert load_gguf_model(served_tiny_dir, tiny_gguf["gguf"], dtype=torch.float32)[0].lm_head.pair is None
 
 
 def test_copies_are_kept_head_first_within_the_budget(served_tiny_dir: Path, tiny_gguf: dict[str, Path]) -> None:

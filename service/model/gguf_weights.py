@@ -31,13 +31,16 @@ from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED,
 from service.model.config import ModelConfig
 from service.model.gguf_plan import Target, check_gguf, gguf_targets, unpermute_rows
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.quant import Int4Weight
+from service.model.quant import DENSE_FROM_ROWS, Int4Weight
 
 __all__ = ["Q8Table", "load_gguf_model"]
 
 
 # Vocabulary rows the head dequantizes at a time when it projects several hidden states (``Q8Table.project``).
 HEAD_CHUNK_ROWS = 4096
+# Up to this many hidden states, a head with its int4 pair (``Q8Table.pair_for_head``) projects through the pair:
+# 2 kernel calls over all columns; beyond, chunks win (bench/README.md, "GGUF served directly").
+PAIR_MAX_ROWS = 8
 
 
 class Q8Table:
@@ -48,6 +51,14 @@ class Q8Table:
     requantized. Several (a batch's decode step) go through dense matmuls instead, over the dense copy when one
     is kept (``keep_dense``) or chunks of ``HEAD_CHUNK_ROWS`` vocabulary rows dequantized into one small buffer:
     the kernel with more than one row costs tens of times more (bench/README.md, "GGUF served directly").
+
+    In bf16 / fp16 the head also holds an **int4 pair** (``pair_for_head``): each value ``q = 16 * hi + lo`` with
+    ``lo = q & 15`` and ``hi = q >> 4``, so ``w = d * lo + 16 d * hi`` is two int4-kernel weights whose groups of
+    32 are Q8_0's blocks: ``lo`` with scale ``d`` and zero ``8 d``, ``hi + 8`` with scale ``16 d`` and zero 0
+    (``(q4 - 8) * scale + zero``). Both scales are the table's own bf16 ``d`` times a power of two, so the pair
+    holds the table's values; up to ``PAIR_MAX_ROWS`` rows it projects with two kernel calls over all columns,
+    half the per-group kernel's time at one row and closer to the float32 reference. float32 keeps the per-group
+    kernel (torch's int4 kernel is slow with float32 activations).
 
     Layout: ``q`` [G, vocab, 32] int8 and ``d`` [G, vocab] in the compute dtype, G = hidden / 32: each group's
     slice is contiguous, as the kernel needs."""
@@ -60,6 +71,7 @@ class Q8Table:
         self.d = rows.scale.t().to(dtype).contiguous()  # [G, V]
         self.dtype = dtype
         self.dense: Tensor | None = None  # [V, hidden] in the compute dtype, see keep_dense
+        self.pair: tuple[Int4Weight, Int4Weight] | None = None  # (lo, hi), see pair_for_head
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,7 +80,8 @@ class Q8Table:
     @property
     def nbytes(self) -> int:
         dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
-        return self.q.numel() + self.d.numel() * self.d.element_size() + dense
+        pair = 0 if self.pair is None else sum(w.nbytes for w in self.pair)
+        return self.q.numel() + self.d.numel() * self.d.element_size() + dense + pair
 
     def gather(self, tokens: Tensor) -> Tensor:
         """tokens [...] int64 -> [..., hidden] in the compute dtype."""
@@ -80,6 +93,10 @@ class Q8Table:
     def project(self, hidden: Tensor) -> Tensor:
         """hidden [..., hidden] -> [..., vocab] in the compute dtype."""
         x2 = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)  # [M, K]
+        if self.pair is not None and x2.shape[0] <= PAIR_MAX_ROWS:
+            x2 = x2.contiguous()
+            lo, hi = self.pair
+            return lo.matmul(x2).add_(hi.matmul(x2)).view(*hidden.shape[:-1], -1)
         if x2.shape[0] > 1:
             out = F.linear(x2, self.dense) if self.dense is not None else self._project_chunks(x2)
             return out.view(*hidden.shape[:-1], -1)
@@ -104,6 +121,34 @@ class Q8Table:
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         w = (self.q.to(torch.float32) * self.d.float()[..., None]).transpose(0, 1)  # [V, G, 32]
         return w.reshape(self.shape).to(self.dtype if dtype is None else dtype)
+
+    def pair_for_head(self) -> int:
+        """Build the int4 pair the head projects a few rows with (bf16 / fp16 compute; see the class docstring);
+        returns the bytes it added (0 in float32 or when built already). Packed ``HEAD_CHUNK_ROWS`` rows at a time
+        (the kernel's layout is blocks of 64 rows) through reused buffers straight into the pair's own tensors:
+        temporaries the size of the table would stay in the heap as fragmentation."""
+        groups, vocab, _ = self.q.shape
+        if self.pair is not None or self.dtype == torch.float32 or vocab % 16:  # the kernel packs 16 rows at once
+            return 0
+        k = groups * GROUP
+        packed = [torch.empty(vocab, k // 2, dtype=torch.uint8) for _ in range(2)]  # lo, hi: the kernel's layout
+        rows = min(HEAD_CHUNK_ROWS, vocab)  # a multiple of 64: every chunk but the last is whole blocks
+        q32 = torch.empty(rows, k, dtype=torch.int32)
+        nibble = torch.empty(rows, k, dtype=torch.int32)
+        for start in range(0, vocab, rows):
+            n = min(rows, vocab - start)
+            q = q32[:n]
+            q.view(n, groups, GROUP).copy_(self.q[:, start : start + n].transpose(0, 1))  # [n, K]
+            torch.bitwise_and(q, 15, out=nibble[:n])  # lo
+            packed[0][start : start + n].copy_(torch._convert_weight_to_int4pack_for_cpu(nibble[:n], 1))
+            torch.bitwise_right_shift(q, 4, out=nibble[:n]).add_(8)  # hi + 8
+            packed[1][start : start + n].copy_(torch._convert_weight_to_int4pack_for_cpu(nibble[:n], 1))
+        d = self.d.to(self.dtype)  # [G, V]: the table's own scales; times 8 and 16 they stay exact
+        scales = (torch.stack((d, 8 * d), dim=-1), torch.stack((16 * d, torch.zeros_like(d)), dim=-1))  # [G, V, 2]
+        dense_from = DENSE_FROM_ROWS["int4", self.dtype]
+        lo, hi = (Int4Weight(p, sz.contiguous(), GROUP, k, dense_from) for p, sz in zip(packed, scales, strict=True))
+        self.pair = (lo, hi)
+        return lo.nbytes + hi.nbytes
 
     def keep_dense(self) -> int:
         """Keep the dequantized table for projecting batches (``--dense-copies-mb``); returns the bytes it added."""
@@ -190,6 +235,8 @@ def _load_target(
         rows8 = Int8Rows.group_major(*target.shape)
         _fill(reader, header, target, rows8)
         table = Q8Table(rows8, model.dtype)
+        if target.attr == "lm_head" or model.cfg.tie_word_embeddings:
+            table.pair_for_head()
         if target.attr == "lm_head":
             model.set_embeddings(model.tok_embeddings, table)
         else:
