@@ -9,8 +9,8 @@ PORT ?= 50051
 METRICS_PORT ?= 9400
 HTTP_PORT ?= 8000
 SERVE_ARGS ?=
-# What `make serve` serves: the GGUF's own 4-bit blocks in bfloat16 (bench/README.md, "Peers side by side": 1.9x the
-# bf16 folder's batch-1 tok/s, 0.64x at 32 streams, 0.50x the fp32 server's peak RSS). WEIGHTS= serves the folder;
+# What `make serve` serves: the GGUF's own 4-bit blocks in bfloat16 (bench/README.md, "Peers side by side": 2.1x the
+# bf16 folder's batch-1 tok/s, 0.66x at 32 streams, 0.56x the fp32 server's peak RSS). WEIGHTS= serves the folder;
 # SERVE_ARGS=--dense-copies-mb=-1 adds dense copies (the bf16 folder's speed at 32 streams, for its memory).
 WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --dtype bfloat16
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
