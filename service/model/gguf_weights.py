@@ -31,7 +31,7 @@ from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED,
 from service.model.config import ModelConfig
 from service.model.gguf_plan import Target, check_gguf, gguf_targets, unpermute_rows
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.quant import DENSE_FROM_ROWS, Int4Weight
+from service.model.quant import DENSE_FROM_ROWS, Int4Weight, tensor_nbytes
 
 __all__ = ["Q8Table", "load_gguf_model"]
 
@@ -79,9 +79,8 @@ class Q8Table:
 
     @property
     def nbytes(self) -> int:
-        dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
         pair = 0 if self.pair is None else sum(w.nbytes for w in self.pair)
-        return self.q.numel() + self.d.numel() * self.d.element_size() + dense + pair
+        return self.q.numel() + tensor_nbytes(self.d) + tensor_nbytes(self.dense) + pair
 
     def gather(self, tokens: Tensor) -> Tensor:
         """tokens [...] int64 -> [..., hidden] in the compute dtype."""
@@ -113,10 +112,14 @@ class Q8Table:
         out_t = torch.empty(vocab, x2.shape[0], dtype=self.dtype, device=x2.device)  # [V, M]
         for start in range(0, vocab, rows):
             n = min(rows, vocab - start)
-            w = buf[:n]
-            w.copy_(self.q[:, start : start + n].transpose(0, 1)).mul_(self.d[:, start : start + n].t()[..., None])
-            torch.mm(w.view(n, k), x2.t(), out=out_t[start : start + n])
+            torch.mm(self._rows_into(start, buf[:n]).view(n, k), x2.t(), out=out_t[start : start + n])
         return out_t.t()
+
+    def _rows_into(self, start: int, out: Tensor) -> Tensor:
+        """Vocabulary rows ``[start, start + n)`` dequantized into ``out`` [n, G, 32] (compute dtype): the values of
+        ``dequantize`` (one rounding of the exact ``q * d``)."""
+        n = out.shape[0]
+        return out.copy_(self.q[:, start : start + n].transpose(0, 1)).mul_(self.d[:, start : start + n].t()[..., None])
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         w = (self.q.to(torch.float32) * self.d.float()[..., None]).transpose(0, 1)  # [V, G, 32]
@@ -143,7 +146,7 @@ class Q8Table:
             packed[0][start : start + n].copy_(torch._convert_weight_to_int4pack_for_cpu(nibble[:n], 1))
             torch.bitwise_right_shift(q, 4, out=nibble[:n]).add_(8)  # hi + 8
             packed[1][start : start + n].copy_(torch._convert_weight_to_int4pack_for_cpu(nibble[:n], 1))
-        d = self.d.to(self.dtype)  # [G, V]: the table's own scales; times 8 and 16 they stay exact
+        d = self.d  # [G, V] in the compute dtype: the table's own scales; times 8 and 16 they stay exact
         scales = (torch.stack((d, 8 * d), dim=-1), torch.stack((16 * d, torch.zeros_like(d)), dim=-1))  # [G, V, 2]
         dense_from = DENSE_FROM_ROWS["int4", self.dtype]
         lo, hi = (Int4Weight(p, sz.contiguous(), GROUP, k, dense_from) for p, sz in zip(packed, scales, strict=True))
@@ -156,9 +159,8 @@ class Q8Table:
             return 0
         groups, vocab, _ = self.q.shape
         dense = torch.empty(vocab, groups, GROUP, dtype=self.dtype, device=self.q.device)  # [V, G, 32]
-        dense.copy_(self.q.transpose(0, 1)).mul_(self.d.t()[..., None])
-        self.dense = dense.view(self.shape)
-        return self.dense.numel() * self.dense.element_size()
+        self.dense = self._rows_into(0, dense).view(self.shape)
+        return tensor_nbytes(self.dense)
 
 
 def _module(model: Llama, target: Target) -> torch.nn.Module:

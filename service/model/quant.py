@@ -58,6 +58,7 @@ __all__ = [
     "keep_dense_copies",
     "linear",
     "quantize",
+    "tensor_nbytes",
     "with_dense_copy",
 ]
 
@@ -163,7 +164,7 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size() + _nbytes(self.dense)
+        return self.q.numel() + self.scale.numel() * self.scale.element_size() + tensor_nbytes(self.dense)
 
     def dequantize(self, dtype: torch.dtype | None = None, *, out: Tensor | None = None) -> Tensor:
         """The dense weight [N, K] (into ``out`` when given): exactly ``q * scale`` in ``dtype``."""
@@ -251,7 +252,7 @@ class Int4Weight:
         return (
             self.packed.numel() * self.packed.element_size()
             + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
-            + _nbytes(self.dense)
+            + tensor_nbytes(self.dense)
         )
 
     def unpack(self) -> Tensor:
@@ -287,7 +288,8 @@ class Int4Weight:
 QuantizedWeight = Int8Weight | Int4Weight
 
 
-def _nbytes(t: Tensor | None) -> int:
+def tensor_nbytes(t: Tensor | None) -> int:
+    """Bytes of ``t``'s elements (0 for None)."""
     return 0 if t is None else t.numel() * t.element_size()
 
 
