@@ -30,6 +30,7 @@ from service.loading.gguf_blocks import GROUP, INT4_TYPES, Int4Rows, Int8Rows, R
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED, MODEL_PARAMETER_BYTES
 from service.model.config import ModelConfig
 from service.model.gguf_plan import Target, check_gguf, gguf_targets, unpermute_rows
+from service.model.int4_layout import chunks_concatenate, pack_cpu
 from service.model.llama import PROJ_NAMES, Llama, ProjName
 from service.model.quant import DENSE_FROM_ROWS, Int4Weight, tensor_nbytes
 
@@ -121,6 +122,29 @@ class Q8Table:
         n = out.shape[0]
         return out.copy_(self.q[:, start : start + n].transpose(0, 1)).mul_(self.d[:, start : start + n].t()[..., None])
 
+    def rows(self, index: Tensor) -> Tensor:
+        """Vocabulary rows ``index`` [n] as float32 [n, hidden]: exactly ``q * d``."""
+        w = self.q[:, index].float() * self.d[:, index].float()[..., None]  # [G, n, 32]
+        return w.transpose(0, 1).reshape(index.numel(), -1)
+
+    def kernel_for(self, rows: int) -> str:
+        if self.pair is not None and rows <= PAIR_MAX_ROWS:
+            return "int4 pair: two torch int4 kernel calls"
+        if rows > 1 and self.dense is not None:
+            return "dense matmul over the kept copy"
+        if rows > 1:
+            return f"dense matmul over dequantized chunks of {HEAD_CHUNK_ROWS} rows"
+        return "torch int8 kernel per 32-column group"
+
+    def drop_fast_path(self, rows: int) -> bool:
+        if self.pair is not None and rows <= PAIR_MAX_ROWS:
+            self.pair = None
+            return True
+        if rows > 1 and self.dense is not None:
+            self.dense = None
+            return True
+        return False
+
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         w = (self.q.to(torch.float32) * self.d.float()[..., None]).transpose(0, 1)  # [V, G, 32]
         return w.reshape(self.shape).to(self.dtype if dtype is None else dtype)
@@ -128,14 +152,17 @@ class Q8Table:
     def pair_for_head(self) -> int:
         """Build the int4 pair the head projects a few rows with (bf16 / fp16 compute; see the class docstring);
         returns the bytes it added (0 in float32 or when built already). Packed ``HEAD_CHUNK_ROWS`` rows at a time
-        (the kernel's layout is blocks of 64 rows) through reused buffers straight into the pair's own tensors:
-        temporaries the size of the table would stay in the heap as fragmentation."""
+        through reused buffers straight into the pair's own tensors where the packer allows it
+        (``int4_layout.chunks_concatenate``): temporaries the size of the table would stay in the heap as
+        fragmentation. Elsewhere the table is packed whole."""
         groups, vocab, _ = self.q.shape
         if self.pair is not None or self.dtype == torch.float32 or vocab % 16:  # the kernel packs 16 rows at once
             return 0
         k = groups * GROUP
-        packed = [torch.empty(vocab, k // 2, dtype=torch.uint8) for _ in range(2)]  # lo, hi: the kernel's layout
-        rows = min(HEAD_CHUNK_ROWS, vocab)  # a multiple of 64: every chunk but the last is whole blocks
+        rows = min(HEAD_CHUNK_ROWS, vocab)
+        if not chunks_concatenate(pack_cpu, rows, k, vocab % rows):
+            rows = vocab
+        packed: list[Tensor] = []  # lo, hi: the kernel's layout
         q32 = torch.empty(rows, k, dtype=torch.int32)
         nibble = torch.empty(rows, k, dtype=torch.int32)
         for start in range(0, vocab, rows):
@@ -143,15 +170,24 @@ class Q8Table:
             q = q32[:n]
             q.view(n, groups, GROUP).copy_(self.q[:, start : start + n].transpose(0, 1))  # [n, K]
             torch.bitwise_and(q, 15, out=nibble[:n])  # lo
-            packed[0][start : start + n].copy_(torch._convert_weight_to_int4pack_for_cpu(nibble[:n], 1))
+            lo = pack_cpu(nibble[:n])
             torch.bitwise_right_shift(q, 4, out=nibble[:n]).add_(8)  # hi + 8
-            packed[1][start : start + n].copy_(torch._convert_weight_to_int4pack_for_cpu(nibble[:n], 1))
+            hi = pack_cpu(nibble[:n])
+            if not packed:
+                packed = [torch.empty(vocab * lo.numel() // n, dtype=lo.dtype) for _ in range(2)]
+            at = start * lo.numel() // n
+            packed[0][at : at + lo.numel()].copy_(lo.reshape(-1))
+            packed[1][at : at + hi.numel()].copy_(hi.reshape(-1))
+        shape = pack_cpu(torch.empty(vocab, k, dtype=torch.int32, device="meta")).shape  # the op's own shape rule
         d = self.d  # [G, V] in the compute dtype: the table's own scales; times 8 and 16 they stay exact
         scales = (torch.stack((d, 8 * d), dim=-1), torch.stack((16 * d, torch.zeros_like(d)), dim=-1))  # [G, V, 2]
         dense_from = DENSE_FROM_ROWS["int4", self.dtype]
-        lo, hi = (Int4Weight(p, sz.contiguous(), GROUP, k, dense_from) for p, sz in zip(packed, scales, strict=True))
-        self.pair = (lo, hi)
-        return lo.nbytes + hi.nbytes
+        lo_w, hi_w = (
+            Int4Weight(p.view(shape), sz.contiguous(), GROUP, k, dense_from)
+            for p, sz in zip(packed, scales, strict=True)
+        )
+        self.pair = (lo_w, hi_w)
+        return lo_w.nbytes + hi_w.nbytes
 
     def keep_dense(self) -> int:
         """Keep the dequantized table for projecting batches (``--dense-copies-mb``); returns the bytes it added."""

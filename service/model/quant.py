@@ -28,6 +28,9 @@ runs the dense matmul, which is then faster (measured: bench/README.md, "Quantiz
 and multiplies by it from ``DENSE_COPY_FROM_ROWS`` rows on, where the dense matmul beats the kernel without a
 dequantize to pay for.
 
+The packed form's memory layout is the kernel's private business and differs by CPU capability: ``dequantize`` and
+``unpack`` read it through the layout ``service.model.int4_layout`` derives from the packer itself at first use.
+
 Invariants: a weight holds its packed form and scales, plus a dense copy only when ``with_dense_copy`` made it
 (counted in ``nbytes``); ``dequantize`` reproduces exactly the values the kernel multiplies by (tests/test_quant.py
 checks it against the kernel itself), and the dense copy is that dequantized weight.
@@ -42,6 +45,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from service.model.int4_layout import Int4Layout, Packer, layout_for, pack_cpu
 
 if TYPE_CHECKING:
     from service.model.llama import Llama, ProjName
@@ -210,11 +215,7 @@ class Int4Weight:
             if lo < 0 or hi > 15:
                 raise ValueError(f"q values must be in 0..15, got {lo}..{hi}")
         dtype = _compute_dtype(dtype, scale.dtype)
-        q32 = q.to(torch.int32).contiguous()
-        if q.device.type == "cuda":
-            packed = torch._convert_weight_to_int4pack(_pack_cuda(q32), 8)
-        else:
-            packed = torch._convert_weight_to_int4pack_for_cpu(q32, 1)
+        packed = _packer(q.device)(q.to(torch.int32).contiguous())
         sz = torch.stack((scale.t(), zero.t()), dim=-1).to(device=q.device, dtype=dtype).contiguous()  # [K/g, N, 2]
         return cls(packed, sz, group_size, k, DENSE_FROM_ROWS["int4", dtype])
 
@@ -255,11 +256,14 @@ class Int4Weight:
             + tensor_nbytes(self.dense)
         )
 
+    @property
+    def layout(self) -> Int4Layout:
+        """How the kernel's packer laid this weight's values out, derived from the packer (``int4_layout``)."""
+        return layout_for(*self.shape, self.device, _packer(self.device))
+
     def unpack(self) -> Tensor:
-        """q [N, K] uint8 in 0..15, undoing the CPU kernel's layout (see ``_unpack_cpu``)."""
-        if self.device.type != "cpu":
-            raise NotImplementedError("unpacking the CUDA int4 layout is not supported; dequantize on the CPU path")
-        return _unpack_cpu(self.packed, *self.shape, torch.empty(self.shape, dtype=torch.uint8))  # [N, K]
+        """q [N, K] uint8 in 0..15: the packed values in row-major order."""
+        return self.layout.unpack(self.packed, torch.empty(self.shape, dtype=torch.uint8, device=self.device))
 
     def dequantize(self, dtype: torch.dtype | None = None, *, out: Tensor | None = None) -> Tensor:
         """The dense weight [N, K] (into ``out`` when given), computed as the kernel does: (q - 8) * scale + zero
@@ -268,9 +272,7 @@ class Int4Weight:
         g = self.group_size
         own = self.dtype
         dense = out if out is not None and out.dtype == own else torch.empty((n, k), dtype=own, device=self.device)
-        if self.device.type != "cpu":
-            raise NotImplementedError("unpacking the CUDA int4 layout is not supported; dequantize on the CPU path")
-        dense3 = _unpack_cpu(self.packed, n, k, dense).view(n, k // g, g).sub_(8)  # [N, K/g, g]
+        dense3 = self.layout.unpack(self.packed, dense).view(n, k // g, g).sub_(8)  # [N, K/g, g]
         scale = self.scales_and_zeros[..., 0].t()[..., None]  # [N, K/g, 1]
         zero = self.scales_and_zeros[..., 1].t()[..., None]
         dense3.mul_(scale).add_(zero)
@@ -340,30 +342,14 @@ def _check_int4_shape(n: int, k: int, group_size: int) -> None:
         raise ValueError(f"int4 needs in_features divisible by group_size {group_size}, got {k}")
 
 
-def _unpack_cpu(packed: Tensor, n: int, k: int, out: Tensor) -> Tensor:
-    """Invert ``_convert_weight_to_int4pack_for_cpu`` into ``out`` [N, K] (any dtype; q in 0..15). Rows come in
-    blocks: each full block of 64 rows is [K, 32] bytes holding row j in the low and row j + 32 in the high nibble
-    of byte j; the last N % 64 rows (R = 16, 32 or 48) are one [K, R / 2] block holding rows 2j and 2j + 1 in the
-    low and high nibbles of byte j. Each nibble plane is written with one converting, transposing copy."""
-    full = n // 64 * 64
-    flat = packed.reshape(-1)  # [N * K / 2]
-    if full:
-        p = flat[: full * k // 2].view(full // 64, k, 32)  # [N/64, K, 32]
-        dst = out[:full].view(full // 64, 2, 32, k)  # [N/64, lo|hi, 32, K]
-        dst[:, 0].copy_((p & 15).transpose(1, 2))
-        dst[:, 1].copy_((p >> 4).transpose(1, 2))
-    if n > full:
-        r = n - full
-        p = flat[full * k // 2 :].view(k, r // 2)  # [K, R/2]
-        dst = out[full:].view(r // 2, 2, k)  # [R/2, lo|hi, K]
-        dst[:, 0].copy_((p & 15).t())
-        dst[:, 1].copy_((p >> 4).t())
-    return out
-
-
 def _pack_cuda(q32: Tensor) -> Tensor:
-    """The [N, K / 2] uint8 input of the CUDA packer: q[2i] in the high nibble, q[2i+1] in the low (as gpt-fast)."""
-    return (q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8)
+    """The CUDA kernel's packer (inner-k tiles 8) of q int32 [N, K]: its [N, K / 2] uint8 input has q[2i] in the
+    high nibble and q[2i+1] in the low (the op's documented input)."""
+    return torch._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8), 8)
+
+
+def _packer(device: torch.device) -> Packer:
+    return _pack_cuda if device.type == "cuda" else pack_cpu
 
 
 def quantize(w: Tensor, kind: QuantKind, group_size: int = 32, *, dtype: torch.dtype | None = None) -> QuantizedWeight:
