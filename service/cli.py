@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service.cli_convert import add_convert_command, run_convert
-from service.config import DTYPES, LOAD_MODES, QUANTIZE, ConfigError, Settings
+from service.config import DTYPES, LOAD_MODES, QUANTIZE, WEIGHTS, ConfigError, Settings
 from service.errors import LoraplexError
 from service.hf_cache import AdapterSource, parse_source
 from service.logs import LOG_FORMATS, LOG_LEVELS
@@ -96,6 +96,9 @@ _MODEL_FLAGS = (
     _Flag("--gguf", "serve the weights of this llama.cpp GGUF file (Q4_0/Q4_1 as int4, Q8_0 as int8 blocks) "
           "instead of --model's safetensors; config and tokenizer still come from --model", type=Path,
           metavar="PATH"),
+    _Flag("--weights", "given (default): serve what --gguf / --model name; auto: serve --gguf's blocks or the "
+          "folder, whichever this CPU runs best (bf16 GGUF where bf16 is native, else the float32 folder)",
+          choices=WEIGHTS),
     _Flag("--dense-copies-mb", "with --quantize or --gguf: keep dense copies of the compact weights, up to this many "
           "MiB (-1 = all, default 0 = none), and use them for large batches: the 4-bit kernel's speed at small "
           "batches, dense speed at large ones, for the memory of both", type=int, metavar="MIB"),

@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the type lives with the loader; importing it at run time wo
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 # "auto": bfloat16 where the device computes it natively, float32 on other CPUs (service.model.dtypes)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "given": what --gguf / --model name; "auto": the machine picks between --gguf's blocks and the folder (dtypes)
+WEIGHTS = ("given", "auto")
 QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projections (service.model.quant)
 # The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
 # (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
@@ -43,6 +45,7 @@ class Settings:
     quantize: str = "none"  # "int8" / "int4": projections quantized while streaming the checkpoint
     quantize_group_size: int = 32  # int4: input columns per scale and zero (32, 64 or 128)
     gguf: Path | None = None  # serve this llama.cpp GGUF's weights packed as stored (config, tokenizer: `model`)
+    weights: str = "given"  # "auto": serve ``gguf`` or the folder, whichever this machine runs best
     dense_copies_mb: int = 0  # quantized / GGUF: MiB of dense weight copies kept for large batches; -1 = all
     host: str = "127.0.0.1"
     port: int = 50051
@@ -128,6 +131,8 @@ class Settings:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.quantize_group_size not in (32, 64, 128):
             raise ValueError(f"quantize_group_size must be 32, 64 or 128, got {self.quantize_group_size}")
         if self.dense_copies_mb < -1:

@@ -15,12 +15,14 @@ from service.config import ConfigError
 BAD_CHOICES = [
     ("--dtype", "float8"),
     ("--quantize", "int3"),
+    ("--weights", "fastest"),
     ("--log-format", "xml"),
     ("--log-level", "LOUD"),
 ]
 BAD_VALUES = [
     ("DTYPE", "float8", "dtype must be one of"),
     ("QUANTIZE", "int3", "quantize must be one of"),
+    ("WEIGHTS", "fastest", "weights must be one of"),
     ("QUANTIZE_GROUP_SIZE", "16", "quantize_group_size must be 32, 64 or 128"),
     ("PREFILL_CHUNK_TOKENS", "-1", "prefill_chunk_tokens must be >= 0"),
     ("DENSE_COPIES_MB", "-2", "dense_copies_mb must be -1"),

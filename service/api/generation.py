@@ -180,9 +180,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             limits=pb.Limits(**{name: getattr(s, name) for name in LIMIT_FIELDS}),
             features=features,
             server_version=__version__,
-            load_mode="gguf" if s.gguf is not None else s.load_mode,
+            load_mode="gguf" if rt.weights == "gguf" else s.load_mode,
             load_seconds=rt.load_seconds,
             eos_token_ids=sorted(rt.engine.eos_ids),
+            cpu_capability=rt.self_check.capability,
+            weights=rt.weights,
+            compute_paths=[
+                pb.ComputePath(path=c.path, kernel=c.kernel, error=c.error, tolerance=c.tolerance, status=c.status)
+                for c in rt.self_check.checks
+            ],
         )
 
 

@@ -34,7 +34,8 @@ from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
 from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
-from service.model.dtypes import choose_dtype
+from service.model.dtypes import choose_serving
+from service.selfcheck import SelfCheckReport, run_self_check
 from service.tokenizer import Tokenizer
 from service.torch_threads import serial_torch
 
@@ -60,6 +61,8 @@ class Loaded:
 
     adapters: AdapterCatalog
     dtype: str  # the serving dtype, ``--dtype auto`` resolved (service.model.dtypes)
+    self_check: SelfCheckReport  # the start-up self-check: capability, each compute path's kernel and error
+    weights: str  # "folder" or "gguf": ``--weights`` resolved
 
     def validate(self, request: GenerationRequest) -> None:
         self.engine.validate(request)
@@ -84,11 +87,13 @@ class Runtime:
         start = time.perf_counter()
         device = torch.device(s.device)
         tokenizer = Tokenizer.from_folder(s.model)
-        choice = choose_dtype(s.dtype, device)
-        log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.name, device,
-                 choice.reason)  # fmt: skip
-        dtype = choice.dtype
-        if s.gguf is not None:
+        choice = choose_serving(s.dtype, s.weights, s.gguf is not None, device)
+        log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.dtype.name, device,
+                 choice.dtype.reason)  # fmt: skip
+        log.info("event=weights_chosen requested=%s weights=%s reason=%r", s.weights, choice.weights,
+                 choice.weights_reason)  # fmt: skip
+        dtype = choice.dtype.dtype
+        if choice.gguf and s.gguf is not None:
             from service.model.gguf_weights import load_gguf_model
 
             model, cfg, stats = load_gguf_model(s.model, s.gguf, dtype=dtype, device=device)
@@ -102,6 +107,7 @@ class Runtime:
             kept = keep_dense_copies(model, None if s.dense_copies_mb < 0 else s.dense_copies_mb * 2**20)
             metrics.MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
             log.info("event=dense_copies budget_mb=%d bytes=%d", s.dense_copies_mb, kept)
+        checked = run_self_check(model)  # refuses (SelfCheckFailed) before anything is served, or falls back
         roots = adapter_roots(s)
         store = AdapterStore(
             cfg,
@@ -120,10 +126,13 @@ class Runtime:
         log.info(
             "event=model_loaded path=%s weights=%s mode=%s dtype=%s quantize=%s device=%s bytes=%d parameter_bytes=%d "
             "load_seconds=%.3f weights_seconds=%.3f",
-            s.model, s.gguf or "safetensors", stats.mode, choice.name, s.quantize, device, stats.bytes_read,
+            s.model, s.gguf if choice.gguf else "safetensors", stats.mode, choice.dtype.name, s.quantize, device,
+            stats.bytes_read,
             model.parameter_bytes, seconds, stats.total_seconds,
         )  # fmt: skip
-        self.loaded = Loaded(s, cfg, tokenizer, engine, device, seconds, adapters, choice.name)
+        self.loaded = Loaded(
+            s, cfg, tokenizer, engine, device, seconds, adapters, choice.dtype.name, checked, choice.weights
+        )
         return self.loaded
 
     def ready(self) -> Loaded:

@@ -1,9 +1,17 @@
-"""The serving dtype: ``--dtype auto`` resolved, once, to what the device computes fast.
+"""The serving dtype and weight source: ``--dtype auto`` and ``--weights auto`` resolved, once, for this machine.
 
-``auto`` is bfloat16 on a CPU with native bf16 arithmetic (``avx512_bf16`` or ``amx_bf16`` among the flags of
-``/proc/cpuinfo``; torch's own capability check where that file cannot be read) and float32 on any other CPU,
-where bf16 matrix products are emulated and slower than fp32. On CUDA it is bfloat16 where the GPU supports it,
-float16 otherwise. An explicit dtype is taken as given. The choice carries its reason, for the start-up log.
+dtype ``auto`` on a CPU is bfloat16 where bf16 is native (the CPU has ``avx512_bf16`` / ``amx_bf16`` and torch
+dispatches to a capability that uses them, ``service.platform``) and float32 elsewhere, where bf16 matrix products
+are emulated and slower than fp32 (an AVX2-only EPYC: 37 vs 95 tok/s at 32 streams). One exception: served from a
+GGUF's 4-bit blocks, ``auto`` is bfloat16 on every CPU, because torch's int4 kernel is fast only with bf16
+activations (the same EPYC at batch 1: 24.7 tok/s in bf16, 5.0 in float32). On CUDA ``auto`` is bfloat16 where
+the GPU supports it, float16 otherwise.
+
+weights ``given`` serves what the flags name (``--gguf``'s file when given, else the folder). ``auto`` lets the
+machine choose between them: the GGUF's blocks where bf16 is native (Sapphire Rapids, bench/README.md: 2.1x the
+bf16 folder's batch-1 tok/s), the folder in float32 elsewhere (no emulated bf16; best at many streams). Either way
+the start-up self-check (``service.selfcheck``) proves the chosen paths correct before the server says SERVING.
+An explicit dtype is taken as given. Each choice carries its reason, for the start-up log.
 """
 
 from __future__ import annotations
@@ -13,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CPU_BF16_FLAGS", "DtypeChoice", "choose_dtype", "cpu_flags"]
+from service.platform import CPUINFO, Machine, machine
 
-CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of native bf16 dot products
-CPUINFO = Path("/proc/cpuinfo")
+__all__ = ["DtypeChoice", "ServingChoice", "choose_dtype", "choose_serving"]
 
 
 @dataclass(frozen=True)
@@ -30,22 +37,27 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
-def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str] | None:
-    """The CPU feature flags in ``cpuinfo`` (every ``flags`` line; they agree), or None if it cannot be read."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            flags.update(value.split())
-    return frozenset(flags) if flags else None
+@dataclass(frozen=True)
+class ServingChoice:
+    dtype: DtypeChoice
+    gguf: bool  # serve the GGUF file's blocks (else the folder's safetensors)
+    weights_reason: str
+
+    @property
+    def weights(self) -> str:
+        return "gguf" if self.gguf else "folder"
 
 
-def choose_dtype(requested: str, device: torch.device, *, cpuinfo: Path = CPUINFO) -> DtypeChoice:
-    """The dtype to serve in on ``device`` for ``--dtype requested`` (``auto`` or a torch dtype name)."""
+def choose_dtype(
+    requested: str,
+    device: torch.device,
+    *,
+    gguf: bool = False,
+    cpuinfo: Path = CPUINFO,
+    capability: str | None = None,
+) -> DtypeChoice:
+    """The dtype to serve in on ``device`` for ``--dtype requested`` (``auto`` or a torch dtype name); ``gguf``:
+    the weights are a GGUF's 4-bit blocks."""
     if requested != "auto":
         return DtypeChoice(getattr(torch, requested), "given")
     if device.type == "cuda":
@@ -54,16 +66,37 @@ def choose_dtype(requested: str, device: torch.device, *, cpuinfo: Path = CPUINF
         return DtypeChoice(torch.float16, "auto: the GPU has no bf16, fp16 instead")
     if device.type != "cpu":
         return DtypeChoice(torch.float32, f"auto: no fast-dtype rule for {device.type}")
-    flags = cpu_flags(cpuinfo)
-    if flags is None:
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        how = "torch's CPU capability check"
-        return DtypeChoice(torch.bfloat16 if native else torch.float32, f"auto: {how} says bf16 is {_yes(native)}")
-    found = sorted(flags & CPU_BF16_FLAGS)
-    if found:
-        return DtypeChoice(torch.bfloat16, f"auto: native bf16 on this CPU ({', '.join(found)} in {cpuinfo})")
-    return DtypeChoice(torch.float32, f"auto: no native bf16 on this CPU (no avx512_bf16 / amx_bf16 in {cpuinfo})")
+    m = machine(cpuinfo, capability=capability)
+    if m.native_bf16:
+        return DtypeChoice(torch.bfloat16, f"auto: {m.describe_bf16(cpuinfo)}")
+    if gguf:
+        return DtypeChoice(torch.bfloat16, f"auto: GGUF blocks run torch's int4 kernel, fast only in bf16 ({_why(m)})")
+    return DtypeChoice(torch.float32, f"auto: {m.describe_bf16(cpuinfo)}")
 
 
-def _yes(native: bool) -> str:
-    return "native" if native else "not native"
+def choose_serving(
+    dtype: str,
+    weights: str,
+    has_gguf: bool,
+    device: torch.device,
+    *,
+    cpuinfo: Path = CPUINFO,
+    capability: str | None = None,
+) -> ServingChoice:
+    """dtype and weight source for ``--dtype dtype --weights weights`` (``given`` | ``auto``) on this machine."""
+    if weights == "given" or not has_gguf or device.type != "cpu":
+        gguf = has_gguf and weights == "given"
+        reason = "given" if weights == "given" else "auto: no --gguf file, or not on a CPU: the folder"
+        return ServingChoice(choose_dtype(dtype, device, gguf=gguf, cpuinfo=cpuinfo, capability=capability), gguf,
+                             reason)  # fmt: skip
+    m = machine(cpuinfo, capability=capability)
+    wanted = choose_dtype(dtype, device, cpuinfo=cpuinfo, capability=capability)  # the folder's dtype
+    if wanted.dtype == torch.float32:
+        return ServingChoice(
+            wanted, False, f"auto: float32 serves the folder (the int4 kernel is slow in fp32; {_why(m)})"
+        )
+    return ServingChoice(wanted, True, f"auto: the GGUF's 4-bit blocks in {wanted.name} ({_why(m)})")
+
+
+def _why(m: Machine) -> str:
+    return f"{m.model}, torch capability {m.capability}, native bf16 {'yes' if m.native_bf16 else 'no'}"

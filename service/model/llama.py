@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from service.model.config import ModelConfig
 from service.model.kv_cache import KVCache
 from service.model.quant import QuantizedWeight, Scratch, linear
+from service.platform import draft_dtype
 
 __all__ = [
     "KV_LIMIT",
@@ -80,6 +81,18 @@ class EmbeddingTable(Protocol):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The whole table [vocab, hidden]."""
+        ...
+
+    def rows(self, index: Tensor) -> Tensor:
+        """Rows ``index`` [n] of the table as float32 [n, hidden], exactly (the self-check's reference)."""
+        ...
+
+    def kernel_for(self, rows: int) -> str:
+        """How ``project`` computes ``rows`` hidden states (reported by the self-check)."""
+        ...
+
+    def drop_fast_path(self, rows: int) -> bool:
+        """Stop using the optional form that projects ``rows`` states (it failed the self-check); False if none."""
         ...
 
     def keep_dense(self) -> int:
@@ -383,20 +396,15 @@ class Llama(nn.Module):
 
     def draft_head(self) -> Tensor:
         """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32
-        model where bf16 matmuls are fast (CUDA; CPUs with AVX512-BF16 or AMX), made on first use.
+        model where bf16 matmuls are fast (``platform.draft_dtype``: CUDA, CPUs with native bf16), made on first use.
 
         A draft only has to be likely: verification runs in the model's dtype, so output is unchanged. Projecting
         the heads' states reads the whole vocabulary matrix, a large part of a small model's decode step; in bf16
         it reads half of that with a faster kernel (figures: bench/README.md, Medusa)."""
         if self._draft_head is None:
-            fast_bf16 = self.device.type == "cuda" or (
-                self.device.type == "cpu"
-                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-            )
-            use_copy = self.dtype == torch.float32 and fast_bf16
             head = self.lm_head
             dense = head.detach() if isinstance(head, Tensor) else head.dequantize(self.dtype)
-            self._draft_head = dense.to(torch.bfloat16) if use_copy else dense
+            self._draft_head = dense.to(draft_dtype(self.dtype, self.device))
         return self._draft_head
 
     @staticmethod

@@ -21,6 +21,7 @@ from loraplex._types import (
     AdapterKind,
     AdapterState,
     ChatMessage,
+    ComputePath,
     Conversation,
     Delta,
     FinishReason,
@@ -422,6 +423,12 @@ def to_model_info(message: generation_pb2.ModelInfoResponse) -> ModelInfo:
         load_mode=message.load_mode,
         load_seconds=message.load_seconds,
         eos_token_ids=tuple(message.eos_token_ids),
+        cpu_capability=message.cpu_capability,
+        weights=message.weights,
+        compute_paths=tuple(
+            ComputePath(path=c.path, kernel=c.kernel, error=c.error, tolerance=c.tolerance, status=c.status)
+            for c in message.compute_paths
+        ),
     )
 
 

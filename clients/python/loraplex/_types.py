@@ -149,6 +149,17 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class ComputePath:
+    """One compute path as the server's start-up self-check ran it against a float32 reference."""
+
+    path: str  # e.g. "int4 projection 3072x576: kernel"
+    kernel: str  # e.g. "torch int4 kernel"
+    error: float  # largest per-row relative error
+    tolerance: float
+    status: str  # "ok" or "fallback: ..."
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """The served model and the server."""
 
@@ -162,9 +173,12 @@ class ModelInfo:
     limits: Limits
     features: tuple[str, ...]  # e.g. ("lora", "medusa")
     server_version: str
-    load_mode: str  # "stream", "mmap" or "eager"
+    load_mode: str  # "stream", "mmap", "eager" or "gguf"
     load_seconds: float
     eos_token_ids: tuple[int, ...] = ()
+    cpu_capability: str = ""  # torch's CPU dispatch capability ("AVX512", "AVX2", "DEFAULT"), or the GPU's name
+    weights: str = ""  # "folder" or "gguf"
+    compute_paths: tuple[ComputePath, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -702,6 +702,9 @@ class ModelInfoResponse(_message.Message):
     LOAD_MODE_FIELD_NUMBER: _builtins.int
     LOAD_SECONDS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CPU_CAPABILITY_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    COMPUTE_PATHS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Model name, e.g. "SmolLM2-135M-Instruct" (the folder name unless the config names it)."""
     model_path: _builtins.str
@@ -722,6 +725,12 @@ class ModelInfoResponse(_message.Message):
     """How the weights were loaded: "stream", "mmap" or "eager"."""
     load_seconds: _builtins.float
     """Seconds from the start of weight loading to the model being ready."""
+    cpu_capability: _builtins.str
+    """The CPU capability torch dispatches its kernels to ("AVX512", "AVX2", "DEFAULT"; others on aarch64),
+    or the GPU's name on CUDA.
+    """
+    weights: _builtins.str
+    """Where the weights came from: "folder" (safetensors) or "gguf" (the GGUF file's blocks)."""
     @_builtins.property
     def limits(self) -> Global___Limits:
         """The server's request limits."""
@@ -733,6 +742,10 @@ class ModelInfoResponse(_message.Message):
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation (finish reason EOS)."""
+
+    @_builtins.property
+    def compute_paths(self) -> _containers.RepeatedCompositeFieldContainer[Global___ComputePath]:
+        """Every compute path the server uses, with its kernel and the start-up self-check's result."""
 
     def __init__(
         self,
@@ -750,11 +763,52 @@ class ModelInfoResponse(_message.Message):
         load_mode: _builtins.str = ...,
         load_seconds: _builtins.float = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cpu_capability: _builtins.str = ...,
+        weights: _builtins.str = ...,
+        compute_paths: _abc.Iterable[Global___ComputePath] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "features", b"features", "limits", b"limits", "load_mode", b"load_mode", "load_seconds", b"load_seconds", "model_name", b"model_name", "model_path", b"model_path", "server_version", b"server_version", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "compute_paths", b"compute_paths", "context_length", b"context_length", "cpu_capability", b"cpu_capability", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "features", b"features", "limits", b"limits", "load_mode", b"load_mode", "load_seconds", b"load_seconds", "model_name", b"model_name", "model_path", b"model_path", "server_version", b"server_version", "vocab_size", b"vocab_size", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfoResponse: _TypeAlias = ModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class ComputePath(_message.Message):
+    """One compute path as the start-up self-check ran it: compared with a float32 reference on a probe."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    KERNEL_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    TOLERANCE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """What computes, e.g. "int4 projection 3072x576: kernel", "output head, 1 row", "LoRA shared wqkv"."""
+    kernel: _builtins.str
+    """How, e.g. "torch int4 kernel", "int4 pair: two torch int4 kernel calls"."""
+    error: _builtins.float
+    """Largest per-row relative error against the float32 reference."""
+    tolerance: _builtins.float
+    """The error this path may have in the serving dtype."""
+    status: _builtins.str
+    """"ok", or "fallback: ..." naming the path used instead."""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        kernel: _builtins.str = ...,
+        error: _builtins.float = ...,
+        tolerance: _builtins.float = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "kernel", b"kernel", "path", b"path", "status", b"status", "tolerance", b"tolerance"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComputePath: _TypeAlias = ComputePath  # noqa: Y015

@@ -1,0 +1,380 @@
+"""The start-up self-check: every compute path the server will use, on a small probe, against a float32 reference.
+
+Kernels differ by CPU capability (``ATEN_CPU_CAPABILITY``; AVX2, AVX-512, AMX, aarch64) and by torch version, and
+a path that computes wrong on one machine once served garbage there while every test passed on another. So before
+the server says SERVING, ``run_self_check`` runs, for the loaded model in its serving dtype:
+
+- each kind and shape of projection weight: the quantized kernel and the dequantized dense path on a probe weight
+  built from known values (truth computed in float32 from those values), then on the model's own weight the kernel
+  against its dequantized form, and a kept dense copy against both;
+- the output head (dense, or a GGUF Q8_0 table with its int4 pair, chunked and dense-copy paths) and a compact
+  embedding's gather, on a sample of vocabulary rows;
+- the batched LoRA math, per-slot and shared, on random adapters (a base-only row must stay bit-identical);
+- attention (``scaled_dot_product_attention`` with the model's mask shapes), decode and prefill;
+- the dtype Medusa heads draft in.
+
+A path off by more than its dtype's tolerance either falls back to a path that passed (a quantized kind whose
+dequantized path is wrong runs its kernel at every batch size, one whose kernel is wrong runs dense; a head's int4
+pair or dense copy is dropped), logged as ``event=self_check_fallback``, or the check raises ``SelfCheckFailed``
+naming the path, the capability and the dtype: the server then exits instead of serving. The report (capability,
+each path's kernel, error and outcome) is what ``ModelInfo`` and ``loraplex info`` show.
+
+Never reads files or the environment; probes are seeded, so a given machine always checks the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from service.adapters.lora import AdapterBatch, LoraTables, Mode, ModuleSpec, module_layout
+from service.adapters.lora_tables import SITES
+from service.adapters.types import LoraLayer, LoraModule
+from service.errors import FailedPrecondition
+from service.model.llama import PROJ_NAMES, Llama, ProjName
+from service.model.quant import Int4Weight, Int8Weight, QuantizedWeight
+from service.platform import cpu_capability, draft_dtype
+
+__all__ = ["TOLERANCE", "PathCheck", "SelfCheckFailed", "SelfCheckReport", "run_self_check"]
+
+log = logging.getLogger("loraplex.selfcheck")
+
+# Largest relative error (per row: |y - ref| / |ref|) a path may have against its float32 reference. A wrong
+# layout or kernel is off by ~1 (uncorrelated values); rounding alone stays far below these.
+TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+ALWAYS = sys.maxsize  # dense_from_rows that keeps a quantized weight on its kernel at every batch size
+
+
+class SelfCheckFailed(FailedPrecondition):
+    """A compute path disagrees with its float32 reference and has no correct fallback."""
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    path: str  # what computes, e.g. "int4 projection 3072x576: dequantized dense"
+    kernel: str  # how, e.g. "torch int4 kernel"
+    error: float  # largest per-row relative error against the float32 reference
+    tolerance: float
+    status: str  # "ok", "fallback: ..." or "failed"
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+
+@dataclass(frozen=True)
+class SelfCheckReport:
+    capability: str  # torch.backends.cpu.get_cpu_capability() on CPU, the GPU's name on CUDA
+    dtype: str
+    checks: tuple[PathCheck, ...]
+    seconds: float
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """Each checked path -> the kernel it runs (``ModelInfo``)."""
+        return {c.path: c.kernel for c in self.checks}
+
+
+def rel_error(y: Tensor, ref: Tensor) -> float:
+    """Largest per-row relative error of ``y`` against ``ref`` (rows = all but the last dim); inf if not finite."""
+    y2, r2 = y.float().reshape(-1, y.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    if not bool(torch.isfinite(y2).all()):
+        return math.inf
+    err = (y2 - r2).norm(dim=1) / r2.norm(dim=1).clamp_min(1e-12)
+    return float(err.max())
+
+
+class _Checker:
+    def __init__(self, model: Llama) -> None:
+        self.model = model
+        self.dtype = model.dtype
+        self.device = model.device
+        self.tol = TOLERANCE[model.dtype]
+        self.gen = torch.Generator().manual_seed(20261201)
+        self.checks: list[PathCheck] = []
+
+    def randn(self, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
+        t = torch.randn(shape, generator=self.gen)
+        return t.to(device=self.device, dtype=self.dtype if dtype is None else dtype)
+
+    def record(self, path: str, kernel: str, y: Tensor, ref: Tensor, tol: float | None = None) -> PathCheck:
+        tol = self.tol if tol is None else tol
+        err = rel_error(y, ref)
+        check = PathCheck(path, kernel, err, tol, "ok" if err <= tol else "failed")
+        self.checks.append(check)
+        return check
+
+    def fallback(self, check: PathCheck, what: str) -> None:
+        i = self.checks.index(check)
+        self.checks[i] = dataclasses.replace(check, status=f"fallback: {what}")
+        log.warning(
+            "event=self_check_fallback path=%r error=%.3g tolerance=%.3g capability=%s dtype=%s fallback=%r",
+            check.path, check.error, check.tolerance, _capability(self.device), _name(self.dtype), what,
+        )  # fmt: skip
+
+    # --- projections -------------------------------------------------------------------------------------
+
+    def projections(self) -> None:
+        seen: dict[tuple[str, tuple[int, int]], list[tuple[int, ProjName]]] = {}
+        for layer in range(self.model.cfg.num_layers):
+            for name in PROJ_NAMES:
+                w = self.model.projection(layer, name)
+                kind: str = "dense" if isinstance(w, Tensor) else w.kind
+                seen.setdefault((kind, (int(w.shape[0]), int(w.shape[1]))), []).append((layer, name))
+        for (kind, shape), sites in seen.items():
+            first = self.model.projection(*sites[0])
+            if isinstance(first, Tensor):
+                self.dense(f"dense projection {shape[0]}x{shape[1]}", first)
+            else:
+                self.quantized(kind, shape, first, sites)
+
+    def dense(self, path: str, w: Tensor) -> None:
+        x = self.randn(4, w.shape[1])
+        self.record(path, f"dense matmul ({_name(self.dtype)})", F.linear(x, w), F.linear(x.float(), w.float()))
+
+    def quantized(
+        self, kind: str, shape: tuple[int, int], w: QuantizedWeight, sites: list[tuple[int, ProjName]]
+    ) -> None:
+        n, k = shape
+        label = f"{kind} projection {n}x{k}"
+        probe, truth = _probe_weight(w, self.gen)  # truth: float32 from the probe's raw values
+        x = self.randn(3, k)
+        ref = F.linear(x.float(), truth)
+        kernel = self.record(f"{label}: kernel", f"torch {kind} kernel", probe.matmul(x), ref)
+        dense = self.record(
+            f"{label}: dequantized dense", f"{_dequant(probe)} + dense matmul", F.linear(x, probe.dequantize()), ref
+        )
+        own = w.dequantize(torch.float32)  # the model's weight: the two paths must agree on it as well
+        own_ref = F.linear(x.float(), own)
+        mine = self.record(f"{label}: model weight, kernel vs dequantized", f"torch {kind} kernel", w.matmul(x),
+                           own_ref)  # fmt: skip
+        if w.dense is not None:
+            self.record(f"{label}: dense copy", "dense matmul over the kept copy", F.linear(x, w.dense), own_ref)
+        if kernel.ok and dense.ok and mine.ok:
+            return
+        if kernel.ok and not (dense.ok and mine.ok):
+            self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=ALWAYS, dense=None))
+            self.fallback(dense if not dense.ok else mine, f"the {kind} kernel at every batch size, no dense copies")
+        elif dense.ok and not kernel.ok and self.device.type == "cpu":
+            self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=1))
+            self.fallback(kernel, f"the dequantized dense path at every batch size for {kind}")
+        else:
+            self._fail(label)
+
+    def _every(self, sites: list[tuple[int, ProjName]], change: Callable[[QuantizedWeight], QuantizedWeight]) -> None:
+        for layer, name in sites:
+            w = self.model.projection(layer, name)
+            if not isinstance(w, Tensor):
+                self.model.set_projection(layer, name, change(w))
+
+    # --- head and embedding ------------------------------------------------------------------------------
+
+    def head(self) -> None:
+        head = self.model.lm_head
+        hidden = self.model.cfg.hidden_size
+        rows = _sample_rows(self.model.cfg.vocab_size, self.gen).to(self.device)
+        if isinstance(head, Tensor):
+            x = self.randn(4, hidden)
+            ref = F.linear(x.float(), head[rows].float())
+            self.record("output head", f"dense matmul ({_name(self.dtype)})", self.model.logits(x)[:, rows], ref)
+            return
+        ref_rows = head.rows(rows)  # [n, hidden] float32
+        for m in (1, 2, 9, 16):  # the head's paths: one row, a few (int4 pair), many (chunks or dense copy)
+            x = self.randn(m, hidden)
+            path = f"output head, {m} row{'s' if m > 1 else ''}"
+            ref = F.linear(x.float(), ref_rows)
+            check = self.record(path, head.kernel_for(m), head.project(x)[:, rows], ref)
+            if check.ok:
+                continue
+            kernel = head.kernel_for(m)
+            if not head.drop_fast_path(m):
+                self._fail(path)
+            self.fallback(check, f"{head.kernel_for(m)} instead of {kernel}")
+            if not self.record(path, head.kernel_for(m), head.project(x)[:, rows], ref).ok:
+                self._fail(path)
+        emb = self.model.tok_embeddings
+        if not isinstance(emb, Tensor):
+            self.record("embedding gather", "dequantized rows", emb.gather(rows), emb.rows(rows))
+            self._fail_any("embedding")
+
+    # --- LoRA, attention, drafting -----------------------------------------------------------------------
+
+    def lora(self) -> None:
+        cfg = self.model.cfg
+        layout = module_layout(cfg)
+        adapters = {
+            aid: _random_lora(layout, rank, self.gen, self.device, self.dtype) for aid, rank in (("a", 8), ("b", 4))
+        }
+        x_of = {site: self.randn(3, 2, _in_features(layout, site)) for site in PROJ_NAMES}
+        modes: tuple[Mode, ...] = ("slots", "shared")
+        for mode in modes:
+            tables = LoraTables(cfg, device=self.device, dtype=self.dtype)
+            batch = AdapterBatch.build(["a", None, "b"], lambda a, _layer: adapters[a], tables, mode=mode)
+            if batch is None:
+                raise RuntimeError("an adapter batch with adapters was built as None")
+            for site in PROJ_NAMES:
+                x = x_of[site]
+                base = self.randn(3, 2, _out_features(layout, site))
+                out = batch.add_delta(base.clone(), x, 0, site)
+                ref = base.float().clone()
+                for row, aid in ((0, "a"), (2, "b")):
+                    ref[row] += _delta(adapters[aid], layout, site, x[row].float())
+                path = f"LoRA {mode} {site}"
+                self.record(path, f"batched LoRA ({mode}) in {_name(tables.compute_dtype)}", out, ref)
+                if not torch.equal(out[1], base[1]):
+                    self.checks.append(PathCheck(f"{path}: base row untouched", "", math.inf, 0.0, "failed"))
+        self._fail_any("LoRA")
+
+    def attention(self) -> None:
+        cfg = self.model.cfg
+        kv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        for t in (1, 5):
+            length = 24
+            q = self.randn(2, kv, t * g, d)
+            k, v = self.randn(2, kv, length, d), self.randn(2, kv, length, d)
+            lengths = torch.tensor([length - t, length - 9 - t])  # the second row is shorter: masked keys
+            pos = lengths[:, None] + torch.arange(t)  # [2, T]
+            visible = torch.arange(length)[None, None, :] <= pos[:, :, None]  # [2, T, L]
+            mask = torch.zeros(visible.shape).masked_fill_(~visible, -math.inf).repeat_interleave(g, dim=1)
+            mask = mask.unsqueeze(1).to(device=self.device, dtype=self.dtype)  # [2, 1, T*G, L]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(d) + mask.float()
+            ref = scores.softmax(-1) @ v.float()
+            self.record(
+                f"attention, {t} quer{'y' if t == 1 else 'ies'} per row", "scaled_dot_product_attention", y, ref
+            )
+        self._fail_any("attention")
+
+    def drafting(self) -> None:
+        dtype = draft_dtype(self.model.dtype, self.device)
+        w = self.randn(512, self.model.cfg.hidden_size, dtype=dtype)
+        x = self.randn(4, self.model.cfg.hidden_size, dtype=dtype)
+        self.record(
+            "Medusa draft head", f"dense matmul ({_name(dtype)})", F.linear(x, w), F.linear(x.float(), w.float()),
+            TOLERANCE[dtype],
+        )  # fmt: skip
+        self._fail_any("Medusa draft head")
+
+    def _fail_any(self, prefix: str) -> None:
+        for c in self.checks:
+            if c.path.startswith(prefix) and c.status == "failed":
+                self._fail(c.path)
+
+    def _fail(self, path: str) -> None:
+        bad = [c for c in self.checks if c.path.startswith(path) and c.status == "failed"] or self.checks[-1:]
+        worst = max(bad, key=lambda c: c.error)
+        message = (
+            f"start-up self-check failed: {worst.path} ({worst.kernel}) is off by {worst.error:.3g} against its "
+            f"float32 reference (tolerance {worst.tolerance:.3g}) on CPU capability {_capability(self.device)} in "
+            f"{_name(self.dtype)}; refusing to serve wrong answers. Try --dtype float32, another weight source, or "
+            "report this with the output of `python -m torch.utils.collect_env`"
+        )
+        log.error("event=self_check_failed path=%r capability=%s dtype=%s error=%.3g", worst.path,
+                  _capability(self.device), _name(self.dtype), worst.error)  # fmt: skip
+        raise SelfCheckFailed(message)
+
+
+def run_self_check(model: Llama, *, lora: bool = True) -> SelfCheckReport:
+    """Check every compute path of ``model`` (see the module docstring); fall back or raise ``SelfCheckFailed``."""
+    start = time.perf_counter()
+    checker = _Checker(model)
+    with torch.inference_mode():
+        checker.projections()
+        checker.head()
+        if lora:
+            checker.lora()
+        checker.attention()
+        checker.drafting()
+    report = SelfCheckReport(
+        _capability(model.device), _name(model.dtype), tuple(checker.checks), time.perf_counter() - start
+    )
+    worst = max((c.error / c.tolerance for c in report.checks if c.tolerance), default=0.0)
+    log.info("event=self_check capability=%s dtype=%s paths=%d worst_error_ratio=%.3g seconds=%.3f",
+             report.capability, report.dtype, len(report.checks), worst, report.seconds)  # fmt: skip
+    return report
+
+
+# --- probes --------------------------------------------------------------------------------------------
+
+
+def _probe_weight(w: QuantizedWeight, gen: torch.Generator) -> tuple[QuantizedWeight, Tensor]:
+    """A weight of ``w``'s kind, shape, dtype and device from known random values, and those values in float32
+    computed from the raw numbers (never through the weight's own unpack)."""
+    n, k = w.shape
+    dev = w.device
+    if isinstance(w, Int4Weight):
+        g = w.group_size
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        scale = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.005).to(w.dtype)  # as the weight stores them
+        zero = (torch.randn(n, k // g, generator=gen) * 0.02).to(w.dtype)
+        probe4 = Int4Weight.from_q_scale_zero(q.to(dev), scale.to(dev), zero.to(dev), g, dtype=w.dtype)
+        truth = (q.float() - 8) * scale.float().repeat_interleave(g, 1) + zero.float().repeat_interleave(g, 1)
+        return probe4, truth.to(dev)
+    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale8 = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(w.dtype)
+    probe8 = Int8Weight.from_q_scale(q8.to(dev), scale8.to(dev), dtype=w.dtype)
+    return probe8, (q8.float() * scale8.float()[:, None]).to(dev)
+
+
+def _dequant(w: QuantizedWeight) -> str:
+    return f"{w.layout.form} unpack" if isinstance(w, Int4Weight) else "dequantize"
+
+
+def _sample_rows(vocab: int, gen: torch.Generator) -> Tensor:
+    """Vocabulary rows the head is checked on: the first and last 64 (the edges of chunks) and 384 at random."""
+    edges = torch.cat((torch.arange(min(64, vocab)), torch.arange(max(0, vocab - 64), vocab)))
+    rows: Tensor = torch.unique(torch.cat((edges, torch.randint(0, vocab, (384,), generator=gen))))
+    return rows
+
+
+Layout = dict[str, ModuleSpec]
+
+
+def _random_lora(
+    layout: Layout, rank: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype
+) -> LoraLayer:
+    modules = {}
+    for name, spec in layout.items():
+        a = torch.randn(rank, spec.in_features, generator=gen) / math.sqrt(spec.in_features)
+        b = torch.randn(spec.out_features, rank, generator=gen) / math.sqrt(rank)
+        modules[name] = LoraModule(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+    nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
+    return LoraLayer(modules, nbytes)
+
+
+def _site_modules(layout: Layout, site: ProjName) -> list[ModuleSpec]:
+    return [layout[m] for m in SITES[site]]
+
+
+def _in_features(layout: Layout, site: ProjName) -> int:
+    return _site_modules(layout, site)[0].in_features
+
+
+def _out_features(layout: Layout, site: ProjName) -> int:
+    return max(spec.cols[1] for spec in _site_modules(layout, site))
+
+
+def _delta(lora: LoraLayer, layout: Layout, site: ProjName, x: Tensor) -> Tensor:
+    """float32 x [T, in] -> the site's fused delta [T, out]."""
+    out = torch.zeros(x.shape[0], _out_features(layout, site), device=x.device)
+    for spec in _site_modules(layout, site):
+        m = lora.modules[spec.name]
+        out[:, spec.cols[0] : spec.cols[1]] += x @ m.a.float().t() @ m.b.float().t()
+    return out
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _capability(device: torch.device) -> str:
+    return str(torch.cuda.get_device_name(device)) if device.type == "cuda" else cpu_capability()
