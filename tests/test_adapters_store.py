@@ -109,7 +109,7 @@ def test_register_reads_headers_only(make_store: Callable[..., AdapterStore], ad
     assert (info.rank, info.ranks) == (8, {"k_proj": 8, "o_proj": 8, "gate_proj": 8, "down_proj": 2})
     assert info.target_modules == ("k_proj", "o_proj", "gate_proj", "down_proj") and info.layers == (1,)
     assert (info.host_bytes, info.device_bytes, info.disk_reads, info.disk_bytes, info.loads) == (0, 0, 0, 0, 0)
-    assert 0 < info.index_seconds < 1 and info.last_used is None and info.pins == 0
+    assert info.index_seconds > 0 and info.last_used is None and info.pins == 0
     assert store.list() == [info] and store.get("mixed") == info
     with pytest.raises(AlreadyExists):
         store.register("mixed", adapters["a"])
@@ -159,20 +159,29 @@ SMOLLM2 = {
 }  # fmt: skip
 
 
-def test_registering_a_huge_adapter_is_fast(tmp_path: Path) -> None:
-    """1.7 GB of r=64 LoRA for a 70B-shaped model registers in < 20 ms: only the header is read. Timed in CPU
-    time (what the registration costs) so that other jobs on a shared 2-core runner do not make it flaky."""
+def _bytes_read() -> int:
+    """Bytes this process has read through read(2) and friends so far (``rchar`` of /proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_registering_a_huge_adapter_reads_only_its_header(tmp_path: Path) -> None:
+    """1.7 GB of r=64 LoRA for a 70B-shaped model registers by reading its config and header only: the bytes the
+    process reads per registration stay under 2 MiB (the header is ~0.2 MB), whatever the file's size."""
+    if not Path("/proc/self/io").is_file():
+        pytest.skip("needs /proc")
     cfg = ModelConfig.from_dict(LLAMA_70B)
     nbytes = _write_sparse_adapter(tmp_path / "big", cfg, r=64)
     assert nbytes > 1.5e9
     store = new_store(cfg, device_budget=1 << 30)
-    times = []
     for i in range(3):
-        t0 = time.process_time()
+        before = _bytes_read()
         info = store.register(f"big{i}", tmp_path / "big")
-        times.append(time.process_time() - t0)
+        read = _bytes_read() - before
         assert info.state == "registered" and info.disk_bytes == 0 and len(info.layers) == 80
-    assert sorted(times)[1] < 0.020, times
+        assert read < 2 * 2**20, read
     assert store.request("big0") is False  # laid out in fp32 it needs 3.3 GB: refused by name, nothing read
     assert isinstance(store.failure("big0"), ResourceExhausted)
     with pytest.raises(ResourceExhausted, match="more than the whole adapter device budget"):
@@ -203,15 +212,13 @@ def test_thousand_registrations_fit_in_100mb(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
     assert per_adapter < 30_000, f"{per_adapter:.0f} bytes per adapter"  # the compact index: ~10 KB each
-    rss = _rss()
-    t0 = time.process_time()
+    rss, before = _rss(), _bytes_read()
     for i in range(1000):
         store.register(f"adapter-{i:04d}", tmp_path / "s")
-    seconds = time.process_time() - t0
-    grown = _rss() - rss
+    grown, read = _rss() - rss, _bytes_read() - before
     assert len(store.list()) == 1021
     assert grown < 100e6, grown
-    assert seconds / 1000 < 0.020, seconds
+    assert read / 1000 < 256 * 2**10, read  # config + header per registration, never the tensors
 
 
 # --- loading ------------------------------------------------------------------------------------------------
@@ -438,15 +445,13 @@ def test_loading_never_blocks_requests_for_other_adapters(
     assert store.request("cold") is False
     time.sleep(0.02)
     assert store.get("cold").state == "loading"
-    worst = 0.0
     for _ in range(100):  # the engine's per-step calls while the read hangs
-        t0 = time.perf_counter()
         assert store.request("warm", pin=True) is True
         assert store.layer("warm", 0) is not None
         assert store.request("cold") is False
         store.unpin("warm")
-        worst = max(worst, time.perf_counter() - t0)
-    assert worst < 0.05, worst
+    # Every call returned while the read was still held at the gate: none of them waited for it.
+    assert not gate.is_set() and store.get("cold").state == "loading"
     gate.set()
     store.ensure("cold", timeout=30)
     assert store.get("cold").state == "device"
