@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 ProjName = Literal["wqkv", "wo", "w13", "w2"]
+# Logits per row recomputed in float32 after a reduced-precision head (``Llama.logits``).
+EXACT_TOP = 8
 PROJ_NAMES: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")
 ProjWeight = Tensor | QuantizedWeight  # a dense [out, in] weight, or its quantized form
 
@@ -213,7 +215,8 @@ def _proj_weight(rows: int, cols: int, *, quantized: bool, dtype: torch.dtype, d
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, accumulated in fp32 (``F.rms_norm`` upcasts reduced precisions internally)."""
+    """Root-mean-square norm, accumulated in fp32 (``F.rms_norm`` upcasts reduced precisions internally). Takes the
+    float32 residual stream of a reduced-precision model and returns the model dtype (see ``Llama.forward``)."""
 
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -221,7 +224,10 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        w = self.weight
+        if x.dtype == w.dtype:
+            return F.rms_norm(x, w.shape, w, self.eps)
+        return F.rms_norm(x, w.shape, w.to(x.dtype), self.eps).to(w.dtype)  # one rounding, after the scale
 
 
 class Attention(nn.Module):
@@ -382,6 +388,10 @@ class Llama(nn.Module):
 
         emb = self.tok_embeddings
         x = F.embedding(tokens, emb) if isinstance(emb, Tensor) else emb.gather(tokens)  # [B, T, hidden]
+        # The residual stream stays float32 in a reduced-precision model (as llama.cpp keeps activations in f32):
+        # summing 60 sublayer outputs into a bf16 stream rounds away enough to flip near-tied tokens (SmolLM2's
+        # answer to "What is the capital of France?"). Matmul inputs and the KV cache stay in the model dtype.
+        x = x.float()
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
             x = x + layer.attention(layer.attention_norm(x), step, cache.rows[i], k_cache, v_cache)
@@ -390,9 +400,20 @@ class Llama(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
-        """[..., hidden] -> fp32 logits [..., vocab] (matmul in the model dtype, as transformers)."""
+        """[..., hidden] -> fp32 logits [..., vocab]: the matmul in the model dtype, then, in a reduced precision,
+        the ``EXACT_TOP`` largest of each row recomputed in float32 from the head's exact rows. bf16 logits are
+        rounded to steps of 1/8 near 25, which ties tokens that differ by less (and greedy took the first); the
+        rescored candidates are the ones every decision is made among."""
         head = self.lm_head
-        return (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
+        logits = (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
+        if self.dtype == torch.float32:
+            return logits
+        top = logits.topk(EXACT_TOP, dim=-1).indices  # [..., k]
+        flat = top.reshape(-1)
+        rows = head[flat].float() if isinstance(head, Tensor) else head.rows(flat)  # [N * k, hidden] float32
+        exact = torch.einsum("nh,nkh->nk", hidden.reshape(-1, hidden.shape[-1]).float(),
+                             rows.view(-1, EXACT_TOP, hidden.shape[-1]))  # fmt: skip
+        return logits.scatter_(-1, top, exact.view(top.shape))
 
     def draft_head(self) -> Tensor:
         """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32
