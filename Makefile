@@ -9,10 +9,12 @@ PORT ?= 50051
 METRICS_PORT ?= 9400
 HTTP_PORT ?= 8000
 SERVE_ARGS ?=
-# What `make serve` serves: the GGUF's own 4-bit blocks in bfloat16 (bench/README.md, "Peers side by side": 2.1x the
-# bf16 folder's batch-1 tok/s, 0.66x at 32 streams, 0.56x the fp32 server's peak RSS). WEIGHTS= serves the folder;
-# SERVE_ARGS=--dense-copies-mb=-1 adds dense copies (the bf16 folder's speed at 32 streams, for its memory).
-WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --dtype bfloat16
+# What `make serve` serves is chosen by the machine (--weights auto, --dtype auto; service/model/dtypes.py): the
+# GGUF's 4-bit blocks in bfloat16 where bf16 is native (Sapphire Rapids, bench/README.md: 2.1x the bf16 folder's
+# batch-1 tok/s, 0.56x the fp32 server's peak RSS), the float32 folder elsewhere (no emulated bf16); the start-up
+# self-check proves the chosen paths on this CPU. WEIGHTS= serves the folder; SERVE_ARGS=--dense-copies-mb=-1 adds
+# dense copies to a GGUF base (the bf16 folder's speed at 32 streams, for its memory).
+WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --weights auto
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
@@ -43,9 +45,14 @@ serve: setup model
 	$(VENV)/bin/loraplex serve --model $(MODEL_DIR) $(WEIGHTS) --host $(HOST) --port $(PORT) $(DEMO_ADAPTERS) \
 		--http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
 
-## test: set everything up, lint, type-check and run the whole test suite
+## test: set everything up, lint, type-check, run the whole suite, then rerun its numerics subset under every lower
+## CPU capability torch can be forced to here (ATEN_CPU_CAPABILITY=default / avx2: what other nodes of a pool run)
 test: setup system-deps model lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
+	set -e; for cap in $$($(PY) scripts/cpu_capabilities.py); do \
+		echo "== numerics under ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -m numerics -p no:cacheprovider $(PYTEST_ARGS); \
+	done
 
 ## test-fast: the tests that need neither the real model nor much time
 test-fast: setup

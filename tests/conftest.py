@@ -30,6 +30,21 @@ SMOLLM2_GGUF = SMOLLM2_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"  # `fetch-
 torch.get_num_threads()
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    how = f"forced by ATEN_CPU_CAPABILITY={forced}" if forced else "the machine's own"
+    return f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()} ({how})"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A forced capability torch did not take would make the capability matrix prove nothing: stop instead."""
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    if forced and torch.backends.cpu.get_cpu_capability() != forced.upper():
+        raise pytest.UsageError(
+            f"ATEN_CPU_CAPABILITY={forced} but torch dispatches to {torch.backends.cpu.get_cpu_capability()}"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

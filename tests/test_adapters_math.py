@@ -27,6 +27,8 @@ from service.adapters.types import LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.model import KVCache, Llama
 
+pytestmark = pytest.mark.numerics
+
 CPU = torch.device("cpu")
 
 # name -> write_peft_adapter arguments

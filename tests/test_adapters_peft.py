@@ -20,6 +20,8 @@ from service.adapters.registry import check_adapter_id, index_adapter
 from service.errors import HeaderError, InvalidAdapter, InvalidRequest, NotFound, PermissionDenied
 from service.model.config import ModelConfig
 
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(scope="module")
 def base4(tiny_llama_factory: Callable[..., Path]) -> Path:

@@ -28,6 +28,8 @@ from service.model.llama import PROJ_NAMES
 from service.model.quant import DENSE_COPY_FROM_ROWS, keep_dense_copies, linear, quantize, with_dense_copy
 from service.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.numerics
+
 PROMPTS = [f"Write a short story about a robot number {i}." for i in range(4)]
 
 

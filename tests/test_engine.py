@@ -47,6 +47,7 @@ def engine_int4(served_tiny_dir: Path) -> Iterator[Engine]:
     eng.stop()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("base", ["engine", "engine_int4"])
 def test_output_does_not_depend_on_the_batch(request: pytest.FixtureRequest, base: str) -> None:
     engine: Engine = request.getfixturevalue(base)

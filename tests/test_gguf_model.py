@@ -24,6 +24,8 @@ from service.model.gguf_weights import Q8Table, load_gguf_model
 from service.model.llama import PROJ_NAMES
 from service.model.quant import Int4Weight
 
+pytestmark = pytest.mark.numerics
+
 ATOL = 1e-4
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "mixed": (

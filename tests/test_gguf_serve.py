@@ -19,6 +19,8 @@ from loraplex import Client
 from service.errors import GGUFError
 from service.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.numerics
+
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [f"Write a short story about a robot number {i}." for i in range(3)]
 NEW_TOKENS = 12

@@ -32,6 +32,7 @@ print(os.wait4(child.pid, 0)[2].ru_maxrss)
 """  # runs argv, forwards SIGTERM, prints the child's peak RSS in KiB
 
 
+@pytest.mark.numerics
 def test_q4_1_file_greedy_and_logits_match_the_converted_folder(smollm2_dir: Path, smollm2_gguf: Path) -> None:
     from service.tokenizer import Tokenizer
 

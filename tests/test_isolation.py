@@ -32,6 +32,8 @@ from service.model.llama import KV_LIMIT, finite_kv
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.numerics
+
 CPU = torch.device("cpu")
 
 

@@ -427,7 +427,11 @@ def test_rejection_sampling_chi_square_with_generators() -> None:
 # --- the loop ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("base", ["tiny", "tiny_int4", "tiny_gguf", "tiny_gguf_dense"])
+# The compact bases' runs are the numerics subset (make test reruns them under every CPU capability).
+COMPACT = [pytest.param(b, marks=pytest.mark.numerics) for b in ("tiny_int4", "tiny_gguf", "tiny_gguf_dense")]
+
+
+@pytest.mark.parametrize("base", ["tiny", *COMPACT])
 def test_plain_loop_matches_reference_greedy(request: pytest.FixtureRequest, base: str) -> None:
     model = request.getfixturevalue(base)["model"]
     prompts = prompts_for(model.cfg, 4, seed=3)
@@ -437,7 +441,7 @@ def test_plain_loop_matches_reference_greedy(request: pytest.FixtureRequest, bas
 
 
 @pytest.mark.parametrize("base", ["tiny", "tiny_int4", "tiny_gguf", "tiny_gguf_dense"])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, pytest.param(2, marks=pytest.mark.numerics)])
 def test_random_heads_speculation_is_token_identical(
     request: pytest.FixtureRequest, tmp_path: Path, version: int, base: str
 ) -> None:

@@ -17,6 +17,8 @@ from tiny_models import greedy_generate, load_hf_llama, load_ours
 
 from service.model import KVCache, Llama
 
+pytestmark = pytest.mark.numerics
+
 CPU = torch.device("cpu")
 ATOL = 1e-4
 

@@ -32,6 +32,7 @@ def _chat_ids(tokenizer: Any, question: str) -> list[int]:
     return list(ids)
 
 
+@pytest.mark.numerics
 def test_prefill_and_decode_logits_match(models: tuple[Llama, Any, Any]) -> None:
     from transformers import DynamicCache
 
@@ -69,6 +70,7 @@ def test_greedy_64_tokens_identical_to_generate(models: tuple[Llama, Any, Any]) 
             assert "Paris" in tokenizer.decode(got)
 
 
+@pytest.mark.numerics
 def test_padded_batch_decode_matches_solo(models: tuple[Llama, Any, Any]) -> None:
     """Right-padded prompts prefilled together, then 8 greedy steps as one batch: each row = its solo run."""
     ours, _, tokenizer = models

@@ -9,6 +9,8 @@ import torch
 
 from service.model.quant import Int4Weight, Int8Weight, Scratch, linear, quantize
 
+pytestmark = pytest.mark.numerics
+
 # Shapes of each CPU int4 layout case (full 64-row blocks, a 16/32/48-row remainder, both) and of SmolLM2.
 SHAPES = [(64, 128), (48, 96), (32, 64), (16, 32), (80, 64), (112, 96), (960, 576), (576, 1536)]
 

@@ -40,6 +40,8 @@ from service.model.llama import PROJ_NAMES
 from service.model.quant import Int4Weight, Int8Weight
 from service.model.weights import load_model
 
+pytestmark = pytest.mark.numerics
+
 ATOL = 1e-4
 KINDS = ["int8", "int4"]
 VARIANTS: dict[str, dict[str, Any]] = {
