@@ -42,6 +42,7 @@ def _best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
 
 def measure(repeats: int) -> dict[str, object]:
     """One capability (this interpreter's): ms per layer for each way, derivation ms, bytes."""
+    import machine as bench_machine
     import torch
 
     from service.model import int4_layout
@@ -85,6 +86,7 @@ def measure(repeats: int) -> dict[str, object]:
     times = _best({"derived": derived, "own copy": own_copy, "kernel": kernel}, repeats)
     packed = sum(w.packed.numel() for w in weights.values())
     return {
+        "machine": bench_machine.describe(),
         "capability": str(torch.backends.cpu.get_cpu_capability()),
         "ms_per_layer": times,
         "derive_ms_all_shapes": derive_ms,
@@ -110,6 +112,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--one", "--repeats", str(args.repeats)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"Machine: {results[0]['machine']['cpu']}")
     print("| capability | derived | own copy | kernel (identity) | derive once (4 shapes) | forms |")
     print("|---|---|---|---|---|---|")
     for r in results:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import machine as bench_machine  # noqa: E402
 import peers_envs as envs  # noqa: E402
 from peers_loraplex import Config, missing_flags, run_config, serve_help  # noqa: E402
 from peers_report import markdown, ratios  # noqa: E402
@@ -208,10 +208,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def machine() -> dict[str, Any]:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln), ""
-    )
-    return {"cpu": cpu or platform.processor(), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()}
+    return {**bench_machine.describe(), "load_avg_before": os.getloadavg()}
 
 
 def main() -> None:

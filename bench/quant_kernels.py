@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import machine as bench_machine
 from model_step import interleaved_steps
 
 from service.model.quant import Scratch, quantize
@@ -116,7 +117,7 @@ def main() -> None:
                 print(f"| {dt} | {b} | {cells} |", flush=True)
         return
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{bench_machine.line()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"ms per layer (4 projections), best of {args.repeats}"
     )
     for dt in args.dtype:

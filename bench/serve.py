@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import machine as bench_machine
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
@@ -91,12 +91,11 @@ class OurServer:
 
 def run_record(script: str, started: str, load_before: tuple[float, float, float]) -> dict[str, Any]:
     """The head of a result file: the command line, when it began, the machine and its load before and now."""
-    machine = f"{platform.machine()} {platform.processor() or ''} Linux {platform.release()}".strip()
     return {
         "command": " ".join([script, *sys.argv[1:]]),
         "started": started,
         "cpus": len(os.sched_getaffinity(0)),
-        "machine": machine,
+        "machine": bench_machine.describe(),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
     }
