@@ -21,9 +21,9 @@ import statistics
 import time
 from collections.abc import Callable
 
+import machine as bench_machine
 import torch
 import torch.nn.functional as F
-import machine as bench_machine
 from model_step import interleaved_steps
 
 from service.model.quant import Scratch, quantize
