@@ -68,6 +68,16 @@ MODEL_LOAD_BYTES = _counter(
     "loraplex_model_load_bytes_total", "Bytes of base model weights read from checkpoint files.", ["mode"]
 )
 MODEL_LOADED = _gauge("loraplex_model_loaded", "1 once the base model is loaded and the server can serve it.")
+COMPUTE_INFO = Info(
+    "loraplex_compute",
+    "What this replica computes with: torch's CPU capability (or the GPU), serving dtype, weight source "
+    "(folder / gguf), and the start-up self-check's outcome (ok / fallback).",
+    registry=REGISTRY,
+)
+SELF_CHECK_FALLBACKS = _gauge(
+    "loraplex_self_check_fallbacks",
+    "Compute paths the start-up self-check found wrong on this machine and replaced by a correct one.",
+)
 MODEL_PARAMETER_BYTES = _gauge(
     "loraplex_model_parameter_bytes", "Bytes held by the base model's parameters in their serving dtype."
 )

@@ -22,6 +22,7 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from tiny_models import load_ours
 
+from service import metrics
 from service.api.server import BackgroundServer
 from service.model import int4_layout, quant
 from service.model.gguf_weights import load_gguf_model
@@ -110,10 +111,14 @@ def test_a_wrong_int4_layout_served_falls_back_and_answers_right(
 
     want, statuses = serve()
     assert all(s == "ok" for s in statuses)
+    labels = {"capability": cpu_capability(), "dtype": "float32", "weights": "gguf"}
+    assert metrics.REGISTRY.get_sample_value("loraplex_compute_info", {**labels, "self_check": "ok"}) == 1
     _wrong_layout(monkeypatch)
     got, statuses = serve()
     assert got == want  # the same greedy tokens: the prefill ran the kernel instead of the wrong unpack
     assert any(s.startswith("fallback: the int4 kernel at every batch size") for s in statuses)
+    assert metrics.REGISTRY.get_sample_value("loraplex_compute_info", {**labels, "self_check": "fallback"}) == 1
+    assert (metrics.REGISTRY.get_sample_value("loraplex_self_check_fallbacks") or 0) >= 1
 
 
 def _old_avx512_unpack(packed: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,12 @@ class Runtime:
             metrics.MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
             log.info("event=dense_copies budget_mb=%d bytes=%d", s.dense_copies_mb, kept)
         checked = run_self_check(model)  # refuses (SelfCheckFailed) before anything is served, or falls back
+        fallbacks = sum(c.status.startswith("fallback") for c in checked.checks)
+        metrics.SELF_CHECK_FALLBACKS.set(fallbacks)
+        outcome = "fallback" if fallbacks else "ok"
+        metrics.COMPUTE_INFO.info(
+            {"capability": checked.capability, "dtype": checked.dtype, "weights": choice.weights, "self_check": outcome}
+        )
         roots = adapter_roots(s)
         store = AdapterStore(
             cfg,
