@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from service.adapters.lora_tables import SITES
 from service.adapters.types import LoraLayer, LoraModule
 from service.errors import FailedPrecondition
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.quant import Int4Weight, Int8Weight, QuantizedWeight
+from service.model.quant import NEVER, Int4Weight, Int8Weight, QuantizedWeight
 from service.platform import cpu_capability, draft_dtype
 
 __all__ = ["TOLERANCE", "PathCheck", "SelfCheckFailed", "SelfCheckReport", "run_self_check"]
@@ -51,7 +50,6 @@ log = logging.getLogger("loraplex.selfcheck")
 # Largest relative error (per row: |y - ref| / |ref|) a path may have against its float32 reference. A wrong
 # layout or kernel is off by ~1 (uncorrelated values); rounding alone stays far below these.
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-ALWAYS = sys.maxsize  # dense_from_rows that keeps a quantized weight on its kernel at every batch size
 
 
 class SelfCheckFailed(FailedPrecondition):
@@ -162,7 +160,7 @@ class _Checker:
         if kernel.ok and dense.ok and mine.ok:
             return
         if kernel.ok and not (dense.ok and mine.ok):
-            self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=ALWAYS, dense=None))
+            self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=NEVER, dense=None))
             self.fallback(dense if not dense.ok else mine, f"the {kind} kernel at every batch size, no dense copies")
         elif dense.ok and not kernel.ok and self.device.type == "cpu":
             self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=1))

@@ -26,9 +26,9 @@ from service import metrics
 from service.api.server import BackgroundServer
 from service.model import int4_layout, quant
 from service.model.gguf_weights import load_gguf_model
-from service.model.quant import Int4Weight
+from service.model.quant import NEVER, Int4Weight
 from service.platform import cpu_capability
-from service.selfcheck import ALWAYS, SelfCheckFailed, run_self_check
+from service.selfcheck import SelfCheckFailed, run_self_check
 
 pytestmark = pytest.mark.numerics
 
@@ -90,7 +90,7 @@ def test_a_wrong_int4_layout_falls_back_to_the_kernel(tiny_llama_dir: Path, monk
     for layer in range(model.cfg.num_layers):
         for name in ("wqkv", "wo", "w13", "w2"):
             w = model.projection(layer, name)
-            assert isinstance(w, Int4Weight) and w.dense_from_rows == ALWAYS and w.dense is None
+            assert isinstance(w, Int4Weight) and w.dense_from_rows == NEVER and w.dense is None
     x = torch.randn(300, model.cfg.hidden_size)  # a prefill-sized batch now runs the kernel, never the bad unpack
     w = model.projection(0, "wqkv")
     assert torch.equal(quant.linear(x, w, scratch=model.scratch), w.matmul(x))

@@ -32,7 +32,7 @@ from service.model.config import ModelConfig
 from service.model.gguf_plan import Target, check_gguf, gguf_targets, unpermute_rows
 from service.model.int4_layout import chunks_concatenate, pack_cpu
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.quant import DENSE_FROM_ROWS, Int4Weight, tensor_nbytes
+from service.model.quant import Int4Weight, dense_from_rows, tensor_nbytes
 
 __all__ = ["Q8Table", "load_gguf_model"]
 
@@ -181,7 +181,7 @@ class Q8Table:
         shape = pack_cpu(torch.empty(vocab, k, dtype=torch.int32, device="meta")).shape  # the op's own shape rule
         d = self.d  # [G, V] in the compute dtype: the table's own scales; times 8 and 16 they stay exact
         scales = (torch.stack((d, 8 * d), dim=-1), torch.stack((16 * d, torch.zeros_like(d)), dim=-1))  # [G, V, 2]
-        dense_from = DENSE_FROM_ROWS["int4", self.dtype]
+        dense_from = dense_from_rows("int4", self.dtype)
         lo_w, hi_w = (
             Int4Weight(p.view(shape), sz.contiguous(), GROUP, k, dense_from)
             for p, sz in zip(packed, scales, strict=True)

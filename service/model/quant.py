@@ -39,6 +39,7 @@ checks it against the kernel itself), and the dense copy is that dequantized wei
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from service.model.int4_layout import Int4Layout, Packer, layout_for, pack_cpu
+from service.platform import cpu_capability
 
 if TYPE_CHECKING:
     from service.model.llama import Llama, ProjName
@@ -55,11 +57,13 @@ __all__ = [
     "DENSE_COPY_FROM_ROWS",
     "DENSE_FROM_ROWS",
     "GROUP_SIZES",
+    "NEVER",
     "Int4Weight",
     "Int8Weight",
     "QuantKind",
     "QuantizedWeight",
     "Scratch",
+    "dense_from_rows",
     "keep_dense_copies",
     "linear",
     "quantize",
@@ -69,27 +73,43 @@ __all__ = [
 
 QuantKind = Literal["int8", "int4"]
 GROUP_SIZES = (32, 64, 128)
-# Rows (M = batch x tokens) from which dequantize-then-dense beats the quantized kernel on CPU, per kind and compute
-# dtype: measured with bench/quant_kernels.py (bench/README.md, "Quantized kernels"). In float32 torch's int8 and int4
-# kernels lose to dequantizing from M = 2 on; float16 (unmeasured) takes bfloat16's. CUDA always uses the kernel.
-DENSE_FROM_ROWS: dict[tuple[QuantKind, torch.dtype], int] = {
-    ("int8", torch.float32): 2,
-    ("int4", torch.float32): 2,
-    ("int8", torch.bfloat16): 32,
-    ("int4", torch.bfloat16): 128,
-    ("int8", torch.float16): 32,
-    ("int4", torch.float16): 128,
+# Rows (M = batch x tokens) from which dequantize-then-dense beats the quantized kernel on CPU, and (``_COPY``) from
+# which a weight's kept dense copy (``with_dense_copy``) does, per torch CPU capability, kind and compute dtype.
+# Measured with bench/quant_kernels.py on one Sapphire Rapids VM (bench/README.md, "Quantized kernels per
+# capability"): AVX512 natively; AVX2 and DEFAULT with torch, oneDNN and MKL all held to that instruction set
+# (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS): the kernels of such a CPU, not its memory.
+# float16 (unmeasured) takes bfloat16's; an unlisted capability (aarch64's, POWER's) takes DEFAULT's; CUDA always
+# uses the kernel. NEVER: the kernel wins at every measured M (emulated bf16 makes dense matmuls slow).
+NEVER = sys.maxsize
+
+
+def _table(f32: tuple[int, int], bf16: tuple[int, int]) -> dict[tuple[QuantKind, torch.dtype], int]:
+    """(int8, int4) rows in float32 and in bfloat16 (and float16)."""
+    rows: dict[tuple[QuantKind, torch.dtype], int] = {}
+    for dtype, (int8, int4) in ((torch.float32, f32), (torch.bfloat16, bf16), (torch.float16, bf16)):
+        rows["int8", dtype], rows["int4", dtype] = int8, int4
+    return rows
+
+
+DENSE_FROM_ROWS = {
+    "AVX512": _table(f32=(1, 2), bf16=(32, 128)),
+    "AVX2": _table(f32=(1, 1), bf16=(NEVER, NEVER)),
+    "DEFAULT": _table(f32=(2, 2), bf16=(4, 8)),
 }
-# Rows from which a weight's kept dense copy (``with_dense_copy``) beats the kernel: the "dense" columns of the same
-# table against the kernel's, no dequantize in the way. In float32 the kernels lose from M = 1 on.
-DENSE_COPY_FROM_ROWS: dict[tuple[QuantKind, torch.dtype], int] = {
-    ("int8", torch.float32): 1,
-    ("int4", torch.float32): 1,
-    ("int8", torch.bfloat16): 8,
-    ("int4", torch.bfloat16): 16,
-    ("int8", torch.float16): 8,
-    ("int4", torch.float16): 16,
+DENSE_COPY_FROM_ROWS = {
+    "AVX512": _table(f32=(1, 1), bf16=(8, 16)),
+    "AVX2": _table(f32=(1, 1), bf16=(NEVER, NEVER)),
+    "DEFAULT": _table(f32=(1, 1), bf16=(1, 1)),
 }
+
+
+def dense_from_rows(kind: QuantKind, dtype: torch.dtype, *, copy: bool = False) -> int:
+    """Rows from which ``linear`` leaves ``kind``'s kernel for a dense matmul on this CPU (``copy``: over a kept
+    dense copy; else dequantizing into the scratch buffer)."""
+    table = DENSE_COPY_FROM_ROWS if copy else DENSE_FROM_ROWS
+    return table.get(cpu_capability(), table["DEFAULT"])[kind, dtype]
+
+
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -140,7 +160,7 @@ class Int8Weight:
             raise ValueError(f"scale must be [{q.shape[0]}] (one per output row), got {tuple(scale.shape)}")
         dtype = _compute_dtype(dtype, scale.dtype)
         scale = scale.to(device=q.device, dtype=dtype).contiguous()
-        return cls(q.contiguous(), scale, DENSE_FROM_ROWS["int8", dtype])
+        return cls(q.contiguous(), scale, dense_from_rows("int8", dtype))
 
     @classmethod
     def quantize(cls, w: Tensor, *, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -217,7 +237,7 @@ class Int4Weight:
         dtype = _compute_dtype(dtype, scale.dtype)
         packed = _packer(q.device)(q.to(torch.int32).contiguous())
         sz = torch.stack((scale.t(), zero.t()), dim=-1).to(device=q.device, dtype=dtype).contiguous()  # [K/g, N, 2]
-        return cls(packed, sz, group_size, k, DENSE_FROM_ROWS["int4", dtype])
+        return cls(packed, sz, group_size, k, dense_from_rows("int4", dtype))
 
     @classmethod
     def quantize(cls, w: Tensor, group_size: int = 32, *, dtype: torch.dtype | None = None) -> Int4Weight:
@@ -300,7 +320,7 @@ def with_dense_copy(w: QuantizedWeight) -> QuantizedWeight:
     the kernel's speed at small batches, the dense matmul's at large ones, for the memory of both."""
     if w.dense is not None:
         return w
-    rows = DENSE_COPY_FROM_ROWS[w.kind, w.dtype]
+    rows = dense_from_rows(w.kind, w.dtype, copy=True)
     return dataclasses.replace(w, dense=w.dequantize(), dense_from_rows=rows)
 
 
