@@ -52,6 +52,12 @@ log = logging.getLogger("loraplex.selfcheck")
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
+# Rows of the probe weights (the model's own weights are checked at their full shape) and of the float32 reference
+# computed at a time: the check's memory stays a few MB above the model's.
+PROBE_ROWS = 256
+REF_ROWS = 512
+
+
 class SelfCheckFailed(FailedPrecondition):
     """A compute path disagrees with its float32 reference and has no correct fallback."""
 
@@ -147,12 +153,14 @@ class _Checker:
         probe, truth = _probe_weight(w, self.gen)  # truth: float32 from the probe's raw values
         x = self.randn(3, k)
         ref = F.linear(x.float(), truth)
+        del truth
         kernel = self.record(f"{label}: kernel", f"torch {kind} kernel", probe.matmul(x), ref)
         dense = self.record(
             f"{label}: dequantized dense", f"{_dequant(probe)} + dense matmul", F.linear(x, probe.dequantize()), ref
         )
-        own = w.dequantize(torch.float32)  # the model's weight: the two paths must agree on it as well
-        own_ref = F.linear(x.float(), own)
+        own = w.dequantize()  # the model's weight: the two paths must agree on it as well
+        own_ref = torch.cat([F.linear(x.float(), rows.float()) for rows in torch.split(own, REF_ROWS)], dim=-1)
+        del own
         mine = self.record(f"{label}: model weight, kernel vs dequantized", f"torch {kind} kernel", w.matmul(x),
                            own_ref)  # fmt: skip
         if w.dense is not None:
@@ -305,9 +313,9 @@ def run_self_check(model: Llama, *, lora: bool = True) -> SelfCheckReport:
 
 
 def _probe_weight(w: QuantizedWeight, gen: torch.Generator) -> tuple[QuantizedWeight, Tensor]:
-    """A weight of ``w``'s kind, shape, dtype and device from known random values, and those values in float32
-    computed from the raw numbers (never through the weight's own unpack)."""
-    n, k = w.shape
+    """A weight of ``w``'s kind, width, dtype and device (at most ``PROBE_ROWS`` rows) from known random values,
+    and those values in float32 computed from the raw numbers (never through the weight's own unpack)."""
+    n, k = min(w.shape[0], PROBE_ROWS), w.shape[1]
     dev = w.device
     if isinstance(w, Int4Weight):
         g = w.group_size

@@ -39,6 +39,8 @@ __all__ = ["Q8Table", "load_gguf_model"]
 
 # Vocabulary rows the head dequantizes at a time when it projects several hidden states (``Q8Table.project``).
 HEAD_CHUNK_ROWS = 4096
+# Vocabulary rows packed at a time into the head's int4 pair (reused buffers: two [rows, hidden] int32).
+PAIR_CHUNK_ROWS = 1024
 # Up to this many hidden states, a head with its int4 pair (``Q8Table.pair_for_head``) projects through the pair:
 # 2 kernel calls over all columns; beyond, chunks win (bench/README.md, "GGUF served directly").
 PAIR_MAX_ROWS = 8
@@ -151,7 +153,7 @@ class Q8Table:
 
     def pair_for_head(self) -> int:
         """Build the int4 pair the head projects a few rows with (bf16 / fp16 compute; see the class docstring);
-        returns the bytes it added (0 in float32 or when built already). Packed ``HEAD_CHUNK_ROWS`` rows at a time
+        returns the bytes it added (0 in float32 or when built already). Packed ``PAIR_CHUNK_ROWS`` rows at a time
         through reused buffers straight into the pair's own tensors where the packer allows it
         (``int4_layout.chunks_concatenate``): temporaries the size of the table would stay in the heap as
         fragmentation. Elsewhere the table is packed whole."""
@@ -159,7 +161,7 @@ class Q8Table:
         if self.pair is not None or self.dtype == torch.float32 or vocab % 16:  # the kernel packs 16 rows at once
             return 0
         k = groups * GROUP
-        rows = min(HEAD_CHUNK_ROWS, vocab)
+        rows = min(PAIR_CHUNK_ROWS, vocab)
         if not chunks_concatenate(pack_cpu, rows, k, vocab % rows):
             rows = vocab
         packed: list[Tensor] = []  # lo, hi: the kernel's layout
@@ -171,6 +173,8 @@ class Q8Table:
             q.view(n, groups, GROUP).copy_(self.q[:, start : start + n].transpose(0, 1))  # [n, K]
             torch.bitwise_and(q, 15, out=nibble[:n])  # lo
             lo = pack_cpu(nibble[:n])
+            if lo.shape[0] != n:
+                raise ValueError(f"the int4 packer made {tuple(lo.shape)} of {n} rows: the pair needs row-major output")
             torch.bitwise_right_shift(q, 4, out=nibble[:n]).add_(8)  # hi + 8
             hi = pack_cpu(nibble[:n])
             if not packed:
@@ -178,7 +182,7 @@ class Q8Table:
             at = start * lo.numel() // n
             packed[0][at : at + lo.numel()].copy_(lo.reshape(-1))
             packed[1][at : at + hi.numel()].copy_(hi.reshape(-1))
-        shape = pack_cpu(torch.empty(vocab, k, dtype=torch.int32, device="meta")).shape  # the op's own shape rule
+        shape = (vocab, *lo.shape[1:])  # the packer keeps one row of output per weight row (checked above)
         d = self.d  # [G, V] in the compute dtype: the table's own scales; times 8 and 16 they stay exact
         scales = (torch.stack((d, 8 * d), dim=-1), torch.stack((16 * d, torch.zeros_like(d)), dim=-1))  # [G, V, 2]
         dense_from = dense_from_rows("int4", self.dtype)

@@ -11,8 +11,9 @@ Unpacking must be cheap (a prefill dequantizes every projection), so the permuta
 shape a strided view can express: every row's values sit at a constant byte stride, all in the low or all in the
 high nibble (true of every layout seen so far). Then unpacking is one row gather over a strided view of the bytes
 and a per-row shift. Any other permutation is kept whole (an int32 index per value) and gathered: slower, still
-exact. Whichever form, the compressed layout is checked against the full permutation before it is used, and the
-permutation itself must be a bijection of the nibbles, or ``derive`` refuses by raising ``LayoutError``.
+exact. Whichever form, a layout is used only after it unpacks every position probe and a random weight exactly as
+packed (each value read from the nibble that holds its position), or ``derive`` refuses by raising
+``LayoutError``. Deriving works in int32 over one [N, K] probe at a time: a few N * K words, once per shape.
 
 A layout is derived once per (device, N, K) and cached for the process: the capability cannot change while it runs.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ class Int4Layout:
     n: int
     k: int
     runs: tuple[RowRun, ...] | None
-    gather: Tensor | None  # [N * K] int32: nibble index of each value, row-major (``runs`` is None)
+    gather: Tensor | None  # [N * K] int64: nibble index of each value, row-major (``runs`` is None)
 
     @property
     def form(self) -> str:
@@ -90,38 +91,55 @@ def _nibbles(packed: Tensor) -> Tensor:
     return torch.stack((data & 15, data >> 4), dim=1).view(-1)
 
 
-def _inverse(pack: Packer, n: int, k: int, device: torch.device) -> Tensor:
-    """[N * K] int64: the nibble index each row-major value lands in. One probe per 4 bits of the position."""
+def _probes(n: int, k: int, device: torch.device) -> Iterator[Tensor]:
+    """One [N, K] int32 probe per 4 bits of the row-major position: probe[n, k] = ((n * K + k) >> shift) & 15. The
+    same buffer each time, built from a row and a column ramp (no [N * K] position array)."""
     count = n * k
     if count >= 2**31:
         raise LayoutError(f"a [{n}, {k}] int4 weight has too many values to derive its layout")
-    pos = torch.arange(count, dtype=torch.int32, device=device)
-    where = torch.zeros(count, dtype=torch.int32, device=device)  # nibble index -> value position
-    probe = torch.empty(count, dtype=torch.int32, device=device)
+    rows = torch.arange(n, dtype=torch.int32, device=device)[:, None] * k  # [N, 1]
+    cols = torch.arange(k, dtype=torch.int32, device=device)[None, :]  # [1, K]
+    probe = torch.empty(n, k, dtype=torch.int32, device=device)
     shift = 0
     while shift == 0 or (1 << shift) < count:
-        torch.bitwise_right_shift(pos, shift, out=probe).bitwise_and_(15)
-        nib = _nibbles(pack(probe.view(n, k)))
+        yield torch.add(rows, cols, out=probe).bitwise_right_shift_(shift).bitwise_and_(15)
+        shift += 4
+
+
+def _where(pack: Packer, n: int, k: int, device: torch.device) -> Tensor:
+    """[N * K] int32: the row-major position of the value each nibble of the packed weight holds."""
+    count = n * k
+    where = torch.zeros(count, dtype=torch.int32, device=device)
+    for shift, probe in zip(itertools.count(0, 4), _probes(n, k, device), strict=False):
+        nib = _nibbles(pack(probe))
         if nib.numel() != count:
             raise LayoutError(f"the int4 packer made {nib.numel()} nibbles of a [{n}, {k}] weight, not {count}")
-        where.bitwise_or_(nib.to(torch.int32).bitwise_left_shift_(shift))
-        shift += 4
-    if not bool((torch.bincount(where, minlength=count) == 1).all()):
-        raise LayoutError(f"the int4 packer's output for [{n}, {k}] is not a permutation of its input")
-    inverse = torch.empty(count, dtype=torch.int64, device=device)
-    inverse[where.long()] = torch.arange(count, dtype=torch.int64, device=device)
-    return inverse
+        where.add_(nib, alpha=1 << shift)  # the digits land in disjoint bits: adding is or-ing
+    return where
 
 
-def _runs(inverse: Tensor, n: int, k: int) -> tuple[RowRun, ...] | None:
-    """Compress the inverse into strided row runs, or None where it has no such form."""
-    nib = inverse.view(n, k)
-    first = nib[:, 0]  # [N]
-    step = nib[:, 1] - first if k > 1 else torch.full_like(first, 2)
-    if not torch.equal(nib, first[:, None] + step[:, None] * torch.arange(k, device=nib.device)):
+def _runs(where: Tensor, n: int, k: int) -> tuple[RowRun, ...] | None:
+    """Strided row runs read off the nibbles holding columns 0 and 1 of each row, or None where the layout has no
+    such form (a row whose two first values are not in one nibble half, a position missing or doubled). Whether
+    the runs hold every other column too is for the round trip (``_round_trips``) to show."""
+    step_rows = 1 << 20  # nibbles at a time: no [N * K] temporary beside ``where``
+    at = torch.cat(
+        [
+            ((where[i : i + step_rows] % k) < min(k, 2)).nonzero().view(-1) + i
+            for i in range(0, where.numel(), step_rows)
+        ]
+    )  # nibbles holding a column 0 or 1
+    if at.numel() != n * min(k, 2):
         return None
-    if bool((step % 2).any()):
-        return None  # a row alternating nibbles has no one shift
+    pos = where[at].long()
+    first = torch.full((n,), -1, dtype=torch.int64, device=where.device)
+    second = torch.full((n,), -1, dtype=torch.int64, device=where.device)
+    first[pos[pos % k == 0] // k] = at[pos % k == 0]
+    if k > 1:
+        second[pos[pos % k == 1] // k] = at[pos % k == 1]
+    step = second - first if k > 1 else torch.full_like(first, 2)
+    if bool((first < 0).any()) or (k > 1 and bool((second < 0).any())) or bool((step % 2).any()):
+        return None
     runs = []
     strides = torch.unique(step)
     for stride in strides.tolist():
@@ -129,29 +147,50 @@ def _runs(inverse: Tensor, n: int, k: int) -> tuple[RowRun, ...] | None:
         byte = first[rows] // 2
         base = int(byte.min())
         shift = (4 * (first[rows] % 2)).to(torch.uint8)[:, None]
-        whole = len(strides) == 1
         span = int(byte.max()) - base + 1
-        runs.append(RowRun(rows, byte - base, shift, base, span, stride // 2, whole))
+        runs.append(RowRun(rows, byte - base, shift, base, span, int(stride) // 2, len(strides) == 1))
+    if any(r.base + r.span - 1 + (r.stride * (k - 1)) >= n * k // 2 for r in runs) or any(r.stride <= 0 for r in runs):
+        return None  # a view past the packed bytes
     return tuple(runs)
 
 
-def _check_runs(runs: tuple[RowRun, ...], inverse: Tensor, n: int, k: int) -> bool:
-    rebuilt = torch.full((n, k), -1, dtype=torch.int64, device=inverse.device)
-    cols = torch.arange(k, device=inverse.device)
-    for run in runs:
-        nibble = 2 * (run.base + run.first_byte[:, None] + run.stride * cols) + (run.shift.to(torch.int64) // 4)
-        rebuilt[run.rows] = nibble
-    return torch.equal(rebuilt.view(-1), inverse)
+def _gather(where: Tensor) -> Tensor | None:
+    """[N * K] int64: each row-major value's nibble index, or None if the packer did not permute the nibbles."""
+    gather = torch.full_like(where, -1, dtype=torch.int64)
+    gather[where.long()] = torch.arange(where.numel(), device=where.device)
+    return None if bool((gather < 0).any()) else gather
+
+
+def _round_trips(layout: Int4Layout, pack: Packer, n: int, k: int, device: torch.device) -> bool:
+    """Whether ``layout`` unpacks every position probe and a random weight exactly as packed: each value read
+    from the nibble that holds its position, so the unpack inverts the packer."""
+    out = torch.empty(n, k, dtype=torch.uint8, device=device)
+    randoms = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(n * k))
+    for probe in itertools.chain(_probes(n, k, device), [randoms.to(device)]):
+        if not torch.equal(layout.unpack(pack(probe), out), probe.to(torch.uint8)):
+            return False
+    return True
 
 
 def derive(pack: Packer, n: int, k: int, device: torch.device | str = "cpu") -> Int4Layout:
     """The layout ``pack`` produces for [N, K] weights on ``device`` (see the module docstring)."""
     device = torch.device(device)
-    inverse = _inverse(pack, n, k, device)
-    runs = _runs(inverse, n, k)
-    if runs is not None and _check_runs(runs, inverse, n, k):
-        return Int4Layout(n, k, runs, None)
-    return Int4Layout(n, k, None, inverse.to(torch.int32))
+    where = _where(pack, n, k, device)
+    runs = _runs(where, n, k)
+    if runs is not None:
+        strided = Int4Layout(n, k, runs, None)
+        del where
+        if _round_trips(strided, pack, n, k, device):
+            return strided
+        where = _where(pack, n, k, device)
+    gather = _gather(where)
+    del where
+    if gather is None:
+        raise LayoutError(f"the int4 packer's output for [{n}, {k}] is not a permutation of its input")
+    layout = Int4Layout(n, k, None, gather)
+    if not _round_trips(layout, pack, n, k, device):
+        raise LayoutError(f"the int4 packer's output for [{n}, {k}] depends on the values packed")
+    return layout
 
 
 _CACHE: dict[tuple[str, int, int], Int4Layout] = {}
