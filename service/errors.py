@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 SHORTEN_CHARS = 200
+ECHO_CHARS = 64
 DOMAIN = "loraplex"
 """``google.rpc.ErrorInfo.domain`` of every error the server reports."""
 
@@ -51,6 +52,14 @@ def shorten(text: object, n: int = SHORTEN_CHARS) -> str:
     exceed gRPC's metadata limit and arrive as RESOURCE_EXHAUSTED)."""
     s = str(text)
     return s if len(s) <= n else f"{s[:n]}...[{len(s) - n} more characters]"
+
+
+def echo(text: object, n: int = ECHO_CHARS) -> str:
+    """How a message shows a string a client sent (an id, a name): its first ``n`` characters, quoted, with anything
+    but printable ASCII escaped (``ascii``: ``\\x00``, ``\\u00e9``), and how many characters were left out."""
+    s = str(text)
+    head = ascii(s[:n])
+    return head if len(s) <= n else f"{head}...[{len(s) - n} more characters]"
 
 
 def _upper_snake(name: str) -> str:
@@ -109,9 +118,7 @@ class AdapterNotFound(NotFound):
     fields = ("adapter_id",)
 
     def __init__(self, adapter_id: str) -> None:
-        super().__init__(
-            f"adapter {shorten(adapter_id)!r} is not registered (see ListAdapters / `loraplex adapters list`)"
-        )
+        super().__init__(f"adapter {echo(adapter_id)} is not registered (see ListAdapters / `loraplex adapters list`)")
         self.adapter_id = adapter_id
 
 

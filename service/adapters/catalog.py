@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.adapters.handle import Adapter
-from service.adapters.registry import check_adapter_id, resolve_source
+from service.adapters.ids import check_adapter_id
+from service.adapters.registry import resolve_source
 from service.adapters.store import AdapterStore
 from service.adapters.types import AdapterInfo, LoraLayer
 from service.errors import AdapterNotFound, InvalidAdapter, LoraplexError
