@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+E = TypeVar("E", bound="LoraplexError")
 SHORTEN_CHARS = 200
 ECHO_CHARS = 64
 DOMAIN = "loraplex"
@@ -88,6 +89,17 @@ class LoraplexError(Exception):
         """The structured fields that are set, as strings: ``ErrorInfo.metadata``."""
         values = ((name, getattr(self, name, None)) for name in self.fields)
         return {name: shorten(value) for name, value in values if value is not None}
+
+    def fresh(self: E) -> E:
+        """A new instance of this error: the same class, message and fields, no traceback, cause or context.
+
+        For an error kept once and reported to many requests (an adapter's failure): raising the kept instance
+        itself would link each raise's frames into its ``__traceback__``, so every request that ever reported it
+        (its request, queues, generators) would stay alive as long as the error does."""
+        copy = type(self).__new__(type(self))
+        copy.args = self.args
+        copy.__dict__.update(self.__dict__)
+        return copy
 
 
 class InvalidRequest(LoraplexError, status="INVALID_ARGUMENT"):

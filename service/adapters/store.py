@@ -295,7 +295,7 @@ class AdapterStore:
             with self._cond:
                 entry = self._entries.get(adapter_id)
                 if entry is not None and entry.error is not None:
-                    raise entry.error
+                    raise entry.error.fresh()
                 if entry is not None and entry.loading:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
