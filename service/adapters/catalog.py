@@ -122,6 +122,7 @@ class AdapterCatalog:
     def lora_info(self, adapter_id: str) -> AdapterInfo | None:
         return self.store.get(adapter_id) if self.has_lora(adapter_id) else None
 
-    def close(self) -> None:
-        self.store.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loaders (waiting up to ``timeout`` seconds for a LoRA load in progress)."""
         self.medusa.close()
+        self.store.close(timeout)

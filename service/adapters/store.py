@@ -302,9 +302,10 @@ class AdapterStore:
                         raise DeadlineExceeded(f"adapter {adapter_id!r} did not load within {timeout} s")
                     self._cond.wait(left)
 
-    def close(self) -> None:
-        """Stop the loader thread (a load in progress finishes first). Registered adapters stay readable."""
-        self._loader.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loader thread (a load in progress finishes first, waited for up to ``timeout`` seconds).
+        Registered adapters stay readable."""
+        self._loader.close(timeout)
 
     def __enter__(self) -> AdapterStore:
         return self

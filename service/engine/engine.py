@@ -121,14 +121,19 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float | None = 5.0) -> None:
+    def stop(self, timeout: float | None = 5.0) -> bool:
+        """Stop taking work. The thread ends the step it is in, then fails every request left with UNAVAILABLE
+        (``_shutdown``); wait up to ``timeout`` seconds for it (0: ask and return). True once the thread has ended
+        (an engine never started fails its queued requests here, at once)."""
+        first = not self._stop.is_set()
         self._stop.set()
         self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        else:
-            self._shutdown()
+        if self._thread is None:
+            if first:
+                self._shutdown()
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
