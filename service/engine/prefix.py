@@ -8,7 +8,7 @@ Public API::
     prefix.restore(blocks, slot) -> int                     copies them into a KV slot; returns positions restored
     prefix.insert(tokens, key, slot, length) -> int         stores the slot's full blocks; returns blocks added
     prefix.forget(key) -> int                               drops every block of a key (an unloaded adapter's)
-    prefix.clear(), .keys(), .blocks_used, .touched_rows, .capacity, .nbytes, .block
+    prefix.clear(), .blocks_by_key(), .blocks_used, .touched_rows, .capacity, .nbytes, .block
 
 Chat traffic repeats itself: every request of a deployment carries the same system prompt and chat-template
 header, and multi-turn conversations resend the whole history. Their K/V is the same whoever computes it, so
@@ -87,7 +87,7 @@ class PrefixCache:
             self._free.append(self._blocks.pop(h).index)
         return len(gone)
 
-    def keys(self) -> dict[Hashable, int]:
+    def blocks_by_key(self) -> dict[Hashable, int]:
         """Blocks held per key (state for tests and metrics)."""
         held: dict[Hashable, int] = {}
         for block in self._blocks.values():
