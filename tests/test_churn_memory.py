@@ -1,10 +1,12 @@
-"""What adapter churn must leave behind: nothing. The two leaks the churn soak found (bench/README.md, "Memory under
+"""What adapter churn must leave behind: nothing. The leaks the churn soak found (bench/README.md, "Memory under
 adapter churn"), each checked by the state that must be empty, counted, never timed:
 
 - an adapter's failure is kept once and reported to every request for it; raising that one instance linked each
   raise's frames into its ``__traceback__``, so every failed request (its prompt, queue, generators) stayed alive;
 - the prefix cache kept the K/V blocks of an unloaded adapter registration, unreachable, until the budget evicted
-  them: under churn the pool filled to its whole budget.
+  them: under churn the pool filled to its whole budget;
+- the C heap: glibc's dynamic mmap threshold had risen past most tensors, whose freed holes stayed in the heap
+  (``service.heap`` pins it; a test can only check that it is set).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.errors import ResourceExhausted
+from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from service.medusa.registry import MedusaRegistry
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
@@ -53,9 +56,7 @@ def root(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return folder
 
 
-def test_a_kept_failure_reported_to_many_requests_keeps_none_of_them_alive(
-    served_tiny_dir: Path, root: Path
-) -> None:
+def test_a_kept_failure_reported_to_many_requests_keeps_none_of_them_alive(served_tiny_dir: Path, root: Path) -> None:
     cfg = load_model(served_tiny_dir, dtype=torch.float32, device=CPU)[1]
     too_big = plan_nbytes(index_adapter("big", root / "big", cfg), torch.float32, DEVICE_ALIGN)
     settings = tiny_settings(served_tiny_dir, adapter_dirs=(root,), adapter_device_budget_bytes=too_big // 2)
@@ -122,7 +123,7 @@ def test_an_unloaded_adapters_prefix_blocks_are_dropped_and_their_pool_rows_reus
     try:
         words = prompt(21, 40)  # 5 blocks of 8 tokens
         _run(engine, req("base", words, n=2))
-        base_blocks = prefix.keys()
+        base_blocks = prefix.blocks_by_key()
         n = base_blocks[None]  # the base model's blocks of the prompt
         assert set(base_blocks) == {None} and n >= 4 and prefix.touched_rows == n
         for round_ in range(5):  # churn: load, serve, unload the same adapter id
@@ -130,10 +131,10 @@ def test_an_unloaded_adapters_prefix_blocks_are_dropped_and_their_pool_rows_reus
             catalog.store.ensure("small", timeout=60)  # loaded on the store's thread: resident before the steps
             key = catalog.resolve("small").kv_key()
             _run(engine, req(f"small-{round_}", words, n=2, adapter_id="small"))
-            assert prefix.keys() == {None: n, key: n}
+            assert prefix.blocks_by_key() == {None: n, key: n}
             catalog.unregister("small")
             engine.step()  # the engine thread's step drops the registration's blocks
-            assert prefix.keys() == base_blocks, f"round {round_}: an unloaded registration still holds blocks"
+            assert prefix.blocks_by_key() == base_blocks, f"round {round_}: an unloaded registration still holds blocks"
             assert prefix.touched_rows == 2 * n  # each round reuses the rows the last one freed: the pool stays put
     finally:
         engine.stop()
@@ -149,11 +150,16 @@ def test_unloading_over_grpc_empties_the_registrations_bookkeeping(served_tiny_d
         for _ in range(3):
             admin.LoadAdapter(apb.LoadAdapterRequest(id="small", source=str(root / "small")), timeout=30)
             stub.Generate(text_req(long_prompt, 2, adapter_id="small"), timeout=30)
-            assert any(key is not None for key in engine.prefix.keys())
+            assert any(key is not None for key in engine.prefix.blocks_by_key())
             admin.UnloadAdapter(apb.UnloadAdapterRequest(id="small"), timeout=30)
             stub.Generate(text_req("a base request: the engine takes a step", 2), timeout=30)
-            assert [key for key in engine.prefix.keys() if key is not None] == []
+            assert [key for key in engine.prefix.blocks_by_key() if key is not None] == []
             store = srv.server.runtime.loaded.adapters.store  # type: ignore[union-attr]
             state = store.state()
             assert state.adapters == {} and state.device_bytes == state.host_bytes == 0
             assert state.device_lru == state.host_lru == state.queued == ()
+
+
+def test_the_mmap_threshold_is_pinned_unless_the_environment_chose() -> None:
+    assert fix_mmap_threshold(env={"MALLOC_MMAP_THRESHOLD_": "131072"}) == "environment"
+    assert fix_mmap_threshold(MMAP_THRESHOLD_BYTES, env={}) in ("set", "unsupported")  # "set" on glibc

@@ -41,6 +41,7 @@ from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
 from service.cpu_budget import read_cpu_budget
 from service.engine.engine import Engine
+from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from service.torch_threads import in_own_thread, serial_torch
 
 log = logging.getLogger("loraplex.server")
@@ -300,8 +301,10 @@ def run(settings: Settings) -> NoReturn:
     """Entry point of `loraplex serve`. It returns only by an exception raised before serving began (a bad setting, a
     port in use, a stop signal before the event loop ran: ``service.api.signals``); once ``serve`` has run, the
     process ends in ``exit_now`` with its code, right after the drain: the interpreter's own teardown of a loaded
-    model took 0.5-0.8 s more, past the drain's bound, and can abort under a torch thread still at work."""
+    model takes longer than the drain's bound leaves, and can abort under a torch thread still at work."""
     logs.configure(settings.log_format, settings.log_level)
+    heap = {"mmap_threshold_bytes": MMAP_THRESHOLD_BYTES, "how": fix_mmap_threshold()}
+    log.info("event=heap", extra={"fields": heap})  # before the load: see service.heap
     try:
         with asyncio.Runner() as runner:
             serial_loop(runner.get_loop())
