@@ -346,6 +346,7 @@ def report(t: Tally, rss: list[tuple[float, float]], wall: float, args: argparse
         rss_slope_mb_per_min=slope_mb_per_min(rss),
         rss_slope_second_half_mb_per_min=slope_mb_per_min(rss[len(rss) // 2 :]),  # past the first loads
         rss_samples=len(rss),
+        rss_series=[[round(t, 1), round(mb, 1)] for t, mb in rss],  # (seconds since the traffic began, MB)
         settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     )
     problems = [f"unexpected errors {dict(t.errors)}"] if t.errors else []
@@ -388,13 +389,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def prepare(args: argparse.Namespace) -> tuple[Path, Path, list[str], int]:
+    """The model folder, the adapters' folder, their ids and bytes each (written once, then reused)."""
     WORK.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(WORK / "tiny") if args.tiny else args.model
     targets = args.targets.split(",")
     folder = WORK / f"adapters-{'tiny' if args.tiny else 'model'}-r{args.rank}-{'-'.join(targets)}"
     adapters, each = write_adapters(model, folder, args.adapters, args.rank, targets)
+    return model, folder, adapters, each
+
+
+def write_report(result: dict[str, Any], path: Path | None) -> None:
+    print(json.dumps(result, indent=2, sort_keys=True))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model, folder, adapters, each = prepare(args)
     budget = max(each, int(each * args.adapters * args.budget_fraction)) if args.soak else 1 << 40
     server = Server(model, folder, args.port, args, budget)
     try:
@@ -402,10 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     result.update(adapter_bytes=each, adapter_device_budget_bytes=budget, server_exit=server.proc.returncode)
-    print(json.dumps(result, indent=2, sort_keys=True))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    write_report(result, args.json)
     return 1 if result["problems"] else 0
 
 

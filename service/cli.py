@@ -14,6 +14,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.api.signals import StopRequested, log_early_stop, raise_on_stop, restore
 from service.cli_convert import add_convert_command, run_convert
 from service.config import DTYPES, LOAD_MODES, QUANTIZE, WEIGHTS, ConfigError, Settings
 from service.errors import LoraplexError
@@ -264,11 +265,21 @@ def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 
 def _serve(args: argparse.Namespace) -> int:
-    openmp_defaults(os.environ)  # before anything imports torch (Settings.validate does)
-    settings = serve_settings(args)
-    from service.api.server import run
+    """`loraplex serve`: once it has served, the process ends inside ``run``; a return is an error (or a stop)
+    before that."""
+    previous = raise_on_stop()  # first: a SIGTERM / SIGINT from here on is a logged exit 0, imports included
+    settings: Settings | None = None
+    try:
+        openmp_defaults(os.environ)  # before anything imports torch (Settings.validate does)
+        settings = serve_settings(args)
+        from service.api.server import run
 
-    return run(settings)
+        run(settings)
+    except StopRequested as stop:
+        log_early_stop(stop, None if settings is None else (settings.log_format, settings.log_level))
+        return 0
+    finally:
+        restore(previous)
 
 
 def _fetch(args: argparse.Namespace) -> int:

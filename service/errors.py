@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+E = TypeVar("E", bound="LoraplexError")
 SHORTEN_CHARS = 200
+ECHO_CHARS = 64
 DOMAIN = "loraplex"
 """``google.rpc.ErrorInfo.domain`` of every error the server reports."""
 
@@ -51,6 +53,14 @@ def shorten(text: object, n: int = SHORTEN_CHARS) -> str:
     exceed gRPC's metadata limit and arrive as RESOURCE_EXHAUSTED)."""
     s = str(text)
     return s if len(s) <= n else f"{s[:n]}...[{len(s) - n} more characters]"
+
+
+def echo(text: object, n: int = ECHO_CHARS) -> str:
+    """How a message shows a string a client sent (an id, a name): its first ``n`` characters, quoted, with anything
+    but printable ASCII escaped (``ascii``: ``\\x00``, ``\\u00e9``), and how many characters were left out."""
+    s = str(text)
+    head = ascii(s[:n])
+    return head if len(s) <= n else f"{head}...[{len(s) - n} more characters]"
 
 
 def _upper_snake(name: str) -> str:
@@ -79,6 +89,17 @@ class LoraplexError(Exception):
         """The structured fields that are set, as strings: ``ErrorInfo.metadata``."""
         values = ((name, getattr(self, name, None)) for name in self.fields)
         return {name: shorten(value) for name, value in values if value is not None}
+
+    def fresh(self: E) -> E:
+        """A new instance of this error: the same class, message and fields, no traceback, cause or context.
+
+        For an error kept once and reported to many requests (an adapter's failure): raising the kept instance
+        itself would link each raise's frames into its ``__traceback__``, so every request that ever reported it
+        (its request, queues, generators) would stay alive as long as the error does."""
+        copy = type(self).__new__(type(self))
+        copy.args = self.args
+        copy.__dict__.update(self.__dict__)
+        return copy
 
 
 class InvalidRequest(LoraplexError, status="INVALID_ARGUMENT"):
@@ -109,9 +130,7 @@ class AdapterNotFound(NotFound):
     fields = ("adapter_id",)
 
     def __init__(self, adapter_id: str) -> None:
-        super().__init__(
-            f"adapter {shorten(adapter_id)!r} is not registered (see ListAdapters / `loraplex adapters list`)"
-        )
+        super().__init__(f"adapter {echo(adapter_id)} is not registered (see ListAdapters / `loraplex adapters list`)")
         self.adapter_id = adapter_id
 
 

@@ -22,6 +22,7 @@ from service import cli
 from service.api.auth import KeyRing, parse_key_file, required_role
 from service.api.server import BackgroundServer
 from service.config import ConfigError, Settings
+from service.errors import Unauthenticated
 
 GENERATE_KEY, ADMIN_KEY, LEGACY_KEY = "gen-3f9a1c", "adm-7d22e0", "legacy-0b5c"
 KEY_FILE = f"""# loraplex API keys
@@ -89,6 +90,27 @@ def test_roles_and_the_open_services() -> None:
     settings = Settings.from_env({"LORAPLEX_API_KEYS": f"{LEGACY_KEY},other", "LORAPLEX_API_KEY_FILE": "/s/keys"})
     assert settings.api_keys == (LEGACY_KEY, "other") and settings.api_key_file == Path("/s/keys")
     assert LEGACY_KEY not in repr(settings)
+
+
+def test_the_bearer_scheme_is_case_insensitive() -> None:
+    ring = KeyRing(((GENERATE_KEY, "generate"),))
+    method = "/loraplex.v1.Generation/Generate"
+    for value in (f"Bearer {GENERATE_KEY}", f"bearer {GENERATE_KEY}", f"BEARER {GENERATE_KEY}",
+                  f"bEaReR \t {GENERATE_KEY} "):  # fmt: skip
+        ring.authorize(method, [("authorization", value)])  # RFC 7235: the scheme ignores case
+    for value in (GENERATE_KEY, f"Basic {GENERATE_KEY}", f"Bearer{GENERATE_KEY}", "Bearer ", f"Token {GENERATE_KEY}"):
+        with pytest.raises(Unauthenticated):
+            ring.authorize(method, [("authorization", value)])
+
+
+def test_a_lowercase_bearer_scheme_is_accepted_over_grpc(channel: grpc.Channel) -> None:
+    stub = pb_grpc.GenerationStub(channel)
+    for scheme in ("bearer", "BEARER"):
+        md = (("authorization", f"{scheme} {GENERATE_KEY}"),)
+        assert code_of(lambda md=md: stub.Generate(text_req("hi", 2), metadata=md, timeout=60)) == grpc.StatusCode.OK
+    wrong = (("authorization", "bearer wrong"),)
+    refused = code_of(lambda: stub.Generate(text_req("hi", 2), metadata=wrong, timeout=60))
+    assert refused == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize(

@@ -273,6 +273,9 @@ def test_api_keys_are_required(server: BackgroundServer, base: str) -> None:
             reply = call(base_url(server) + path, body, **kwargs)  # type: ignore[arg-type]
             assert reply.status == 401, reply.body
             assert reply.body["error"]["type"] == "authentication_error"
+    for scheme in ("bearer", "BEARER"):  # RFC 7235: the scheme ignores case
+        reply = call(base_url(server) + "/models", headers={"authorization": f"{scheme} {KEY}"})
+        assert reply.status == 200, reply.body
     nobody = openai.OpenAI(base_url=base_url(server), api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         nobody.models.list()

@@ -11,10 +11,12 @@ folder is refused, the heads are not left registered either. The catalog remembe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 from service.adapters.handle import Adapter
-from service.adapters.registry import check_adapter_id, resolve_source
+from service.adapters.ids import check_adapter_id
+from service.adapters.registry import resolve_source
 from service.adapters.store import AdapterStore
 from service.adapters.types import AdapterInfo, LoraLayer
 from service.errors import AdapterNotFound, InvalidAdapter, LoraplexError
@@ -32,6 +34,7 @@ class AdapterCatalog:
         self.medusa = medusa
         self.hub_cache = hub_cache  # where hf:// sources are looked up
         self._given: dict[str, AdapterSource] = {}  # id -> the source it was registered from, as given
+        self._unregistered: list[Callable[[Hashable], None]] = []  # told each removed registration's K/V key
 
     @property
     def roots(self) -> tuple[Path, ...]:
@@ -78,13 +81,22 @@ class AdapterCatalog:
             pass
 
     def unregister(self, adapter_id: str) -> None:
-        """``FailedPrecondition`` while requests pin the LoRA part (nothing is removed then)."""
+        """``FailedPrecondition`` while requests pin the LoRA part (nothing is removed then). Every
+        ``on_unregister`` listener is then told the registration's K/V key (what the engine's caches keyed it by)."""
         adapter = self.resolve(adapter_id)
+        key = adapter.kv_key()
         if adapter.has_lora:
             self.store.unregister(adapter_id)
         if adapter.has_heads:
             self.medusa.unregister(adapter_id)
         self._given.pop(adapter_id, None)
+        if key is not None:
+            for listener in self._unregistered:
+                listener(key)
+
+    def on_unregister(self, listener: Callable[[Hashable], None]) -> None:
+        """Call ``listener(kv_key)`` after each adapter is removed (on the unregistering thread: keep it short)."""
+        self._unregistered.append(listener)
 
     def has_lora(self, adapter_id: str) -> bool:
         try:
@@ -110,6 +122,7 @@ class AdapterCatalog:
     def lora_info(self, adapter_id: str) -> AdapterInfo | None:
         return self.store.get(adapter_id) if self.has_lora(adapter_id) else None
 
-    def close(self) -> None:
-        self.store.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loaders (waiting up to ``timeout`` seconds for a LoRA load in progress)."""
         self.medusa.close()
+        self.store.close(timeout)

@@ -91,14 +91,15 @@ class Loader:
             f"budget of {self.device_budget_bytes} bytes (--adapter-device-budget)"
         )
 
-    def close(self) -> None:
-        """Stop the thread (a load in progress finishes first); later ``queue_load`` calls raise ``Unavailable``."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread (a load in progress finishes first; waited for up to ``timeout`` seconds, a daemon after
+        that); later ``queue_load`` calls raise ``Unavailable``."""
         with self._cond:
             self.closed = True
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join()
+            thread.join(timeout)
 
     # --- the thread -------------------------------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ the stamp are checked again at every read.
 
 from __future__ import annotations
 
-import re
 import time
 from array import array
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from service.adapters.folder import check_folder, refuse_pickles
+from service.adapters.ids import check_adapter_id
 from service.adapters.integrity import FileStamp, stamp
 from service.adapters.peft import (
     CONFIG_FILE,
@@ -37,20 +37,9 @@ from service.adapters.peft import (
 from service.adapters.peft_keys import GROUP, LORA_KEY, explain_foreign_key, module_key
 from service.adapters.spec import FLOAT_CODES, N_MODULES, AdapterSpec, plan_nbytes
 from service.adapters.types import MODULES
-from service.errors import InvalidAdapter, InvalidRequest, PermissionDenied, shorten
+from service.errors import InvalidAdapter, PermissionDenied, shorten
 from service.loading import TensorRecord, read_safetensors_header
 from service.model.config import ModelConfig
-
-_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-
-
-def check_adapter_id(adapter_id: str) -> None:
-    """1-128 characters of ``[A-Za-z0-9._-]``, not starting with '.' (ids appear in paths, logs and metrics)."""
-    if not isinstance(adapter_id, str) or not _ID.fullmatch(adapter_id):
-        raise InvalidRequest(
-            f"invalid adapter id {shorten(adapter_id)!r}: use 1-128 characters from [A-Za-z0-9._-], "
-            "not starting with '.'"
-        )
 
 
 def resolve_source(path: Path, roots: Sequence[Path]) -> Path:

@@ -295,16 +295,17 @@ class AdapterStore:
             with self._cond:
                 entry = self._entries.get(adapter_id)
                 if entry is not None and entry.error is not None:
-                    raise entry.error
+                    raise entry.error.fresh()
                 if entry is not None and entry.loading:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise DeadlineExceeded(f"adapter {adapter_id!r} did not load within {timeout} s")
                     self._cond.wait(left)
 
-    def close(self) -> None:
-        """Stop the loader thread (a load in progress finishes first). Registered adapters stay readable."""
-        self._loader.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the loader thread (a load in progress finishes first, waited for up to ``timeout`` seconds).
+        Registered adapters stay readable."""
+        self._loader.close(timeout)
 
     def __enter__(self) -> AdapterStore:
         return self

@@ -1,6 +1,8 @@
 """The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work).
 
-Methods raise typed errors; the interceptors (``service.api.interceptors``) turn them into statuses and count them.
+Every method taking an id checks it first (``service.adapters.ids``): a malformed id is INVALID_ARGUMENT, NOT_FOUND
+is for a well-formed id that is not registered. Methods raise typed errors; the interceptors
+(``service.api.interceptors``) turn them into statuses and count them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from loraplex.v1 import adapters_pb2_grpc as pb_grpc
 
 from service.adapters import AdapterInfo
 from service.adapters.catalog import AdapterCatalog
+from service.adapters.ids import check_adapter_id
 from service.api.runtime import Runtime
 from service.api.status import Context
 from service.errors import InvalidRequest, PermissionDenied
@@ -119,6 +122,7 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
         store = self.runtime.ready().adapters
+        check_adapter_id(request.id, field="id")
         if not request.source:
             raise InvalidRequest("source is empty: give the adapter folder's path on the server, or hf://org/name")
         if not store.roots:
@@ -132,6 +136,7 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
         store = self.runtime.ready().adapters
+        check_adapter_id(request.id, field="id")
         info = describe(store, request.id)
         store.unregister(request.id)  # raises (and changes nothing) while requests use it
         return pb.UnloadAdapterResponse(adapter=unloaded(info))
@@ -141,4 +146,6 @@ class AdaptersServicer(pb_grpc.AdaptersServicer):
         return pb.ListAdaptersResponse(adapters=[describe(store, i) for i in store.ids()])
 
     async def GetAdapter(self, request: pb.GetAdapterRequest, context: Context) -> pb.GetAdapterResponse:
-        return pb.GetAdapterResponse(adapter=describe(self.runtime.ready().adapters, request.id))
+        store = self.runtime.ready().adapters
+        check_adapter_id(request.id, field="id")
+        return pb.GetAdapterResponse(adapter=describe(store, request.id))

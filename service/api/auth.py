@@ -108,7 +108,12 @@ class KeyRing:
 
 
 def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The key of an ``authorization: Bearer <key>`` entry ("" if none). The scheme is matched ignoring case
+    (RFC 7235: ``bearer`` and ``BEARER`` are the same scheme), and separated from the key by whitespace."""
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value.removeprefix("Bearer ").strip()
+        if key.lower() != "authorization" or not isinstance(value, str):
+            continue
+        parts = value.split(maxsplit=1)
+        if len(parts) == 2 and parts[0].lower() == "bearer":
+            return parts[1].strip()
     return ""

@@ -197,7 +197,7 @@ def _raise_if_failed(event: TokenEvent) -> None:
         raise DeadlineExceeded("the request's deadline passed before generation finished")
     if event.finish is FinishReason.ERROR:
         if isinstance(event.error, LoraplexError):
-            raise event.error
+            raise event.error.fresh()  # never the instance itself: one may be shared by many requests
         if event.error is not None:
             raise event.error
         raise Unavailable("generation failed")

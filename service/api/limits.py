@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 from loraplex.v1 import generation_pb2 as pb
 
+from service.adapters.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id
 from service.config import Settings
 from service.errors import InvalidRequest
 
 __all__ = ["ADAPTER_ID_MAX_CHARS", "REQUEST_ID_MAX_CHARS", "check_generate", "check_input"]
 
-ADAPTER_ID_MAX_CHARS = 128  # the registry's id rule: 1-128 characters of [A-Za-z0-9._-]
 REQUEST_ID_MAX_CHARS = 128
 
 
@@ -93,13 +93,10 @@ def check_stops(stops: Sequence[str], settings: Settings) -> None:
 
 
 def check_ids(adapter_id: str, request_id: str) -> None:
-    """Length bounds of the ids (their character rules are checked where they are used)."""
-    if len(adapter_id) > ADAPTER_ID_MAX_CHARS:
-        raise InvalidRequest(
-            f"adapter_id has {len(adapter_id)} characters; adapter ids have at most {ADAPTER_ID_MAX_CHARS}",
-            field="adapter_id",
-            limit=ADAPTER_ID_MAX_CHARS,
-        )
+    """The adapter id's rule (``service.adapters.ids``; "" = the base model) and the request id's length (its
+    character rule is checked where it is used)."""
+    if adapter_id:
+        check_adapter_id(adapter_id, field="adapter_id")
     if len(request_id) > REQUEST_ID_MAX_CHARS:
         raise InvalidRequest(
             f"request_id has {len(request_id)} characters; it must be 1-{REQUEST_ID_MAX_CHARS} printable ASCII "

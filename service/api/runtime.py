@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,8 @@ class Runtime:
         self._pool = ThreadPoolExecutor(
             max_workers=TOKENIZE_WORKERS, thread_name_prefix="loraplex-tokenize", initializer=serial_torch
         )
+        self._closing = threading.Lock()  # close vs the end of a load running on another thread
+        self._closed = False
 
     def load(self) -> Loaded:
         """Load tokenizer and weights, start the engine. Blocking: call it off the event loop."""
@@ -87,6 +90,7 @@ class Runtime:
         start = time.perf_counter()
         device = torch.device(s.device)
         tokenizer = Tokenizer.from_folder(s.model)
+        self._check_open()
         choice = choose_serving(s.dtype, s.weights, s.gguf is not None, device)
         log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.dtype.name, device,
                  choice.dtype.reason)  # fmt: skip
@@ -107,6 +111,7 @@ class Runtime:
             kept = keep_dense_copies(model, None if s.dense_copies_mb < 0 else s.dense_copies_mb * 2**20)
             metrics.MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
             log.info("event=dense_copies budget_mb=%d bytes=%d", s.dense_copies_mb, kept)
+        self._check_open()
         checked = run_self_check(model)  # refuses (SelfCheckFailed) before anything is served, or falls back
         fallbacks = sum(c.status.startswith("fallback") for c in checked.checks)
         metrics.SELF_CHECK_FALLBACKS.set(fallbacks)
@@ -127,7 +132,9 @@ class Runtime:
         adapters = AdapterCatalog(store, medusa, hub_cache=s.hf_hub_cache)
         register_startup_adapters(adapters, s)
         engine = Engine(model, tokenizer, s, adapters=adapters)
-        engine.start()
+        with self._closing:
+            self._check_open()
+            engine.start()
         seconds = time.perf_counter() - start
         log.info(
             "event=model_loaded path=%s weights=%s mode=%s dtype=%s quantize=%s device=%s bytes=%d parameter_bytes=%d "
@@ -136,9 +143,14 @@ class Runtime:
             stats.bytes_read,
             model.parameter_bytes, seconds, stats.total_seconds,
         )  # fmt: skip
-        self.loaded = Loaded(
-            s, cfg, tokenizer, engine, device, seconds, adapters, choice.dtype.name, checked, choice.weights
-        )
+        with self._closing:
+            self.loaded = Loaded(
+                s, cfg, tokenizer, engine, device, seconds, adapters, choice.dtype.name, checked, choice.weights
+            )
+            if self._closed:  # closed between the engine's start and here: close did not see it
+                engine.stop(0)
+                adapters.close(0)
+                raise Unavailable("the server was stopped while the model was loading")
         return self.loaded
 
     def ready(self) -> Loaded:
@@ -169,11 +181,27 @@ class Runtime:
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
         return self.ready().engine.submit(request, sink)  # the engine's own check runs there, once
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop the pool, the engine and the adapter loaders, waiting up to ``timeout`` seconds in all for their
+        threads (daemons: one still busy is left to end with the process). A load still running stops at its next
+        stage and starts no engine."""
+        until = None if timeout is None else time.monotonic() + timeout
+        with self._closing:
+            self._closed = True
+            loaded = self.loaded
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.loaded is not None:
-            self.loaded.engine.stop()
-            self.loaded.adapters.close()
+        if loaded is not None:
+            loaded.engine.stop(_left(until))
+            loaded.adapters.close(_left(until))
+
+    def _check_open(self) -> None:
+        """Between the load's stages: stop when the server was stopped meanwhile."""
+        if self._closed:
+            raise Unavailable("the server was stopped while the model was loading")
+
+
+def _left(until: float | None) -> float | None:
+    return None if until is None else max(0.0, until - time.monotonic())
 
 
 def adapter_roots(s: Settings) -> tuple[Path, ...]:

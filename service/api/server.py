@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NoReturn
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -36,9 +36,12 @@ from service.api.generation import GenerationServicer
 from service.api.health import HealthServicer
 from service.api.http import HttpListener, OpenAIRoutes
 from service.api.runtime import Runtime
+from service.api.signals import StopSignals, exit_now, ignore_stop
 from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
 from service.cpu_budget import read_cpu_budget
+from service.engine.engine import Engine
+from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from service.torch_threads import in_own_thread, serial_torch
 
 log = logging.getLogger("loraplex.server")
@@ -46,6 +49,30 @@ log = logging.getLogger("loraplex.server")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADAPTERS_SERVICE = adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name
 SERVICES = (GENERATION_SERVICE, ADAPTERS_SERVICE)
+
+
+CLOSE_SECONDS = 0.4
+"""After the grace period: the time the drain takes at most to cut what still runs and close every part (the drain's
+promise is the grace plus 0.5 s, ``DRAIN_OVERRUN_SECONDS``, SIGTERM to exit)."""
+STOP_SECONDS = 0.1  # of CLOSE_SECONDS: kept for the transports to stop after the cut calls' statuses went out
+DRAIN_OVERRUN_SECONDS = 0.5
+TORCH_THREADS = frozenset({"loraplex-model-load", "loraplex-engine", "loraplex-adapter-loader"})
+"""The service's threads that run torch work no stop can interrupt (the process does not wait for them)."""
+
+
+@dataclass(frozen=True)
+class DrainOutcome:
+    """What a drain did: the grace it had, how long it took (its start to everything closed), and how many requests
+    were still running at the grace's end and were cut with UNAVAILABLE."""
+
+    grace_seconds: float
+    seconds: float
+    cut: int
+
+    @property
+    def within_grace(self) -> bool:
+        """Whether the drain kept its promise: done within the grace plus ``DRAIN_OVERRUN_SECONDS``."""
+        return self.seconds <= self.grace_seconds + DRAIN_OVERRUN_SECONDS
 
 
 @dataclass
@@ -82,26 +109,60 @@ class Server:
         metrics.MODEL_LOADED.set(1)
         await self.set_serving(True)
 
-    async def drain(self, grace: float | None = None) -> None:
-        """NOT_SERVING, refuse new work, let running requests finish (up to ``grace``), stop."""
+    async def drain(self, grace: float | None = None) -> DrainOutcome:
+        """NOT_SERVING, refuse new work, let running requests finish for up to ``grace`` seconds; then cut what still
+        runs (UNAVAILABLE) and close everything within ``CLOSE_SECONDS``."""
         grace = self.settings.grace_seconds if grace is None else grace
+        started = time.monotonic()
+        deadline = started + grace
         self.runtime.draining = True
         await self.set_serving(False)
-        deadline = time.monotonic() + grace
-        loaded = self.runtime.loaded
-        while loaded is not None and time.monotonic() < deadline:
-            if loaded.engine.in_flight == 0:
-                break
-            await asyncio.sleep(0.05)
-        remaining = max(0.0, deadline - time.monotonic())
-        if self.http is not None:  # --- HTTP API: stops with gRPC, within the same grace
-            await asyncio.gather(self.http.stop(remaining), self.grpc_server.stop(remaining))
-        else:
-            await self.grpc_server.stop(remaining)
-        self.runtime.close()
-        if self.metrics_http is not None:
-            self.metrics_http.shutdown()
-            self.metrics_http.server_close()
+        engine = None if self.runtime.loaded is None else self.runtime.loaded.engine
+        while engine is not None and engine.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        cut = 0 if engine is None else engine.in_flight
+        if cut:
+            log.warning("event=drain_grace_ended", extra={"fields": {"grace_seconds": grace, "cut": cut}})
+        await self._close(engine, time.monotonic() + CLOSE_SECONDS)
+        return DrainOutcome(grace, time.monotonic() - started, cut)
+
+    async def abandon(self) -> None:
+        """Stop everything at once while the model is still loading (nothing is being served yet)."""
+        self.runtime.draining = True
+        await self._close(None, time.monotonic() + CLOSE_SECONDS)
+
+    async def _close(self, engine: Engine | None, close_by: float) -> None:
+        """Cut what still runs and stop every part, each wait bounded so that all is done by ``close_by``."""
+        metrics_stopped = self._stop_metrics()
+        if engine is not None:
+            engine.stop(timeout=0)  # it ends the step it is in, then fails every request left with UNAVAILABLE
+            while engine.in_flight and time.monotonic() < close_by - STOP_SECONDS:
+                await asyncio.sleep(0.01)  # the cut calls end with their status, before the transports stop
+        left = max(0.0, close_by - time.monotonic() - STOP_SECONDS)
+        stops = [self.grpc_server.stop(left)]
+        if self.http is not None:
+            stops.append(self.http.stop(left))
+        await asyncio.gather(*stops)
+        await asyncio.to_thread(self.runtime.close, max(0.0, close_by - time.monotonic()))
+        while not metrics_stopped.is_set() and time.monotonic() < close_by:
+            await asyncio.sleep(0.01)
+
+    def _stop_metrics(self) -> threading.Event:
+        """Stop /metrics on a thread of its own (its serve loop looks at the request every half second)."""
+        done = threading.Event()
+        served = self.metrics_http
+        if served is None:
+            done.set()
+            return done
+
+        def stop() -> None:
+            served.shutdown()
+            served.server_close()
+            done.set()
+
+        self.metrics_http = None
+        threading.Thread(target=stop, name="loraplex-metrics-stop", daemon=True).start()
+        return done
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
@@ -170,32 +231,38 @@ async def start(settings: Settings) -> Server:
 
 
 async def serve(settings: Settings, *, announce: bool = True) -> int:
+    """Start, load, serve until SIGTERM / SIGINT, drain. A stop signal at any point ends it with 0 and a log line:
+    before the model is loaded, the load is abandoned; after, running requests get the grace period."""
+    signals = StopSignals(asyncio.get_running_loop())  # from the loop's first step: a stop signal is an event
     server = await start(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     log.info(
         "event=listening grpc=%s:%d tls=%s mtls=%s metrics_port=%s http_port=%s",
         settings.host, server.port, server.tls is not None, settings.tls_client_ca is not None, server.metrics_port,
         None if server.http is None else server.http.port,
     )  # fmt: skip
     loading = asyncio.create_task(server.load())
-    stopper = asyncio.create_task(stop.wait())
+    stopper = asyncio.create_task(signals.stopped.wait())
     done, _ = await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if loading in done and loading.exception() is not None:
         log.error("event=load_failed error=%s", loading.exception())
-        if server.http is not None:
-            await server.http.stop(0)
-        await server.grpc_server.stop(0)
+        stopper.cancel()
+        await server.abandon()
         return 1
-    if loading in done and announce:
+    if loading not in done:  # stopped while the model loads: nothing to drain
+        stage = {"signal": signals.received, "stage": "loading"}
+        log.info("event=startup_interrupted", extra={"fields": stage})
+        loading.cancel()
+        await server.abandon()
+        log.info("event=stopped", extra={"fields": stage})
+        return 0
+    if announce:
         _announce(settings, server)
     await stopper
-    log.info("event=draining grace_seconds=%.1f", settings.grace_seconds)
-    loading.cancel()
-    await server.drain()
-    log.info("event=stopped")
+    grace = {"signal": signals.received, "grace_seconds": settings.grace_seconds}
+    log.info("event=draining", extra={"fields": grace})
+    outcome = await server.drain()
+    drained = {"drain_seconds": round(outcome.seconds, 3), "cut": outcome.cut, "within_grace": outcome.within_grace}
+    log.info("event=stopped", extra={"fields": {**grace, **drained}})
     return 0
 
 
@@ -230,12 +297,23 @@ def serial_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loraplex-io", initializer=serial_torch))
 
 
-def run(settings: Settings) -> int:
-    """Entry point of `loraplex serve`."""
+def run(settings: Settings) -> NoReturn:
+    """Entry point of `loraplex serve`. It returns only by an exception raised before serving began (a bad setting, a
+    port in use, a stop signal before the event loop ran: ``service.api.signals``); once ``serve`` has run, the
+    process ends in ``exit_now`` with its code, right after the drain: the interpreter's own teardown of a loaded
+    model takes longer than the drain's bound leaves, and can abort under a torch thread still at work."""
     logs.configure(settings.log_format, settings.log_level)
-    with asyncio.Runner() as runner:
-        serial_loop(runner.get_loop())
-        return runner.run(serve(settings))
+    heap = {"mmap_threshold_bytes": MMAP_THRESHOLD_BYTES, "how": fix_mmap_threshold()}
+    log.info("event=heap", extra={"fields": heap})  # before the load: see service.heap
+    try:
+        with asyncio.Runner() as runner:
+            serial_loop(runner.get_loop())
+            code = runner.run(serve(settings))
+    finally:
+        ignore_stop()
+    running = sorted(t.name for t in threading.enumerate() if t.name in TORCH_THREADS and t.is_alive())
+    log.info("event=exit", extra={"fields": {"code": code, "left_running": ",".join(running) or "none"}})
+    exit_now(code)
 
 
 class BackgroundServer:

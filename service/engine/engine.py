@@ -17,6 +17,8 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +97,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._state = EngineState(0, 0, settings.max_batch_size, 0, ())
+        # K/V keys of adapter registrations removed since the last step: their prefix blocks are dropped by the
+        # engine thread, which owns the cache (appended on the unregistering thread; deque appends are atomic).
+        self._forgotten: deque[Hashable] = deque()
+        if adapters is not None:
+            adapters.on_unregister(self._forgotten.append)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -114,14 +121,19 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float | None = 5.0) -> None:
+    def stop(self, timeout: float | None = 5.0) -> bool:
+        """Stop taking work. The thread ends the step it is in, then fails every request left with UNAVAILABLE
+        (``_shutdown``); wait up to ``timeout`` seconds for it (0: ask and return). True once the thread has ended
+        (an engine never started fails its queued requests here, at once)."""
+        first = not self._stop.is_set()
         self._stop.set()
         self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        else:
-            self._shutdown()
+        if self._thread is None:
+            if first:
+                self._shutdown()
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -260,6 +272,8 @@ class Engine:
         )
 
     def _run_step(self) -> None:
+        if self._forgotten:
+            self._forget_unloaded()
         plan = self.scheduler.schedule(time.monotonic())
         try:
             self._execute(plan)
@@ -268,6 +282,12 @@ class Engine:
         self.scheduler.compact()
         self.outputs.publish()
         self._publish_state()
+
+    def _forget_unloaded(self) -> None:
+        """Drop the prefix blocks of adapter registrations removed since the last step."""
+        while self._forgotten:
+            self.runner.prefix.forget(self._forgotten.popleft())
+        metrics.PREFIX_CACHE_BLOCKS.set(self.runner.prefix.blocks_used)
 
     def _execute(self, plan: StepPlan) -> None:
         """Run one plan: deliver retirements, run the prefill pass, decode every row that has its whole prompt.

@@ -7,7 +7,8 @@ Public API::
     prefix.lookup(tokens, key, limit=None) -> list[int]     pool indices of the longest cached block prefix
     prefix.restore(blocks, slot) -> int                     copies them into a KV slot; returns positions restored
     prefix.insert(tokens, key, slot, length) -> int         stores the slot's full blocks; returns blocks added
-    prefix.clear(), .blocks_used, .capacity, .nbytes, .block
+    prefix.forget(key) -> int                               drops every block of a key (an unloaded adapter's)
+    prefix.clear(), .blocks_by_key(), .blocks_used, .touched_rows, .capacity, .nbytes, .block
 
 Chat traffic repeats itself: every request of a deployment carries the same system prompt and chat-template
 header, and multi-turn conversations resend the whole history. Their K/V is the same whoever computes it, so
@@ -43,6 +44,7 @@ class _Block:
     index: int  # in the pool
     tokens: tuple[int, ...]  # this block's tokens
     parent: int | None  # the previous block's hash (None: the first block)
+    key: Hashable  # the key its chain was hashed under (``forget`` drops a key's blocks)
 
 
 class PrefixCache:
@@ -58,6 +60,7 @@ class PrefixCache:
         self.pool = lazy_zeros((layers, two, n_kv, self.capacity, block, head_dim), cache.dtype, cache.device)
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # chain hash -> block, least recently used first
         self._free = list(range(self.capacity - 1, -1, -1))
+        self.touched_rows = 0  # pool rows ever written: the pool's pages are touched lazily, lowest rows first
 
     @property
     def enabled(self) -> bool:
@@ -74,6 +77,22 @@ class PrefixCache:
     def clear(self) -> None:
         self._blocks.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
+
+    def forget(self, key: Hashable) -> int:
+        """Drop every block stored under ``key`` (an adapter registration that is gone: no lookup can reach its
+        blocks again); returns how many. Their pool rows are the next to be reused (the free list is a stack), so
+        under adapter churn the pool's touched memory stays at the working set instead of growing to the budget."""
+        gone = [h for h, block in self._blocks.items() if block.key == key]
+        for h in gone:
+            self._free.append(self._blocks.pop(h).index)
+        return len(gone)
+
+    def blocks_by_key(self) -> dict[Hashable, int]:
+        """Blocks held per key (state for tests and metrics)."""
+        held: dict[Hashable, int] = {}
+        for block in self._blocks.values():
+            held[block.key] = held.get(block.key, 0) + 1
+        return held
 
     def _chain(self, tokens: Sequence[int], key: Hashable, blocks: int) -> list[tuple[int, tuple[int, ...]]]:
         """(chain hash, tokens) of the first ``blocks`` blocks of ``tokens``."""
@@ -138,7 +157,8 @@ class PrefixCache:
                     _, old = self._blocks.popitem(last=False)
                     self._free.append(old.index)
                 index = self._free.pop()
-                self._blocks[h] = _Block(index, part, prev)
+                self.touched_rows = max(self.touched_rows, index + 1)
+                self._blocks[h] = _Block(index, part, prev, key)
                 new.append(i)
                 pool_index.append(index)
             prev = h

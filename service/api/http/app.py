@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from service import metrics
+from service.adapters.ids import check_adapter_id
 from service.api import access, convert
 from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
@@ -45,6 +46,7 @@ T = TypeVar("T")
 GENERATE_METHOD = "/loraplex.v1.Generation/Generate"
 """The gRPC method whose role every route needs (``KeyRing.authorize``): generate."""
 
+MODELS_PATH = "/v1/models/"
 JSON_OFF_LOOP_BYTES = 64 << 10  # bodies larger than this are parsed on the runtime's worker pool
 
 
@@ -109,7 +111,11 @@ class OpenAIRoutes:
         return await self._listing(request, None)
 
     async def model(self, request: Request) -> Response:
-        return await self._listing(request, request.path_params["model"])
+        # The path's own tail, not the route's match: its pattern ends in `$`, which also matches before a trailing
+        # newline (`/v1/models/caps%0A` would be `caps`).
+        path: str = request.scope["path"]
+        name = path.partition(MODELS_PATH)[2] if path.startswith(MODELS_PATH) else request.path_params["model"]
+        return await self._listing(request, name)
 
     async def _listing(self, request: Request, name: str | None) -> Response:
         outcome = Outcome("http.models", self.runtime.knows_adapter, request)
@@ -119,6 +125,7 @@ class OpenAIRoutes:
             if name is not None:
                 card = next((c for c in cards if c["id"] == name), None)
                 if card is None:
+                    check_adapter_id(name, field="model")  # malformed: 400, well-formed but unknown: 404
                     raise AdapterNotFound(name)
                 body: dict[str, Any] = card
             else:
@@ -142,8 +149,11 @@ class OpenAIRoutes:
         return cards
 
     def _adapter_of(self, model: str) -> str:
+        """The adapter id a ``model`` names ("" = the base model): 400 for a name that cannot be an adapter id, 404
+        for one that is not registered (the same rule as gRPC's ``adapter_id``, ``service.adapters.ids``)."""
         if model == self.base_name:
             return ""
+        check_adapter_id(model, field="model")
         if not self.runtime.knows_adapter(model):
             raise AdapterNotFound(model)
         return model

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from service.errors import AdapterNotFound, LoraplexError, shorten
+from service.errors import AdapterNotFound, LoraplexError, echo
 
 log = logging.getLogger("loraplex.http")
 
@@ -97,7 +97,7 @@ def error_body(exc: BaseException, *, chat: bool, where: str = "http") -> dict[s
     message = str(exc)
     if isinstance(exc, AdapterNotFound):
         message = (
-            f"The model {shorten(exc.adapter_id)!r} does not exist: GET /v1/models lists the base model and every "
+            f"The model {echo(exc.adapter_id)} does not exist: GET /v1/models lists the base model and every "
             "registered adapter"
         )
     field = getattr(exc, "field", None)

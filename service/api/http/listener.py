@@ -114,7 +114,8 @@ class HttpListener:
             await asyncio.sleep(0.01)
 
     async def stop(self, grace: float) -> None:
-        """Stop accepting, give open connections up to ``grace`` seconds, then cut them."""
+        """Stop accepting, give open connections up to ``grace`` seconds, then cut them: done within ``grace``
+        plus a tick of uvicorn's loop (uvicorn's own graceful timeout is whole seconds, so the cut is ours)."""
         if self._task is None:
             self._socket.close()
             return
@@ -122,9 +123,11 @@ class HttpListener:
         self.server.config.timeout_graceful_shutdown = max(1, math.ceil(grace))  # uvicorn's field is an int
         self.server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=grace + 2.0)
+            await asyncio.wait_for(asyncio.shield(task), timeout=grace)
         except TimeoutError:
             self.server.force_exit = True
+            for connection in list(self.server.server_state.tasks):
+                connection.cancel()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
