@@ -95,9 +95,9 @@ bench-medusa: setup model
 bench-loadgen: setup model
 	$(PY) bench/loadgen.py --duration 60 --json bench/results/loadgen-load.json
 
-## bench-soak: 10 min with adapter churn under a device budget a third of the adapters' size
+## bench-soak: 10 min with adapter churn (13 LoRAs over a 1 MiB device budget), judged by the RSS slope (bench/soak.py)
 bench-soak: setup model
-	$(PY) bench/loadgen.py --soak 600 --json bench/results/loadgen-soak.json
+	$(PY) bench/soak.py --json bench/results/soak.json
 
 ## bench-peers: loraplex vs vLLM (CPU) and llama-cpp-python, same workload (builds their venvs under bench/.work once)
 bench-peers: setup model
