@@ -289,15 +289,14 @@ class _Checker:
         raise SelfCheckFailed(message)
 
 
-def run_self_check(model: Llama, *, lora: bool = True) -> SelfCheckReport:
+def run_self_check(model: Llama) -> SelfCheckReport:
     """Check every compute path of ``model`` (see the module docstring); fall back or raise ``SelfCheckFailed``."""
     start = time.perf_counter()
     checker = _Checker(model)
     with torch.inference_mode():
         checker.projections()
         checker.head()
-        if lora:
-            checker.lora()
+        checker.lora()
         checker.attention()
         checker.drafting()
     report = SelfCheckReport(
