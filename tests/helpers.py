@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 from loraplex.v1 import generation_pb2 as pb
 
 from service.config import Settings
@@ -95,3 +96,15 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, poll: float
             return False
         time.sleep(poll)
     return True
+
+
+Outcome = tuple[grpc.StatusCode, str]
+
+
+def outcome(call: Callable[[], object]) -> Outcome:
+    """The status code and details ``call`` ends with (OK and "" when it returns)."""
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""

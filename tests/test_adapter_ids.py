@@ -5,13 +5,13 @@ and a well-formed unknown one with NOT_FOUND (HTTP 404); no message echoes more 
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from adapter_files import write_peft_adapter
-from helpers import as_stream, text_req, tiny_settings
+from helpers import Outcome, as_stream, outcome, text_req, tiny_settings
 from helpers_http import base_url, call
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
@@ -33,16 +33,6 @@ MALFORMED = {
 }
 UNKNOWN = "ghost-adapter.v2"  # well-formed, never registered
 MESSAGE_BOUND = 400  # any refusal here: the fixed text plus at most ECHO_CHARS escaped characters of the id
-
-Outcome = tuple[grpc.StatusCode, str]
-
-
-def outcome(call: Callable[[], object]) -> Outcome:
-    try:
-        call()
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 from adapter_files import rewrite_adapter_tensors, write_peft_adapter
-from helpers import as_stream, text_req, tiny_settings, wait_until
+from helpers import Outcome, as_stream, outcome, text_req, tiny_settings, wait_until
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
@@ -84,17 +84,6 @@ class Live:
     admin: apb_grpc.AdaptersStub
     root: Path
     spare: Path  # adapter files outside the root, to copy in
-
-
-Outcome = tuple[grpc.StatusCode, str]
-
-
-def outcome(call: Callable[[], object]) -> Outcome:
-    try:
-        call()
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 def greedy(live: Live, request: pb.GenerateRequest) -> list[list[int]]:
