@@ -27,30 +27,31 @@ def cpu_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
-def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str] | None:
-    """The CPU feature flags in ``cpuinfo`` (every ``flags`` line; they agree), or None if it cannot be read."""
+def _read(cpuinfo: Path) -> str | None:
     try:
-        text = cpuinfo.read_text(errors="replace")
+        return cpuinfo.read_text(errors="replace")
     except OSError:
         return None
-    flags: set[str] = set()
+
+
+def _fields(text: str, name: str) -> list[str]:
+    """The values of every ``name : value`` line of a cpuinfo text."""
+    out = []
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            flags.update(value.split())
+        if sep and key.strip() == name:
+            out.append(value.strip())
+    return out
+
+
+def _flags(text: str | None) -> frozenset[str] | None:
+    flags = {f for line in _fields(text, "flags") for f in line.split()} if text is not None else set()
     return frozenset(flags) if flags else None
 
 
-def _model_name(cpuinfo: Path) -> str:
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return platform.processor() or platform.machine()
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "model name":
-            return value.strip()
-    return platform.machine()
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str] | None:
+    """The CPU feature flags in ``cpuinfo`` (every ``flags`` line; they agree), or None if it cannot be read."""
+    return _flags(_read(cpuinfo))
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,13 @@ class Machine:
 
 def machine(cpuinfo: Path = CPUINFO, *, capability: str | None = None) -> Machine:
     """This machine (or the one ``cpuinfo`` describes, for tests; ``capability`` likewise)."""
-    flags = cpu_flags(cpuinfo)
+    text = _read(cpuinfo)  # one read for the flags and the model name
+    flags = _flags(text)
     found = tuple(sorted((flags or frozenset()) & CPU_BF16_FLAGS))
     cap = cpu_capability() if capability is None else capability
-    return Machine(_model_name(cpuinfo), platform.machine(), cap, found, flags is not None)
+    names = _fields(text, "model name") if text is not None else []
+    model = names[0] if names else (platform.processor() or platform.machine())
+    return Machine(model, platform.machine(), cap, found, flags is not None)
 
 
 def draft_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

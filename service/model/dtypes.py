@@ -55,9 +55,10 @@ def choose_dtype(
     gguf: bool = False,
     cpuinfo: Path = CPUINFO,
     capability: str | None = None,
+    cpu: Machine | None = None,
 ) -> DtypeChoice:
     """The dtype to serve in on ``device`` for ``--dtype requested`` (``auto`` or a torch dtype name); ``gguf``:
-    the weights are a GGUF's 4-bit blocks."""
+    the weights are a GGUF's 4-bit blocks. ``cpu``: the machine when the caller has read it already."""
     if requested != "auto":
         return DtypeChoice(getattr(torch, requested), "given")
     if device.type == "cuda":
@@ -66,7 +67,7 @@ def choose_dtype(
         return DtypeChoice(torch.float16, "auto: the GPU has no bf16, fp16 instead")
     if device.type != "cpu":
         return DtypeChoice(torch.float32, f"auto: no fast-dtype rule for {device.type}")
-    m = machine(cpuinfo, capability=capability)
+    m = machine(cpuinfo, capability=capability) if cpu is None else cpu
     if m.native_bf16:
         return DtypeChoice(torch.bfloat16, f"auto: {m.describe_bf16(cpuinfo)}")
     if gguf:
@@ -84,13 +85,12 @@ def choose_serving(
     capability: str | None = None,
 ) -> ServingChoice:
     """dtype and weight source for ``--dtype dtype --weights weights`` (``given`` | ``auto``) on this machine."""
-    if weights == "given" or not has_gguf or device.type != "cpu":
+    m = machine(cpuinfo, capability=capability) if device.type == "cpu" else None
+    if weights == "given" or not has_gguf or m is None:
         gguf = has_gguf and weights == "given"
         reason = "given" if weights == "given" else "auto: no --gguf file, or not on a CPU: the folder"
-        return ServingChoice(choose_dtype(dtype, device, gguf=gguf, cpuinfo=cpuinfo, capability=capability), gguf,
-                             reason)  # fmt: skip
-    m = machine(cpuinfo, capability=capability)
-    wanted = choose_dtype(dtype, device, cpuinfo=cpuinfo, capability=capability)  # the folder's dtype
+        return ServingChoice(choose_dtype(dtype, device, gguf=gguf, cpuinfo=cpuinfo, cpu=m), gguf, reason)
+    wanted = choose_dtype(dtype, device, cpuinfo=cpuinfo, cpu=m)  # the folder's dtype
     if wanted.dtype == torch.float32:
         return ServingChoice(
             wanted, False, f"auto: float32 serves the folder (the int4 kernel is slow in fp32; {_why(m)})"
