@@ -203,7 +203,7 @@ REGISTER_CHILD = r"""
 import json, os, sys, time, tracemalloc
 from pathlib import Path
 import torch
-from service.adapters import AdapterStore
+from service.adapters.lora import AdapterStore
 from service.model.config import ModelConfig
 model, root, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 def store():

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode, module_layout
-from service.adapters.types import LoraLayer, LoraModule
+from service.adapters.lora.batch import SITES, AdapterBatch, LoraTables, Mode, module_layout
+from service.adapters.lora.types import LoraLayer, LoraModule
 from service.model import KVCache, Llama, ModelConfig
 from service.model.llama import ProjName
 

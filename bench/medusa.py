@@ -39,11 +39,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from train_medusa_heads import HELD_OUT_PROMPTS  # noqa: E402
 
 from service.adapters.catalog import AdapterCatalog  # noqa: E402
-from service.adapters.store import AdapterStore  # noqa: E402
+from service.adapters.lora.part import LoraPart  # noqa: E402
+from service.adapters.lora.store import AdapterStore  # noqa: E402
+from service.adapters.medusa.part import MedusaPart  # noqa: E402
+from service.adapters.medusa.registry import MedusaRegistry  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest  # noqa: E402
-from service.medusa.registry import MedusaRegistry  # noqa: E402
 from service.model.weights import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
@@ -159,7 +161,7 @@ def make_engine(
     store = AdapterStore(cfg, device=model.device, dtype=model.dtype, device_budget_bytes=1 << 26,
                          host_budget_bytes=1 << 26)  # fmt: skip
     medusa = MedusaRegistry(cfg, device=model.device, dtype=model.dtype)
-    catalog = AdapterCatalog(store, medusa)
+    catalog = AdapterCatalog([MedusaPart(medusa, tree=tree, threshold=args.draft_threshold), LoraPart(store)])
     medusa.register("medusa", args.heads)
     engine = Engine(model, tok, settings, adapters=catalog)
     engine.start()

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from train_medusa_heads import add_corpus_arguments, build_corpus, training_prompts  # noqa: E402
 
-from service.medusa import MedusaHeads, index_medusa  # noqa: E402
+from service.adapters.medusa import MedusaHeads, index_medusa  # noqa: E402
 from service.model.config import ModelConfig  # noqa: E402
 from service.model.weights import load_model  # noqa: E402
 from tools.medusa.train import head_dataset  # noqa: E402

@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.medusa.format import write_medusa  # noqa: E402
-from service.medusa.heads import MedusaHeads  # noqa: E402
+from service.adapters.medusa.format import write_medusa  # noqa: E402
+from service.adapters.medusa.heads import MedusaHeads  # noqa: E402
 from service.model.weights import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 from tools.medusa.loop import generate  # noqa: E402

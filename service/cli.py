@@ -157,6 +157,12 @@ _ADAPTER_FLAGS = (
           "measure plain and speculative decode steps per batch size and use the faster (default on)",
           action=argparse.BooleanOptionalAction, default=None),
     _Flag("--speculate-max-batch", "Medusa speculation off above this batch size", type=int),
+    _Flag("--draft", "server-wide drafter for greedy rows whose adapter has no Medusa heads: none (default) or "
+          "prompt-lookup (drafts copied from the row's own prompt and output; no weights)", metavar="KIND"),
+    _Flag("--draft-ngram", "prompt-lookup: match the row's last N tokens (N down to 1, longest first; default 3)",
+          type=int, metavar="N"),
+    _Flag("--draft-tokens", "prompt-lookup: tokens proposed after a match, verified in one step (default 8)",
+          type=int, metavar="K"),
 )  # fmt: skip
 # TLS, API keys, message size and connection age.
 _SECURITY_FLAGS = (

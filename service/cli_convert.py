@@ -1,7 +1,7 @@
 """``loraplex convert KIND SRC DST``: published adapter files into the layout the server reads, offline.
 
 Kept out of ``service.cli`` so that module stays the serve/client entry point; the work itself lives with each
-format (``service.medusa.convert``). Nothing here is imported by the server.
+format (``service.adapters.medusa.convert``). Nothing here is imported by the server.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ def add_convert_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def run_convert(args: argparse.Namespace) -> int:
     """Convert, print what was written (notes to stderr); a typed error is reported by ``cli.main`` (exit 2)."""
-    from service.medusa.convert import convert_medusa
+    from service.adapters.medusa.convert import convert_medusa
 
     done = convert_medusa(args.src, args.dst)
     for note in done.notes:
         print(f"note: {note}", file=sys.stderr)
     if args.model is not None:
-        from service.medusa.format import index_medusa
+        from service.adapters.medusa.format import index_medusa
         from service.model.config import ModelConfig
 
         try:

@@ -77,11 +77,15 @@ class Settings:
     hf_hub_cache: Path = DEFAULT_HUB_CACHE
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
-    # medusa
+    # speculative decoding: Medusa heads (per adapter) and the server-wide drafter
     speculate_max_batch: int = 4
     speculate_adaptive: bool = True  # measure plain vs speculative steps per batch size, use the faster
-    speculate_tree: str = "chain"  # draft tree: "chain" (top-1 per head) or paths "0;1;0.0;..." (service.medusa.tree)
+    speculate_tree: str = "chain"  # draft tree: "chain" (top-1 per head) or paths "0;1;0.0;..." (service.drafters.tree)
     draft_threshold: float = 0.0  # verify a draft only while the heads' chained confidence is at least this
+    # server-wide drafter (service.drafters.registry): "none" or "prompt-lookup", for greedy rows without heads
+    draft: str = "none"
+    draft_ngram: int = 3  # prompt-lookup: longest suffix matched
+    draft_tokens: int = 8  # prompt-lookup: tokens proposed per match
     # metrics: distinct values of the `adapter` label (first come; the rest count as adapter="other")
     metrics_adapter_series: int = 32
     # logs (service.logs): key=value text or one JSON object per line, and the root level
@@ -151,11 +155,12 @@ class Settings:
                 raise ValueError(f"{name} must be > 0")
         if self.max_prompt_bytes < 0:
             raise ValueError("max_prompt_bytes must be >= 0 (0 = derived from max_prompt_tokens)")
-        from service.medusa.tree import DraftTree
+        from service.drafters.tree import DraftTree
 
         DraftTree.parse(self.speculate_tree, 64)  # ValueError names the problem
         if not 0.0 <= self.draft_threshold < 1.0:
             raise ValueError("draft_threshold must be in [0, 1)")
+        self._validate_draft()
         if self.prefix_cache_bytes < 0 or self.prefix_block_tokens <= 0:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.prefill_chunk_tokens < 0:
@@ -169,6 +174,14 @@ class Settings:
         if self.max_total_tokens <= self.max_prompt_tokens:
             raise ValueError("max_total_tokens must exceed max_prompt_tokens")
         self._validate_transport()
+
+    def _validate_draft(self) -> None:
+        from service.drafters.registry import SERVER_DRAFTERS
+
+        if self.draft != "none" and self.draft not in SERVER_DRAFTERS:
+            raise ValueError(f"draft must be none or one of {tuple(SERVER_DRAFTERS)}, got {self.draft!r}")
+        if self.draft_ngram < 1 or self.draft_tokens < 1:
+            raise ValueError("draft_ngram and draft_tokens must be >= 1")
 
     def _validate_transport(self) -> None:
         if not 0 < self.max_message_bytes < 1 << 31:

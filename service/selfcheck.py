@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from service.adapters.lora import AdapterBatch, LoraTables, Mode, ModuleSpec, module_layout
-from service.adapters.lora_tables import SITES
-from service.adapters.types import LoraLayer, LoraModule
+from service.adapters.lora.batch import AdapterBatch, LoraTables, Mode, ModuleSpec, module_layout
+from service.adapters.lora.tables import SITES
+from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import FailedPrecondition
 from service.model.llama import PROJ_NAMES, Llama, ProjName
 from service.model.quant import NEVER, Int4Weight, Int8Weight, QuantizedWeight

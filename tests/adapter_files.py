@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from service.adapters.types import LoraLayer, LoraModule
+from service.adapters.lora.types import LoraLayer, LoraModule
 
 KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from service.adapters.store import AdapterStore
+from service.adapters.lora.store import AdapterStore
 from service.model.config import ModelConfig
 
 

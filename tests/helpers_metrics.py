@@ -18,9 +18,9 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.adapters.medusa.format import write_medusa
 from service.api.server import BackgroundServer
 from service.config import Settings
-from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "loraplex.json"

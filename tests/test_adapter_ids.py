@@ -17,7 +17,7 @@ from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
-from service.adapters.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id, is_adapter_id
+from service.adapters.common.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id, is_adapter_id
 from service.api.server import BackgroundServer
 from service.errors import ECHO_CHARS, InvalidRequest, echo
 

@@ -16,6 +16,7 @@ from adapter_files import load_peft_model, reference_greedy, write_peft_adapter
 from helpers import tiny_settings
 from loraplex import AlreadyExists, Client, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
+from service.adapters.lora.part import LoraPart
 from service.api.server import BackgroundServer
 from service.config import Settings
 
@@ -285,7 +286,7 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_right(served_tiny_dir: Path,
     )
     expected: dict[str, list[int]] = {}
     with BackgroundServer(settings) as srv, Client(srv.target, timeout=120) as client:
-        store = srv.server.runtime.loaded.adapters.store  # type: ignore[union-attr]
+        store = srv.server.runtime.loaded.adapters.kind(LoraPart).store  # type: ignore[union-attr]
         for rnd in range(2):
             for i in range(32):
                 name = f"a{i:02d}"
@@ -306,11 +307,11 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_right(served_tiny_dir: Path,
 
 def test_lazy_registration_reads_no_tensor(server: BackgroundServer, adapter_root: Path) -> None:
     with Client(server.target, timeout=30) as client:
-        before = server.server.runtime.loaded.adapters.store.state().disk_bytes  # type: ignore[union-attr]
+        before = server.server.runtime.loaded.adapters.kind(LoraPart).store.state().disk_bytes  # type: ignore[union-attr]
         client.load_adapter("lazy", adapter_root / "all-r8")
         info = client.get_adapter("lazy")
         assert info.state.value == "registered" and info.device_bytes == 0 and info.host_bytes == 0
-        assert server.server.runtime.loaded.adapters.store.state().disk_bytes == before  # type: ignore[union-attr]
+        assert server.server.runtime.loaded.adapters.kind(LoraPart).store.state().disk_bytes == before  # type: ignore[union-attr]
         client.unload_adapter("lazy")
 
 

@@ -15,13 +15,13 @@ import torch
 from adapter_files import edit_adapter_config, rewrite_adapter_tensors
 
 from service import metrics
-from service.adapters import store as store_mod
-from service.adapters.integrity import NonFiniteTensor
-from service.adapters.store import AdapterStore
+from service.adapters.common.files import NonFiniteTensor
+from service.adapters.lora import store as store_mod
+from service.adapters.lora.store import AdapterStore
+from service.adapters.medusa import registry as medusa_registry
+from service.adapters.medusa.format import write_medusa
+from service.adapters.medusa.registry import MedusaRegistry
 from service.errors import HeaderError, InvalidAdapter, PermissionDenied
-from service.medusa import registry as medusa_registry
-from service.medusa.format import write_medusa
-from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 
 CPU = torch.device("cpu")
@@ -247,8 +247,8 @@ def test_config_edit_alone_does_not_count_as_a_weights_change(
 def test_an_adapter_too_large_for_the_budget_is_retried_once_its_files_change(
     tiny_cfg: ModelConfig, written: dict[str, Path], tmp_path: Path
 ) -> None:
-    from service.adapters.reader import DEVICE_ALIGN
-    from service.adapters.registry import index_adapter, plan_nbytes
+    from service.adapters.lora.reader import DEVICE_ALIGN
+    from service.adapters.lora.registry import index_adapter, plan_nbytes
     from service.errors import ResourceExhausted
 
     folder = _copy(written["r8"], tmp_path / "big")

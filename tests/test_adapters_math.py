@@ -1,4 +1,4 @@
-"""The batched LoRA math (``service.adapters.lora``) against peft, the reference.
+"""The batched LoRA math (``service.adapters.lora.batch``) against peft, the reference.
 
 Four real PEFT adapters on a tiny random Llama, written by peft itself (``tests/adapter_files.py``): different
 ranks and alphas, rsLoRA on one, a regex target with ``rank_pattern`` / ``alpha_pattern`` on another, all seven
@@ -22,8 +22,8 @@ from adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_p
 from quant_reference import write_dequantized
 from tiny_models import load_ours
 
-from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode
-from service.adapters.types import LoraLayer, LoraModule
+from service.adapters.lora.batch import SITES, AdapterBatch, LoraTables, Mode
+from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.model import KVCache, Llama
 

@@ -15,8 +15,9 @@ import torch
 from adapter_files import edit_adapter_config, load_peft_model, rewrite_adapter_tensors, write_peft_adapter
 from safetensors.torch import load_file
 
-from service.adapters.peft import module_key, parse_lora_key, read_lora_config, resolve_targets
-from service.adapters.registry import check_adapter_id, index_adapter
+from service.adapters.common.ids import check_adapter_id
+from service.adapters.lora.peft import module_key, parse_lora_key, read_lora_config, resolve_targets
+from service.adapters.lora.registry import index_adapter
 from service.errors import HeaderError, InvalidAdapter, InvalidRequest, NotFound, PermissionDenied
 from service.model.config import ModelConfig
 
@@ -84,7 +85,7 @@ def test_targets_ranks_and_scaling_match_peft(name: str, base_model: Any, cfg4: 
     config = read_lora_config(tmp_path / "adapter_config.json")
     got = resolve_targets(config, cfg4, file=tmp_path)
     assert set(got) == set(expected)
-    from service.adapters.peft import lora_scaling
+    from service.adapters.lora.peft import lora_scaling
 
     for key, (rank, alpha) in got.items():
         assert rank == expected[key][0], key

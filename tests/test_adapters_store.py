@@ -22,9 +22,9 @@ from adapter_files import load_peft_model, rewrite_adapter_tensors
 from helpers_adapters import new_store
 
 from service import metrics
-from service.adapters import reader as reader_mod
-from service.adapters.peft import module_key
-from service.adapters.store import AdapterStore, StoreState
+from service.adapters.lora import reader as reader_mod
+from service.adapters.lora.peft import module_key
+from service.adapters.lora.store import AdapterStore, StoreState
 from service.errors import (
     AdapterNotFound,
     AlreadyExists,
@@ -124,7 +124,7 @@ def test_register_reads_headers_only(make_store: Callable[..., AdapterStore], ad
 
 def _write_sparse_adapter(folder: Path, cfg: ModelConfig, r: int, dtype: str = "BF16") -> int:
     """A PEFT adapter for every projection of every layer whose data section is a hole (nothing on disk)."""
-    from service.adapters.peft import module_features
+    from service.adapters.lora.peft import module_features
 
     folder.mkdir()
     features = module_features(cfg)
@@ -623,25 +623,28 @@ def test_a_resolved_adapter_object_pins_on_readiness_and_releases_its_pin(
     make_store: Callable[..., AdapterStore], adapters: dict[str, Path]
 ) -> None:
     from service.adapters.handle import Adapter
+    from service.adapters.lora.part import LoraPart
 
     store = make_store()
     store.register("a", adapters["a"])
-    first, second = Adapter("a", store, None), Adapter("a", store, None)
-    assert first.has_lora and not first.has_heads and not first.ready()
+    part = LoraPart(store)
+    claim = part.claim("a")
+    first, second = Adapter("a", [claim]), Adapter("a", [part.claim("a")])
+    assert not first.drafts() and not first.ready()
     first.load()  # queues the load; the pin is taken for it when the load completes
     deadline = time.monotonic() + 30
     while not first.ready() and time.monotonic() < deadline:
         time.sleep(0.01)
         first.load()
-    assert first.ready() and first.pinned and first.failure() is None
+    assert first.ready() and claim.pinned and first.failure() is None and first.binding().deltas
     assert store.get("a").pins == 1 and first.kv_key() == ("a", store.get("a").registered_at)
     second.load()  # resident: pinned at once
     assert second.ready() and store.get("a").pins == 2
     first.release()
     first.release()  # a second release gives nothing back twice
-    assert store.get("a").pins == 1 and not first.pinned
+    assert store.get("a").pins == 1 and not claim.pinned
     second.release()
     assert store.get("a").pins == 0
-    waiting = Adapter("a", store, None)
+    waiting = Adapter("a", [part.claim("a")])
     waiting.release()  # never pinned: drops only its claim
     assert store.get("a").pins == 0

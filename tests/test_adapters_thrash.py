@@ -15,14 +15,16 @@ from adapter_files import write_peft_adapter
 from helpers_engine import run_together
 
 from service import metrics
-from service.adapters import reader as reader_mod
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.registry import index_adapter, plan_nbytes
-from service.adapters.store import DEVICE_ALIGN, AdapterStore, StoreState
+from service.adapters.lora import reader as reader_mod
+from service.adapters.lora.part import LoraPart
+from service.adapters.lora.registry import index_adapter, plan_nbytes
+from service.adapters.lora.store import DEVICE_ALIGN, AdapterStore, StoreState
+from service.adapters.medusa.part import MedusaPart
+from service.adapters.medusa.registry import MedusaRegistry
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest
-from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
@@ -124,7 +126,7 @@ def _engine(served: dict[str, Any], budget_adapters: int) -> tuple[Engine, Adapt
     store = AdapterStore(
         cfg, device=CPU, dtype=torch.float32, device_budget_bytes=budget_adapters * one, host_budget_bytes=0
     )
-    catalog = AdapterCatalog(store, MedusaRegistry(cfg, device=CPU, dtype=torch.float32))
+    catalog = AdapterCatalog([MedusaPart(MedusaRegistry(cfg, device=CPU, dtype=torch.float32)), LoraPart(store)])
     for n in served["names"]:
         catalog.register(n, served["root"] / n)
     settings = Settings(

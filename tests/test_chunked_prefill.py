@@ -22,14 +22,16 @@ from helpers_engine import Events, generate, idle, prompt, req, run, step_until,
 
 from service import metrics
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.store import AdapterStore
+from service.adapters.lora.part import LoraPart
+from service.adapters.lora.store import AdapterStore
+from service.adapters.medusa.format import write_medusa
+from service.adapters.medusa.part import MedusaPart
+from service.adapters.medusa.registry import MedusaRegistry
 from service.cli import build_parser, serve_settings
 from service.config import ConfigError, Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason
 from service.errors import EngineStepFailed
-from service.medusa.format import write_medusa
-from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
@@ -64,13 +66,15 @@ def adapter_engine(folder: Path, root: Path, chunk: int) -> Engine:
     )  # type: ignore[arg-type]
     model, cfg, _ = load_model(folder, dtype=torch.float32, device=CPU)
     store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=1 << 24, host_budget_bytes=1 << 24)
-    catalog = AdapterCatalog(store, MedusaRegistry(cfg, device=CPU, dtype=torch.float32))
+    catalog = AdapterCatalog(
+        [MedusaPart(medusa := MedusaRegistry(cfg, device=CPU, dtype=torch.float32)), LoraPart(store)]
+    )
     for name in ("lora", "both"):
         catalog.register(name, root / name)
         store.ensure(name, timeout=30)
     deadline = time.monotonic() + 30
-    while not catalog.medusa.request("both"):  # the heads load on the registry's thread
-        assert catalog.medusa.failure("both") is None and time.monotonic() < deadline
+    while not medusa.request("both"):  # the heads load on the registry's thread
+        assert medusa.failure("both") is None and time.monotonic() < deadline
         time.sleep(0.01)
     return Engine(model, Tokenizer.from_folder(folder), settings, adapters=catalog)
 

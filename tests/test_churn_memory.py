@@ -25,10 +25,13 @@ from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.reader import DEVICE_ALIGN
-from service.adapters.registry import index_adapter
-from service.adapters.spec import plan_nbytes
-from service.adapters.store import AdapterStore
+from service.adapters.lora.part import LoraPart
+from service.adapters.lora.reader import DEVICE_ALIGN
+from service.adapters.lora.registry import index_adapter
+from service.adapters.lora.spec import plan_nbytes
+from service.adapters.lora.store import AdapterStore
+from service.adapters.medusa.part import MedusaPart
+from service.adapters.medusa.registry import MedusaRegistry
 from service.api.generation import _raise_if_failed
 from service.api.server import BackgroundServer
 from service.config import Settings
@@ -36,7 +39,6 @@ from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.errors import ResourceExhausted
 from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
-from service.medusa.registry import MedusaRegistry
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 
@@ -62,7 +64,7 @@ def test_a_kept_failure_reported_to_many_requests_keeps_none_of_them_alive(serve
     settings = tiny_settings(served_tiny_dir, adapter_dirs=(root,), adapter_device_budget_bytes=too_big // 2)
     with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        store = srv.server.runtime.loaded.adapters.store  # type: ignore[union-attr]
+        store = srv.server.runtime.loaded.adapters.kind(LoraPart).store  # type: ignore[union-attr]
 
         def fail(n: int) -> None:
             for _ in range(n):
@@ -99,7 +101,7 @@ def _event(error: BaseException) -> TokenEvent:
 def _engine(served_tiny_dir: Path, root: Path) -> tuple[Engine, AdapterCatalog]:
     model, cfg, _ = load_model(served_tiny_dir, dtype=torch.float32, device=CPU)
     store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=1 << 30, host_budget_bytes=0)
-    catalog = AdapterCatalog(store, MedusaRegistry(cfg, device=CPU, dtype=torch.float32))
+    catalog = AdapterCatalog([MedusaPart(MedusaRegistry(cfg, device=CPU, dtype=torch.float32)), LoraPart(store)])
     settings = Settings(model=served_tiny_dir, dtype="float32", max_batch_size=4, max_total_tokens=256,
                         prefix_block_tokens=8)  # fmt: skip
     return Engine(model, Tokenizer.from_folder(served_tiny_dir), settings, adapters=catalog), catalog
@@ -128,7 +130,9 @@ def test_an_unloaded_adapters_prefix_blocks_are_dropped_and_their_pool_rows_reus
         assert set(base_blocks) == {None} and n >= 4 and prefix.touched_rows == n
         for round_ in range(5):  # churn: load, serve, unload the same adapter id
             catalog.register("small", root / "small")
-            catalog.store.ensure("small", timeout=60)  # loaded on the store's thread: resident before the steps
+            lora = catalog.kind(LoraPart)
+            assert lora is not None
+            lora.store.ensure("small", timeout=60)  # loaded on the store's thread: resident before the steps
             key = catalog.resolve("small").kv_key()
             _run(engine, req(f"small-{round_}", words, n=2, adapter_id="small"))
             assert prefix.blocks_by_key() == {None: n, key: n}
@@ -154,7 +158,7 @@ def test_unloading_over_grpc_empties_the_registrations_bookkeeping(served_tiny_d
             admin.UnloadAdapter(apb.UnloadAdapterRequest(id="small"), timeout=30)
             stub.Generate(text_req("a base request: the engine takes a step", 2), timeout=30)
             assert [key for key in engine.prefix.blocks_by_key() if key is not None] == []
-            store = srv.server.runtime.loaded.adapters.store  # type: ignore[union-attr]
+            store = srv.server.runtime.loaded.adapters.kind(LoraPart).store  # type: ignore[union-attr]
             state = store.state()
             assert state.adapters == {} and state.device_bytes == state.host_bytes == 0
             assert state.device_lru == state.host_lru == state.queued == ()

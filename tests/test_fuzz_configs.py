@@ -19,9 +19,9 @@ from fuzz_support import EDGE_INTS, SCALARS, fuzz_settings, json_values, text_mu
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.adapters.peft import MODULES, read_lora_config, resolve_targets
+from service.adapters.lora.peft import MODULES, read_lora_config, resolve_targets
+from service.adapters.medusa.format import CONFIG_FILE, index_medusa, is_medusa_folder, read_medusa_config, write_medusa
 from service.errors import CheckpointError, InvalidAdapter, LoraplexError
-from service.medusa.format import CONFIG_FILE, index_medusa, is_medusa_folder, read_medusa_config, write_medusa
 from service.model.config import ModelConfig
 
 # Module names and pieces of them, and regex-ish strings that compile, fail to compile, or overflow re's limits.

@@ -21,8 +21,9 @@ from helpers import tiny_settings
 from loraplex import Client, InvalidArgument, NotFound, PermissionDenied
 
 from service import metrics
-from service.adapters.integrity import open_verified
-from service.adapters.registry import index_adapter
+from service.adapters.common.files import open_verified
+from service.adapters.lora.registry import index_adapter
+from service.adapters.medusa.format import write_medusa
 from service.api.server import BackgroundServer
 from service.cli import build_parser, serve_settings
 from service.config import ConfigError, Settings
@@ -30,7 +31,6 @@ from service.errors import InvalidAdapter, InvalidRequest
 from service.errors import NotFound as NotFoundError
 from service.errors import PermissionDenied as PermissionDeniedError
 from service.hf_cache import DEFAULT_HUB_CACHE, HubRef, hub_cache_dir, parse_source, resolve_hub
-from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
 
 COMMIT_A = "a" * 40

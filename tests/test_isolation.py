@@ -18,15 +18,17 @@ from adapter_files import rewrite_adapter_tensors, write_peft_adapter
 from helpers_engine import run_together
 
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.lora import AdapterBatch, LoraTables
-from service.adapters.store import AdapterStore
-from service.adapters.types import LoraLayer, LoraModule
+from service.adapters.lora.batch import AdapterBatch, LoraTables
+from service.adapters.lora.part import LoraPart
+from service.adapters.lora.store import AdapterStore
+from service.adapters.lora.types import LoraLayer, LoraModule
+from service.adapters.medusa.part import MedusaPart
+from service.adapters.medusa.registry import MedusaRegistry
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
 from service.errors import FailedPrecondition
-from service.medusa.registry import MedusaRegistry
 from service.model.kv_cache import KVCache
 from service.model.llama import KV_LIMIT, finite_kv
 from service.model.weights import load_model
@@ -134,7 +136,7 @@ def engine(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     )
     model, cfg, _ = load_model(served_tiny_dir, dtype=torch.float32, device=CPU)
     store = AdapterStore(cfg, device=CPU, dtype=torch.float32, device_budget_bytes=1 << 24, host_budget_bytes=1 << 24)
-    catalog = AdapterCatalog(store, MedusaRegistry(cfg, device=CPU, dtype=torch.float32))
+    catalog = AdapterCatalog([MedusaPart(MedusaRegistry(cfg, device=CPU, dtype=torch.float32)), LoraPart(store)])
     for name in ("good", "boom", "calm"):
         catalog.register(name, root / name)
         store.ensure(name, timeout=30)

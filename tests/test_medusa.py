@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from tiny_models import greedy_generate, load_ours
 
+from service.adapters.medusa import MedusaHeads, index_medusa, is_medusa_folder, read_medusa_config
+from service.adapters.medusa.format import weight_files, write_medusa
 from service.errors import InvalidAdapter
-from service.medusa import MedusaHeads, index_medusa, is_medusa_folder, read_medusa_config
-from service.medusa.format import weight_files, write_medusa
 from service.model import KVCache, ModelConfig
 from tools.medusa import PAD, generate, verify_greedy, verify_sampling
 from tools.medusa.train import head_accuracy, head_dataset, teacher_hidden, train_v2_heads
@@ -525,7 +525,7 @@ def test_medusa_with_lora_rows(predictable: dict[str, Any], tmp_path: Path) -> N
     """Medusa + LoRA: heads and a peft-written LoRA on the same rows, next to base rows and LoRA-only rows."""
     from adapter_files import lookup_for, peft_lora_layers, write_peft_adapter
 
-    from service.adapters.lora import AdapterBatch, LoraTables
+    from service.adapters.lora.batch import AdapterBatch, LoraTables
 
     model, heads = predictable["model"], predictable["heads"]
     lora_dir = write_peft_adapter(

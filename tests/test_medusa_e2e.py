@@ -14,9 +14,9 @@ from helpers import tiny_settings
 from loraplex import Client, InvalidArgument
 
 from service import metrics
+from service.adapters.medusa.format import write_medusa
 from service.api.server import BackgroundServer
 from service.config import Settings
-from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
 
 PROMPTS = [f"Prompt number {i}: tell me about item {i * 7}" for i in range(20)]

@@ -28,11 +28,11 @@ from loraplex import Client, InvalidArgument
 from torch import nn
 
 from service import metrics
+from service.adapters.medusa import MedusaHeads, index_medusa, read_medusa_config
+from service.adapters.medusa.convert import convert_medusa
 from service.api.server import BackgroundServer
 from service.cli import main
 from service.errors import InvalidAdapter
-from service.medusa import MedusaHeads, index_medusa, read_medusa_config
-from service.medusa.convert import convert_medusa
 from service.model.config import ModelConfig
 
 PROMPTS = ["The quick brown fox", "Tell me about item 7", "Once upon a time"]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.medusa import MedusaHeads, index_medusa
+from service.adapters.medusa import MedusaHeads, index_medusa
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 from tools.medusa import generate

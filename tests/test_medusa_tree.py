@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.medusa.tree import DraftTree
+from service.drafters.tree import DraftTree
 from service.model import KVCache
 from service.model.weights import load_model
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import cast
 
+from service.adapters.common.part import Binding
 from service.adapters.handle import Adapter
+from service.drafters.base import Drafter
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.governor import SpeculationGovernor
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle
@@ -15,12 +17,10 @@ from service.errors import CheckpointError, LoraplexError
 
 
 class FakeAdapter:
-    """What the scheduler asks of an adapter: load (command), ready / failure / kv_key / heads (queries)."""
+    """What the scheduler asks of an adapter: load (command), ready / failure / kv_key / binding (queries)."""
 
     def __init__(self, ready_after: int = 0, error: LoraplexError | None = None, heads: object = None) -> None:
         self.id = "fake"
-        self.has_lora = True
-        self.has_heads = heads is not None
         self.loads = 0
         self._ready_after = ready_after
         self._error = error
@@ -38,8 +38,8 @@ class FakeAdapter:
     def kv_key(self) -> tuple[str, float]:
         return (self.id, 1.0)
 
-    def heads(self) -> object:
-        return self._heads
+    def binding(self) -> Binding:
+        return Binding(deltas=True, drafter=cast(Drafter, self._heads))
 
 
 def row(rid: str, n: int = 4, adapter: FakeAdapter | None = None, **kw: object) -> Row:
@@ -135,7 +135,7 @@ def test_a_loading_adapter_does_not_hold_up_rows_behind_it() -> None:
     plan = step(s)
     assert ids(plan.prefill) == ["cold"] and slow.loads == 3
     admitted = plan.prefill[0]
-    assert admitted.lora and admitted.kv_key == ("fake", 1.0) and admitted.heads is None
+    assert admitted.deltas and admitted.kv_key == ("fake", 1.0) and admitted.drafter is None
 
 
 def test_a_failed_adapter_fails_its_row_only() -> None:
@@ -155,7 +155,7 @@ def test_heads_draft_for_plain_greedy_rows_only_and_the_governor_decides() -> No
     s.add(row("sampled", adapter=FakeAdapter(heads=heads), sampling=SamplingParams(temperature=0.8)))
     s.add(row("off", adapter=FakeAdapter(heads=heads), speculate=False))
     plan = step(s)
-    assert [r.heads is heads for r in plan.prefill] == [True, False, False]
+    assert [r.drafter is heads for r in plan.prefill] == [True, False, False]
     assert not plan.draft  # 3 rows decode this step > speculate_max_batch=2
     s.running[2].done = True
     assert step(s).draft

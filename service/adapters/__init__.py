@@ -5,13 +5,13 @@ Public names are re-exported here; the implementation lives in the submodules.
 
 from __future__ import annotations
 
+from service.adapters.common.ids import check_adapter_id
 from service.adapters.handle import Adapter
-from service.adapters.ids import check_adapter_id
-from service.adapters.peft import LoraAdapterConfig, read_lora_config
-from service.adapters.registry import index_adapter
-from service.adapters.spec import AdapterSpec
-from service.adapters.store import AdapterInfo, AdapterState, AdapterStore, StoreState
-from service.adapters.types import MODULES, LoraLayer, LoraModule
+from service.adapters.lora.peft import LoraAdapterConfig, read_lora_config
+from service.adapters.lora.registry import index_adapter
+from service.adapters.lora.spec import AdapterSpec
+from service.adapters.lora.store import AdapterInfo, AdapterState, AdapterStore, StoreState
+from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 
 __all__ = [
     "MODULES",

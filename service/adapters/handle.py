@@ -1,97 +1,91 @@
-"""An adapter resolved for one request: an optional LoRA part and optional Medusa heads, behind one object.
+"""An adapter resolved for one request: one claim per part it has (LoRA weights, Medusa heads, ...), behind one
+object.
 
-A request resolves its adapter id once (``AdapterCatalog.resolve``); below that point nothing branches on what
-kind of adapter it is, only on the object's capabilities (``has_lora``, ``has_heads``). The object is per request:
-it owns that request's pin on the LoRA part and its claim on a load in flight, and ``release`` gives both back.
+A request resolves its adapter id once (``AdapterCatalog.resolve``); below that point nothing asks what kind of
+adapter it is: the engine reads the merged ``binding`` (per-layer deltas in the forward, a drafter) and the K/V key.
+The object is per request: its claims own that request's pins and its claims on loads in flight, and ``release``
+gives them back.
 
-Commands (``load``, ``pin``, ``unpin``, ``release``) change store state; queries (``ready``, ``failure``,
-``kv_key``, ``heads``) never do. Loads run on the store's and the Medusa registry's own threads, never here.
+Commands (``load``, ``pin``, ``unpin``, ``release``) change the parts' state; queries (``ready``, ``failure``,
+``kv_key``, ``binding``) never do. Loads run on each kind's own threads, never here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sequence
 
+from service.adapters.common.part import Binding, PartClaim
 from service.errors import LoraplexError
 
-if TYPE_CHECKING:
-    from service.adapters.store import AdapterStore
-    from service.medusa.heads import MedusaHeads
-    from service.medusa.registry import MedusaRegistry
+_NOTHING = Binding()
 
 
 class Adapter:
     """One request's view of a registered adapter (see the module docstring)."""
 
-    __slots__ = ("_heads", "_medusa", "_pinned", "_store", "has_heads", "has_lora", "id")
+    __slots__ = ("_claims", "id")
 
-    def __init__(self, adapter_id: str, store: AdapterStore | None, medusa: MedusaRegistry | None) -> None:
+    def __init__(self, adapter_id: str, claims: Sequence[PartClaim]) -> None:
         self.id = adapter_id
-        self._store = store
-        self._medusa = medusa
-        self.has_lora = store is not None
-        self.has_heads = medusa is not None
-        self._pinned = False
-        self._heads: bool = False
+        self._claims = tuple(claims)
 
     # --- commands ---------------------------------------------------------------------------------------------
     def load(self) -> None:
-        """Ask for every part that is not on the device yet (non-blocking). The LoRA part's pin is taken for this
-        request the moment it is resident, so nothing can evict it before the request runs. Raises
-        ``LoraplexError`` when the adapter was unregistered meanwhile or the store is closed."""
-        if self._store is not None and not self._pinned:
-            self._pinned = self._store.request(self.id, pin=True, waiter=self)
-        if self._medusa is not None and not self._heads:
-            self._heads = self._medusa.request(self.id)
+        """Ask for every part that is not on the device yet (non-blocking). A part's pin is taken for this request
+        the moment it is resident, so nothing can evict it before the request runs. Raises ``LoraplexError`` when
+        the adapter was unregistered meanwhile or a kind is closed."""
+        for claim in self._claims:
+            claim.load()
 
     def pin(self) -> None:
-        if self._store is not None and not self._pinned:
-            self._store.pin(self.id)
-            self._pinned = True
+        for claim in self._claims:
+            claim.pin()
 
     def unpin(self) -> None:
-        if self._store is not None and self._pinned:
-            self._pinned = False
-            self._store.unpin(self.id)
+        for claim in self._claims:
+            claim.unpin()
 
     def release(self) -> None:
-        """The request is done with the adapter: drop its pin, or its claim on a load it waited for."""
-        if self._store is None:
-            return
-        if self._pinned:
-            self.unpin()
-        else:
-            self._store.forget(self.id, self)
+        """The request is done with the adapter: drop its pins, or its claims on loads it waited for."""
+        for claim in self._claims:
+            claim.release()
 
     # --- queries ----------------------------------------------------------------------------------------------
     def ready(self) -> bool:
-        """Every part is on the device (the LoRA part pinned for this request)."""
-        return (self._store is None or self._pinned) and (self._medusa is None or self._heads)
-
-    @property
-    def pinned(self) -> bool:
-        return self._pinned
+        """Every part is on the device (pinned for this request where its kind pins)."""
+        return all(claim.ready() for claim in self._claims)
 
     def failure(self) -> LoraplexError | None:
-        """Why a part cannot load (the store's or the registry's error), or None."""
-        error = self._store.failure(self.id) if self._store is not None else None
-        if error is None and self._medusa is not None:
-            error = self._medusa.failure(self.id)
-        return error
+        """Why a part cannot load (the first part's error), or None."""
+        for claim in self._claims:
+            error = claim.failure()
+            if error is not None:
+                return error
+        return None
 
-    def kv_key(self) -> tuple[str, float] | None:
-        """What besides the tokens shapes a row's K/V: the LoRA registration (a re-registered id gets a new key,
-        its deltas, and so its K/V, may differ). None without a LoRA part."""
-        if self._store is None:
-            return None
-        return (self.id, self._store.get(self.id).registered_at)
+    def kv_key(self) -> Hashable | None:
+        """What besides the tokens shapes a row's K/V (the first part's key that has one: the LoRA registration);
+        None when no part changes the K/V."""
+        for claim in self._claims:
+            key = claim.kv_key()
+            if key is not None:
+                return key
+        return None
 
-    def heads(self) -> MedusaHeads | None:
-        """The loaded Medusa heads, or None without heads (call after ``ready``)."""
-        return self._medusa.heads(self.id) if self._medusa is not None else None
+    def binding(self) -> Binding:
+        """What the ready parts give the request's rows, merged (call after ``ready``)."""
+        out = _NOTHING
+        for claim in self._claims:
+            out = out.merge(claim.binding())
+        return out
+
+    def drafts(self) -> bool:
+        """Whether a part brings a drafter once ready (known from registration: no load needed)."""
+        return any(claim.drafts() for claim in self._claims)
 
     def __repr__(self) -> str:
-        return f"Adapter({self.id!r}, lora={self.has_lora}, heads={self.has_heads}, pinned={self._pinned})"
+        parts = ", ".join(type(c).__name__ for c in self._claims)
+        return f"Adapter({self.id!r}, parts=[{parts}], ready={self.ready()})"
 
 
 __all__ = ["Adapter"]

@@ -1,7 +1,7 @@
 """The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work).
 
-Every method taking an id checks it first (``service.adapters.ids``): a malformed id is INVALID_ARGUMENT, NOT_FOUND
-is for a well-formed id that is not registered. Methods raise typed errors; the interceptors
+Every method taking an id checks it first (``service.adapters.common.ids``): a malformed id is INVALID_ARGUMENT,
+NOT_FOUND is for a well-formed id that is not registered. Methods raise typed errors; the interceptors
 (``service.api.interceptors``) turn them into statuses and count them.
 """
 
@@ -13,9 +13,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from loraplex.v1 import adapters_pb2 as pb
 from loraplex.v1 import adapters_pb2_grpc as pb_grpc
 
-from service.adapters import AdapterInfo
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.ids import check_adapter_id
+from service.adapters.common.ids import check_adapter_id
+from service.adapters.lora import AdapterInfo
+from service.adapters.lora.part import LoraPart
+from service.adapters.medusa.part import MedusaPart
 from service.api.runtime import Runtime
 from service.api.status import Context
 from service.errors import InvalidRequest, PermissionDenied
@@ -40,32 +42,32 @@ def _stamp(seconds: float | None) -> Timestamp | None:
 
 def describe(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
     """One adapter as the API shows it: its LoRA part's store state, plus its Medusa heads if it has any."""
-    adapter = catalog.resolve(adapter_id)
-    info = catalog.lora_info(adapter_id)
+    catalog.resolve(adapter_id)  # AdapterNotFound
+    lora, medusa = catalog.kind(LoraPart), catalog.kind(MedusaPart)
+    info = lora.store.get(adapter_id) if lora is not None and lora.has(adapter_id) else None
     heads = 0
-    if adapter.has_heads:
-        spec = catalog.medusa.spec(adapter_id)
-        heads = spec.num_heads
+    if medusa is not None and medusa.has(adapter_id):
+        heads = medusa.registry.spec(adapter_id).num_heads
         if info is None:
-            return _medusa_only(catalog, adapter_id)
+            return _medusa_only(catalog, medusa, adapter_id)
     assert info is not None
     message = info_to_pb(info, medusa_heads=heads)
     message.source = catalog.source_of(adapter_id) or message.source
     return message
 
 
-def _medusa_only(catalog: AdapterCatalog, adapter_id: str) -> pb.AdapterInfo:
-    spec = catalog.medusa.spec(adapter_id)
-    loaded = catalog.medusa.loaded(adapter_id)
+def _medusa_only(catalog: AdapterCatalog, medusa: MedusaPart, adapter_id: str) -> pb.AdapterInfo:
+    spec = medusa.registry.spec(adapter_id)
+    usage = medusa.usage(adapter_id)
     return pb.AdapterInfo(
         id=adapter_id,
         source=catalog.source_of(adapter_id) or str(spec.source),
         resolved_path=str(spec.source),
         kind=pb.ADAPTER_KIND_MEDUSA,
         medusa_heads=spec.num_heads,
-        state=pb.ADAPTER_STATE_DEVICE if loaded else pb.ADAPTER_STATE_REGISTERED,
+        state=pb.ADAPTER_STATE_DEVICE if usage.resident else pb.ADAPTER_STATE_REGISTERED,
         total_bytes=spec.raw_nbytes(),
-        device_bytes=catalog.medusa.heads(adapter_id).nbytes if loaded else 0,
+        device_bytes=usage.device_bytes,
         load_latency=pb.LoadLatency(index_seconds=spec.index_seconds),
     )
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from loraplex.v1 import generation_pb2 as pb
 
-from service.adapters.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id
+from service.adapters.common.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id
 from service.config import Settings
 from service.errors import InvalidRequest
 
@@ -93,7 +93,7 @@ def check_stops(stops: Sequence[str], settings: Settings) -> None:
 
 
 def check_ids(adapter_id: str, request_id: str) -> None:
-    """The adapter id's rule (``service.adapters.ids``; "" = the base model) and the request id's length (its
+    """The adapter id's rule (``service.adapters.common.ids``; "" = the base model) and the request id's length (its
     character rule is checked where it is used)."""
     if adapter_id:
         check_adapter_id(adapter_id, field="adapter_id")

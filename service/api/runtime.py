@@ -24,16 +24,14 @@ import torch
 from loraplex.v1 import generation_pb2 as pb
 
 from service import metrics
-from service.adapters import AdapterStore
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.registry import resolve_source
+from service.adapters.kinds import KindContext, build_catalog
 from service.api import convert
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest, RequestHandle, Sink
 from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
-from service.medusa.registry import MedusaRegistry
 from service.model.config import ModelConfig
 from service.model.dtypes import choose_serving
 from service.selfcheck import SelfCheckReport, run_self_check
@@ -120,16 +118,7 @@ class Runtime:
             {"capability": checked.capability, "dtype": checked.dtype, "weights": choice.weights, "self_check": outcome}
         )
         roots = adapter_roots(s)
-        store = AdapterStore(
-            cfg,
-            device=device,
-            dtype=dtype,
-            device_budget_bytes=s.adapter_device_budget_bytes,
-            host_budget_bytes=s.adapter_host_budget_bytes,
-            roots=roots,
-        )
-        medusa = MedusaRegistry(cfg, device=device, dtype=dtype, check_path=lambda p: resolve_source(p, roots))
-        adapters = AdapterCatalog(store, medusa, hub_cache=s.hf_hub_cache)
+        adapters = build_catalog(KindContext(cfg, device, dtype, s, roots))
         register_startup_adapters(adapters, s)
         engine = Engine(model, tokenizer, s, adapters=adapters)
         with self._closing:

@@ -27,6 +27,7 @@ from service import metrics
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.handle import Adapter
 from service.config import Settings
+from service.drafters.registry import server_drafter
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
@@ -88,7 +89,8 @@ class Engine:
             settings.speculate_adaptive,
             prefill_chunk_tokens=settings.prefill_chunk_tokens,
         )
-        self.scheduler = Scheduler(limits, self.cache.move, cached=self.runner.cached)
+        drafter = server_drafter(settings)
+        self.scheduler = Scheduler(limits, self.cache.move, cached=self.runner.cached, drafter=drafter)
         self.threads = ThreadControl(settings)
         self._inbox: queue.SimpleQueue[tuple[RequestHandle, Sink, Adapter | None] | None] = queue.SimpleQueue()
         self._counted: set[RequestHandle] = set()  # submitted, neither finished nor cancelled (guarded by _lock)
@@ -174,7 +176,7 @@ class Engine:
         if self.adapters is None:
             raise AdapterNotFound(request.adapter_id)
         adapter = self.adapters.resolve(request.adapter_id)  # AdapterNotFound
-        if request.speculate and not adapter.has_heads:
+        if request.speculate and not adapter.drafts():
             raise InvalidRequest(f"speculate=true, but adapter {request.adapter_id!r} has no Medusa heads")
         return adapter
 
@@ -314,9 +316,9 @@ class Engine:
 
     def _decode(self, rows: list[Row], draft: bool) -> None:
         """One decode step, timed for the governors: threads per step kind, speculation by output tokens / s."""
-        speculative = any(r.drafts for r in rows)
+        speculative = any(r.draft is not None for r in rows)
         n, key = len(rows), step_key(len(rows), speculative)
-        spec_governed = self.settings.speculate_adaptive and any(r.heads is not None for r in rows)
+        spec_governed = self.settings.speculate_adaptive and any(r.drafter is not None for r in rows)
         threads = self.threads.before_step(key)
         start, before = time.perf_counter(), sum(r.generated for r in rows) if spec_governed else 0
         self.runner.decode(rows, draft)
@@ -344,7 +346,7 @@ class Engine:
         error = EngineStepFailed(
             f"the engine step running this request failed ({type(exc).__name__}); it is safe to retry"
         )
-        written = max((max(len(r.request.prompt_ids), r.length) + len(r.drafts) + 1 for r in rows), default=0)
+        written = max((max(len(r.request.prompt_ids), r.length) + r.drafted + 1 for r in rows), default=0)
         for row in rows:
             self.outputs.finish(row, FinishReason.ERROR, error=error)  # the row is done: it leaves its slot
         self.cache.clear(len(rows), written, first=first)

@@ -10,6 +10,7 @@ torch: the scheduler and its tests run without it.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,10 +18,10 @@ from service.engine.request import GenerationRequest, RequestHandle, Sink
 
 if TYPE_CHECKING:
     from service.adapters.handle import Adapter
+    from service.drafters.base import Draft, Drafter
     from service.engine.detok import IncrementalDetokenizer
     from service.engine.sampling import RandomStream
     from service.engine.stops import StopMatcher
-    from service.medusa.heads import MedusaHeads
 
 
 @dataclass(eq=False)
@@ -30,15 +31,15 @@ class Row:
     detok: IncrementalDetokenizer
     stops: StopMatcher | None
     generator: RandomStream | None
-    ids: list[int]  # prompt + generated, for the repetition penalty
+    ids: list[int]  # prompt + generated, for the repetition penalty and the drafters
     adapter: Adapter | None = None  # resolved once, at submit
     length: int = 0  # tokens whose K/V are in the cache
     pending: int = -1  # last sampled token, fed at the next decode step
     generated: int = 0
-    lora: bool = False  # its adapter's LoRA part is pinned and applies to its rows of the batch (from admission)
-    heads: MedusaHeads | None = None  # Medusa heads that draft for this row (greedy rows only)
-    kv_key: tuple[str, float] | None = None  # what besides the tokens shapes its K/V: the LoRA registration
-    drafts: list[int] = field(default_factory=list)  # drafted tokens to verify at the next step
+    deltas: bool = False  # its adapter's per-layer deltas apply to its rows of the batch (from admission)
+    drafter: Drafter | None = None  # proposes its draft tokens (greedy rows only; from admission)
+    kv_key: Hashable | None = None  # what besides the tokens shapes its K/V (e.g. the LoRA registration)
+    draft: Draft | None = None  # drafted tokens to verify at the next step
     accepted: int = 0  # draft tokens accepted so far
     done: bool = False  # leaves its slot at the next compaction
     closed: bool = False  # its final event is delivered and its adapter released
@@ -48,6 +49,11 @@ class Row:
     @property
     def request(self) -> GenerationRequest:
         return self.handle.request
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens it holds for the next step."""
+        return 0 if self.draft is None else self.draft.size
 
     @property
     def remaining(self) -> int:

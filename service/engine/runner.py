@@ -1,7 +1,8 @@
 """The runner: executes the scheduler's plan on the model and the KV cache.
 
-It builds the step's input tensors and LoRA tables, runs the forward pass, samples or verifies drafts, and lets
-rows with Medusa heads draft for the next step. It hands each row's new tokens to the output processor and
+It builds the step's input tensors and LoRA tables, runs the forward pass, samples or verifies drafts, and asks
+each row's drafter (``service.drafters``) for the next step's draft; it verifies whatever tree a draft holds,
+without knowing which drafter made it. It hands each row's new tokens to the output processor and
 advances ``row.length`` (the tokens whose K/V are in the row's slot); every slot move goes through the KV cache.
 It never decides who runs (the scheduler's job) and never builds events (the output processor's).
 
@@ -18,13 +19,12 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from service import metrics
-from service.adapters.lora import AdapterBatch, LayerLookup, LoraTables
+from service.adapters.lora.batch import AdapterBatch, LayerLookup, LoraTables
 from service.config import Settings
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
 from service.engine.row import Row
 from service.engine.sampling import Sampler
-from service.medusa.tree import DraftTree
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 
@@ -49,7 +49,6 @@ class Runner:
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
         self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if layer_lookup is not None else None
         self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
-        self._trees: dict[int, DraftTree] = {}  # the draft tree per head count
 
     def reset(self) -> None:
         """Drop the caches that outlive rows (prefix blocks, LoRA tables): after a failed step they may be half
@@ -62,14 +61,8 @@ class Runner:
     def _adapter_batch(self, rows: Sequence[Row], slot_start: int) -> AdapterBatch | None:
         if self._lookup is None or self.tables is None:
             return None
-        ids = [r.request.adapter_id if r.lora else None for r in rows]
+        ids = [r.request.adapter_id if r.deltas else None for r in rows]
         return AdapterBatch.build(ids, self._lookup, self.tables, slot_start=slot_start)
-
-    def tree(self, num_heads: int) -> DraftTree:
-        tree = self._trees.get(num_heads)
-        if tree is None:
-            tree = self._trees[num_heads] = DraftTree.parse(self.settings.speculate_tree, num_heads)
-        return tree
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Row], grants: Sequence[int], start: int, draft: bool) -> None:
@@ -80,7 +73,7 @@ class Runner:
         slot holds, ``s_b``, to ``e_b`` (its prompt's end; for the last row ``min(s_b + grant, len)``), at
         positions ``s_b ..`` (attending to its own earlier chunks in the cache), right-padded to the widest chunk;
         padding lands beyond ``e_b`` (clamped into the cache), where the next chunk or nothing writes first and
-        nothing reads. A row whose chunk ends its prompt samples its first token (and drafts, with heads) and its
+        nothing reads. A row whose chunk ends its prompt samples its first token (and drafts, with a drafter) and its
         prompt blocks enter the prefix cache."""
         self._start_rows([(r, start + b) for b, r in enumerate(rows) if r.length == 0])
         last_end = min(rows[-1].length + grants[-1], len(rows[-1].request.prompt_ids))
@@ -163,7 +156,7 @@ class Runner:
     def decode(self, rows: list[Row], draft: bool) -> None:
         """One decode step of every running row (slots ``0 .. len(rows)``): plain, or verifying drafts."""
         metrics.BATCH_SIZE.observe(len(rows))
-        if any(r.drafts for r in rows):
+        if any(r.draft is not None for r in rows):
             self._decode_speculative(rows, draft)
         else:
             self._decode_plain(rows, draft)
@@ -186,34 +179,43 @@ class Runner:
         (node i at cache position ``L_b + i``, RoPE position ``L_b + depth(i)``, attending to its ancestors only),
         padded to the batch's widest with its pending token (K/V beyond its length, never read back). Greedy rows
         walk the tree along the model's argmax and emit the path's tokens plus the argmax at its end: exactly
-        plain greedy decoding; the cache then keeps the path's K/V at ``L_b + 1 ..``. Rows without drafts
-        (sampled, or without heads) read node 0 like a plain decode step.
+        plain greedy decoding; the cache then keeps the path's K/V at ``L_b + 1 ..``. Rows without a drafter
+        (sampled rows) read node 0 like a plain decode step.
         """
-        tree = self.tree(max(r.heads.num_heads for r in rows if r.heads is not None))
-        valid = self._verified_nodes(rows, tree)
+        valid = self._verified_nodes(rows)
         width = max(valid)
-        fed = [[r.pending, *r.drafts[: valid[b] - 1]] + [r.pending] * (width - valid[b]) for b, r in enumerate(rows)]
+        fed = [
+            [r.pending, *self._tokens(r)[: valid[b] - 1]] + [r.pending] * (width - valid[b]) for b, r in enumerate(rows)
+        ]
         tokens = torch.tensor(fed, dtype=torch.long, device=self.device)  # [B, T]
-        starts = torch.tensor([r.length for r in rows], device=self.device)  # [B]
-        positions = starts[:, None] + torch.tensor(tree.depths[:width], device=self.device)[None, :]  # [B, T]
+        depths, tree = self._tree_of_step(rows, valid, width)
+        positions = torch.tensor([r.length for r in rows], device=self.device)[:, None] + depths  # [B, T]
         batch = self._adapter_batch(rows, 0)
         kv_len = max(r.length for r in rows) + width
-        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree.visible[:width, :width])
+        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree)
         logits = self.model.logits(hidden)  # [B, T, V]
-        plain = [b for b, r in enumerate(rows) if r.heads is None]
-        if plain:  # sampled rows (and rows without heads): one token from node 0, as a plain step
+        plain = [b for b, r in enumerate(rows) if r.drafter is None]
+        if plain:  # sampled rows: one token from node 0, as a plain step
             sub = [rows[b] for b in plain]
             for r in sub:
                 r.length += 1
             self._sample(sub, logits[torch.tensor(plain, device=self.device), 0])
         self._fail_non_finite_paths(rows, logits, valid)
-        predicted = logits.argmax(dim=-1).tolist()  # [B, T]
-        last = [0] * len(rows)  # the node whose hidden state drafts next
+        last = self._accept(rows, fed, logits.argmax(dim=-1).tolist(), valid)
+        at = torch.tensor(last, device=self.device)
+        self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at], draft)  # after the last kept token
+
+    def _accept(
+        self, rows: Sequence[Row], fed: list[list[int]], predicted: list[list[int]], valid: list[int]
+    ) -> list[int]:
+        """Walk each drafting row's tree along the model's argmax ``predicted`` [B, T]; keep and emit the path.
+        Returns per row the node whose hidden state drafts next."""
+        last = [0] * len(rows)
         drafted = kept = 0
         for b, row in enumerate(rows):
-            if row.heads is None or row.done:
+            if row.drafter is None or row.done:
                 continue
-            path = tree.accept(fed[b], predicted[b], valid[b])
+            path = row.draft.tree.accept(fed[b], predicted[b], valid[b]) if row.draft is not None else []
             self.cache.keep_path(b, row.length, path)
             drafted += valid[b] - 1
             kept += len(path)
@@ -223,18 +225,40 @@ class Runner:
             self.outputs.emit_path(row, [*(fed[b][i] for i in path), predicted[b][last[b]]])
         metrics.SPECULATIVE_DRAFTED.inc(drafted)
         metrics.SPECULATIVE_ACCEPTED.inc(kept)
-        metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.heads is not None))
-        at = torch.tensor(last, device=self.device)
-        self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at], draft)  # after the last kept token
+        metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.drafter is not None))
+        return last
 
-    def _verified_nodes(self, rows: Sequence[Row], tree: DraftTree) -> list[int]:
+    @staticmethod
+    def _tokens(row: Row) -> tuple[int, ...]:
+        return () if row.draft is None else row.draft.tokens
+
+    def _tree_of_step(self, rows: Sequence[Row], valid: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depths [B, T] of the nodes fed (padding at depth 0) and the attention mask of the trees: [T, T] when one
+        tree holds every row's verified nodes as its first nodes (the usual case: one drafter, or Medusa heads of
+        different counts), else [B, T, T] (each row its own tree; a padding node sees only itself)."""
+        trees = [r.draft.tree for r in rows if r.draft is not None]
+        widest = max(trees, key=lambda t: t.size)
+        if all(t is widest or t.paths == widest.paths[: len(t.paths)] for t in trees):
+            depths = torch.tensor(widest.depths[:width], device=self.device)[None, :].expand(len(rows), width)
+            return depths, widest.visible[:width, :width]
+        depth_rows = []
+        mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # [B, T, T]
+        for b, (r, v) in enumerate(zip(rows, valid, strict=True)):
+            if r.draft is None:
+                depth_rows.append([0] * width)
+                continue
+            depth_rows.append(r.draft.tree.depths[:v] + [0] * (width - v))
+            mask[b, :v, :v] = r.draft.tree.visible[:v, :v]
+        return torch.tensor(depth_rows, device=self.device), mask
+
+    def _verified_nodes(self, rows: Sequence[Row]) -> list[int]:
         """Nodes each row verifies: within its remaining tokens (a path of depth d emits d + 1), and every row's
         nodes inside the cache."""
         limit = self.settings.max_total_tokens
         valid = []
         for r in rows:
             room = min(r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)
-            valid.append(min(1 + len(r.drafts), tree.nodes_within(max(0, room))))
+            valid.append(1 if r.draft is None else min(1 + r.draft.size, r.draft.tree.nodes_within(max(0, room))))
         width = min(max(valid), min(limit - r.length for r in rows))
         return [min(v, width) for v in valid]
 
@@ -265,35 +289,26 @@ class Runner:
         are checked where they are sampled)."""
         finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
         for b, row in enumerate(rows):
-            if row.heads is not None and not row.done and not all(finite[b][: valid[b]]):
+            if row.drafter is not None and not row.done and not all(finite[b][: valid[b]]):
                 self.outputs.fail_non_finite(row)
 
     def _draft(self, rows: Sequence[Row], hidden: torch.Tensor, draft: bool) -> None:
-        """Set the drafts of rows with heads from their last hidden state ``hidden`` [len(rows), H]: the candidate
-        token of every node of the draft tree (``--speculate-tree``) down to the depth the row verifies."""
-        if not any(row.heads is not None for row in rows):
-            return  # the common decode step: no row drafts, nothing to reset (rows without heads never hold drafts)
+        """Ask each drafter for the drafts of its rows, from their last hidden state ``hidden`` [len(rows), H] and
+        their tokens so far; rows sharing a drafter are asked together."""
+        if not any(row.drafter is not None for row in rows):
+            return  # the common decode step: no row drafts, nothing to reset (rows without drafters hold no draft)
         groups: dict[int, list[int]] = {}
         for b, row in enumerate(rows):
-            row.drafts = []
-            if row.heads is not None and not row.done and draft:
-                groups.setdefault(id(row.heads), []).append(b)
-        threshold = self.settings.draft_threshold
+            row.draft = None
+            if row.drafter is not None and not row.done and draft:
+                groups.setdefault(id(row.drafter), []).append(b)
         for members in groups.values():
-            heads = rows[members[0]].heads
-            assert heads is not None  # groups hold rows with heads only
-            tree = self.tree(heads.num_heads)
-            index = torch.tensor(members, device=hidden.device)
-            x, k = hidden.index_select(0, index), tree.max_rank + 1
-            depths = None
-            if threshold > 0:  # verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold
-                ids, probs = heads.candidates(x, self.model.draft_head(), k)
-                depths = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist()
-            else:
-                ids = heads.topk(x, self.model.draft_head(), k)  # [g, n_heads, k]
-            for i, (b, topk) in enumerate(zip(members, ids.tolist(), strict=True)):
-                nodes = tree.nodes_within(depths[i]) if depths is not None else tree.size
-                rows[b].drafts = tree.tokens(topk)[: nodes - 1]
+            drafter = rows[members[0]].drafter
+            assert drafter is not None  # groups hold rows with drafters only
+            x = hidden.index_select(0, torch.tensor(members, device=hidden.device))  # [g, H]
+            drafts = drafter.propose(x, [rows[b].ids for b in members], self.model)
+            for b, proposed in zip(members, drafts, strict=True):
+                rows[b].draft = proposed if proposed is not None and proposed.tokens else None
 
 
 __all__ = ["Runner"]

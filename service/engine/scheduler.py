@@ -1,11 +1,12 @@
 """The scheduler: pure policy over request state, deciding what each engine step does.
 
-Each step it retires cancelled and expired rows, plans one prefill pass and says whether rows with Medusa heads
-draft for the next step (the speculation governor decides). The prefill pass continues the row that is part-way
-through its prompt, then admits waiting rows into free KV slots in arrival order (under the batch size and
-adapter readiness; a row whose adapter is still loading never holds up rows behind it), all under one budget of
-padded prompt tokens: ``--prefill-chunk-tokens`` (a long prompt then takes several steps, one chunk each, and the
-running rows decode between the chunks), or with chunking off ``PREFILL_TOKEN_BUDGET`` and whole prompts only.
+Each step it retires cancelled and expired rows, plans one prefill pass and says whether rows with a drafter
+(their adapter's Medusa heads, or the server's ``--draft``) draft for the next step (the speculation governor
+decides). The prefill pass continues the row that is part-way through its prompt, then admits waiting rows into
+free KV slots in arrival order (under the batch size and adapter readiness; a row whose adapter is still loading
+never holds up rows behind it), all under one budget of padded prompt tokens: ``--prefill-chunk-tokens`` (a long
+prompt then takes several steps, one chunk each, and the running rows decode between the chunks), or with chunking
+off ``PREFILL_TOKEN_BUDGET`` and whole prompts only.
 It returns a ``StepPlan``; the runner executes it and the output processor delivers the results.
 
 Invariants: rows holding KV slots are compacted in slots ``0..n-1`` (``running[i]`` lives in slot ``i``), rows
@@ -21,11 +22,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from service.engine.governor import SpeculationGovernor
 from service.engine.request import FinishReason
 from service.engine.row import Row
 from service.errors import LoraplexError
+
+if TYPE_CHECKING:
+    from service.drafters.base import Drafter
 
 # Padded prompt tokens one prefill pass may hold: bounds the prefill's activation memory and the time running
 # streams wait while newcomers are prefilled.
@@ -47,7 +52,7 @@ class StepPlan:
     # every row but the last completes its prompt whatever its count says.
     prefill_tokens: tuple[int, ...]
     prefill_start: int
-    draft: bool  # rows with heads draft for the next step
+    draft: bool  # rows with a drafter draft for the next step
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,13 @@ class Scheduler:
         move: Move,
         governor: SpeculationGovernor | None = None,
         cached: Cached | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.limits = limits
         self.governor = governor if governor is not None else SpeculationGovernor()
         self._move = move
         self._cached = cached
+        self._drafter = drafter  # the server's drafter (--draft) for greedy rows whose adapter brings none
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []
 
@@ -140,7 +147,7 @@ class Scheduler:
             if row.adapter is not None and not row.adapter.ready():
                 kept.append(row)
                 continue
-            self._bind_adapter(row)
+            self._bind(row)
             rows.append(row)
             tokens.append(grant)
             self.running.append(row)
@@ -181,25 +188,26 @@ class Scheduler:
             return exc
         return row.adapter.failure()
 
-    @staticmethod
-    def _bind_adapter(row: Row) -> None:
-        """Set what the runner reads from a ready adapter: its LoRA part, K/V key and (greedy rows) heads."""
-        adapter = row.adapter
-        if adapter is None:
-            return
-        row.lora = adapter.has_lora
-        row.kv_key = adapter.kv_key()
+    def _bind(self, row: Row) -> None:
+        """Set what the runner reads for an admitted row: its ready adapter's binding (per-layer deltas, a drafter)
+        and K/V key; a greedy row without an adapter drafter gets the server's drafter, if any."""
+        drafter = self._drafter
+        if row.adapter is not None:
+            binding = row.adapter.binding()
+            row.deltas = binding.deltas
+            row.kv_key = row.adapter.kv_key()
+            drafter = binding.drafter if binding.drafter is not None else drafter
         sampling = row.request.sampling
         # Speculation serves greedy rows (output identical to plain greedy); sampled, penalized or logprob rows
         # decode one token per step, so their distribution and logprobs are exactly the plain ones.
         plain_greedy = sampling.greedy and not sampling.penalized and not sampling.logprobs
-        if adapter.has_heads and row.request.speculate is not False and plain_greedy:
-            row.heads = adapter.heads()
+        if row.request.speculate is not False and plain_greedy:
+            row.drafter = drafter
 
     def drafting(self, batch: int) -> bool:
-        """Rows with heads draft for the next step of ``batch`` decoding rows? Not above ``speculate_max_batch``;
-        below it, as the governor measures (asked only in steps where some row has heads)."""
-        if not any(r.heads is not None for r in self.running):
+        """Rows with a drafter draft for the next step of ``batch`` decoding rows? Not above
+        ``speculate_max_batch``; below it, as the governor measures (asked only in steps where some row has one)."""
+        if not any(r.drafter is not None for r in self.running):
             return False
         if batch > self.limits.speculate_max_batch:
             return False

@@ -195,7 +195,7 @@ def _visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:
         return key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
     # The cache below the root, then the query's own ancestors among the nodes.
     rel = key_pos[None, :] - positions[:, :1]  # [B, L]: key position relative to the root
-    in_tree = tree.to(positions.device)[None, :, :].expand(b, t, t)  # [B, T, T]
+    in_tree = tree.to(positions.device).expand(b, t, t)  # [B, T, T]: one tree for every row, or one per row
     node = rel.clamp(0, t - 1)[:, None, :].expand(b, t, length)  # [B, T, L]
     return (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree.gather(2, node))
 
@@ -354,9 +354,10 @@ class Llama(nn.Module):
         ``> positions.max()``, or with ``tree`` the last cache position written); when ``None`` it is computed
         from ``positions`` (one device-to-host sync).
 
-        ``tree`` [T, T] bool (see ``service.medusa.tree``): the T tokens of a row are the nodes of a draft tree
-        rooted at ``positions[:, 0]`` = L. Node i's K/V goes to cache position ``L + i`` while ``positions`` carries
-        its RoPE position ``L + depth(i)``; it attends to the cache below L and to the nodes ``tree[i]`` marks.
+        ``tree`` [T, T] or [B, T, T] bool (see ``service.drafters.tree``; one tree for all rows, or one per row): the
+        T tokens of a row are the nodes of a draft tree rooted at ``positions[:, 0]`` = L. Node i's K/V goes to cache
+        position ``L + i`` while ``positions`` carries its RoPE position ``L + depth(i)``; it attends to the cache
+        below L and to the nodes ``tree[i]`` marks.
         """
         b = tokens.shape[0]
         if positions.shape != tokens.shape:
@@ -367,8 +368,8 @@ class Llama(nn.Module):
         if tree is None:
             slots_at = positions  # [B, T] cache position of each token's K/V
         else:
-            if tuple(tree.shape) != (t, t):
-                raise ValueError(f"tree mask {tuple(tree.shape)} must be [{t}, {t}]")
+            if tuple(tree.shape) not in ((t, t), (b, t, t)):
+                raise ValueError(f"tree mask {tuple(tree.shape)} must be [{t}, {t}] or [{b}, {t}, {t}]")
             slots_at = positions[:, :1] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]: L + i
         length = int(slots_at.max()) + 1 if kv_len is None else kv_len
         if length > cache.max_len:

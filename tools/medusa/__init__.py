@@ -2,7 +2,7 @@
 
 ``loop`` is the batched greedy loop the engine's speculation is checked against; ``speculative`` verifies one draft
 chain per row (greedy, and speculative sampling with its distribution proof); ``train`` distils heads from the base
-model's own text. The server's Medusa code (format, heads, registry, draft trees) stays in ``service.medusa``.
+model's own text. The server's Medusa code (format, heads, registry, draft trees) stays in ``service.adapters.medusa``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.medusa.heads import MedusaHeads
+from service.adapters.medusa.heads import MedusaHeads
 from service.model import AdapterHook, KVCache, Llama
 from tools.medusa.speculative import verify_greedy
 

@@ -1,7 +1,7 @@
 """Speculative verification of one draft chain per row: which drafts a row keeps, and the token it emits after.
 
 The reference form, used by ``loop`` and the tests; the server verifies draft trees itself (``service.engine``
-with ``service.medusa.tree``) and never imports this module.
+with ``service.drafters.tree``) and never imports this module.
 
 One verification step of a row: its KV cache holds positions ``[0, L)``; the model has just run the row's pending
 token ``t`` at position ``L`` followed by its ``k`` drafts ``d_1 .. d_k`` at ``L+1 .. L+k`` in one forward pass,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from service.medusa.heads import MedusaHeads, residual_blocks
+from service.adapters.medusa.heads import MedusaHeads, residual_blocks
 from service.model import KVCache, Llama
 
 __all__ = ["IGNORE", "head_accuracy", "head_dataset", "teacher_hidden", "train_v2_heads"]

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from service import metrics
-from service.adapters.ids import check_adapter_id
+from service.adapters.common.ids import check_adapter_id
 from service.api import access, convert
 from service.api.auth import KeyRing
 from service.api.generation import GenerationServicer
@@ -150,7 +150,7 @@ class OpenAIRoutes:
 
     def _adapter_of(self, model: str) -> str:
         """The adapter id a ``model`` names ("" = the base model): 400 for a name that cannot be an adapter id, 404
-        for one that is not registered (the same rule as gRPC's ``adapter_id``, ``service.adapters.ids``)."""
+        for one that is not registered (the same rule as gRPC's ``adapter_id``, ``service.adapters.common.ids``)."""
         if model == self.base_name:
             return ""
         check_adapter_id(model, field="model")

@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 from service import metrics
-from service.adapters.integrity import AdapterFileChanged, FileStamp, stamp_or_none
-from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, Loaded
-from service.adapters.registry import index_adapter
-from service.adapters.spec import AdapterSpec, plan_nbytes
-from service.adapters.tiers import Entry, Tiers
+from service.adapters.common.files import AdapterFileChanged, FileStamp, stamp_or_none
+from service.adapters.lora.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader, Loaded
+from service.adapters.lora.registry import index_adapter
+from service.adapters.lora.spec import AdapterSpec, plan_nbytes
+from service.adapters.lora.tiers import Entry, Tiers
 from service.errors import InvalidAdapter, LoraplexError, ResourceExhausted, Unavailable
 from service.model.config import ModelConfig
 from service.torch_threads import serial_torch
 
-log = logging.getLogger("service.adapters.store")
+log = logging.getLogger("service.adapters.lora.store")
 
 MAX_REVALIDATIONS = 2  # re-indexings of a file that keeps changing during one load before the load gives up
 

@@ -1,7 +1,7 @@
 """The Medusa adapter config: ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``, optional ``version``).
 
 Pure parsing and validation: every problem is an ``InvalidAdapter`` naming the file; no tensor is read. The file
-format as a whole (weights, names, shapes) is ``service.medusa.format``.
+format as a whole (weights, names, shapes) is ``service.adapters.medusa.format``.
 
 The three numbers are read as published: a JSON integer, an integral float (``2.0``) or a string of decimal digits
 (FasterDecoding's medusa-2 trainer writes ``"version": "2"``); a bool, a fraction or any other text is refused.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.adapters.folder import is_int, read_json_object, short_repr
+from service.adapters.common.files import is_int, read_json_object, short_repr
 from service.errors import InvalidAdapter
 
 CONFIG_FILE = "config.json"

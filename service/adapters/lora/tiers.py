@@ -15,13 +15,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from service import metrics
-from service.adapters.integrity import FileStamp
-from service.adapters.reader import HostCopy
-from service.adapters.spec import AdapterSpec
-from service.adapters.types import AdapterInfo, AdapterState, LoraLayer
+from service.adapters.common.files import FileStamp
+from service.adapters.lora.reader import HostCopy
+from service.adapters.lora.spec import AdapterSpec
+from service.adapters.lora.types import AdapterInfo, AdapterState, LoraLayer
 from service.errors import LoraplexError
 
-log = logging.getLogger("service.adapters.store")
+log = logging.getLogger("service.adapters.lora.store")
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from service.adapters.types import MODULES
+from service.adapters.lora.types import MODULES
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 GROUP = {m: ("self_attn" if m in ATTENTION else "mlp") for m in MODULES}

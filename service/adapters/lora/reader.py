@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from service import metrics
-from service.adapters.integrity import check_finite, open_verified
-from service.adapters.spec import AdapterSpec, SlotRecords, buffer_views, plan_buffer
-from service.adapters.types import LoraLayer, LoraModule
+from service.adapters.common.files import check_finite, open_verified
+from service.adapters.lora.spec import AdapterSpec, SlotRecords, buffer_views, plan_buffer
+from service.adapters.lora.types import LoraLayer, LoraModule
 from service.loading import load_tensors
 
 HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary

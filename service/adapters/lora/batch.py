@@ -4,7 +4,7 @@
 nothing); the model calls ``add_delta`` (its ``AdapterHook``) on every projection. Only rows ``[lo, hi)``, from
 the first to the last row with an adapter, are touched; a base-only row inside that span meets zero weights
 (per-slot) or is not in any group (shared), so its output is unchanged bit for bit. Each (layer, site) is computed
-one of two ways over the tables of ``service.adapters.lora_tables``, chosen per batch from the number ``N`` of
+one of two ways over the tables of ``service.adapters.lora.tables``, chosen per batch from the number ``N`` of
 distinct adapters among the ``b`` rows of the span:
 
 - **per-slot** (``2 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ at`` ``[b, T, R]`` and
@@ -35,8 +35,8 @@ from typing import Final, Literal
 import torch
 from torch import Tensor
 
-from service.adapters.lora_tables import SITES, LoraTables, ModuleSpec, SharedTable, SlotTable, module_layout
-from service.adapters.types import LoraLayer
+from service.adapters.lora.tables import SITES, LoraTables, ModuleSpec, SharedTable, SlotTable, module_layout
+from service.adapters.lora.types import LoraLayer
 from service.model.llama import ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every

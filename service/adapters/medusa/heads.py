@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from service import metrics
+from service.adapters.medusa.format import MedusaSpec, check_heads_finite
 from service.loading import LoadMode, load_tensors
-from service.medusa.format import MedusaSpec, check_heads_finite
 
 __all__ = ["MedusaHeads", "residual_blocks"]
 

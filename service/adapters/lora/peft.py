@@ -1,7 +1,7 @@
 """The PEFT LoRA format: ``adapter_config.json``, which base modules it adapts, and with which rank and scaling.
 
 Everything here is pure parsing and validation against the base model's shape; no tensor byte is read. The tensor
-names of ``adapter_model.safetensors`` are taken apart in ``service.adapters.peft_keys`` (re-exported here).
+names of ``adapter_model.safetensors`` are taken apart in ``service.adapters.lora.peft_keys`` (re-exported here).
 
 Matching follows PEFT 0.21 (``check_target_module_exists``, ``get_pattern_key``): a *list* of target modules
 matches a module whose full name equals an entry or ends with ``"." + entry`` (then ``layers_to_transform`` /
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.adapters.folder import is_int, read_json_object, short_repr
-from service.adapters.patterns import regex_problem
-from service.adapters.peft_keys import (
+from service.adapters.common.files import is_int, read_json_object, short_repr
+from service.adapters.lora.patterns import regex_problem
+from service.adapters.lora.peft_keys import (
     GROUP,
     LORA_KEY,
     LoraKey,
@@ -42,7 +42,7 @@ from service.adapters.peft_keys import (
     module_key,
     parse_lora_key,
 )
-from service.adapters.types import MODULES
+from service.adapters.lora.types import MODULES
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
 

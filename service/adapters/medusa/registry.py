@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from service import metrics
-from service.adapters.integrity import AdapterFileChanged, FileStamp, open_verified, stamp
+from service.adapters.common.files import AdapterFileChanged, FileStamp, open_verified, stamp
+from service.adapters.medusa.format import MedusaSpec, index_medusa
+from service.adapters.medusa.heads import MedusaHeads
 from service.errors import AdapterNotFound, AlreadyExists, LoraplexError, Unavailable
-from service.medusa.format import MedusaSpec, index_medusa
-from service.medusa.heads import MedusaHeads
 from service.model.config import ModelConfig
 from service.torch_threads import serial_torch
 

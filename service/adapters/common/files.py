@@ -1,4 +1,10 @@
-"""Adapter files checked when they are read, not only when they were registered.
+"""Adapter files, checked the same way for every adapter kind: the path policy, the folder, its JSON config, and
+every later read.
+
+Path policy: with ``roots`` given, a folder *and* the files read from it are resolved (symlinks followed) and must
+lie inside one root (``resolve_source``); anything else is ``PermissionDenied``. ``check_folder`` and
+``refuse_pickles`` run before any file is parsed; ``read_json_object`` returns a config as one JSON object. Nothing
+here knows any kind's fields.
 
 Registration indexes a file's header and records its identity (``FileStamp``: size, mtime_ns, inode, device).
 Every later read opens the file through ``open_verified``, which refuses to follow a symlink at the last path
@@ -7,26 +13,22 @@ descriptor's ``fstat`` with the stamp, so the offsets from the index are only ev
 computed from. Any difference raises ``AdapterFileChanged``: the caller re-validates the file like a new
 registration. Tensors read from an adapter file go through ``check_finite``: one NaN or inf in a weight would
 reach every token of the requests that use it, so such a tensor is refused by name before it is served.
-
-Public API::
-
-    FileStamp.of(stat_result) / stamp(path) -> FileStamp / stamp_or_none(path) -> FileStamp | None
-    open_verified(path, stamp, roots, *, check_path=None) -> int   read-only fd; AdapterFileChanged / PermissionDenied
-    check_finite(tensor, name, file) -> None       NonFiniteTensor
-    AdapterFileChanged, NonFiniteTensor            (InvalidAdapter subclasses: INVALID_ARGUMENT)
+Every problem is an ``InvalidAdapter`` naming the file (``NotFound`` for a missing folder).
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from service.errors import InvalidAdapter, PermissionDenied, shorten
+from service.errors import InvalidAdapter, NotFound, PermissionDenied, shorten
 
 
 class AdapterFileChanged(InvalidAdapter):
@@ -73,6 +75,59 @@ def stamp_or_none(path: Path) -> FileStamp | None:
 
 def _inside(real: Path, roots: Sequence[Path]) -> bool:
     return any(real.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
+
+
+def resolve_source(path: Path, roots: Sequence[Path]) -> Path:
+    """The adapter folder (or file) with symlinks resolved; with ``roots``, it must lie inside one of them."""
+    resolved = Path(path).expanduser().resolve()
+    if roots and not _inside(resolved, roots):
+        raise PermissionDenied(
+            f"adapter path {shorten(path)!r} resolves outside the allowed adapter roots (--adapter-root); "
+            "symlinks and '..' are resolved before the check"
+        )
+    return resolved
+
+
+def check_folder(folder: Path, shown: Path) -> None:
+    """``NotFound`` unless ``folder`` exists, ``InvalidAdapter`` unless it is a folder (both name ``shown``)."""
+    if not folder.exists():
+        raise NotFound(f"adapter folder {shorten(shown)!r} does not exist")
+    if not folder.is_dir():
+        raise InvalidAdapter("the adapter source is not a folder", file=shown)
+
+
+def refuse_pickles(folder: Path, names: Sequence[str], what: str, hint: str) -> None:
+    """``InvalidAdapter`` naming the first of ``names`` present in ``folder``: pickled files are never loaded."""
+    pickles = [name for name in names if (folder / name).is_file()]
+    if pickles:
+        raise InvalidAdapter(f"pickled {what} are refused. {hint}", file=folder / pickles[0])
+
+
+def read_json_object(path: Path, missing: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ``missing`` is the message when the file does not exist. Only a regular file is
+    read: a FIFO or device file would block the reader or never end."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise InvalidAdapter("not a regular file", file=path)
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidAdapter(missing, file=path) from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a number past int()'s limit
+        raise InvalidAdapter(f"cannot read JSON: {e}", file=path) from None
+    if not isinstance(raw, dict):
+        raise InvalidAdapter("expected a JSON object", file=path)
+    return raw
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (JSON ``true`` parses as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a config value can be any size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _fd_path(fd: int, fallback: Path) -> Path:
@@ -141,7 +196,13 @@ __all__ = [
     "FileStamp",
     "NonFiniteTensor",
     "check_finite",
+    "check_folder",
+    "is_int",
     "open_verified",
+    "read_json_object",
+    "refuse_pickles",
+    "resolve_source",
+    "short_repr",
     "stamp",
     "stamp_or_none",
 ]

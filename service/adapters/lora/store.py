@@ -1,8 +1,8 @@
 """The adapter store: registered adapters, a device tier and a host tier with byte budgets, and a loader thread.
 
-The budget policy (LRU order, eviction) lives in ``service.adapters.tiers``; file reading and layout in
-``service.adapters.reader``; the loader thread and its queue in ``service.adapters.loader``; this module owns the
-lock, the registry and the engine protocol.
+The budget policy (LRU order, eviction) lives in ``service.adapters.lora.tiers``; file reading and layout in
+``service.adapters.lora.reader``; the loader thread and its queue in ``service.adapters.lora.loader``; this module
+owns the lock, the registry and the engine protocol.
 
 Tiers. The *device tier* holds ``LoraLayer`` objects on the serving device in the serving dtype, ``lora_B``
 already scaled; the *host tier* holds the raw tensors as read from the file (pinned memory when serving on CUDA).
@@ -57,13 +57,13 @@ from pathlib import Path
 import torch
 
 from service import metrics
-from service.adapters.integrity import stamp_or_none
-from service.adapters.loader import Loader
-from service.adapters.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
-from service.adapters.registry import index_adapter
-from service.adapters.spec import plan_nbytes
-from service.adapters.tiers import Entry, Tiers
-from service.adapters.types import AdapterInfo, AdapterState, LoraLayer, StoreState
+from service.adapters.common.files import stamp_or_none
+from service.adapters.lora.loader import Loader
+from service.adapters.lora.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
+from service.adapters.lora.registry import index_adapter
+from service.adapters.lora.spec import plan_nbytes
+from service.adapters.lora.tiers import Entry, Tiers
+from service.adapters.lora.types import AdapterInfo, AdapterState, LoraLayer, StoreState
 from service.errors import AdapterNotFound, AlreadyExists, DeadlineExceeded, FailedPrecondition, LoraplexError
 from service.model.config import ModelConfig
 

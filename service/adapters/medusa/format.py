@@ -1,6 +1,6 @@
 """The Medusa adapter format: the tensor names and shapes of ``medusa_lm_head.safetensors``, and the index of them.
 
-``config.json`` is parsed in ``service.medusa.config`` (its names are re-exported here).
+``config.json`` is parsed in ``service.adapters.medusa.config`` (its names are re-exported here).
 
 Registration reads the config and the safetensors *headers* (through ``service.loading.CheckpointIndex``), never a
 tensor byte, checks everything against the base model and returns a ``MedusaSpec``: per head, the records of its
@@ -36,11 +36,10 @@ from typing import Any
 
 import torch
 
-from service.adapters.folder import check_folder, refuse_pickles
-from service.adapters.integrity import FileStamp, check_finite, stamp
+from service.adapters.common.files import FileStamp, check_finite, check_folder, refuse_pickles, stamp
+from service.adapters.medusa.config import CONFIG_FILE, MedusaConfig, is_medusa_folder, read_medusa_config
 from service.errors import CheckpointError, InvalidAdapter
 from service.loading import CheckpointIndex, TensorRecord
-from service.medusa.config import CONFIG_FILE, MedusaConfig, is_medusa_folder, read_medusa_config
 from service.model.config import ModelConfig
 
 __all__ = [
@@ -62,7 +61,7 @@ __all__ = [
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 PICKLE_FILES = ("medusa_lm_head.pt", "medusa_lm_head.bin", "medusa_lm_head.pth")
-LORA_WEIGHTS_FILE = "adapter_model.safetensors"  # the LoRA half of a Medusa + LoRA folder (service.adapters.peft)
+LORA_WEIGHTS_FILE = "adapter_model.safetensors"  # the LoRA half of a Medusa + LoRA folder (service.adapters.lora.peft)
 FLOAT_CODES = ("F32", "F16", "BF16", "F64")
 PREFIX = "medusa_head."
 _NAMED_MISSING_SLACK = 1024  # tensors a config may claim beyond the file's and still get them listed by name

@@ -2,7 +2,7 @@
 
 ``index_adapter`` reads ``adapter_config.json`` and the safetensors *header* (through ``service.loading``), never
 a tensor byte, checks everything that can be checked without the data (every problem named with its file and
-tensor, reported together), and returns an ``AdapterSpec`` (``service.adapters.spec``; re-exported here with
+tensor, reported together), and returns an ``AdapterSpec`` (``service.adapters.lora.spec``; re-exported here with
 ``plan_nbytes``).
 
 Path policy: with ``roots`` given, the folder *and* the files read from it are resolved (symlinks followed) and
@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 
-from service.adapters.folder import check_folder, refuse_pickles
-from service.adapters.ids import check_adapter_id
-from service.adapters.integrity import FileStamp, stamp
-from service.adapters.peft import (
+from service.adapters.common.files import FileStamp, check_folder, refuse_pickles, resolve_source, stamp
+from service.adapters.common.ids import check_adapter_id
+from service.adapters.lora.peft import (
     CONFIG_FILE,
     CONVERT_HINT,
     PICKLE_FILES,
@@ -34,27 +33,12 @@ from service.adapters.peft import (
     read_lora_config,
     resolve_targets,
 )
-from service.adapters.peft_keys import GROUP, LORA_KEY, explain_foreign_key, module_key
-from service.adapters.spec import FLOAT_CODES, N_MODULES, AdapterSpec, plan_nbytes
-from service.adapters.types import MODULES
-from service.errors import InvalidAdapter, PermissionDenied, shorten
+from service.adapters.lora.peft_keys import GROUP, LORA_KEY, explain_foreign_key, module_key
+from service.adapters.lora.spec import FLOAT_CODES, N_MODULES, AdapterSpec, plan_nbytes
+from service.adapters.lora.types import MODULES
+from service.errors import InvalidAdapter
 from service.loading import TensorRecord, read_safetensors_header
 from service.model.config import ModelConfig
-
-
-def resolve_source(path: Path, roots: Sequence[Path]) -> Path:
-    """The adapter folder with symlinks resolved; with ``roots``, it must lie inside one of them."""
-    resolved = Path(path).expanduser().resolve()
-    _check_inside(resolved, roots, path)
-    return resolved
-
-
-def _check_inside(resolved: Path, roots: Sequence[Path], shown: Path) -> None:
-    if roots and not any(resolved.is_relative_to(Path(r).expanduser().resolve()) for r in roots):
-        raise PermissionDenied(
-            f"adapter path {shorten(shown)!r} resolves outside the allowed adapter roots (--adapter-root); "
-            "symlinks and '..' are resolved before the check"
-        )
 
 
 def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roots: Sequence[Path] = ()) -> AdapterSpec:
@@ -64,10 +48,10 @@ def index_adapter(adapter_id: str, path: Path, model_config: ModelConfig, *, roo
     folder = resolve_source(path, roots)
     check_folder(folder, path)
     config_path = folder / CONFIG_FILE
-    _check_inside(config_path.resolve(), roots, config_path)
+    resolve_source(config_path, roots)
     config = read_lora_config(config_path, model_type=model_config.model_type)
     weights = (folder / WEIGHTS_FILE).resolve()
-    _check_inside(weights, roots, folder / WEIGHTS_FILE)
+    resolve_source(folder / WEIGHTS_FILE, roots)
     if not weights.is_file():
         refuse_pickles(folder, PICKLE_FILES, "weights", CONVERT_HINT)
         raise InvalidAdapter(f"no {WEIGHTS_FILE} in the adapter folder", file=folder / WEIGHTS_FILE)
@@ -231,4 +215,4 @@ def _raise(problems: list[tuple[str, str]], file: Path) -> None:
     raise InvalidAdapter(f"{len(problems)} problems: {shown}{more}", file=file, tensor=problems[0][0] or None)
 
 
-__all__ = ["AdapterSpec", "check_adapter_id", "index_adapter", "plan_nbytes", "resolve_source"]
+__all__ = ["AdapterSpec", "index_adapter", "plan_nbytes"]

@@ -1,8 +1,8 @@
 """The adapters package's data types: the contract between the store and the batched LoRA math, and the
 store's observable state.
 
-The store (``service.adapters.store``) reads an adapter's tensors, scales them and lays them out as
-``LoraLayer`` objects on the serving device; the math (``service.adapters.lora``) only ever sees these.
+The store (``service.adapters.lora.store``) reads an adapter's tensors, scales them and lays them out as
+``LoraLayer`` objects on the serving device; the math (``service.adapters.lora.batch``) only ever sees these.
 Module names are the PEFT / Hugging Face names of a Llama layer's projections. ``AdapterInfo`` and
 ``StoreState`` are the snapshots the store hands to the API, the metrics and the tests.
 """

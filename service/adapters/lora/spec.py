@@ -3,7 +3,7 @@
 A spec holds, per (layer, module) slot, the rank, the byte offsets of ``lora_A`` / ``lora_B`` in the weights
 file, their dtypes and the scaling, in flat ``array`` columns (about 30 bytes a slot, so 1,000 SmolLM2-sized
 adapters index in a few MB). Tensor records for the loader are rebuilt from those columns one layer at a time
-(``AdapterSpec.layer_records``). Registration (``service.adapters.registry``) builds specs; nothing here reads a
+(``AdapterSpec.layer_records``). Registration (``service.adapters.lora.registry``) builds specs; nothing here reads a
 file.
 
 The store keeps each adapter's tensors in one flat allocation per tier (host: the file's dtypes; device: the
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from service.adapters.integrity import FileStamp
-from service.adapters.peft import LoraAdapterConfig
-from service.adapters.peft_keys import LoraKey, lora_key_name
-from service.adapters.types import MODULES
+from service.adapters.common.files import FileStamp
+from service.adapters.lora.peft import LoraAdapterConfig
+from service.adapters.lora.peft_keys import LoraKey, lora_key_name
+from service.adapters.lora.types import MODULES
 from service.loading import DTYPES, TensorRecord
 
 FLOAT_CODES = ("F32", "F16", "BF16", "F64")  # dtypes a LoRA weight may be stored in; index = code in the columns

@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from service.adapters.folder import read_json_object
-from service.adapters.integrity import check_finite
+from service.adapters.common.files import check_finite, read_json_object
+from service.adapters.medusa.format import CONFIG_FILE, FLOAT_CODES, PICKLE_FILES, PREFIX, write_medusa
 from service.errors import InvalidAdapter
-from service.medusa.format import CONFIG_FILE, FLOAT_CODES, PICKLE_FILES, PREFIX, write_medusa
 
 __all__ = ["Converted", "convert_medusa", "find_pickle"]
 

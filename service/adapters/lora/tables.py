@@ -29,7 +29,7 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from service.adapters.types import MODULES, LoraLayer, LoraModule
+from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
 from service.model.llama import ProjName

@@ -6,8 +6,8 @@ live in ``tools.medusa`` and are never imported by the server.
 
 from __future__ import annotations
 
-from service.medusa.format import MedusaConfig, MedusaSpec, index_medusa, is_medusa_folder, read_medusa_config
-from service.medusa.heads import MedusaHeads
+from service.adapters.medusa.format import MedusaConfig, MedusaSpec, index_medusa, is_medusa_folder, read_medusa_config
+from service.adapters.medusa.heads import MedusaHeads
 
 __all__ = [
     "MedusaConfig",
