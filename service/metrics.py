@@ -168,9 +168,10 @@ ADAPTER_BUDGET_BYTES = _gauge(
 ADAPTER_READ_BYTES = _counter("loraplex_adapter_read_bytes_total", "Bytes of adapter weights read from adapter files.")
 ADAPTERS_REGISTERED = _gauge("loraplex_adapters_registered", "Adapters registered.")
 
-# --- speculative decoding (Medusa) ----------------------------------------------------------------------------
+# --- speculative decoding (Medusa heads, prompt lookup) --------------------------------------------------------
 SPECULATIVE_DRAFTED = _counter(
-    "loraplex_speculative_drafted_tokens", "Draft tokens proposed by Medusa heads and verified."
+    "loraplex_speculative_drafted_tokens",
+    "Draft tokens proposed by a drafter (Medusa heads, prompt lookup) and verified.",
 )
 SPECULATIVE_ACCEPTED = _counter(
     "loraplex_speculative_accepted_tokens", "Draft tokens accepted by verification (each saves one forward pass)."

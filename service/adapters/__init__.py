@@ -1,30 +1,9 @@
-"""LoRA adapters: formats, registry, tiered per-layer cache (the store) and the batched math.
+"""Adapters: what a registered adapter id has (its parts), one package per part kind, and the catalog over them.
 
-Public names are re-exported here; the implementation lives in the submodules.
+- ``common/``: what every kind shares: file checks and the path policy (``files``), ids (``ids``), the part
+  protocols (``part``). It imports no kind, so the kinds and the catalog import it without a cycle.
+- ``lora/``: PEFT LoRA weights: registration, the byte-budgeted tiered store, the batched math.
+- ``medusa/``: Medusa heads: the format, the heads on a device, their registry and their drafter.
+- ``catalog``, ``handle``: one view over every kind, and the per-request ``Adapter`` with one claim per part.
+- ``kinds``: the registration table, one line per kind.
 """
-
-from __future__ import annotations
-
-from service.adapters.common.ids import check_adapter_id
-from service.adapters.handle import Adapter
-from service.adapters.lora.peft import LoraAdapterConfig, read_lora_config
-from service.adapters.lora.registry import index_adapter
-from service.adapters.lora.spec import AdapterSpec
-from service.adapters.lora.store import AdapterInfo, AdapterState, AdapterStore, StoreState
-from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
-
-__all__ = [
-    "MODULES",
-    "Adapter",
-    "AdapterInfo",
-    "AdapterSpec",
-    "AdapterState",
-    "AdapterStore",
-    "LoraAdapterConfig",
-    "LoraLayer",
-    "LoraModule",
-    "StoreState",
-    "check_adapter_id",
-    "index_adapter",
-    "read_lora_config",
-]

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from service.drafters.tree import DraftTree
-    from service.model.llama import Llama
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +46,22 @@ class DraftSettings(Protocol):
     def draft_tokens(self) -> int: ...
 
 
+class DraftModel(Protocol):
+    """What a drafter may ask of the base model (``service.model.llama.Llama`` has it)."""
+
+    def draft_head(self) -> Tensor:
+        """The [vocab, hidden] projection to draft with (the ``lm_head``, maybe in a faster dtype)."""
+        ...
+
+
 class Drafter(Protocol):
     """Proposes drafts for a group of rows that share this drafter."""
 
-    def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: Llama) -> list[Draft | None]:
+    def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: DraftModel) -> list[Draft | None]:
         """``hidden`` [B, H]: each row's last kept hidden state; ``history[b]``: row b's tokens so far (the pending
         token last); ``model``: the base model (for drafters that project with its vocabulary head). One draft (or
         None: nothing to propose) per row."""
         ...
 
 
-__all__ = ["Draft", "DraftSettings", "Drafter"]
+__all__ = ["Draft", "DraftModel", "DraftSettings", "Drafter"]

@@ -13,13 +13,12 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from service.drafters.base import Draft, DraftSettings
+from service.drafters.base import Draft, DraftModel, DraftSettings
 from service.drafters.tree import DraftTree
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from service.model.llama import Llama
 
 _ITEM = array("i").itemsize  # bytes per token in the searched buffer
 
@@ -38,7 +37,7 @@ class PromptLookupDrafter:
     def from_settings(cls, settings: DraftSettings) -> PromptLookupDrafter:
         return cls(settings.draft_ngram, settings.draft_tokens)
 
-    def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: Llama) -> list[Draft | None]:
+    def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: DraftModel) -> list[Draft | None]:
         out: list[Draft | None] = []
         for tokens in history:
             found = lookup(tokens, self.ngram, self.tokens)

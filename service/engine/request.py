@@ -35,7 +35,7 @@ class GenerationRequest:
     adapter_id: str | None = None
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
-    speculate: bool | None = None  # None: speculate when the adapter has Medusa heads
+    speculate: bool | None = None  # None: speculate when a drafter serves the row (Medusa heads, --draft)
     deadline: float | None = None  # time.monotonic() instant after which the request is dropped
     arrival: float = field(default_factory=time.monotonic)
     call_id: str = ""  # the id of the API call this request is part of (one of several prompts); empty: request_id

@@ -8,16 +8,12 @@ heads' chained top-1 probability for drafts ``1..d`` is at least the threshold.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from service.adapters.medusa.heads import MedusaHeads
-from service.drafters.base import Draft
+from service.drafters.base import Draft, DraftModel
 from service.drafters.tree import DraftTree
-
-if TYPE_CHECKING:
-    from service.model.llama import Llama
 
 
 class MedusaDrafter:
@@ -28,7 +24,7 @@ class MedusaDrafter:
         self.tree = tree
         self.threshold = threshold
 
-    def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: Llama) -> list[Draft | None]:
+    def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: DraftModel) -> list[Draft | None]:
         tree, k = self.tree, self.tree.max_rank + 1
         depths = None
         if self.threshold > 0:  # verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold
