@@ -1,7 +1,7 @@
 """Prompt-lookup drafting vs plain greedy decoding in the serving engine: decode tok/s, acceptance, identity.
 
     .venv/bin/python bench/prompt_lookup.py [--model models/SmolLM2-135M-Instruct] [--dtype float32]
-        [--max-new 128] [--runs 3] [--ngram 3] [--tokens 8] [--threads 0] [--json OUT]
+        [--max-new 96] [--runs 3] [--ngram 3] [--tokens 8] [--threads 0] [--json OUT]
 
 Code- and retrieval-like chat prompts (the answer copies much of the prompt: a function to return with one name
 changed, a passage to quote) go one at a time through the engine in this process (``service.engine.Engine``,
@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ngram", type=int, default=Settings().draft_ngram)
     ap.add_argument("--tokens", type=int, default=Settings().draft_tokens)

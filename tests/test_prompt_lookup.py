@@ -79,6 +79,7 @@ def _jobs() -> list[tuple[str, list[int], dict[str, object]]]:
     ]
 
 
+@pytest.mark.numerics
 def test_greedy_output_with_prompt_lookup_is_plain_greedy_on_a_tiny_model(served_tiny_dir: Path) -> None:
     plain = stepped_engine(served_tiny_dir, **{**DRAFT, "draft": "none"})
     drafting = stepped_engine(served_tiny_dir, **DRAFT)
@@ -123,6 +124,7 @@ def _medusa_engine(folder: Path, root: Path, **overrides: object) -> Engine:
     return Engine(model, Tokenizer.from_folder(folder), settings, adapters=catalog)
 
 
+@pytest.mark.numerics
 def test_rows_of_medusa_heads_and_another_drafter_verify_their_own_trees_in_one_step(
     served_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,7 @@ adapter it is: the engine reads the merged ``binding`` (per-layer deltas in the 
 The object is per request: its claims own that request's pins and its claims on loads in flight, and ``release``
 gives them back.
 
-Commands (``load``, ``pin``, ``unpin``, ``release``) change the parts' state; queries (``ready``, ``failure``,
+Commands (``load``, ``release``) change the parts' state; queries (``ready``, ``failure``,
 ``kv_key``, ``binding``) never do. Loads run on each kind's own threads, never here.
 """
 
@@ -36,14 +36,6 @@ class Adapter:
         the adapter was unregistered meanwhile or a kind is closed."""
         for claim in self._claims:
             claim.load()
-
-    def pin(self) -> None:
-        for claim in self._claims:
-            claim.pin()
-
-    def unpin(self) -> None:
-        for claim in self._claims:
-            claim.unpin()
 
     def release(self) -> None:
         """The request is done with the adapter: drop its pins, or its claims on loads it waited for."""

@@ -1,11 +1,12 @@
 """What an adapter *has*: parts, each of one kind (LoRA weights, Medusa heads, ...), behind two small protocols.
 
 A ``PartKind`` is one kind's registry of parts: it recognises a folder as its own (``owns``), indexes it at
-registration, loads parts on its own threads, and reports each part's bytes per tier. A ``PartClaim`` is one
-request's hold on one part, with one lifecycle for every kind: ``load`` (non-blocking), ``pin`` / ``unpin``,
-``release``; ``ready`` / ``failure``; and, once ready, the ``Binding`` the engine reads (the part's per-layer deltas
-in the forward, a drafter, what the part adds to the row's K/V identity). The catalog (``service.adapters.catalog``)
-holds the kinds (``service.adapters.kinds``); nothing below it asks which kind a part is.
+registration, loads parts on its own threads, and reports each part's bytes per tier (``usage``). A ``PartClaim``
+is one request's hold on one part, with one lifecycle for every kind: ``load`` (non-blocking; the part is pinned
+for the request once resident, where the kind pins) and ``release``; ``ready`` / ``failure``; the K/V key; and,
+once ready, the ``Binding`` the engine reads (per-layer deltas in the forward, a drafter). The catalog
+(``service.adapters.catalog``) holds the kinds (``service.adapters.kinds``); nothing below it asks which kind a
+part is.
 
 Each kind also records its own metrics (load latency by stage and tier, loads per adapter) under the shared names
 of ``service.metrics``. This module imports no adapter kind and no torch.
@@ -49,10 +50,6 @@ class PartClaim(Protocol):
     def load(self) -> None:
         """Ask for the part (non-blocking); the part's pin is taken for the request once it is resident. Raises
         ``LoraplexError`` when it was unregistered meanwhile or its kind is closed."""
-
-    def pin(self) -> None: ...
-
-    def unpin(self) -> None: ...
 
     def release(self) -> None:
         """The request is done with the part: drop its pin, or its claim on a load it waited for."""

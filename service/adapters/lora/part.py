@@ -33,19 +33,10 @@ class LoraClaim:
         if not self._pinned:
             self._pinned = self._store.request(self.id, pin=True, waiter=self)
 
-    def pin(self) -> None:
-        if not self._pinned:
-            self._store.pin(self.id)
-            self._pinned = True
-
-    def unpin(self) -> None:
+    def release(self) -> None:
         if self._pinned:
             self._pinned = False
             self._store.unpin(self.id)
-
-    def release(self) -> None:
-        if self._pinned:
-            self.unpin()
         else:
             self._store.forget(self.id, self)
 

@@ -35,14 +35,8 @@ class MedusaClaim:
         if not self._loaded:
             self._loaded = self._part.registry.request(self.id)
 
-    def pin(self) -> None:
-        pass  # heads are never evicted
-
-    def unpin(self) -> None:
-        pass
-
     def release(self) -> None:
-        pass
+        pass  # heads are never evicted: nothing was pinned
 
     def ready(self) -> bool:
         return self._loaded
