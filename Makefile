@@ -27,7 +27,8 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e './clients/python' -e '.[convert,dev]'
+	$(PY) -m pip install -q -e '.[convert,dev]'
+	$(PY) -m pip install -q --no-deps -e ./clients/python  # the server's loraplex-client dependency, now editable
 	touch $@
 
 ## system-deps: prometheus + promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
