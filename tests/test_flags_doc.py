@@ -11,7 +11,7 @@ import pytest
 
 from service.cli import SERVE_FLAGS, build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # wherever tests/ nests
 PAGE = ROOT / "docs" / "flags.md"
 
 
