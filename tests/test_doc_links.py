@@ -5,6 +5,7 @@ to a file must name one that exists; a ``#anchor`` must be a heading of its page
 from __future__ import annotations
 
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -75,3 +76,18 @@ def test_every_relative_link_resolves(page: Path) -> None:
         elif anchor and dest.suffix != ".md":
             broken.append(f"{target}: an anchor into a file that is not a page")
     assert not broken, "\n".join(broken)
+
+
+def test_the_readme_indexes_every_page_and_every_top_level_folder() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, "README.md is the front page: reference material belongs in docs/"
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, f"docs/{page.name} is not in README.md's docs index"
+    try:
+        tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    folders = {Path(name).parts[0] for name in tracked.splitlines() if len(Path(name).parts) > 1}
+    layout = readme[readme.index("## Layout") :]
+    for folder in sorted(folders):
+        assert f"| `{folder}/" in layout, f"{folder}/ is missing from README.md's layout table"
