@@ -4,7 +4,8 @@
 variable and the ``Settings`` default it leaves in place; the other commands list what their parsers define.
 ``tests/test_flags_doc.py`` fails when the committed page differs from what this writes, so run ``make docs``
 after changing a flag. Output depends on nothing but the code: ``LORAPLEX_*`` variables, which the client
-commands' defaults read, are hidden while the parser is built.
+commands' defaults read, are hidden while the parser is built. argparse has no public way to walk a parser, so
+this reads its ``_actions`` and ``_action_groups``; the test fails loudly if those ever change.
 
 Usage: ``python scripts/gen_flags.py [--out PATH]`` (default docs/flags.md).
 """
