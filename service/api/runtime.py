@@ -3,8 +3,8 @@
 ``Runtime.load`` runs on a worker thread while the gRPC server is already up (health NOT_SERVING); until it
 finishes, and while draining, generation RPCs get UNAVAILABLE.
 
-The runtime owns a small worker pool for CPU work that servicers must not do on the event loop (tokenization,
-chat templating); it is shut down with the runtime. The engine has its own thread.
+The runtime owns a small worker pool for CPU work that must not run on the event loop (the frontend's tokenization
+and chat templating, large HTTP bodies' JSON); it is shut down with the runtime. The engine has its own thread.
 """
 
 from __future__ import annotations

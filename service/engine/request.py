@@ -50,9 +50,7 @@ def check_max_new_tokens(n: int, limit: int) -> None:
     """The one rule for ``max_new_tokens`` (1 to ``limit``): the API edge runs it before tokenizing, the engine's
     guard for programmatic callers runs the same function."""
     if not 0 < n <= limit:
-        raise InvalidRequest(
-            f"max_new_tokens must be in [1, {limit}], got {n}", field="max_new_tokens", limit=limit
-        )
+        raise InvalidRequest(f"max_new_tokens must be in [1, {limit}], got {n}", field="max_new_tokens", limit=limit)
 
 
 @dataclass(frozen=True)
