@@ -267,7 +267,7 @@ class StatusInterceptor(_PerMethod):
         async def mapped(request: Any, context: Context) -> AsyncIterator[None]:
             try:
                 yield
-            except (asyncio.CancelledError, grpc.aio.AbortError):
+            except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await status.abort(context, name, exc)
