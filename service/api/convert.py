@@ -15,9 +15,17 @@ from collections.abc import Iterator
 
 from loraplex.v1 import generation_pb2 as pb
 
-from service.engine.request import FinishReason, TokenEvent
 from service.errors import InvalidRequest
-from service.frontend import ChatMessage, Completion, GenerationCall, Input, Sampling, Tokenized
+from service.frontend import (
+    ChatMessage,
+    Completion,
+    FinishReason,
+    GenerationCall,
+    Input,
+    Sampling,
+    TokenEvent,
+    Tokenized,
+)
 
 FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,

@@ -35,9 +35,8 @@ from service.api.auth import KeyRing
 from service.api.http import errors, params
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
-from service.engine.request import TokenEvent
 from service.errors import AdapterNotFound, InvalidRequest
-from service.frontend import Frontend, checks, observer
+from service.frontend import Frontend, TokenEvent, checks, observer
 from service.frontend.observer import ObservedCall
 from service.logs import REQUEST_ID_HEADER, new_request_id
 

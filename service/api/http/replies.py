@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.api.http.params import Call
-from service.engine.request import FinishReason, TokenEvent
-from service.frontend import Completion, Generated
+from service.frontend import Completion, FinishReason, Generated, TokenEvent
 from service.tokenizer import Tokenizer
 
 FINISH: dict[FinishReason | None, str] = {
