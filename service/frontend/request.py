@@ -9,6 +9,10 @@ A domain error's ``field`` names an attribute of a call (each edge maps it to it
 ``input.text`` / ``input.messages`` / ``input.messages.role`` (an input's content, found while it is tokenized),
 ``adapter_id``, ``request_id``, ``max_new_tokens``, ``stop_sequences`` / ``stop_sequences[i]``,
 ``sampling.<name>``.
+
+A new request field for both APIs is: an attribute here, its check in ``checks`` (or ``SamplingParams``), its
+translation in each edge (``service.api.convert`` for gRPC, its proto message; ``service.api.http.params`` for
+OpenAI JSON), and the engine's use of it. The HTTP path never sees protobuf.
 """
 
 from __future__ import annotations
