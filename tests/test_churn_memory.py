@@ -29,12 +29,12 @@ from service.adapters.reader import DEVICE_ALIGN
 from service.adapters.registry import index_adapter
 from service.adapters.spec import plan_nbytes
 from service.adapters.store import AdapterStore
-from service.frontend import raise_if_failed
 from service.api.server import BackgroundServer
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.errors import ResourceExhausted
+from service.frontend import raise_if_failed
 from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from service.medusa.registry import MedusaRegistry
 from service.model.weights import load_model

@@ -21,10 +21,10 @@ from loraplex.v1 import generation_pb2 as pb
 
 from service.api import convert
 from service.config import Settings
-from service.frontend import checks
-from service.frontend.prompts import prompt_of
 from service.engine.request import GenerationRequest
 from service.errors import InvalidRequest, LoraplexError
+from service.frontend import checks
+from service.frontend.prompts import prompt_of
 from service.tokenizer import Tokenizer
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=40)
