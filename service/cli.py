@@ -126,7 +126,7 @@ _ADAPTER_FLAGS = (
     _Flag("--speculate-adaptive",
           "measure plain and speculative decode steps per batch size and use the faster (default on)",
           action=argparse.BooleanOptionalAction, default=None),
-    _Flag("--speculate-max-batch", "Medusa speculation off above this batch size", type=int),
+    _Flag("--speculate-max-batch", "speculation (Medusa heads, --draft) off above this batch size", type=int),
     _Flag("--draft", "server-wide drafter for greedy rows whose adapter has no Medusa heads: none (default) or "
           "prompt-lookup (drafts copied from the row's own prompt and output; no weights)", metavar="KIND"),
     _Flag("--draft-ngram", "prompt-lookup: match the row's last N tokens (N down to 1, longest first; default 3)",
