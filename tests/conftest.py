@@ -93,7 +93,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``make(**kwargs) -> folder``: ``tiny_models.write_tiny_llama`` into a fresh temp folder, once per arguments."""
-    from tiny_models import write_tiny_llama
+    from support.tiny_models import write_tiny_llama
 
     made: dict[str, Path] = {}
 
@@ -115,7 +115,7 @@ def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer files: a servable model that runs in ms."""
-    from tiny_models import write_served_tiny
+    from support.tiny_models import write_served_tiny
 
     return write_served_tiny(tmp_path_factory.mktemp("served_tiny"), smollm2_dir, max_position_embeddings=1024)
 
@@ -130,7 +130,7 @@ def server_settings() -> dict[str, object]:
 def server(served_tiny_dir: Path, server_settings: dict[str, object]) -> Iterator[Any]:
     """One started server per test module over ``served_tiny_dir`` with `helpers.TEST_SETTINGS` and the module's
     ``server_settings`` (a module that needs another model or start-up defines its own ``server``)."""
-    from helpers import tiny_settings
+    from support.servers import tiny_settings
 
     from service.api.server import BackgroundServer
 
@@ -155,7 +155,7 @@ def stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
 def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
     """``start(**settings) -> BackgroundServer``: a started server over ``served_tiny_dir`` (or ``model=``) with
     `helpers.tiny_settings` defaults and these overrides; every server it started is stopped at teardown."""
-    from helpers import tiny_settings
+    from support.servers import tiny_settings
 
     from service.api.server import BackgroundServer
 
@@ -173,8 +173,8 @@ def tiny_peft_adapters(
 ) -> Callable[..., dict[str, Path]]:
     """``write(**specs) -> {name: folder}``: one PEFT adapter per ``name={write_peft_adapter keywords}`` over the
     tiny Llama, written by peft (`adapter_files.write_peft_adapter`) into a fresh temp folder."""
-    from adapter_files import write_peft_adapter
-    from tiny_models import load_hf_llama
+    from support.adapter_files import write_peft_adapter
+    from support.tiny_models import load_hf_llama
 
     def write(**specs: dict[str, Any]) -> dict[str, Path]:
         model = load_hf_llama(tiny_llama_dir)
@@ -196,7 +196,7 @@ def tiny_cfg(tiny_llama_dir: Path) -> Any:
 def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
     """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=()) -> AdapterStore``: a CPU adapter store
     for the tiny Llama (`helpers_adapters.new_store`); every store it made is closed at teardown."""
-    from helpers_adapters import new_store
+    from support.stores import new_store
 
     with ExitStack() as stack:
         yield lambda **kw: stack.enter_context(new_store(tiny_cfg, **kw))
@@ -205,6 +205,6 @@ def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
 @pytest.fixture
 def free_port() -> int:
     """A loopback port nothing listens on right now."""
-    from helpers import free_port as pick
+    from support.servers import free_port as pick
 
     return pick()

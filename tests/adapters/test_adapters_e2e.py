@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from adapter_files import load_peft_model, reference_greedy, write_peft_adapter
-from helpers import tiny_settings
 from loraplex import AlreadyExists, Client, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from support.adapter_files import load_peft_model, reference_greedy, write_peft_adapter
+from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
 from service.config import Settings
@@ -201,7 +201,7 @@ def test_bad_adapters_are_refused_and_the_server_keeps_serving(
 def test_a_nan_adapter_fails_its_requests_alone_over_grpc(server: BackgroundServer, adapter_root: Path) -> None:
     """A registered adapter whose lora_B is all NaN: its requests get INVALID_ARGUMENT naming file and tensor (it
     goes FAILED when its tensors are read); requests of other tenants running at the same time are unchanged."""
-    from adapter_files import rewrite_adapter_tensors
+    from support.adapter_files import rewrite_adapter_tensors
 
     folder = adapter_root / "nan-b"
     if not folder.exists():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_files import edit_adapter_config, rewrite_adapter_tensors
+from support.adapter_files import edit_adapter_config, rewrite_adapter_tensors
 
 from service import metrics
 from service.adapters import store as store_mod

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
-from quant_reference import write_dequantized
-from tiny_models import load_ours
+from support.adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
+from support.quant_reference import write_dequantized
+from support.tiny_models import load_ours
 
 from service.adapters.lora import SITES, AdapterBatch, LoraTables, Mode
 from service.adapters.types import LoraLayer, LoraModule
@@ -313,7 +313,7 @@ def test_misshaped_module_is_refused_by_name(setup: dict[str, Any]) -> None:
         batch.delta(0, "wqkv", torch.zeros(1, 1, model.cfg.hidden_size))
 
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "adapters" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[2] / "adapters" / "demo"
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import edit_adapter_config, load_peft_model, rewrite_adapter_tensors, write_peft_adapter
 from safetensors.torch import load_file
+from support.adapter_files import edit_adapter_config, load_peft_model, rewrite_adapter_tensors, write_peft_adapter
 
 from service.adapters.peft import module_key, parse_lora_key, read_lora_config, resolve_targets
 from service.adapters.registry import check_adapter_id, index_adapter
@@ -37,7 +37,7 @@ def cfg4(base4: Path) -> ModelConfig:
 @pytest.fixture(scope="module")
 def base_model(base4: Path) -> Any:
     """One loaded transformers model reused by every write_peft_adapter call of this module."""
-    from tiny_models import load_hf_llama
+    from support.tiny_models import load_hf_llama
 
     return load_hf_llama(base4)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import load_peft_model, rewrite_adapter_tensors
-from helpers_adapters import new_store
+from support.adapter_files import load_peft_model, rewrite_adapter_tensors
+from support.stores import new_store
 
 from service import metrics
 from service.adapters import reader as reader_mod

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import write_peft_adapter
-from helpers_engine import run_together
+from support.adapter_files import write_peft_adapter
+from support.engines import run_together
 
 from service import metrics
 from service.adapters import reader as reader_mod

@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from adapter_files import write_peft_adapter
-from helpers import text_req, tiny_settings
-from helpers_engine import prompt, req
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import write_peft_adapter
+from support.engines import prompt, req
+from support.servers import text_req, tiny_settings
 
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.reader import DEVICE_ALIGN

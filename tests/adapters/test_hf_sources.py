@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_files import write_peft_adapter
-from helpers import tiny_settings
 from loraplex import Client, InvalidArgument, NotFound, PermissionDenied
+from support.adapter_files import write_peft_adapter
+from support.servers import tiny_settings
 
 from service import metrics
 from service.adapters.integrity import open_verified

@@ -24,13 +24,13 @@ from typing import Any
 
 import grpc
 import pytest
-from adapter_files import rewrite_adapter_tensors, write_peft_adapter
-from helpers import stream_req, text_req, wait_until
-from helpers_http import base_url, call
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
+from support.http_api import base_url, call
+from support.servers import stream_req, text_req, wait_until
 
 from service import logs
 from service.api.server import BackgroundServer

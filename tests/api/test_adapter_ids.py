@@ -10,12 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from adapter_files import write_peft_adapter
-from helpers import Outcome, as_stream, outcome, text_req, tiny_settings
-from helpers_http import base_url, call
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import write_peft_adapter
+from support.http_api import base_url, call
+from support.servers import Outcome, as_stream, outcome, text_req, tiny_settings
 
 from service.adapters.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id, is_adapter_id
 from service.api.server import BackgroundServer

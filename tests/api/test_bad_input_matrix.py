@@ -20,16 +20,16 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from adapter_files import rewrite_adapter_tensors, write_peft_adapter
-from helpers import Outcome, as_stream, outcome, text_req, tiny_settings, wait_until
 from loraplex.v1 import adapters_pb2 as apb
 from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
+from support.servers import Outcome, as_stream, outcome, text_req, tiny_settings, wait_until
 
 from service.api.server import BackgroundServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "bad-inputs.md"
 WALKED, ELSEWHERE = "## Walked against one live server", "## Covered by other tests"
 GENERATE_KEY, ADMIN_KEY = "gen-5e1f0a", "adm-92c4b7"
@@ -351,7 +351,7 @@ def _poison(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def live(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    from tiny_models import load_hf_llama
+    from support.tiny_models import load_hf_llama
 
     base = load_hf_llama(served_tiny_dir)
     root, spare = tmp_path_factory.mktemp("matrix_root"), tmp_path_factory.mktemp("matrix_spare")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from adapter_files import write_peft_adapter
-from helpers import stream_req, text_req, tiny_settings
-from helpers_metrics import requests_total
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import write_peft_adapter
+from support.metrics import requests_total
+from support.servers import stream_req, text_req, tiny_settings
 
 from service.api.runtime import adapter_roots
 from service.api.server import BackgroundServer, grpc_options

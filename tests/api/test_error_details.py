@@ -13,13 +13,13 @@ import grpc
 import loraplex
 import pytest
 import torch
-from adapter_files import rewrite_adapter_tensors, write_peft_adapter
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from helpers import tiny_settings
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
+from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
 from service.engine.sampling import SamplingParams

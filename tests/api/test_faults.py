@@ -21,15 +21,15 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import stream_req
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.servers import stream_req
 
 from service import metrics
 from service.api.server import BackgroundServer
 from service.engine.engine import Engine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine_of(server: BackgroundServer) -> Engine:

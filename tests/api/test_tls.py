@@ -9,8 +9,8 @@ from pathlib import Path
 
 import loraplex
 import pytest
-from certs import CA, Pair
-from helpers import tiny_settings
+from support.certs import CA, Pair
+from support.servers import tiny_settings
 
 from service import cli
 from service.api.server import BackgroundServer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from peers_loraplex import Config, missing_flags, serve_help  # noqa: E402
 from peers_report import markdown, ratios  # noqa: E402

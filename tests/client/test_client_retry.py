@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import loraplex
 import pytest
-from helpers import stream_req, tiny_settings, wait_until
-from helpers_metrics import requests_total
 from loraplex import _channel, _retry
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.metrics import requests_total
+from support.servers import stream_req, tiny_settings, wait_until
 
 from service.api.server import BackgroundServer
 
@@ -63,7 +63,7 @@ LONG = 7000  # tokens of a blocking stream: tens of seconds, however fast the ma
 @pytest.fixture(scope="module")
 def long_model_dir(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path) -> Path:
     """``served_tiny_dir``'s tiny model with room for ``LONG``-token streams (8192 positions)."""
-    from tiny_models import write_served_tiny
+    from support.tiny_models import write_served_tiny
 
     return write_served_tiny(tmp_path_factory.mktemp("long_tiny"), served_tiny_dir, max_position_embeddings=8192)
 

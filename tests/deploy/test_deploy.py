@@ -21,7 +21,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from helpers_deploy import (
+from support.deploy import (
     K8S,
     K8S_VERSIONS,
     ROOT,

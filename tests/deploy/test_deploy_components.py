@@ -19,7 +19,7 @@ import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
-from helpers_deploy import K8S, K8S_VERSIONS, find_kubectl, one, pod_spec, server_container
+from support.deploy import K8S, K8S_VERSIONS, find_kubectl, one, pod_spec, server_container
 
 from service.api.server import GENERATION_SERVICE
 from service.cli import build_parser

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers_deploy import ROOT, Stage, dockerfile_entrypoint, dockerfile_stages, image_paths
+from support.deploy import ROOT, Stage, dockerfile_entrypoint, dockerfile_stages, image_paths
 
 from service.cli import build_parser
 from service.config import Settings

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import write_peft_adapter
-from helpers_engine import Events, generate, idle, prompt, req, run, step_until, stepped_engine, tokens_of
+from support.adapter_files import write_peft_adapter
+from support.engines import Events, generate, idle, prompt, req, run, step_until, stepped_engine, tokens_of
 
 from service import metrics
 from service.adapters.catalog import AdapterCatalog

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_engine import (
+from support.engines import (
     Events,
     generate,
     idle,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_files import rewrite_adapter_tensors, write_peft_adapter
-from helpers_engine import run_together
+from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
+from support.engines import run_together
 
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.lora import AdapterBatch, LoraTables

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_engine import generate, idle, prompt, req, run, stepped_engine, tokens_of
-from tiny_models import TINY_DEFAULTS
+from support.engines import generate, idle, prompt, req, run, stepped_engine, tokens_of
+from support.tiny_models import TINY_DEFAULTS
 
 from service import metrics
 from service.engine.engine import Engine

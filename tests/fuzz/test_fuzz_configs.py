@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from fuzz_support import EDGE_INTS, SCALARS, fuzz_settings, json_values, text_mutations, typed_outcome
 from hypothesis import given
 from hypothesis import strategies as st
+from support.fuzz import EDGE_INTS, SCALARS, fuzz_settings, json_values, text_mutations, typed_outcome
 
 from service.adapters.peft import MODULES, read_lora_config, resolve_targets
 from service.errors import CheckpointError, InvalidAdapter, LoraplexError

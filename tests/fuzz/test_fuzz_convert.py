@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fuzz_support import fuzz_settings, typed_outcome
 from google.protobuf.message import DecodeError
 from hypothesis import event, given
 from hypothesis import strategies as st
 from loraplex.v1 import generation_pb2 as pb
+from support.fuzz import fuzz_settings, typed_outcome
 
 from service.api import convert
 from service.config import Settings

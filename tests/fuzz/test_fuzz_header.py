@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzz_support import EDGE_INTS, fuzz_settings, json_values, text_mutations, typed_outcome
 from hypothesis import given
 from hypothesis import strategies as st
+from support.fuzz import EDGE_INTS, fuzz_settings, json_values, text_mutations, typed_outcome
 
 from service.errors import HeaderError, LoraplexError, ShardError
 from service.loading import CheckpointIndex

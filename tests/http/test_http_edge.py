@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 import pytest
-from certs import CA
-from helpers import free_port, free_ports, text_req, tiny_settings
-from helpers_http import base_url, call, requests_count, sse_events
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.certs import CA
+from support.http_api import base_url, call, requests_count, sse_events
+from support.servers import free_port, free_ports, text_req, tiny_settings
 
 from service.api.http import errors
 from service.api.server import BackgroundServer, start

@@ -18,11 +18,11 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from adapter_files import write_peft_adapter
-from helpers import tiny_settings
-from helpers_http import base_url, call, requests_count, sse_events
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.adapter_files import write_peft_adapter
+from support.http_api import base_url, call, requests_count, sse_events
+from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
 from service.logs import RequestIdFilter
@@ -348,7 +348,7 @@ def test_request_metrics_carry_the_http_method(client: openai.OpenAI, base: str)
 
 @pytest.mark.slow
 def test_real_model_and_demo_adapters_give_the_same_greedy_text_over_grpc_and_http(smollm2_dir: Path) -> None:
-    demo = Path(__file__).resolve().parent.parent / "adapters" / "demo"
+    demo = Path(__file__).resolve().parents[2] / "adapters" / "demo"
     settings = tiny_settings(smollm2_dir, http_port=0, adapter_dirs=(demo,), max_new_tokens=64)
     with BackgroundServer(settings) as srv:
         client = openai.OpenAI(base_url=base_url(srv), api_key="none", max_retries=0, timeout=120)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_tiny_gguf
+from support.gguf_files import write_tiny_gguf
 
 from service.errors import GGUFError, GGUFUnsupported, HeaderError, TensorMismatch
 from service.loading.gguf import read_gguf_header

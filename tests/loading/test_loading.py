@@ -10,7 +10,7 @@ from typing import get_args
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from safetensors_cases import sample_tensors, write_sharded
+from support.safetensors_cases import sample_tensors, write_sharded
 
 from service.config import LOAD_MODES
 from service.errors import HeaderError, TensorMismatch

@@ -12,7 +12,7 @@ import pytest
 import safetensors
 import torch
 from safetensors.torch import save_file
-from safetensors_cases import entry, raw_file, sample_tensors, write_sharded
+from support.safetensors_cases import entry, raw_file, sample_tensors, write_sharded
 
 from service.errors import CheckpointError, HeaderError, ShardError
 from service.loading import MAX_HEADER_BYTES, CheckpointIndex, read_safetensors_header

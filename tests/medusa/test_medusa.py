@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import greedy_generate, load_ours
+from support.tiny_models import greedy_generate, load_ours
 
 from service.errors import InvalidAdapter
 from service.medusa import MedusaHeads, index_medusa, is_medusa_folder, read_medusa_config
@@ -86,7 +86,7 @@ def _tiny_gguf_model(folder: Path, tmp: Path, *, dense_copies: bool) -> dict[str
     """The tiny model served from GGUF blocks (Q4_1 projections, Q8_0 embedding and head), float32; with
     ``dense_copies`` it keeps dense copies of every compact weight (``--dense-copies-mb -1``): a verification
     step's k + 1 rows then multiply by the copies, a plain step's one row by the kernels."""
-    from gguf_files import write_tiny_gguf
+    from support.gguf_files import write_tiny_gguf
 
     from service.model.gguf_weights import load_gguf_model
     from service.model.quant import keep_dense_copies
@@ -523,7 +523,7 @@ def test_kv_cache_is_consistent_after_partial_accepts(predictable: dict[str, Any
 
 def test_medusa_with_lora_rows(predictable: dict[str, Any], tmp_path: Path) -> None:
     """Medusa + LoRA: heads and a peft-written LoRA on the same rows, next to base rows and LoRA-only rows."""
-    from adapter_files import lookup_for, peft_lora_layers, write_peft_adapter
+    from support.adapter_files import lookup_for, peft_lora_layers, write_peft_adapter
 
     from service.adapters.lora import AdapterBatch, LoraTables
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_files import write_peft_adapter
-from helpers import tiny_settings
 from loraplex import Client, InvalidArgument
+from support.adapter_files import write_peft_adapter
+from support.servers import tiny_settings
 
 from service import metrics
 from service.api.server import BackgroundServer
@@ -21,7 +21,7 @@ from service.model.config import ModelConfig
 
 PROMPTS = [f"Prompt number {i}: tell me about item {i * 7}" for i in range(20)]
 NEW_TOKENS = 128
-DEMO = Path(__file__).resolve().parent.parent / "adapters" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "adapters" / "demo"
 
 
 def random_heads(folder: Path, cfg: ModelConfig, *, version: int, n_heads: int = 3, seed: int = 0) -> Path:

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_settings
 from loraplex import Client, InvalidArgument
+from support.servers import tiny_settings
 from torch import nn
 
 from service import metrics

@@ -20,7 +20,7 @@ from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 from tools.medusa import generate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "adapters" / "demo" / "medusa"
 
 

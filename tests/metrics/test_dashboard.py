@@ -15,7 +15,9 @@ from typing import Any
 
 import promql_parser
 import pytest
-from helpers_metrics import (
+from prometheus_client import Histogram
+from prometheus_client.parser import text_string_to_metric_families
+from support.metrics import (
     DASHBOARD,
     Obj,
     load_dashboard,
@@ -24,13 +26,11 @@ from helpers_metrics import (
     series_names,
     write_live_adapters,
 )
-from prometheus_client import Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
 from service import metrics
 from service.metrics import REGISTRY
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
 LEFT_OUT_HEADING = "### Metrics not on the dashboard"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -23,10 +23,10 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import free_port
-from helpers_metrics import live_metrics_settings, load_dashboard, panels, speculate_once, write_live_adapters
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.metrics import live_metrics_settings, load_dashboard, panels, speculate_once, write_live_adapters
+from support.servers import free_port
 
 from service.api.server import BackgroundServer
 

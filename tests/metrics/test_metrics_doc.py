@@ -9,7 +9,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from service import metrics
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 ROW = re.compile(r"^\| `(loraplex_[a-z0-9_]+)` \| (\w+) \| ([^|]*) \|", re.M)
 
 

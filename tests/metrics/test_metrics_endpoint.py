@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
-from helpers_metrics import scrape, value
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.metrics import scrape, value
 
 from service.api.server import BackgroundServer
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers_metrics import scrape_live_server, series_names, write_live_adapters
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support.metrics import scrape_live_server, series_names, write_live_adapters
 
 from service.metrics import REGISTRY
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from adapter_files import reference_greedy
-from gguf_files import write_reference_folder, write_tiny_gguf
 from loraplex import Client
-from tiny_models import load_hf_llama
+from support.adapter_files import reference_greedy
+from support.gguf_files import write_reference_folder, write_tiny_gguf
+from support.tiny_models import load_hf_llama
 
 from service.config import ConfigError, Settings
 from service.model import gguf_weights

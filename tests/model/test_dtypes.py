@@ -113,7 +113,7 @@ def test_auto_is_the_default_and_a_valid_flag() -> None:
 
 
 def test_server_logs_and_reports_the_resolved_dtype(served_tiny_dir: Path, caplog: Any) -> None:
-    from helpers import tiny_settings
+    from support.servers import tiny_settings
 
     from service.api.server import BackgroundServer
 

@@ -14,8 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from gguf_files import write_reference_folder, write_tiny_gguf
-from tiny_models import assert_row_independent, greedy_agreement, load_hf_llama, max_prefill_logit_gap, random_prompts
+from support.gguf_files import write_reference_folder, write_tiny_gguf
+from support.tiny_models import (
+    assert_row_independent,
+    greedy_agreement,
+    load_hf_llama,
+    max_prefill_logit_gap,
+    random_prompts,
+)
 
 from service.loading.gguf import read_gguf_header
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION
@@ -87,7 +93,7 @@ def test_row_result_independent_of_batch_and_slot(triple: tuple[str, Llama, Any]
 
 def test_unpacked_load_is_the_reference_weights(tiny_llama_factory: Callable[..., Path], tmp_path: Path) -> None:
     """``packed=False`` dequantizes every block into float32: the same numbers gguf's dequantizer gives."""
-    from tiny_models import load_ours
+    from support.tiny_models import load_ours
 
     folder = tiny_llama_factory(seed=21 + len("mixed"))
     gguf = write_tiny_gguf(folder, tmp_path / "m.gguf", types=VARIANTS["mixed"][1])

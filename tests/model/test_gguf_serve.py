@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adapter_files import load_peft_model, reference_greedy, write_peft_adapter
-from gguf_files import write_reference_folder, write_tiny_gguf
 from loraplex import Client
+from support.adapter_files import load_peft_model, reference_greedy, write_peft_adapter
+from support.gguf_files import write_reference_folder, write_tiny_gguf
 
 from service.errors import GGUFError
 from service.tokenizer import Tokenizer

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import greedy_generate, load_hf_llama, load_ours
+from support.tiny_models import greedy_generate, load_hf_llama, load_ours
 
 from service.model import KVCache, Llama
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import tiny_llama_config
+from support.tiny_models import tiny_llama_config
 
 from service.errors import CheckpointError
 from service.model.config import ModelConfig, RopeScaling

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import greedy_generate, load_hf_llama
+from support.tiny_models import greedy_generate, load_hf_llama
 
 from service.model import KVCache, Llama
 from service.model.weights import load_model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import load_hf_llama
+from support.tiny_models import load_hf_llama
 
 from service import metrics
 from service.errors import CheckpointError, TensorMismatch

@@ -18,11 +18,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from helpers import text_req
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from quant_reference import write_dequantized
-from tiny_models import (
+from support.quant_reference import write_dequantized
+from support.servers import text_req
+from support.tiny_models import (
     assert_row_independent,
     greedy_agreement,
     greedy_generate,
@@ -138,7 +138,7 @@ print(json.dumps({"peak_kib": int(hwm.split()[1]), "bytes": model.parameter_byte
 @pytest.mark.slow
 def test_streamed_int4_load_peaks_far_below_the_fp32_load(smollm2_dir: Path) -> None:
     """Peak RSS of a fresh process loading SmolLM2: int4 never holds the dense projections (bounds generous)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
     peaks = {}
     for kind in ("none", "int4"):

@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from gguf_files import write_tiny_gguf
-from helpers import text_req, tiny_settings
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from tiny_models import load_ours
+from support.gguf_files import write_tiny_gguf
+from support.servers import text_req, tiny_settings
+from support.tiny_models import load_ours
 
 from service import metrics
 from service.api.server import BackgroundServer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 PROTOS = sorted((PROTO_ROOT / "loraplex" / "v1").glob("*.proto"))
 FIELD_MAX = 536_870_911  # 2**29 - 1, protobuf's largest field number

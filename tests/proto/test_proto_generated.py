@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "clients" / "python" / "loraplex" / "v1"
 PROTO_DIR = ROOT / "proto" / "loraplex" / "v1"
 

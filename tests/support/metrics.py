@@ -11,8 +11,6 @@ from typing import Any
 
 import grpc
 import torch
-from adapter_files import write_peft_adapter
-from helpers import tiny_settings
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.metrics_core import Metric
@@ -22,8 +20,10 @@ from service.api.server import BackgroundServer
 from service.config import Settings
 from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
+from support.adapter_files import write_peft_adapter
+from support.servers import tiny_settings
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "loraplex.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "loraplex.json"
 
 Obj = dict[str, Any]
 Families = dict[str, list[tuple[str, dict[str, str], float]]]

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from helpers import text_req
 from loraplex.v1 import generation_pb2_grpc
+from support.servers import text_req
 
 from service.torch_threads import in_own_thread, serial_torch, set_threads
 
