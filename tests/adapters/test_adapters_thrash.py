@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.adapter_files import write_peft_adapter
 from support.engines import run_together
+from support.wait import wait_until
 
 from service import metrics
 from service.adapters import reader as reader_mod
@@ -32,14 +33,6 @@ CPU = torch.device("cpu")
 
 def _unused() -> float:
     return metrics.ADAPTER_EVICTIONS_UNUSED.labels(tier="device")._value.get()
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +61,7 @@ def test_fresh_loads_are_pinned_for_their_waiters_and_loads_queue_for_room(store
     assert store.request("a", pin=True, waiter=wa) is False
     assert store.request("b", pin=True, waiter=wb) is False
     assert store.request("c", pin=True, waiter=wc) is False  # three waiters, room for two
-    _wait(lambda: store.get("b").state == "device", "a and b to load")
+    assert wait_until(lambda: store.get("b").state == "device", 30), "a and b to load"
     time.sleep(0.05)  # the loader had every chance to evict a fresh adapter for c: it must wait instead
     st = store.state()
     assert _tiers(st) == {"a": ("device", 1), "b": ("device", 1), "c": ("loading", 0), "d": ("registered", 0)}
@@ -77,7 +70,7 @@ def test_fresh_loads_are_pinned_for_their_waiters_and_loads_queue_for_room(store
     assert store.request("a", pin=True, waiter=wa) is True  # a claims the pin its load took for it: still one
     assert store.get("a").pins == 1 and store.get("a").hits == 1
     store.unpin("a")  # a's request retires: room for c, and c's load takes wc's pin
-    _wait(lambda: store.get("c").state == "device", "c to load")
+    assert wait_until(lambda: store.get("c").state == "device", 30), "c to load"
     st = store.state()
     assert _tiers(st) == {"a": ("registered", 0), "b": ("device", 1), "c": ("device", 1), "d": ("registered", 0)}
     assert st.queued == () and _unused() == unused  # a had been used: not a wasted load
@@ -86,7 +79,7 @@ def test_fresh_loads_are_pinned_for_their_waiters_and_loads_queue_for_room(store
     assert store.get("b").pins == 0
     assert store.request("c", pin=True, waiter=wc) is True and store.get("c").pins == 1
     assert store.request("d", pin=True, waiter=wd) is False
-    _wait(lambda: store.get("d").state == "device", "d to load")
+    assert wait_until(lambda: store.get("d").state == "device", 30), "d to load"
     st = store.state()
     assert _tiers(st) == {"a": ("registered", 0), "b": ("registered", 0), "c": ("device", 1), "d": ("device", 1)}
     assert _unused() == unused + 1  # b was loaded and evicted without ever serving a request: counted
@@ -183,7 +176,7 @@ def test_a_request_waiting_for_room_is_bounded_by_its_deadline(served: dict[str,
         )
         events = engine.generate(waiting, timeout=60)
         assert events[-1].finish is FinishReason.DEADLINE and not any(e.token_ids for e in events)
-        _wait(lambda: store.state().queued == (), "the abandoned load to leave the queue")
+        assert wait_until(lambda: store.state().queued == (), 30), "the abandoned load to leave the queue"
         st = store.state()
         assert st.adapters["y"].state == "registered" and st.adapters["y"].pins == 0 and st.device_lru == ("x",)
         store.unpin("x")

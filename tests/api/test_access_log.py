@@ -30,7 +30,8 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
 from support.http_api import base_url, call
-from support.servers import stream_req, text_req, wait_until
+from support.servers import stream_req, text_req
+from support.wait import wait_until
 
 from service import logs
 from service.api.server import BackgroundServer

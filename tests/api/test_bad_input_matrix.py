@@ -25,7 +25,8 @@ from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
-from support.servers import Outcome, as_stream, outcome, text_req, tiny_settings, wait_until
+from support.servers import Outcome, as_stream, outcome, text_req, tiny_settings
+from support.wait import wait_until
 
 from service.api.server import BackgroundServer
 

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.servers import stream_req
+from support.wait import wait_until
 
 from service import metrics
 from service.api.server import BackgroundServer
@@ -50,13 +50,6 @@ def tokens_together(stub: pb_grpc.GenerationStub, prompts: tuple[str, ...], n: i
     )
     results = stub.Generate(request, timeout=60).results
     return {p: list(r.token_ids) for p, r in zip(prompts, results, strict=True)}
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
 
 
 def _drain(call: Any) -> list[pb.GenerateStreamResponse]:
@@ -107,7 +100,7 @@ def test_a_failing_step_fails_only_its_rows_and_the_engine_goes_on(
         streams = [stub.GenerateStream(stream_req(p, 200), timeout=60) for p in prompts]
         for s in streams:
             next(s)
-        wait_for(lambda: engine.state().running == 2)
+        assert wait_until(lambda: engine.state().running == 2)
         fault.armed.set()
         for s in streams:
             with pytest.raises(grpc.RpcError) as err:
@@ -115,7 +108,7 @@ def test_a_failing_step_fails_only_its_rows_and_the_engine_goes_on(
             assert err.value.code() == grpc.StatusCode.INTERNAL
             assert "engine step" in (err.value.details() or "") and "retry" in (err.value.details() or "")
         assert fault.raised == 1
-        wait_for(lambda: engine.in_flight == 0 and engine.state().running == 0)
+        assert wait_until(lambda: engine.in_flight == 0 and engine.state().running == 0)
         # The engine goes on, and the NaN the failed step left in the slots did not survive it: rows of different
         # lengths sharing a batch read (masked) positions past their own length, where a NaN would spread.
         after = tokens_together(stub, prompts, 64)
@@ -137,7 +130,7 @@ def test_waiting_requests_survive_a_failing_step(tiny_server: Callable[..., Back
         running = stub.GenerateStream(stream_req("running", 200), timeout=60)
         next(running)
         queued = stub.GenerateStream(stream_req("queued behind", 16), timeout=60)
-        wait_for(lambda: engine.state().waiting == 1)
+        assert wait_until(lambda: engine.state().waiting == 1)
         fault.armed.set()
         with pytest.raises(grpc.RpcError) as err:
             list(running)
@@ -200,10 +193,12 @@ def test_a_client_that_goes_away_frees_its_slot_for_the_next_request(
         got = len(next(call).token_ids)
         call.cancel()
         assert got + sum(len(c.token_ids) for c in _drain(call)) < 1000  # cut mid-generation
-        wait_for(lambda: engine.in_flight == 0 and engine.state().running == 0)
+        assert wait_until(lambda: engine.in_flight == 0 and engine.state().running == 0)
         # The one slot is free again: the next request runs (and gives its normal answer).
         assert tokens_of(stub, "next in line", 12) == expected
-        wait_for(lambda: sample("loraplex_requests_total", method="GenerateStream", code="CANCELLED") > cancelled)
+        assert wait_until(
+            lambda: sample("loraplex_requests_total", method="GenerateStream", code="CANCELLED") > cancelled
+        )
         assert sample("loraplex_requests_total", method="GenerateStream", code="CANCELLED") == cancelled + 1
 
 
@@ -232,9 +227,9 @@ def test_a_deadline_mid_generation_frees_its_slot_and_is_counted(tiny_server: Ca
             if got:
                 break
         assert 0 < sum(len(c.token_ids) for c in got) < 1000
-        wait_for(lambda: engine.in_flight == 0 and engine.state().running == 0)
+        assert wait_until(lambda: engine.in_flight == 0 and engine.state().running == 0)
         assert tokens_of(stub, "next in line", 12) == expected
-        wait_for(lambda: timed_out() > counted)
+        assert wait_until(lambda: timed_out() > counted)
         assert timed_out() == counted + 1
 
 

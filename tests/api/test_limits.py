@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from support.servers import as_stream, stream_req, text_req, tiny_settings, wait_until
+from support.servers import as_stream, stream_req, text_req, tiny_settings
+from support.wait import wait_until
 
 from service.api.server import BackgroundServer
 from service.config import Settings

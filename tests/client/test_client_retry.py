@@ -20,7 +20,8 @@ import pytest
 from loraplex import _channel, _retry
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.metrics import requests_total
-from support.servers import stream_req, tiny_settings, wait_until
+from support.servers import stream_req, tiny_settings
+from support.wait import wait_until
 
 from service.api.server import BackgroundServer
 

@@ -24,6 +24,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.certs import CA
 from support.http_api import base_url, call, requests_count, sse_events
 from support.servers import free_port, free_ports, text_req, tiny_settings
+from support.wait import wait_until
 
 from service.api.http import errors
 from service.api.server import BackgroundServer, start
@@ -42,15 +43,6 @@ from service.errors import (
 LONG = {"max_new_tokens": 1000, "max_total_tokens": 1024}
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.005)
-    return condition()
-
-
 def in_flight(srv: BackgroundServer) -> int:
     assert srv.server is not None and srv.server.runtime.loaded is not None
     return srv.server.runtime.loaded.engine.in_flight
@@ -67,7 +59,7 @@ def test_a_full_queue_is_429_with_retry_after(
     with grpc.insecure_channel(srv.target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         running = [stub.Generate.future(text_req("occupy", 1000), timeout=60) for _ in range(2)]
-        assert wait_for(lambda: in_flight(srv) == 2)  # one running, one waiting: the queue is full
+        assert wait_until(lambda: in_flight(srv) == 2, 30)  # one running, one waiting: the queue is full
         before = requests_count("http.completions", "RESOURCE_EXHAUSTED")
         for stream in (False, True):
             body = {"model": served_tiny_dir.name, "prompt": "one too many", "max_tokens": 2, "stream": stream}
@@ -102,11 +94,11 @@ def test_draining_refuses_new_work_with_503_and_lets_running_streams_finish(
     )
     with grpc.insecure_channel(srv.target) as channel:
         holder = pb_grpc.GenerationStub(channel).Generate.future(text_req("hold the drain", 1000), timeout=120)
-        assert wait_for(lambda: in_flight(srv) == 1)
+        assert wait_until(lambda: in_flight(srv) == 1, 30)
         reader.start()
-        assert wait_for(lambda: in_flight(srv) == 2)
+        assert wait_until(lambda: in_flight(srv) == 2, 30)
         drain = asyncio.run_coroutine_threadsafe(srv.server.drain(60), srv._loop)
-        assert wait_for(lambda: srv.server is not None and srv.server.runtime.draining)
+        assert wait_until(lambda: srv.server is not None and srv.server.runtime.draining, 30)
         refused = call(f"{url}/completions", {"model": model, "prompt": "late", "max_tokens": 2})
         assert refused.status == 503 and "draining" in refused.body["error"]["message"]
         holder.cancel()
@@ -138,12 +130,12 @@ def test_a_client_that_goes_away_cancels_its_generation(
     method = "http.completions"
     before, finished = requests_count(method, "CANCELLED"), requests_count(method, "OK")
     sock = _send(srv.server.http.port, "/v1/completions", long_body(served_tiny_dir.name, stream=stream))
-    assert wait_for(lambda: in_flight(srv) == 1)
+    assert wait_until(lambda: in_flight(srv) == 1, 30)
     if stream:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # the headers and the first events are out
     sock.close()
-    assert wait_for(lambda: in_flight(srv) == 0), "the generation kept its slot after the client left"
-    assert wait_for(lambda: requests_count(method, "CANCELLED") == before + 1)
+    assert wait_until(lambda: in_flight(srv) == 0, 30), "the generation kept its slot after the client left"
+    assert wait_until(lambda: requests_count(method, "CANCELLED") == before + 1, 30)
     assert requests_count(method, "OK") == finished  # it did not run to its end
     reply = call(f"{base_url(srv)}/completions", {"model": served_tiny_dir.name, "prompt": "next", "max_tokens": 2})
     assert reply.status == 200  # the server carries on
@@ -292,7 +284,7 @@ def test_a_serve_process_with_the_http_api_drains_on_sigterm(served_tiny_dir: Pa
             except (urllib.error.URLError, ConnectionError):
                 return False
 
-        if not wait_for(lambda: serving() or proc.poll() is not None, 120) or proc.poll() is not None:
+        if not wait_until(lambda: serving() or proc.poll() is not None, 120) or proc.poll() is not None:
             proc.kill()
             pytest.fail(f"the HTTP API never answered 200: {proc.communicate(timeout=10)[0][-2000:]}")
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
@@ -304,7 +296,7 @@ def test_a_serve_process_with_the_http_api_drains_on_sigterm(served_tiny_dir: Pa
                 reply = call(f"{url}/completions", {"model": model, "prompt": "late", "max_tokens": 2}, timeout=5)
                 return reply.status == 503 and "draining" in reply.body["error"]["message"]
 
-            assert wait_for(draining, 30)
+            assert wait_until(draining, 30)
             holder.cancel()
         output, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, output[-2000:]

@@ -7,7 +7,6 @@ Nothing here starts work at import time.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,16 +85,6 @@ def free_ports(n: int) -> list[int]:
 def free_port() -> int:
     """One free loopback port."""
     return free_ports(1)[0]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, poll: float = 0.0005) -> bool:
-    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(poll)
-    return True
 
 
 Outcome = tuple[grpc.StatusCode, str]
