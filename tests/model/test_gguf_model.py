@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.gguf_files import write_reference_folder, write_tiny_gguf
+from support.gguf_files import VARIANTS, write_reference_folder, write_tiny_gguf, write_variant
 from support.tiny_models import (
-    assert_row_independent,
     greedy_agreement,
     load_hf_llama,
     max_prefill_logit_gap,
@@ -33,16 +32,6 @@ from service.model.quant import Int4Weight
 pytestmark = pytest.mark.numerics
 
 ATOL = 1e-4
-VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "mixed": (
-        {},
-        {"token_embd": "Q8_0", "attn_v": "Q8_0", "attn_output": "F16", "ffn_down": "Q4_0", "output.": "BF16"},
-    ),
-    "tied": (
-        {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
-        {"token_embd": "Q8_0", "ffn_gate": "Q4_0"},
-    ),
-}
 INT4 = {"mixed": {"w13", "w2"}, "tied": set(PROJ_NAMES)}
 
 
@@ -51,10 +40,8 @@ def triple(
     request: pytest.FixtureRequest, tiny_llama_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, Llama, Any]:
     variant = request.param
-    config, types = VARIANTS[variant]
-    folder = tiny_llama_factory(seed=21 + len(variant), **config)
     tmp = tmp_path_factory.mktemp(f"gguf_{variant}")
-    gguf = write_tiny_gguf(folder, tmp / "model.gguf", types=types)
+    folder, gguf = write_variant(variant, tiny_llama_factory, tmp)
     ours = load_gguf_model(folder, gguf, dtype=torch.float32)[0]
     return variant, ours, load_hf_llama(write_reference_folder(folder, gguf, tmp / "reference"))
 
@@ -84,11 +71,6 @@ def test_greedy_tokens_match_the_dequantized_reference(triple: tuple[str, Llama,
     _, ours, hf = triple
     prompts = _prompts(10)
     assert greedy_agreement(ours, hf, prompts, 24) >= 0.9 * len(prompts)
-
-
-def test_row_result_independent_of_batch_and_slot(triple: tuple[str, Llama, Any]) -> None:
-    _, ours, _ = triple
-    assert_row_independent(ours, ((2, 1, 0), (5, 3, 2)), cache_rows=8)
 
 
 def test_unpacked_load_is_the_reference_weights(tiny_llama_factory: Callable[..., Path], tmp_path: Path) -> None:

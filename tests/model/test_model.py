@@ -118,19 +118,6 @@ def test_greedy_continuation_is_token_identical_to_generate(pair: tuple[Llama, A
         assert greedy_generate(ours, ids.tolist(), 64, eos_token_ids=(2,)) == expected
 
 
-def test_row_result_independent_of_batch_and_slot(tiny_llama_dir: Path) -> None:
-    ours = load_ours(tiny_llama_dir)
-    ids = _prompt(9, seed=5)
-    solo_cache = KVCache(ours.cfg, 1, 32, dtype=torch.float32, device=CPU)
-    solo = ours(ids[None, :], torch.arange(9)[None, :], solo_cache, 0)[0]  # [9, hidden]
-    for batch, row, slot_start in ((2, 1, 0), (5, 3, 2), (8, 0, 0)):
-        tokens = torch.stack([_prompt(9, seed=100 + r) for r in range(batch)])
-        tokens[row] = ids
-        cache = KVCache(ours.cfg, 10, 32, dtype=torch.float32, device=CPU)
-        got = ours(tokens, torch.arange(9).expand(batch, 9), cache, slot_start)[row]
-        torch.testing.assert_close(got, solo, rtol=1e-5, atol=1e-5)
-
-
 def test_kv_cache_move_then_decode_equals_never_moving(tiny_llama_dir: Path) -> None:
     ours = load_ours(tiny_llama_dir)
     lengths = [6, 4, 9]

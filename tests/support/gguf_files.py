@@ -10,11 +10,28 @@ dequantized by ``gguf.dequantize`` and unpermuted in numpy: the float32 referenc
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors.numpy import load_file
+
+# Two tiny variants that cover every served type and the fallbacks: ``mixed`` (Q8_0 embedding and a Q8_0 part inside
+# ``wqkv``, F16 ``wo``, Q4_0 ``w2``, BF16 untied head) and ``tied`` (MHA with biases, Q8_0 tied embedding/head, Q4_0
+# and Q4_1 projections): (tiny Llama config overrides, ggml types by name fragment).
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "mixed": (
+        {},
+        {"token_embd": "Q8_0", "attn_v": "Q8_0", "attn_output": "F16", "ffn_down": "Q4_0", "output.": "BF16"},
+    ),
+    "tied": (
+        {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+        {"token_embd": "Q8_0", "ffn_gate": "Q4_0"},
+    ),
+}
+
 
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -146,3 +163,10 @@ def write_reference_folder(src: Path, gguf_path: Path, dst: Path) -> Path:
         if file.is_file() and not file.name.endswith(".safetensors"):
             shutil.copy(file, dst / file.name)
     return dst
+
+
+def write_variant(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path) -> tuple[Path, Path]:
+    """The HF folder of `VARIANTS` ``variant`` (from the ``tiny_llama_factory`` fixture) and its GGUF in ``tmp``."""
+    config, types = VARIANTS[variant]
+    folder = tiny_llama_factory(seed=21 + len(variant), **config)
+    return folder, write_tiny_gguf(folder, tmp / "model.gguf", types=types)
