@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from support.adapter_files import load_peft_model, reference_greedy, write_peft_
 from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
-from service.config import Settings
 
 # Four adapters that differ in every way the math cares about, plus base-only rows.
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -43,15 +41,12 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path
     return root
 
 
-def settings_for(model: Path, root: Path, **overrides: object) -> Settings:
-    limits: dict[str, object] = {"max_batch_size": 16, "max_queue": 256, "max_new_tokens": 64, "max_total_tokens": 256}
-    return tiny_settings(model, **{**limits, "adapter_roots": (root,), **overrides})
+LIMITS: dict[str, object] = {"max_batch_size": 16, "max_queue": 256, "max_new_tokens": 64, "max_total_tokens": 256}
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, adapter_root: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(settings_for(served_tiny_dir, adapter_root, adapter_dirs=(adapter_root,))) as srv:
-        yield srv
+def server_settings(adapter_root: Path) -> dict[str, object]:
+    return {**LIMITS, "adapter_roots": (adapter_root,), "adapter_dirs": (adapter_root,)}
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
@@ -275,9 +270,10 @@ def test_eviction_under_a_tiny_budget_keeps_outputs_right(served_tiny_dir: Path,
     for i in range(32):
         write_peft_adapter(root / f"a{i:02d}", base, r=4 + (i % 3) * 2, alpha=8, seed=100 + i, scale=0.5)
     one = (root / "a00" / "adapter_model.safetensors").stat().st_size
-    settings = settings_for(
+    settings = tiny_settings(
         served_tiny_dir,
-        root,
+        LIMITS,
+        adapter_roots=(root,),
         adapter_dirs=(root,),
         adapter_device_budget_bytes=3 * one + 4096,
         adapter_host_budget_bytes=6 * one,

@@ -11,14 +11,12 @@ import contextlib
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from loraplex import Client, InvalidArgument, NotFound, PermissionDenied
 from support.adapter_files import write_peft_adapter
-from support.servers import tiny_settings
 
 from service import metrics
 from service.adapters.integrity import open_verified
@@ -159,19 +157,16 @@ def test_blob_symlinks_pass_the_integrity_checks_inside_the_cache(hub: dict[str,
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, hub: dict[str, Path]) -> Iterator[BackgroundServer]:
+def server_settings(hub: dict[str, Path]) -> dict[str, object]:
     """Roots: acme/caps's repo folder and the plain copies. acme/boot is an --adapter (its repo folder becomes a
     root of its own); acme/other is in the cache but in no root."""
     cache = hub["cache"]
-    settings = tiny_settings(
-        served_tiny_dir,
-        hf_hub_cache=cache,
-        adapters=(("boot", HubRef("acme/boot")),),
-        adapter_roots=(cache / "models--acme--caps", hub["plain"]),
-        speculate_adaptive=False,
-    )
-    with BackgroundServer(settings) as srv:
-        yield srv
+    return {
+        "hf_hub_cache": cache,
+        "adapters": (("boot", HubRef("acme/boot")),),
+        "adapter_roots": (cache / "models--acme--caps", hub["plain"]),
+        "speculate_adaptive": False,
+    }
 
 
 def tokens(client: Client, adapter: str | None) -> list[int]:

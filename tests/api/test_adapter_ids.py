@@ -5,7 +5,6 @@ and a well-formed unknown one with NOT_FOUND (HTTP 404); no message echoes more 
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -15,7 +14,7 @@ from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.adapter_files import write_peft_adapter
 from support.http_api import base_url, call
-from support.servers import Outcome, as_stream, outcome, text_req, tiny_settings
+from support.servers import Outcome, as_stream, outcome, text_req
 
 from service.adapters.ids import ADAPTER_ID_MAX_CHARS, check_adapter_id, is_adapter_id
 from service.api.server import BackgroundServer
@@ -36,12 +35,10 @@ MESSAGE_BOUND = 400  # any refusal here: the fixed text plus at most ECHO_CHARS 
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
+def server_settings(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("id_root")
     write_peft_adapter(root / "caps", served_tiny_dir, r=2, seed=5)
-    settings = tiny_settings(served_tiny_dir, http_port=0, adapter_dirs=(root,))
-    with BackgroundServer(settings) as srv:
-        yield srv
+    return {"http_port": 0, "adapter_dirs": (root,)}
 
 
 def every_rpc(srv: BackgroundServer, adapter_id: str, *, load: bool = True) -> dict[str, Outcome]:

@@ -6,36 +6,21 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from loraplex import AsyncClient, Client, FinishReason, InvalidArgument, NotFound, Unavailable
 
 from service.api.server import BackgroundServer
-from service.config import Settings
 
-
-def settings_for(folder: Path, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "model": folder,
-        "port": 0,
-        "metrics_port": -1,
-        "http_port": -1,
-        "dtype": "float32",
-        "max_batch_size": 8,
-        "max_prompt_tokens": 256,
-        "max_new_tokens": 128,
-        "max_total_tokens": 512,
-    }
-    values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+# The test defaults (`support.servers.TEST_SETTINGS`) with the server's own queue and longer requests.
+SETTINGS: dict[str, object] = {"max_queue": 256, "max_prompt_tokens": 256, "max_new_tokens": 128}
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(settings_for(served_tiny_dir)) as srv:
-        yield srv
+def server_settings() -> dict[str, object]:
+    return SETTINGS
 
 
 def test_client_generate_stream_tokenize_info(server: BackgroundServer) -> None:
@@ -73,9 +58,9 @@ def test_async_client_concurrent_streams(server: BackgroundServer) -> None:
             assert text == client.generate(f"prompt {i}", max_new_tokens=10, ignore_eos=True).text
 
 
-def test_unavailable_while_loading(served_tiny_dir: Path) -> None:
+def test_unavailable_while_loading(tiny_server: Callable[..., BackgroundServer]) -> None:
+    srv = tiny_server(load=False, **SETTINGS)
     with (
-        BackgroundServer(settings_for(served_tiny_dir), load=False) as srv,
         Client(srv.target, timeout=10) as client,
         pytest.raises(Unavailable, match="loading"),
     ):
@@ -104,8 +89,8 @@ def test_cli_generate_json_tokenize_info(server: BackgroundServer) -> None:
 
 
 @pytest.mark.slow
-def test_cli_demo_question_gets_paris(smollm2_dir: Path) -> None:
-    with BackgroundServer(settings_for(smollm2_dir)) as srv:
-        out = cli("generate", "--target", srv.target, "What is the capital of France?")
+def test_cli_demo_question_gets_paris(tiny_server: Callable[..., BackgroundServer], smollm2_dir: Path) -> None:
+    srv = tiny_server(model=smollm2_dir, **SETTINGS)
+    out = cli("generate", "--target", srv.target, "What is the capital of France?")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

@@ -11,7 +11,6 @@ import json
 import logging
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.adapter_files import write_peft_adapter
 from support.http_api import base_url, call, requests_count, sse_events
+from support.paths import ROOT
 from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
@@ -45,14 +45,10 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, adapter_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def server_settings(adapter_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(f"generate:{KEY}\n")
-    settings = tiny_settings(
-        served_tiny_dir, http_port=0, adapter_dirs=(adapter_root,), api_key_file=keys, max_new_tokens=64
-    )
-    with BackgroundServer(settings) as srv:
-        yield srv
+    return {"http_port": 0, "adapter_dirs": (adapter_root,), "api_key_file": keys, "max_new_tokens": 64}
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +344,7 @@ def test_request_metrics_carry_the_http_method(client: openai.OpenAI, base: str)
 
 @pytest.mark.slow
 def test_real_model_and_demo_adapters_give_the_same_greedy_text_over_grpc_and_http(smollm2_dir: Path) -> None:
-    demo = Path(__file__).resolve().parents[2] / "adapters" / "demo"
+    demo = ROOT / "adapters" / "demo"
     settings = tiny_settings(smollm2_dir, http_port=0, adapter_dirs=(demo,), max_new_tokens=64)
     with BackgroundServer(settings) as srv:
         client = openai.OpenAI(base_url=base_url(srv), api_key="none", max_retries=0, timeout=120)

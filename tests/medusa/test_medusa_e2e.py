@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from loraplex import Client, InvalidArgument
 from support.adapter_files import write_peft_adapter
+from support.paths import ROOT
 from support.servers import tiny_settings
 
 from service import metrics
 from service.api.server import BackgroundServer
-from service.config import Settings
 from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
 
 PROMPTS = [f"Prompt number {i}: tell me about item {i * 7}" for i in range(20)]
 NEW_TOKENS = 128
-DEMO = Path(__file__).resolve().parents[2] / "adapters" / "demo"
+DEMO = ROOT / "adapters" / "demo"
 
 
 def random_heads(folder: Path, cfg: ModelConfig, *, version: int, n_heads: int = 3, seed: int = 0) -> Path:
@@ -45,21 +44,17 @@ def roots(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return root
 
 
-def settings_for(model: Path, root: Path, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "max_batch_size": 32,
-        "max_queue": 256,
-        "adapter_dirs": (root,),
-        "speculate_max_batch": 32,
-        "speculate_adaptive": False,  # these tests exercise the speculative path itself, whatever it costs here
-    }
-    return tiny_settings(model, **{**values, **overrides})
+SETTINGS: dict[str, object] = {
+    "max_batch_size": 32,
+    "max_queue": 256,
+    "speculate_max_batch": 32,
+    "speculate_adaptive": False,  # these tests exercise the speculative path itself, whatever it costs here
+}
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, roots: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(settings_for(served_tiny_dir, roots)) as srv:
-        yield srv
+def server_settings(roots: Path) -> dict[str, object]:
+    return {**SETTINGS, "adapter_dirs": (roots,)}
 
 
 def run_all(target: str, jobs: list[tuple[str, str | None, bool | None]]) -> list[tuple[list[int], int]]:
@@ -128,7 +123,7 @@ def test_tree_speculation_equals_plain_in_mixed_batches(served_tiny_dir: Path, r
     batched with base and LoRA rows, alone and mixed, equal plain greedy."""
     adapters = ["v1", "v2", "both", None, "lora"]
     jobs = [(p, adapters[i % len(adapters)], None) for i, p in enumerate(PROMPTS)]
-    with BackgroundServer(settings_for(served_tiny_dir, roots, speculate_tree=TREE)) as srv:
+    with BackgroundServer(tiny_settings(served_tiny_dir, SETTINGS, adapter_dirs=(roots,), speculate_tree=TREE)) as srv:
         before = metrics.SPECULATIVE_ACCEPTED._value.get()
         mixed = run_all(srv.target, jobs)
         alone = run_all(srv.target, [(p, "v2", None) for p in PROMPTS[:6]])
@@ -143,7 +138,9 @@ def test_tree_speculation_equals_plain_in_mixed_batches(served_tiny_dir: Path, r
 
 def test_adaptive_speculation_keeps_output(served_tiny_dir: Path, roots: Path) -> None:
     """The server's default: the governor tries speculative and plain steps and keeps the faster; output is plain."""
-    with BackgroundServer(settings_for(served_tiny_dir, roots, speculate_adaptive=True, speculate_tree=TREE)) as srv:
+    with BackgroundServer(
+        tiny_settings(served_tiny_dir, SETTINGS, adapter_dirs=(roots,), speculate_adaptive=True, speculate_tree=TREE)
+    ) as srv:
         before = metrics.SPECULATIVE_STEPS._value.get()
         got = run_all(srv.target, [(p, "v2", None) for p in PROMPTS[:8]])
         steps = metrics.SPECULATIVE_STEPS._value.get() - before
@@ -183,7 +180,9 @@ def test_draft_threshold_gates_drafts_and_keeps_output(served_tiny_dir: Path, ro
     plain = None
     drafted = {}
     for threshold in (0.999, 1e-12):
-        with BackgroundServer(settings_for(served_tiny_dir, roots, draft_threshold=threshold)) as srv:
+        with BackgroundServer(
+            tiny_settings(served_tiny_dir, SETTINGS, adapter_dirs=(roots,), draft_threshold=threshold)
+        ) as srv:
             before = metrics.SPECULATIVE_DRAFTED._value.get()
             got = run_all(srv.target, [(p, "v2", None) for p in PROMPTS[:4]])
             drafted[threshold] = metrics.SPECULATIVE_DRAFTED._value.get() - before
@@ -197,7 +196,9 @@ def test_draft_threshold_gates_drafts_and_keeps_output(served_tiny_dir: Path, ro
 def test_trained_demo_heads_accept_and_stay_identical(smollm2_dir: Path) -> None:
     if not (DEMO / "medusa" / "config.json").is_file():
         pytest.fail("adapters/demo/medusa is missing: run scripts/train_medusa_heads.py")
-    settings = settings_for(smollm2_dir, DEMO, max_batch_size=8, speculate_max_batch=8, max_total_tokens=1024)
+    settings = tiny_settings(
+        smollm2_dir, SETTINGS, adapter_dirs=(DEMO,), max_batch_size=8, speculate_max_batch=8, max_total_tokens=1024
+    )
     questions = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?", "What is 2+2?"]
     accepted = 0
     with BackgroundServer(settings) as srv, Client(srv.target, timeout=300) as client:

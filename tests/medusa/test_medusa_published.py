@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -318,12 +317,8 @@ def published(served_tiny_dir: Path, cfg: ModelConfig, tmp_path_factory: pytest.
 
 
 @pytest.fixture(scope="module")
-def server(served_tiny_dir: Path, published: Path) -> Iterator[BackgroundServer]:
-    settings = tiny_settings(
-        served_tiny_dir, adapter_dirs=(published,), max_batch_size=8, speculate_max_batch=8, speculate_adaptive=False
-    )
-    with BackgroundServer(settings) as srv:
-        yield srv
+def server_settings(published: Path) -> dict[str, object]:
+    return {"adapter_dirs": (published,), "max_batch_size": 8, "speculate_max_batch": 8, "speculate_adaptive": False}
 
 
 def greedy(client: Client, prompt: str, adapter: str | None) -> list[int]:

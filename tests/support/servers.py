@@ -1,4 +1,4 @@
-"""Shared test helpers for live servers: the test settings builder, request builders, free ports and waiting.
+"""Shared test helpers for live servers: the test settings builder, request builders and free ports.
 
 Test modules import these (tests never import each other); `conftest.py` wraps the server ones in fixtures.
 Nothing here starts work at import time.
@@ -7,7 +7,7 @@ Nothing here starts work at import time.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -29,10 +29,13 @@ TEST_SETTINGS: dict[str, object] = {
 }
 
 
-def tiny_settings(folder: Path, **overrides: object) -> Settings:
-    """Settings for a test server on loopback over the model in ``folder``: `TEST_SETTINGS`, then ``overrides``."""
-    values: dict[str, object] = {"model": folder, **TEST_SETTINGS, **overrides}
-    return Settings(**values)  # type: ignore[arg-type]
+def tiny_settings(folder: Path, *defaults: Mapping[str, object], **overrides: object) -> Settings:
+    """Settings for a test server on loopback over the model in ``folder``: `TEST_SETTINGS`, then each of
+    ``defaults`` (a test module's own, in order), then ``overrides``."""
+    values: dict[str, object] = {"model": folder, **TEST_SETTINGS}
+    for layer in defaults:
+        values.update(layer)
+    return Settings(**{**values, **overrides})  # type: ignore[arg-type]
 
 
 def text_req(text: str, n: int = 16, **kw: object) -> pb.GenerateRequest:
