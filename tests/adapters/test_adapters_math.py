@@ -1,6 +1,6 @@
 """The batched LoRA math (``service.adapters.lora``) against peft, the reference.
 
-Four real PEFT adapters on a tiny random Llama, written by peft itself (``tests/adapter_files.py``): different
+Four real PEFT adapters on a tiny random Llama, written by peft itself (``tests/support/adapter_files.py``): different
 ranks and alphas, rsLoRA on one, a regex target with ``rank_pattern`` / ``alpha_pattern`` on another, all seven
 modules on one, ``layers_to_transform`` on one. A mixed batch of them plus base-only rows through our model must
 give, row by row, the logits of peft with that adapter alone (fp32, 1e-4) and the same greedy tokens. Every test
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from support.adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
+from support.paths import ROOT
 from support.quant_reference import write_dequantized
 from support.tiny_models import load_ours
 
@@ -313,7 +314,7 @@ def test_misshaped_module_is_refused_by_name(setup: dict[str, Any]) -> None:
         batch.delta(0, "wqkv", torch.zeros(1, 1, model.cfg.hidden_size))
 
 
-DEMO_DIR = Path(__file__).resolve().parents[2] / "adapters" / "demo"
+DEMO_DIR = ROOT / "adapters" / "demo"
 
 
 @pytest.mark.slow

@@ -25,12 +25,12 @@ from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
+from support.paths import ROOT
 from support.servers import Outcome, as_stream, outcome, text_req, tiny_settings
 from support.wait import wait_until
 
 from service.api.server import BackgroundServer
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "bad-inputs.md"
 WALKED, ELSEWHERE = "## Walked against one live server", "## Covered by other tests"
 GENERATE_KEY, ADMIN_KEY = "gen-5e1f0a", "adm-92c4b7"

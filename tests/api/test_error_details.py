@@ -1,7 +1,7 @@
 """Every error status carries one ``google.rpc.ErrorInfo`` (domain ``loraplex``): its reason and the error's
 structured fields, over real loopback gRPC from a real server (tiny random Llama, SmolLM2's tokenizer, a real PEFT
 adapter written by peft and then damaged on disk). Read here with grpcio-status, as any gRPC client can; the
-Python client's own reading is tested in tests/test_client_errors.py."""
+Python client's own reading is tested in tests/client/test_client_errors.py."""
 
 from __future__ import annotations
 

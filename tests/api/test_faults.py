@@ -22,14 +22,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.paths import ROOT
 from support.servers import stream_req
 from support.wait import wait_until
 
 from service import metrics
 from service.api.server import BackgroundServer
 from service.engine.engine import Engine
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine_of(server: BackgroundServer) -> Engine:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.paths import ROOT
 from support.servers import as_stream, stream_req, text_req, tiny_settings
 from support.wait import wait_until
 
@@ -252,7 +253,7 @@ def test_limit_flags_reach_the_settings_and_are_documented() -> None:
         Settings.from_env({}, max_stop_sequences=0)
     with pytest.raises(ValueError, match="max_prompt_bytes"):
         Settings.from_env({}, max_prompt_bytes=-1)
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     doc, readme = (root / "docs" / "limits.md").read_text(), (root / "README.md").read_text()
     for flag in (*LIMIT_FLAGS, "--max-batch-size", "--max-prompt-tokens", "--max-new-tokens", "--max-queue"):
         assert f"`{flag}`" in doc, flag

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
 
 
 @pytest.mark.slow

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-from peers_loraplex import Config, missing_flags, serve_help  # noqa: E402
-from peers_report import markdown, ratios  # noqa: E402
-from peers_workload import NEW_TOKENS, ROWS  # noqa: E402
+from peers_loraplex import Config, missing_flags, serve_help
+from peers_report import markdown, ratios
+from peers_workload import NEW_TOKENS, ROWS
 
 
 def test_config_parses_name_flags_and_dtype() -> None:

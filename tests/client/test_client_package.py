@@ -16,8 +16,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "clients" / "python"
 
 

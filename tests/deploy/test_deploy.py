@@ -5,7 +5,7 @@ The overlays are rendered with the real ``kubectl kustomize`` and every built-in
 lacks, is checked field by field. Ports, health service names, flags, paths and user ids are compared with the
 server's own definitions (``Settings`` defaults, ``GENERATION_SERVICE``, the CLI parser, the Dockerfile), never
 retyped. Pods start from what the image ships: no init container, nothing fetched. The optional components are
-tested in ``tests/test_deploy_components.py``, the Dockerfile's stages in ``tests/test_dockerfile.py``.
+tested in ``tests/deploy/test_deploy_components.py``, the Dockerfile's stages in ``tests/deploy/test_dockerfile.py``.
 ``scripts/system_deps.sh`` installs kubectl and promtool where they are missing.
 """
 

@@ -28,9 +28,9 @@ import pytest
 from loraplex import ADAPTER_HEADER, Client, HealthStatus, NotFound
 from prometheus_client.parser import text_string_to_metric_families
 from support.adapter_files import write_peft_adapter
+from support.paths import ROOT
 from support.servers import free_port, free_ports
 
-ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "nginx" / "loraplex-affinity.conf.template"
 LORAPLEX = Path(sys.executable).parent / "loraplex"  # the console script of the venv running the tests
 REPLICAS = 3

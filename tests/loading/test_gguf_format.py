@@ -1,6 +1,6 @@
 """GGUF header parsing and block decoding against the ``gguf`` package, and every corruption's typed error.
 
-Files are real: a tiny random Llama written by ``gguf.GGUFWriter`` (tests/gguf_files.py) and SmolLM2's own Q4_1
+Files are real: a tiny random Llama written by ``gguf.GGUFWriter`` (tests/support/gguf_files.py) and SmolLM2's own Q4_1
 file where the test says so. Corrupted files are copies with real header bytes edited; the byte positions come
 from ``gguf.GGUFReader``'s field offsets, not from the parser under test.
 """

@@ -14,18 +14,18 @@ from typing import Any
 
 import pytest
 import torch
+from support.paths import ROOT
 
 from service.medusa import MedusaHeads, index_medusa
 from service.model.weights import load_model
 from service.tokenizer import Tokenizer
 from tools.medusa import generate
 
-ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "adapters" / "demo" / "medusa"
 
 
 def _held_out_prompts() -> tuple[str, ...]:
-    """The training script's held-out prompts (loaded from its file, as tests/test_proto_generated.py does)."""
+    """The training script's held-out prompts (loaded from its file, as tests/proto/test_proto_generated.py does)."""
     spec = importlib.util.spec_from_file_location("train_medusa_heads", ROOT / "scripts" / "train_medusa_heads.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

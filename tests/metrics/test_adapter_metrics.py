@@ -20,6 +20,7 @@ from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from support.metrics import live_metrics_settings, write_live_adapters
+from support.paths import ROOT
 
 from service import metrics
 from service.api.server import BackgroundServer
@@ -162,7 +163,7 @@ def test_per_adapter_requests_tokens_and_latency(capped_scrape: Samples) -> None
 @pytest.mark.slow
 def test_demo_adapters_get_their_own_series(tiny_server: Callable[..., BackgroundServer], smollm2_dir: Path) -> None:
     """The image's demo adapters on the real SmolLM2, as the Kubernetes base serves them (--adapter-dir)."""
-    demo = Path(__file__).resolve().parents[2] / "adapters" / "demo"
+    demo = ROOT / "adapters" / "demo"
     ids = sorted(p.name for p in demo.iterdir() if p.is_dir())
     assert ids == ["caps", "medusa", "terse"]
     stopping = pb.StoppingCriteria(max_new_tokens=3, ignore_eos=True)

@@ -26,11 +26,11 @@ from support.metrics import (
     series_names,
     write_live_adapters,
 )
+from support.paths import ROOT
 
 from service import metrics
 from service.metrics import REGISTRY
 
-ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
 LEFT_OUT_HEADING = "### Metrics not on the dashboard"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
+from support.paths import ROOT
 
 from service import metrics
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 ROW = re.compile(r"^\| `(loraplex_[a-z0-9_]+)` \| (\w+) \| ([^|]*) \|", re.M)
 
 

@@ -1,9 +1,10 @@
 """A Llama served from GGUF blocks against transformers on the same weights dequantized by ``gguf`` (float32).
 
-The reference folder (tests/gguf_files.py) is built from the file by the ``gguf`` package alone (its dequantizer,
-numpy for llama.cpp's Q/K row order), so it shares no code with the loader under test. Two tiny variants cover
-every served type and the fallbacks: ``mixed`` (Q8_0 embedding and a Q8_0 part inside ``wqkv``, F16 ``wo``, Q4_0
-``w2``, BF16 untied head) and ``tied`` (MHA with biases, Q8_0 tied embedding/head, Q4_0 and Q4_1 projections).
+The reference folder (tests/support/gguf_files.py) is built from the file by the ``gguf`` package alone (its
+dequantizer, numpy for llama.cpp's Q/K row order), so it shares no code with the loader under test. Two tiny
+variants (``support.gguf_files.VARIANTS``) cover every served type and the fallbacks: ``mixed`` (Q8_0 embedding
+and a Q8_0 part inside ``wqkv``, F16 ``wo``, Q4_0 ``w2``, BF16 untied head) and ``tied`` (MHA with biases, Q8_0 tied
+embedding/head, Q4_0 and Q4_1 projections).
 """
 
 from __future__ import annotations

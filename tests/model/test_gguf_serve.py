@@ -2,7 +2,7 @@
 
 The served model is a tiny random Llama with SmolLM2's tokenizer (``served_tiny_dir``) written to GGUF by the
 ``gguf`` package (Q8_0 embedding, Q4_1 projections); the reference is transformers + peft on the same weights
-dequantized by ``gguf`` (tests/gguf_files.py). The adapter, written by peft, targets all seven projections.
+dequantized by ``gguf`` (tests/support/gguf_files.py). The adapter, written by peft, targets all seven projections.
 """
 
 from __future__ import annotations

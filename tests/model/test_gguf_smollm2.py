@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.paths import ROOT
 from support.tiny_models import greedy_generate
 
 from service.model import KVCache
@@ -58,7 +59,7 @@ def _peak_rss_mib(args: list[str], port: int) -> float:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from loraplex import Client
 
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'clients' / 'python'}"}
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--metrics-port", "-1", *args]
     # Through a small launcher: Linux starts a child's peak RSS at its parent's RSS at fork, so a server forked
@@ -86,7 +87,7 @@ def _peak_rss_mib(args: list[str], port: int) -> float:
 
 def _import_floor_mib() -> float:
     """Peak RSS of a process that only imports the server (torch, grpc, the tokenizer library): what both pay."""
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent (this pytest process) across exec.
     code = "import service.api.server; print(next(x for x in open('/proc/self/status') if x.startswith('VmHWM:')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,

@@ -1,7 +1,7 @@
 """service.model against transformers' LlamaForCausalLM on tiny random checkpoints (fp32, CPU).
 
-Each variant is written by transformers itself (tests/tiny_models.py) and read back by both implementations, so a
-tensor routed to the wrong fused slice, a RoPE variant computed differently or a mask that lets a row see the
+Each variant is written by transformers itself (tests/support/tiny_models.py) and read back by both implementations,
+so a tensor routed to the wrong fused slice, a RoPE variant computed differently or a mask that lets a row see the
 wrong keys all show up as logit differences.
 """
 

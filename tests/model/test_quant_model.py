@@ -1,5 +1,6 @@
 """A quantized base (``load_model(quantize=...)``) against its dequantized reference: transformers on the very
-weights the quantized model serves, dequantized to float32 and written to a real folder (tests/quant_reference.py).
+weights the quantized model serves, dequantized to float32 and written to a real folder
+(tests/support/quant_reference.py).
 
 Tolerance: float32 logits within ``ATOL`` of the reference (the kernels accumulate in another order, nothing else
 differs); greedy tokens identical on at least 90 % of a fixed prompt set. The greedy runs cross both paths of
@@ -20,6 +21,7 @@ import pytest
 import torch
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.paths import ROOT
 from support.quant_reference import write_dequantized
 from support.servers import text_req
 from support.tiny_models import (
@@ -131,7 +133,7 @@ print(json.dumps({"peak_kib": int(hwm.split()[1]), "bytes": model.parameter_byte
 @pytest.mark.slow
 def test_streamed_int4_load_peaks_far_below_the_fp32_load(smollm2_dir: Path) -> None:
     """Peak RSS of a fresh process loading SmolLM2: int4 never holds the dense projections (bounds generous)."""
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
     peaks = {}
     for kind in ("none", "int4"):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 PROTOS = sorted((PROTO_ROOT / "loraplex" / "v1").glob("*.proto"))
 FIELD_MAX = 536_870_911  # 2**29 - 1, protobuf's largest field number

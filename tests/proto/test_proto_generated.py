@@ -12,8 +12,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "clients" / "python" / "loraplex" / "v1"
 PROTO_DIR = ROOT / "proto" / "loraplex" / "v1"
 

@@ -15,7 +15,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
+
 K8S = ROOT / "deploy" / "k8s"
 # Every minor from the oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) to the newest
 # schema kubernetes-validate has.

@@ -1,4 +1,4 @@
-"""Shared pieces of the property-based fuzzers (tests/test_fuzz_*.py): run sizes and JSON-ish strategies.
+"""Shared pieces of the property-based fuzzers (tests/fuzz/): run sizes and JSON-ish strategies.
 
 Two run sizes, chosen with ``LORAPLEX_FUZZ=short|long`` (default short):
 

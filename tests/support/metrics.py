@@ -21,9 +21,10 @@ from service.config import Settings
 from service.medusa.format import write_medusa
 from service.model.config import ModelConfig
 from support.adapter_files import write_peft_adapter
+from support.paths import ROOT
 from support.servers import tiny_settings
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "loraplex.json"
+DASHBOARD = ROOT / "deploy" / "grafana" / "loraplex.json"
 
 Obj = dict[str, Any]
 Families = dict[str, list[tuple[str, dict[str, str], float]]]

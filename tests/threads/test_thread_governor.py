@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.engines import make_engine, req, tokens_of
+from support.paths import ROOT
 
 from service import metrics
 from service.config import Settings
@@ -214,7 +215,7 @@ def test_serve_sets_the_spin_count_before_torch_is_imported() -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     code = (
         "import os, sys\n"
         "import service.cli as cli\n"
