@@ -22,11 +22,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
+from support.metrics import sample
 from support.paths import ROOT
 from support.servers import stream_req
 from support.wait import wait_until
 
-from service import metrics
 from service.api.server import BackgroundServer
 from service.engine.engine import Engine
 
@@ -58,10 +58,6 @@ def _drain(call: Any) -> list[pb.GenerateStreamResponse]:
         got.extend(call)
     assert err.value.code() == grpc.StatusCode.CANCELLED
     return got
-
-
-def sample(name: str, **labels: str) -> float:
-    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 class FailingForward:

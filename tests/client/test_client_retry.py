@@ -20,7 +20,7 @@ import pytest
 from loraplex import _channel, _retry
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.metrics import requests_total
-from support.servers import stream_req, tiny_settings
+from support.servers import in_flight, stream_req, tiny_settings
 from support.wait import wait_until
 
 from service.api.server import BackgroundServer
@@ -29,11 +29,6 @@ from service.api.server import BackgroundServer
 PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=0.5, max_backoff=2.0, backoff_multiplier=2.0)
 # For a wait as long as a model load on a busy machine: the four randomized backoffs add up to ~11 s on average.
 VERY_PATIENT = loraplex.RetryPolicy(max_attempts=5, initial_backoff=2.0, max_backoff=8.0, backoff_multiplier=2.0)
-
-
-def in_flight(server: BackgroundServer) -> int:
-    assert server.server is not None and server.server.runtime.loaded is not None
-    return server.server.runtime.loaded.engine.in_flight
 
 
 def test_retry_policy_is_a_service_config_for_idempotent_methods() -> None:

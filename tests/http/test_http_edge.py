@@ -23,7 +23,7 @@ import pytest
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.certs import CA
 from support.http_api import base_url, call, requests_count, sse_events
-from support.servers import free_port, free_ports, text_req, tiny_settings
+from support.servers import free_port, free_ports, in_flight, text_req, tiny_settings
 from support.wait import wait_until
 
 from service.api.http import errors
@@ -41,11 +41,6 @@ from service.errors import (
 )
 
 LONG = {"max_new_tokens": 1000, "max_total_tokens": 1024}
-
-
-def in_flight(srv: BackgroundServer) -> int:
-    assert srv.server is not None and srv.server.runtime.loaded is not None
-    return srv.server.runtime.loaded.engine.in_flight
 
 
 def long_body(model: str, **extra: object) -> dict[str, object]:

@@ -10,8 +10,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from service import metrics
 from service.api.server import BackgroundServer
+from support.metrics import sample
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ def call(
 
 def requests_count(method: str, code: str) -> float:
     """``loraplex_requests_total{method, code}`` now (0 before the first such request)."""
-    value = metrics.REGISTRY.get_sample_value("loraplex_requests_total", {"method": method, "code": code})
-    return value or 0.0
+    return sample("loraplex_requests_total", method=method, code=code)
 
 
 def sse_events(text: str) -> list[str]:

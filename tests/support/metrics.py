@@ -1,5 +1,5 @@
-"""Shared helpers for metrics and dashboard tests: scraping /metrics, series names, the live-traffic scrape, the
-Grafana dashboard's panels. Test modules import these; none imports another test module."""
+"""Shared helpers for metrics and dashboard tests: in-process samples, scraping /metrics, series names, the
+live-traffic scrape, the Grafana dashboard's panels. Test modules import these; none imports another test module."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from service import metrics
 from service.api.server import BackgroundServer
 from service.config import Settings
 from service.medusa.format import write_medusa
@@ -28,6 +29,11 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "loraplex.json"
 
 Obj = dict[str, Any]
 Families = dict[str, list[tuple[str, dict[str, str], float]]]
+
+
+def sample(name: str, **labels: str) -> float:
+    """A sample of this process's registry (the servers a test starts in-process): 0 before it first exists."""
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def scrape(port: int) -> Families:

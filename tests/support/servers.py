@@ -9,11 +9,15 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from loraplex.v1 import generation_pb2 as pb
 
 from service.config import Settings
+
+if TYPE_CHECKING:
+    from service.api.server import BackgroundServer
 
 # Small limits so bounds are cheap to reach; a test overrides what it needs.
 TEST_SETTINGS: dict[str, object] = {
@@ -71,6 +75,12 @@ def as_stream(r: pb.GenerateRequest) -> pb.GenerateStreamRequest:
     if r.HasField("speculate"):
         stream.speculate = r.speculate
     return stream
+
+
+def in_flight(srv: BackgroundServer) -> int:
+    """Requests the started server's engine holds now (running and waiting)."""
+    assert srv.server is not None and srv.server.runtime.loaded is not None
+    return srv.server.runtime.loaded.engine.in_flight
 
 
 def free_ports(n: int) -> list[int]:
