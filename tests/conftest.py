@@ -181,14 +181,12 @@ def tiny_peft_adapters(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., dict[str, Path]]:
     """``write(**specs) -> {name: folder}``: one PEFT adapter per ``name={write_peft_adapter keywords}`` over the
-    tiny Llama, written by peft (`support.adapter_files.write_peft_adapter`) into a fresh temp folder."""
-    from support.adapter_files import write_peft_adapter
+    tiny Llama, written by peft (`support.adapter_files.write_peft_adapters`) into a fresh temp folder."""
+    from support.adapter_files import write_peft_adapters
     from support.tiny_models import load_hf_llama
 
     def write(**specs: dict[str, Any]) -> dict[str, Path]:
-        model = load_hf_llama(tiny_llama_dir)
-        root = tmp_path_factory.mktemp("peft")
-        return {name: write_peft_adapter(root / name, model, **kw) for name, kw in specs.items()}
+        return write_peft_adapters(tmp_path_factory.mktemp("peft"), load_hf_llama(tiny_llama_dir), specs)
 
     return write
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 from loraplex import AlreadyExists, Client, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from support.adapter_files import load_peft_model, reference_greedy, write_peft_adapter
+from support.adapter_files import load_peft_model, reference_greedy, write_peft_adapter, write_peft_adapters
 from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
@@ -36,8 +36,7 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path) -> Path:
     root = tmp_path_factory.mktemp("adapters")
-    for name, kw in ADAPTERS.items():
-        write_peft_adapter(root / name, served_tiny_dir, scale=0.5, **kw)
+    write_peft_adapters(root, served_tiny_dir, ADAPTERS, scale=0.5)
     return root
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapter
+from support.adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapters
 from support.paths import ROOT
 from support.quant_reference import write_dequantized
 from support.tiny_models import load_ours
@@ -61,7 +61,7 @@ def setup(
     """Every test runs on a dense base and on an int4 base (the QLoRA serving case), whose peft reference is built
     on the same weights dequantized to float32 (``quant_reference.write_dequantized``)."""
     root = tmp_path_factory.mktemp("adapters")
-    folders = {name: write_peft_adapter(root / name, tiny_llama_dir, **kw) for name, kw in ADAPTERS.items()}
+    folders = write_peft_adapters(root, tiny_llama_dir, ADAPTERS)
     quantize = None if request.param == "dense" else request.param
     model = load_ours(tiny_llama_dir, quantize=quantize)
     base = tiny_llama_dir if quantize is None else write_dequantized(tiny_llama_dir, model, root / "dequantized")

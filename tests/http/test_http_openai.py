@@ -19,7 +19,7 @@ import openai
 import pytest
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
-from support.adapter_files import write_peft_adapter
+from support.adapter_files import write_peft_adapters
 from support.http_api import base_url, call, requests_count, sse_events
 from support.paths import ROOT
 from support.servers import tiny_settings
@@ -39,8 +39,7 @@ NEW = 12
 @pytest.fixture(scope="module")
 def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path) -> Path:
     root = tmp_path_factory.mktemp("http_adapters")
-    for name, kw in ADAPTERS.items():
-        write_peft_adapter(root / name, served_tiny_dir, scale=2.0, **kw)
+    write_peft_adapters(root, served_tiny_dir, ADAPTERS, scale=2.0)
     return root
 
 

@@ -100,6 +100,14 @@ def write_peft_adapter(
     return folder
 
 
+def write_peft_adapters(
+    root: Path, base: Path | Any, specs: Mapping[str, Mapping[str, Any]], **common: Any
+) -> dict[str, Path]:
+    """One `write_peft_adapter` folder per ``name: keywords`` of ``specs`` under ``root`` (each also with
+    ``common``), over the same ``base``: ``{name: folder}``."""
+    return {name: write_peft_adapter(root / name, base, **common, **kw) for name, kw in specs.items()}
+
+
 def load_peft_model(base: Path | Any, adapter_dirs: Mapping[str, Path]) -> Any:
     """The reference: transformers' Llama with each adapter loaded by peft under its key as adapter name."""
     from peft import PeftModel
