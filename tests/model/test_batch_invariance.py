@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from support.gguf_files import VARIANTS, write_variant
+from support.gguf_files import VARIANTS, load_variant
 from support.tiny_models import assert_row_independent, load_ours
 
 pytestmark = pytest.mark.numerics
@@ -29,10 +28,7 @@ def load_kind(kind: str, tiny_llama_factory: Callable[..., Path], tmp: Path) -> 
         return load_ours(tiny_llama_factory())
     if kind in ("int8", "int4"):
         return load_ours(tiny_llama_factory(), quantize=kind)
-    from service.model.gguf_weights import load_gguf_model
-
-    folder, gguf = write_variant(kind.removeprefix("gguf-"), tiny_llama_factory, tmp)
-    return load_gguf_model(folder, gguf, dtype=torch.float32)[0]
+    return load_variant(kind.removeprefix("gguf-"), tiny_llama_factory, tmp)
 
 
 @pytest.mark.parametrize("kind", KINDS)

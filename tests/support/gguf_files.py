@@ -170,3 +170,22 @@ def write_variant(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Pa
     config, types = VARIANTS[variant]
     folder = tiny_llama_factory(seed=21 + len(variant), **config)
     return folder, write_tiny_gguf(folder, tmp / "model.gguf", types=types)
+
+
+def load_variant(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path) -> Any:
+    """`VARIANTS` ``variant`` written to a GGUF in ``tmp`` and served from its blocks (float32, CPU): the ``Llama``."""
+    return _served(*write_variant(variant, tiny_llama_factory, tmp))
+
+
+def variant_and_reference(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path) -> tuple[Any, Any]:
+    """`load_variant` and transformers on the same file dequantized by ``gguf`` (the reference folder in ``tmp``)."""
+    from support.tiny_models import load_hf_llama
+
+    folder, gguf = write_variant(variant, tiny_llama_factory, tmp)
+    return _served(folder, gguf), load_hf_llama(write_reference_folder(folder, gguf, tmp / "reference"))
+
+
+def _served(folder: Path, gguf: Path) -> Any:
+    from service.model.gguf_weights import load_gguf_model
+
+    return load_gguf_model(folder, gguf, dtype=torch.float32)[0]

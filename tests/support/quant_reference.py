@@ -11,7 +11,9 @@ reference implementation of exactly the weights the quantized model serves.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,6 +21,31 @@ from safetensors.torch import load_file, save_file
 from service.model import Llama
 from service.model.llama import PROJ_NAMES
 from service.model.weights import projection_parts
+
+# The tiny Llamas the quantized paths are checked on: (tiny Llama config overrides).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gqa": {},
+    "mha_bias_tied": {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+}
+
+
+def load_quantized(kind: str, variant: str, tiny_llama_factory: Callable[..., Path]) -> Llama:
+    """`VARIANTS` ``variant`` (from the ``tiny_llama_factory`` fixture) quantized to ``kind`` ("int8" / "int4")."""
+    from support.tiny_models import load_ours
+
+    folder = tiny_llama_factory(seed=11 + len(variant), **VARIANTS[variant])
+    return load_ours(folder, quantize=kind)  # type: ignore[no-any-return]
+
+
+def quantized_and_reference(
+    kind: str, variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path
+) -> tuple[Llama, Any]:
+    """`load_quantized` and transformers on its very weights dequantized (`write_dequantized` into ``tmp``)."""
+    from support.tiny_models import load_hf_llama
+
+    ours = load_quantized(kind, variant, tiny_llama_factory)
+    folder = tiny_llama_factory(seed=11 + len(variant), **VARIANTS[variant])
+    return ours, load_hf_llama(write_dequantized(folder, ours, tmp))
 
 
 def write_dequantized(src: Path, model: Llama, dst: Path) -> Path:
