@@ -19,7 +19,6 @@ from loraplex.v1 import adapters_pb2, adapters_pb2_grpc
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.adapter_files import rewrite_adapter_tensors, write_peft_adapter
-from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
 from service.engine.sampling import SamplingParams
@@ -44,18 +43,20 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, served_tiny_dir: Path
 
 
 @pytest.fixture(scope="module")
-def target(served_tiny_dir: Path, adapter_root: Path) -> Iterator[str]:
-    settings = tiny_settings(
-        served_tiny_dir,
-        max_batch_size=4,
-        max_prompt_tokens=64,
-        max_new_tokens=8,
-        max_total_tokens=128,
-        max_stop_sequences=2,
-        adapter_roots=(adapter_root,),
-    )
-    with BackgroundServer(settings) as srv:
-        yield srv.target
+def server_settings(adapter_root: Path) -> dict[str, object]:
+    return {
+        "max_batch_size": 4,
+        "max_prompt_tokens": 64,
+        "max_new_tokens": 8,
+        "max_total_tokens": 128,
+        "max_stop_sequences": 2,
+        "adapter_roots": (adapter_root,),
+    }
+
+
+@pytest.fixture(scope="module")
+def target(server: BackgroundServer) -> str:
+    return server.target
 
 
 @pytest.fixture(scope="module")
