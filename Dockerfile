@@ -38,9 +38,10 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 WORKDIR /build
 COPY pyproject.toml ./
-# [project].dependencies, exactly as pinned there: the serving dependencies and nothing else.
+# [project].dependencies, exactly as pinned there: the serving dependencies and nothing else (but the in-repo
+# loraplex-client, "name @ {root:uri}/...": the app stage installs it from its folder).
 RUN python3 -m venv /opt/venv \
-    && python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > serve.txt \
+    && python3 -c 'import tomllib; print("\n".join(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if " @ " not in d))' > serve.txt \
     && /opt/venv/bin/pip install -r serve.txt
 
 FROM deps AS model

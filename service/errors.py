@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 E = TypeVar("E", bound="LoraplexError")
 SHORTEN_CHARS = 200
@@ -103,8 +103,9 @@ class LoraplexError(Exception):
 
 
 class InvalidRequest(LoraplexError, status="INVALID_ARGUMENT"):
-    """A request field the server refuses. ``field``: its path in the request message (``sampling.top_p``,
-    ``stop_sequences[2]``); ``limit``: the bound it broke, where there is one."""
+    """A request field the server refuses. ``field``: the field at fault, named as the domain request names it
+    (``sampling.top_p``, ``stop_sequences[2]``: ``service.frontend.request``) until an edge renames it to its own
+    vocabulary (``at``); ``limit``: the bound it broke, where there is one."""
 
     fields = ("field", "limit")
 
@@ -112,6 +113,12 @@ class InvalidRequest(LoraplexError, status="INVALID_ARGUMENT"):
         super().__init__(message)
         self.field = field
         self.limit = limit
+
+    def at(self, field: str | None) -> Self:
+        """This error (a ``fresh`` copy) about ``field`` instead: how an edge renames a domain field to its own."""
+        copy = self.fresh()
+        copy.field = field
+        return copy
 
 
 class MalformedRequest(InvalidRequest): ...

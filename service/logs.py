@@ -1,9 +1,9 @@
 """Log set-up of `loraplex serve`: one event per line, as key=value text or JSON, each tagged with its request id.
 
-``REQUEST_ID`` is the id of the request whose code is running (set by the access interceptor,
-``service.api.access``, for the whole of each call); ``RequestIdFilter`` copies it onto every record, so any line
-logged while serving a request names it, whichever logger wrote it. Structured fields travel as
-``extra={"fields": {...}}``: text lines append them as ``key=value``, JSON lines as top-level keys. Code that
+``REQUEST_ID`` is the id of the request whose code is running (set by the call observer,
+``service.frontend.observer``, for the whole of each call of either API); ``RequestIdFilter`` copies it onto
+every record, so any line logged while serving a request names it, whichever logger wrote it. Structured fields
+travel as ``extra={"fields": {...}}``: text lines append them as ``key=value``, JSON lines as top-level keys. Code that
 runs outside the request's context (the engine thread) names the request itself: ``extra=about(request_id)``.
 
 Text: ``ts=... level=INFO logger=loraplex.access request_id=... <message> <fields>``. JSON: one object per line

@@ -1,30 +1,31 @@
-"""Protobuf <-> domain conversion. Protobuf stops here: nothing below the servicer imports generated code.
+"""The gRPC translator: protobuf messages <-> the frontend's domain types. Protobuf stops here.
 
-Validation happens once, here, where protobuf becomes domain types: ``precheck`` runs every cheap check of a
-request (sizes from ``service.api.limits``, the request id, max_new_tokens) and builds its ``SamplingParams``
-(valid by construction) on the event loop, returning a ``Checked``; ``generation_request`` only assembles a
-``GenerationRequest`` from it and a tokenized prompt. ``prompt_of`` and ``tokenize_response`` tokenize and
-template, so the servicer runs them on the runtime's worker pool, never on the event loop. The engine's own
-``validate`` (prompt length, vocabulary, adapter) is the one check left after tokenization.
+``call_of`` turns a ``GenerateRequest`` / ``GenerateStreamRequest`` into a ``GenerationCall`` (assembly only: the
+frontend checks it), ``input_of`` an ``Input``; ``result_of`` / ``stream_response`` / ``tokenize_response`` turn
+the frontend's results back into reply messages, shaped by the request's ``ReturnOptions``. ``grpc_fields``
+renames the domain field of an ``InvalidRequest`` (``service.frontend.request``) to its path in the request
+message (``max_new_tokens`` -> ``stopping.max_new_tokens``; ``inputs[0].text`` -> ``input.text`` in a
+GenerateStream), so clients keep reading protobuf paths in ``ErrorInfo.metadata["field"]``.
 """
 
 from __future__ import annotations
 
-import re
-import uuid
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
 
 from loraplex.v1 import generation_pb2 as pb
 
-from service.api import limits
-from service.config import Settings
-from service.engine.request import FinishReason, GenerationRequest, TokenEvent, check_max_new_tokens
-from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
-from service.logs import REQUEST_ID
-from service.tokenizer import Tokenizer
-
-_REQUEST_ID = re.compile(rf"^[\x21-\x7e]{{1,{limits.REQUEST_ID_MAX_CHARS}}}$")
+from service.frontend import (
+    ChatMessage,
+    Completion,
+    FinishReason,
+    GenerationCall,
+    Input,
+    Sampling,
+    TokenEvent,
+    Tokenized,
+)
 
 FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -35,134 +36,83 @@ FINISH_TO_PB = {
     FinishReason.ERROR: pb.FINISH_REASON_CANCELLED,
 }
 
-
-@dataclass(frozen=True)
-class Prompt:
-    ids: tuple[int, ...]
-    rendered: str
+_FIELDS = (("max_new_tokens", "stopping.max_new_tokens"), ("stop_sequences", "stopping.stop_sequences"))
+"""Domain field prefix -> its path in a generation request message (the rest are the same in both)."""
 
 
-def prompt_of(message: pb.Input, tokenizer: Tokenizer) -> Prompt:
-    """Token ids of one input, with the chat template applied when the input asks for it."""
+def field_of(field: str, *, stream: bool) -> str:
+    """The request message's path of a domain ``field`` (``stop_sequences[1]`` -> ``stopping.stop_sequences[1]``)."""
+    for prefix, path in _FIELDS:
+        if field.startswith(prefix):
+            return path + field.removeprefix(prefix)
+    if stream and field.startswith("inputs[0]"):
+        return "input" + field.removeprefix("inputs[0]")
+    return field
+
+
+@contextlib.contextmanager
+def grpc_fields(*, stream: bool) -> Iterator[None]:
+    """Inside: an ``InvalidRequest`` leaves with its ``field`` as a path in the (stream) request message."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        if exc.field is None:
+            raise
+        raise exc.at(field_of(exc.field, stream=stream)) from None
+
+
+def input_of(message: pb.Input) -> Input:
     kind = message.WhichOneof("kind")
     if kind == "messages":
-        turns = [{"role": m.role, "content": m.content} for m in message.messages.messages]
-        if not turns:
-            raise InvalidRequest("input.messages is empty: give at least one chat message", field="input.messages")
-        if any(not t["role"] for t in turns):
-            raise InvalidRequest("every chat message needs a role (e.g. 'user')", field="input.messages.role")
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-        return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
-    if kind == "text":
-        if not message.text:
-            raise InvalidRequest("the prompt is empty: set input.text to some text", field="input.text")
-        if message.chat:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": message.text}], add_generation_prompt=True
-            )
-            return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
-        return Prompt(tuple(tokenizer.encode(message.text)), message.text)
-    raise InvalidRequest("input needs either `text` or `messages`", field="input")
+        turns = tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
+        return Input(messages=turns, chat=message.chat)
+    return Input(text=message.text if kind == "text" else None, chat=message.chat)
 
 
-def tokenize_response(message: pb.Input, tokenizer: Tokenizer) -> pb.TokenizeResponse:
-    prompt = prompt_of(message, tokenizer)
-    return pb.TokenizeResponse(
-        token_ids=prompt.ids,
-        tokens=[tokenizer.id_to_token(i) or "" for i in prompt.ids],
-        rendered_text=prompt.rendered,
-    )
-
-
-@dataclass(frozen=True)
-class Checked:
-    """A generation request's fields, every one checked, before its prompts are tokenized. ``sampling`` has one
-    entry per input (input i is seeded with seed + i)."""
-
-    request_id: str
-    max_new_tokens: int
-    sampling: tuple[SamplingParams, ...]
-
-
-def precheck(message: pb.GenerateRequest | pb.GenerateStreamRequest, settings: Settings) -> Checked:
-    """Everything about a generation request that can be refused before its prompts are tokenized."""
-    limits.check_generate(message, settings)
-    request_id = request_id_of(message.request_id)
-    max_new = _max_new_tokens(message.stopping, settings.max_new_tokens)
-    check_max_new_tokens(max_new, settings.max_new_tokens)
-    inputs = len(message.inputs) if isinstance(message, pb.GenerateRequest) else 1
-    logprobs = message.return_options.return_logprobs
-    sampling = tuple(sampling_of(message.sampling, logprobs=logprobs, seed_offset=i) for i in range(inputs))
-    return Checked(request_id, max_new, sampling)
-
-
-def _max_new_tokens(stopping: pb.StoppingCriteria, default: int) -> int:
-    return stopping.max_new_tokens if stopping.HasField("max_new_tokens") else default
-
-
-def sampling_of(message: pb.SamplingParams, *, logprobs: bool, seed_offset: int = 0) -> SamplingParams:
-    # Input i of a request is seeded with seed + i, wrapping modulo 2**64 (so every uint64 seed stays valid).
-    seed = (message.seed + seed_offset) % 2**64 if message.HasField("seed") else None
-    return SamplingParams(  # raises InvalidRequest naming the field: valid by construction
+def _sampling_of(message: pb.SamplingParams) -> Sampling:
+    return Sampling(
         temperature=message.temperature,
         top_k=message.top_k,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
         repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
-        seed=seed,
-        logprobs=logprobs,
+        seed=message.seed if message.HasField("seed") else None,
     )
 
 
-def is_request_id(text: str) -> bool:
-    """Whether ``text`` is a valid request id: 1-128 printable ASCII characters without spaces."""
-    return bool(_REQUEST_ID.match(text))
-
-
-def request_id_of(given: str) -> str:
-    if not given:
-        return uuid.uuid4().hex[:16]
-    if not _REQUEST_ID.match(given):
-        raise InvalidRequest(
-            "request_id must be 1-128 printable ASCII characters without spaces",
-            field="request_id",
-            limit=limits.REQUEST_ID_MAX_CHARS,
-        )
-    return given
-
-
-def generation_request(
-    message: pb.GenerateRequest | pb.GenerateStreamRequest,
-    checked: Checked,
-    prompt: Prompt,
-    *,
-    deadline: float | None,
-    index: int = 0,
-) -> GenerationRequest:
-    """Input ``index`` of ``message`` as a domain request (its id is ``<request id>/<index>`` when there are
-    several; its ``call_id`` the id of the call running it, which its engine log lines carry): assembly only, every
-    field was checked by ``precheck``."""
+def call_of(message: pb.GenerateRequest | pb.GenerateStreamRequest, *, deadline: float | None) -> GenerationCall:
+    """The domain call of a generation request (``deadline``: a ``time.monotonic()`` instant, or None)."""
     stopping = message.stopping
-    several = len(checked.sampling) > 1
-    return GenerationRequest(
-        request_id=f"{checked.request_id}/{index}" if several else checked.request_id,
-        prompt_ids=prompt.ids,
-        max_new_tokens=checked.max_new_tokens,
-        sampling=checked.sampling[index],
-        adapter_id=message.adapter_id or None,
+    if isinstance(message, pb.GenerateRequest):
+        inputs = tuple(input_of(item) for item in message.inputs)
+    else:
+        inputs = (input_of(message.input),)
+    return GenerationCall(
+        inputs=inputs,
+        adapter_id=message.adapter_id,
+        sampling=_sampling_of(message.sampling),
+        max_new_tokens=stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
         stop_sequences=tuple(stopping.stop_sequences),
         ignore_eos=stopping.ignore_eos,
         speculate=message.speculate if message.HasField("speculate") else None,
+        logprobs=message.return_options.return_logprobs,
+        request_id=message.request_id,
         deadline=deadline,
-        call_id=REQUEST_ID.get() or "",
     )
 
 
-def usage_of(event: TokenEvent) -> pb.Usage:
-    return pb.Usage(
-        prompt_tokens=event.prompt_tokens,
-        generated_tokens=event.generated_tokens,
-        accepted_draft_tokens=event.accepted_draft_tokens,
-    )
+def _usage(prompt: int, generated: int, accepted: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt, generated_tokens=generated, accepted_draft_tokens=accepted)
+
+
+def result_of(completion: Completion, options: pb.ReturnOptions) -> pb.GenerationResult:
+    c = completion
+    result = pb.GenerationResult(text=c.text, finish_reason=FINISH_TO_PB[c.finish], stop_sequence=c.stop_sequence)
+    if options.return_token_ids:
+        result.token_ids.extend(c.token_ids)
+    if options.return_logprobs:
+        result.logprobs.extend(c.logprobs)
+    result.usage.CopyFrom(_usage(c.prompt_tokens, c.generated_tokens, c.accepted_draft_tokens))
+    return result
 
 
 def stream_response(event: TokenEvent, options: pb.ReturnOptions) -> pb.GenerateStreamResponse:
@@ -173,6 +123,12 @@ def stream_response(event: TokenEvent, options: pb.ReturnOptions) -> pb.Generate
         response.logprobs.extend(event.logprobs)
     if event.finish is not None:
         response.finish_reason = FINISH_TO_PB[event.finish]
-        response.usage.CopyFrom(usage_of(event))
+        response.usage.CopyFrom(_usage(event.prompt_tokens, event.generated_tokens, event.accepted_draft_tokens))
         response.stop_sequence = event.stop_sequence
     return response
+
+
+def tokenize_response(tokenized: Tokenized) -> pb.TokenizeResponse:
+    return pb.TokenizeResponse(
+        token_ids=tokenized.token_ids, tokens=tokenized.tokens, rendered_text=tokenized.rendered_text
+    )

@@ -3,21 +3,21 @@
 In ``grpc.aio.server(interceptors=chain(...))`` order, outermost first:
 
 0. ``AccessInterceptor`` (``service.api.access``) — the request id (response metadata, every log line of the
-   call) and one access line per finished call of the loraplex services, refused ones included.
+   call) and the call observer (``service.frontend.observer``, shared with the HTTP API): one report per finished
+   call of the loraplex services, refused ones included — ``loraplex_requests_total``,
+   ``loraplex_adapter_requests_total`` for the generation RPCs, and the access line.
 1. ``AuthInterceptor`` — API-key roles. A refused caller never has its request bytes parsed.
 2. ``TransportInterceptor`` — safe request decoding (a ``DecodeError`` becomes INVALID_ARGUMENT, one warning line,
    instead of UNKNOWN with a traceback inside grpc) and streamed writes (``_write_stream``: a call ending while a
    reply is being sent counts as the deadline or cancellation it is, not as a grpc ERROR).
-3. ``StatusInterceptor`` — typed errors -> rich statuses (``service.api.status``) and ``loraplex_requests_total``
-   for the loraplex services (health and reflection are not counted).
-4. ``AdapterMetricsInterceptor`` — ``loraplex_adapter_requests_total`` for the generation RPCs; it sees the typed
-   error before it becomes a status and never changes what the RPC returns or raises.
+3. ``StatusInterceptor`` — typed errors -> rich statuses (``service.api.status``) for the loraplex services
+   (health and reflection are left as they are).
 
 Invariants: every wrapped handler keeps its method's (de)serializers and kind; all but ``AuthInterceptor`` and
 ``AccessInterceptor`` wrap a method's handler once and reuse it (grpc returns the same registered handler for a
 method every time), which is why ``AuthInterceptor``'s per-call refusals must stay outside them, and the access
-interceptor, which logs those refusals too, outside it (wrapping per call). Reader/writer handlers (health's Watch) and
-request-streaming ones (reflection) pass through 2-4 as they are.
+interceptor, which reports those refusals too, outside it (wrapping per call). Reader/writer handlers (health's
+Watch) and request-streaming ones (reflection) pass through 2-3 as they are.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError
 
-from service import metrics
 from service.api import access, status
 from service.api.access import AccessInterceptor
 from service.api.auth import KeyRing
@@ -45,9 +44,6 @@ log = logging.getLogger("loraplex.api")
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the type stubs
 Continuation: TypeAlias = Callable[[grpc.HandlerCallDetails], Awaitable["Handler | None"]]
 Around: TypeAlias = Callable[[Any, Context], contextlib.AbstractAsyncContextManager[None]]
-
-GENERATION_METHODS = frozenset({"/loraplex.v1.Generation/Generate", "/loraplex.v1.Generation/GenerateStream"})
-"""The RPCs whose request names an adapter (``adapter_id``), counted per adapter."""
 
 
 def method_name(method: str) -> str:
@@ -61,14 +57,13 @@ def _method_of(details: grpc.HandlerCallDetails) -> str:
 
 
 def chain(keys: KeyRing, *, services: tuple[str, ...], known_adapter: Callable[[str], bool]) -> list[Any]:
-    """The server's interceptors in order: ``services`` get error mapping and request metrics, ``known_adapter``
+    """The server's interceptors in order: ``services`` get error mapping and call reports, ``known_adapter``
     says whether an id may take one of the per-adapter label's slots."""
     return [
-        AccessInterceptor(services),
+        AccessInterceptor(services, known_adapter),
         AuthInterceptor(keys),
         TransportInterceptor(),
         StatusInterceptor(services),
-        AdapterMetricsInterceptor(known_adapter),
     ]
 
 
@@ -254,11 +249,10 @@ async def _write_stream(responses: AsyncGenerator[Any, None], context: Context) 
 
 
 class StatusInterceptor(_PerMethod):
-    """Typed errors -> rich statuses and one ``loraplex_requests_total`` sample per call of ``services``' methods.
+    """Typed errors -> rich statuses for every call of ``services``' methods (the call observer counts them).
 
     A ``LoraplexError`` becomes its class's status with its message and ``ErrorInfo``; anything else is a bug,
-    logged with its traceback and reported as INTERNAL. A cancelled call counts as DEADLINE_EXCEEDED when its
-    deadline passed, else CANCELLED."""
+    logged with its traceback and reported as INTERNAL."""
 
     def __init__(self, services: tuple[str, ...]) -> None:
         super().__init__()
@@ -270,46 +264,12 @@ class StatusInterceptor(_PerMethod):
         name = method_name(method)
 
         @contextlib.asynccontextmanager
-        async def outcome(request: Any, context: Context) -> AsyncIterator[None]:
+        async def mapped(request: Any, context: Context) -> AsyncIterator[None]:
             try:
                 yield
-            except asyncio.CancelledError:
-                metrics.REQUESTS.labels(name, status.cancelled_code(context)).inc()
-                raise
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
                 await status.abort(context, name, exc)
-            else:
-                metrics.REQUESTS.labels(name, "OK").inc()
 
-        return _around(handler, outcome)
-
-
-# ------------------------------------------------------------------------------------------- 4. adapter metrics
-
-
-class AdapterMetricsInterceptor(_PerMethod):
-    """One ``loraplex_adapter_requests_total`` sample per generation RPC, through ``metrics.ADAPTERS`` (which bounds
-    the label; ``known_adapter`` says whether an id may take a slot: only registered ids may)."""
-
-    def __init__(self, known_adapter: Callable[[str], bool]) -> None:
-        super().__init__()
-        self.known_adapter = known_adapter
-
-    def wrap(self, handler: Handler, method: str) -> Handler:
-        if method not in GENERATION_METHODS:
-            return handler
-        known = self.known_adapter
-
-        @contextlib.asynccontextmanager
-        async def outcome(request: Any, context: Context) -> AsyncIterator[None]:
-            adapter_id: str = request.adapter_id
-            try:
-                yield
-            except BaseException as exc:
-                metrics.ADAPTERS.request_finished(adapter_id, status.code_of(exc, context), known=known(adapter_id))
-                raise
-            metrics.ADAPTERS.request_finished(adapter_id, "OK", known=known(adapter_id))
-
-        return _around(handler, outcome)
+        return _around(handler, mapped)

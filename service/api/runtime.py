@@ -3,8 +3,8 @@
 ``Runtime.load`` runs on a worker thread while the gRPC server is already up (health NOT_SERVING); until it
 finishes, and while draining, generation RPCs get UNAVAILABLE.
 
-The runtime owns a small worker pool for CPU work that servicers must not do on the event loop (tokenization,
-chat templating); it is shut down with the runtime. The engine has its own thread.
+The runtime owns a small worker pool for CPU work that must not run on the event loop (the frontend's tokenization
+and chat templating, large HTTP bodies' JSON); it is shut down with the runtime. The engine has its own thread.
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from loraplex.v1 import generation_pb2 as pb
 
 from service import metrics
 from service.adapters import AdapterStore
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.registry import resolve_source
-from service.api import convert
 from service.config import Settings
 from service.engine.engine import Engine
-from service.engine.request import GenerationRequest, RequestHandle, Sink
 from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
 from service.medusa.registry import MedusaRegistry
@@ -64,9 +61,6 @@ class Loaded:
     dtype: str  # the serving dtype, ``--dtype auto`` resolved (service.model.dtypes)
     self_check: SelfCheckReport  # the start-up self-check: capability, each compute path's kernel and error
     weights: str  # "folder" or "gguf": ``--weights`` resolved
-
-    def validate(self, request: GenerationRequest) -> None:
-        self.engine.validate(request)
 
 
 class Runtime:
@@ -173,13 +167,6 @@ class Runtime:
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the worker pool, awaited from the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
-
-    async def prompt(self, message: pb.Input) -> convert.Prompt:
-        """One input's token ids (chat template applied where asked), computed on the worker pool."""
-        return await self.off_loop(convert.prompt_of, message, self.ready().tokenizer)
-
-    def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
-        return self.ready().engine.submit(request, sink)  # the engine's own check runs there, once
 
     def close(self, timeout: float | None = 5.0) -> None:
         """Stop the pool, the engine and the adapter loaders, waiting up to ``timeout`` seconds in all for their

@@ -41,6 +41,7 @@ from service.api.tls import CertificateFiles, server_credentials
 from service.config import Settings
 from service.cpu_budget import read_cpu_budget
 from service.engine.engine import Engine
+from service.frontend import Frontend
 from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from service.torch_threads import in_own_thread, serial_torch
 
@@ -195,7 +196,8 @@ async def start(settings: Settings) -> Server:
     runtime = Runtime(settings)
     chain = interceptors.chain(keys, services=SERVICES, known_adapter=runtime.knows_adapter)
     server = grpc.aio.server(interceptors=chain, options=grpc_options(settings))
-    generation = GenerationServicer(runtime)
+    frontend = Frontend(runtime)
+    generation = GenerationServicer(runtime, frontend)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     adapters_pb2_grpc.add_AdaptersServicer_to_server(AdaptersServicer(runtime), server)
     health_servicer = HealthServicer()
@@ -214,10 +216,10 @@ async def start(settings: Settings) -> Server:
         )
     running = Server(settings, runtime, server, health_servicer, port, metrics_http, None if tls is None else tls[1])
     await running.set_serving(False)
-    # --- HTTP API (service.api.http): the OpenAI routes over the same servicer, keys and TLS files ---
+    # --- HTTP API (service.api.http): the OpenAI routes over the same frontend, keys and TLS files ---
     if settings.http_port >= 0:
         try:
-            routes = OpenAIRoutes(runtime, generation, keys)
+            routes = OpenAIRoutes(runtime, frontend, keys)
             running.http = HttpListener(routes.app(), settings.host, settings.http_port, running.tls)
             await running.http.start()
         except BaseException:

@@ -3,9 +3,9 @@
 The detail travels as ``google.rpc.Status`` in the ``grpc-status-details-bin`` trailer (built by grpcio-status's
 ``rpc_status.to_status``), so a client reads ``reason`` (``ADAPTER_NOT_FOUND``, ``INVALID_REQUEST``, ...), domain
 ``loraplex`` and the error's fields (``field``, ``adapter_id``, ``file``, ``tensor``, ``limit``) without parsing
-the message. Every error status the server produces is built, counted in ``loraplex_requests_total`` and sent by
-``abort``; the error class decides the code. An exception that is not a ``LoraplexError`` is a bug: INTERNAL, with
-its traceback logged.
+the message. Every error status the server produces is built and sent by ``abort``, which tells the call observer
+(``service.frontend.observer``) the code it sent; the error class decides the code. An exception that is not a
+``LoraplexError`` is a bug: INTERNAL, with its traceback logged.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from service import metrics
 from service.errors import DOMAIN, LoraplexError
+from service.frontend import observer
 from service.logs import REQUEST_ID, REQUEST_ID_HEADER
 
 log = logging.getLogger("loraplex.api")
@@ -74,7 +74,7 @@ def code_of(exc: BaseException, context: Context) -> str:
 
 
 async def abort(context: Context, method: str, exc: BaseException) -> None:
-    """End the call with ``exc``'s rich status and count it in ``loraplex_requests_total``. Always raises.
+    """End the call with ``exc``'s rich status, reported as the call's code (``observer.decided``). Always raises.
 
     The call's request id (``service.logs.REQUEST_ID``), when there is one, goes in the trailers beside the
     details (``x-request-id``); ``ErrorInfo.metadata`` keeps only the error's own fields."""
@@ -84,7 +84,7 @@ async def abort(context: Context, method: str, exc: BaseException) -> None:
     else:
         log.exception("bug in %s", method, exc_info=exc)
         status = of_bug(exc)
-    metrics.REQUESTS.labels(method, status.code.name).inc()
+    observer.decided(method, status.code.name)
     trailers = tuple(status.trailing_metadata)
     if request_id is not None:
         trailers = (*trailers, (REQUEST_ID_HEADER, request_id))
@@ -92,6 +92,6 @@ async def abort(context: Context, method: str, exc: BaseException) -> None:
         await context.abort(status.code, status.details, trailers)
     except grpc.aio.InternalError:
         # The call ended while the status was being sent (its deadline passed in the core a moment after ours,
-        # or the client left): nothing can reach the client any more. Counted above; leave as a cancelled call,
+        # or the client left): nothing can reach the client any more. Reported above; leave as a cancelled call,
         # which gRPC closes quietly, rather than as an error gRPC logs with a traceback.
         raise asyncio.CancelledError from None

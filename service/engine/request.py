@@ -1,8 +1,8 @@
 """What crosses between the API edge and the engine thread: a request going in, events coming out.
 
-The servicer builds a ``GenerationRequest`` from protobuf (``service.api.convert``); the engine never sees
-protobuf. Events flow back through a sink callback that the engine calls on its own thread; the servicer's sink
-hops onto the event loop with ``loop.call_soon_threadsafe``.
+The frontend builds a ``GenerationRequest`` from a checked domain call (``service.frontend.checks``); the engine
+never sees protobuf. Events flow back through a sink callback that the engine calls on its own thread; the
+frontend's sink hops onto the event loop with ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -50,9 +50,7 @@ def check_max_new_tokens(n: int, limit: int) -> None:
     """The one rule for ``max_new_tokens`` (1 to ``limit``): the API edge runs it before tokenizing, the engine's
     guard for programmatic callers runs the same function."""
     if not 0 < n <= limit:
-        raise InvalidRequest(
-            f"max_new_tokens must be in [1, {limit}], got {n}", field="stopping.max_new_tokens", limit=limit
-        )
+        raise InvalidRequest(f"max_new_tokens must be in [1, {limit}], got {n}", field="max_new_tokens", limit=limit)
 
 
 @dataclass(frozen=True)

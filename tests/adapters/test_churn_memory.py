@@ -29,12 +29,12 @@ from service.adapters.reader import DEVICE_ALIGN
 from service.adapters.registry import index_adapter
 from service.adapters.spec import plan_nbytes
 from service.adapters.store import AdapterStore
-from service.api.generation import _raise_if_failed
 from service.api.server import BackgroundServer
 from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.errors import ResourceExhausted
+from service.frontend import raise_if_failed
 from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from service.medusa.registry import MedusaRegistry
 from service.model.weights import load_model
@@ -85,7 +85,7 @@ def test_the_edge_raises_a_fresh_copy_of_a_shared_error() -> None:
     raised = []
     for _ in range(3):
         with pytest.raises(ResourceExhausted) as err:
-            _raise_if_failed(event)
+            raise_if_failed(event)
         raised.append(err.value)
     assert shared.__traceback__ is None
     assert len({id(e) for e in raised}) == 3

@@ -201,7 +201,7 @@ def test_refused_by_auth_is_logged_with_its_id(
 
 
 def test_http_peers_are_written_as_grpc_writes_them() -> None:
-    from service.api.access import peer_of
+    from service.frontend.observer import peer_of
 
     assert (peer_of("10.0.0.7", 51234), peer_of("::1", 8)) == ("ipv4:10.0.0.7:51234", "ipv6:[::1]:8")
 

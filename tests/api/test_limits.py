@@ -254,8 +254,8 @@ def test_limit_flags_reach_the_settings_and_are_documented() -> None:
     with pytest.raises(ValueError, match="max_prompt_bytes"):
         Settings.from_env({}, max_prompt_bytes=-1)
     root = ROOT
-    doc, readme = (root / "docs" / "limits.md").read_text(), (root / "README.md").read_text()
+    doc, flags = (root / "docs" / "limits.md").read_text(), (root / "docs" / "flags.md").read_text()
     for flag in (*LIMIT_FLAGS, "--max-batch-size", "--max-prompt-tokens", "--max-new-tokens", "--max-queue"):
         assert f"`{flag}`" in doc, flag
     for flag in LIMIT_FLAGS:
-        assert f"`{flag}`" in readme, flag
+        assert f"`{flag}`" in flags, flag

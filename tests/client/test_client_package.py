@@ -81,11 +81,10 @@ def test_importing_the_client_loads_only_stdlib_grpc_and_protobuf() -> None:
     for dist in _requirements_closure():
         allowed |= _top_level(dist)
     # grpc itself imports grpc_tools / grpc_reflection when they happen to be installed (aliases kept for
-    # old code); cython's runtime modules and editable-install finders are not imports.
-    incidental = {"__main__", "_distutils_hack", "cython_runtime", "grpc_tools", "grpc_reflection"}
-    foreign = sorted(
-        m for m in set(out.split()) - allowed - incidental if not m.startswith(("__editable__", "_cython_"))
-    )
+    # old code); cython's runtime modules and editable-install finders (setuptools', hatchling's) are not imports.
+    incidental = {"__main__", "_distutils_hack", "cython_runtime", "grpc_tools", "grpc_reflection", "editables"}
+    finders = ("__editable__", "_editable_impl_", "_cython_")
+    foreign = sorted(m for m in set(out.split()) - allowed - incidental if not m.startswith(finders))
     assert not foreign, f"importing loraplex pulled in {foreign}"
     assert "service" not in out.split() and "torch" not in out.split()
 

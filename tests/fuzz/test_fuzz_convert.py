@@ -1,9 +1,9 @@
-"""Fuzzing request conversion (``service.api.convert``): protobuf message -> domain request.
+"""Fuzzing request conversion (``service.api.convert`` + ``service.frontend.checks``): protobuf -> domain request.
 
 Random valid-looking ``GenerateRequest`` / ``GenerateStreamRequest`` messages (every field set or unset, edge
 values for numbers, any Unicode in strings, chat and raw inputs) and the same messages damaged on the wire
 (bytes flipped, cut or spliced, then parsed the way grpc parses them) go through what the servicer runs before
-it submits: ``request_id_of``, ``prompt_of`` with SmolLM2's tokenizer and chat template, ``generation_request``.
+it submits: ``call_of``, ``check``, ``prompt_of`` with SmolLM2's tokenizer and chat template, ``engine_request``.
 Each ends in a ``GenerationRequest`` whose fields are in range, or a ``LoraplexError``, never another exception.
 Bytes that do not parse are the transport edge's business (``DecodeError``) and are skipped here.
 """
@@ -23,6 +23,8 @@ from service.api import convert
 from service.config import Settings
 from service.engine.request import GenerationRequest
 from service.errors import InvalidRequest, LoraplexError
+from service.frontend import checks
+from service.frontend.prompts import prompt_of
 from service.tokenizer import Tokenizer
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=40)
@@ -104,11 +106,11 @@ def _convert(
 ) -> GenerationRequest:
     """What GenerateStream / Generate do with a message before the engine sees it: the field checks, the prompt,
     the assembly; input ``seed_offset``'s seed rule (seed + i modulo 2**64) is exercised on the same message."""
-    checked = convert.precheck(message, SETTINGS)
-    item = message.input if isinstance(message, pb.GenerateStreamRequest) else message.inputs[0]
-    prompt = convert.prompt_of(item, tokenizer)
-    convert.sampling_of(message.sampling, logprobs=message.return_options.return_logprobs, seed_offset=seed_offset)
-    return convert.generation_request(message, checked, prompt, deadline=None)
+    call = convert.call_of(message, deadline=None)
+    checked = checks.check(call, SETTINGS)
+    prompt = prompt_of(call.inputs[0], tokenizer)
+    call.sampling.params(logprobs=call.logprobs, offset=seed_offset)
+    return checks.engine_request(checked, prompt)
 
 
 def _check(outcome: GenerationRequest | LoraplexError, tokenizer: Tokenizer) -> None:

@@ -1,4 +1,4 @@
-"""The metrics table in README.md and service/metrics.py stay in step: every metric documented, nothing stale."""
+"""The metrics table in docs/metrics.md and service/metrics.py stay in step: every metric documented, nothing stale."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from support.paths import ROOT
 
 from service import metrics
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "metrics.md"
 ROW = re.compile(r"^\| `(loraplex_[a-z0-9_]+)` \| (\w+) \| ([^|]*) \|", re.M)
 
 
@@ -24,15 +24,15 @@ def declared() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
     rows = {}
-    for name, kind, labels in ROW.findall(README.read_text()):
+    for name, kind, labels in ROW.findall(PAGE.read_text()):
         rows[name] = (kind, tuple(x.strip(" `") for x in labels.split(",") if x.strip(" `—-")))
     return rows
 
 
 def test_every_metric_is_documented_with_its_type_and_labels() -> None:
     ours, doc = declared(), documented()
-    assert set(ours) - set(doc) == set(), "metrics missing from README.md's table"
-    assert set(doc) - set(ours) == set(), "README.md documents metrics that do not exist"
+    assert set(ours) - set(doc) == set(), "metrics missing from docs/metrics.md's table"
+    assert set(doc) - set(ours) == set(), "docs/metrics.md documents metrics that do not exist"
     for name, (kind, labels) in ours.items():
         assert doc[name] == (kind, labels), name
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-A thin edge over the gRPC servicer (``GenerationServicer.generate`` / ``stream``): the same runtime, checks, API
-keys, TLS files, error tree and request metrics; OpenAI JSON becomes the gRPC request messages (``params``) and
-their replies become OpenAI bodies (``replies``). It never generates on its own path.
+A thin edge beside gRPC over the same frontend (``service.frontend.Frontend``): the same runtime, checks, API
+keys, TLS files, error tree and call observer; OpenAI JSON becomes the frontend's domain call (``params``) and its
+completions and events become OpenAI bodies (``replies``). No protobuf on this path.
 """
 
 from service.api.http.app import OpenAIRoutes

@@ -1,12 +1,13 @@
-"""The OpenAI-compatible routes: a Starlette app over the gRPC servicer's own ``generate`` / ``stream``.
+"""The OpenAI-compatible routes: a Starlette app over the frontend (``service.frontend.Frontend``), beside gRPC.
 
 Order in every route, as in the gRPC interceptor chain: the API key (``KeyRing``, the generate role) before the
 body is read; the serving state (``Runtime.ready``: 503 while loading or draining); the body, bounded by
-``--max-message-bytes`` while it is read; the parameters (``params``); then the servicer's generation path with its
-checks. One ``loraplex_requests_total`` sample per call, ``method="http.chat"`` / ``"http.completions"`` /
-``"http.models"``, ``code`` = the gRPC status name of the outcome (the same label values as gRPC's), one
-``loraplex_adapter_requests_total`` sample per generation, and one ``event=access`` line on ``loraplex.access``,
-as for gRPC calls (``Outcome``).
+``--max-message-bytes`` while it is read; the parameters (``params``: OpenAI JSON -> a domain call); then the
+frontend's generation path with its checks. Every call is reported by the call observer
+(``service.frontend.observer``), as gRPC calls are: one ``loraplex_requests_total`` sample,
+``method="http.chat"`` / ``"http.completions"`` / ``"http.models"``, ``code`` = the gRPC status name of the
+outcome (the same label values as gRPC's), one ``loraplex_adapter_requests_total`` sample per generation, and one
+``event=access`` line on ``loraplex.access``.
 
 A client that goes away cancels its generation: a non-streamed call races the generation against the connection's
 ``http.disconnect``; a stream is closed by Starlette's disconnect watch, and closing it cancels every choice's
@@ -19,10 +20,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from loraplex.v1 import generation_pb2 as pb
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -30,16 +30,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from service import metrics
 from service.adapters.ids import check_adapter_id
-from service.api import access, convert
 from service.api.auth import KeyRing
-from service.api.generation import GenerationServicer
 from service.api.http import errors, params
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
 from service.errors import AdapterNotFound, InvalidRequest
-from service.logs import REQUEST_ID, REQUEST_ID_HEADER, new_request_id
+from service.frontend import Frontend, TokenEvent, checks, observer
+from service.frontend.observer import ObservedCall
+from service.logs import REQUEST_ID_HEADER, new_request_id
 
 T = TypeVar("T")
 
@@ -54,43 +53,10 @@ class ClientGone(Exception):
     """The client closed its connection before its reply was ready."""
 
 
-class Outcome:
-    """The request metrics and the access line (``service.api.access``, as gRPC calls have) of one HTTP call.
-
-    Made at the start of a call, it picks the request id (a valid ``x-request-id`` header, else a new one) and sets
-    the call's ``REQUEST_ID`` and access record for the rest of the request's task (uvicorn runs each request in a
-    task of its own; the streams' tasks inherit both), so the servicer counts tokens into the record and every log
-    line of the call names its id. ``finish`` writes the metrics and the line, once."""
-
-    def __init__(self, method: str, known: Callable[[str], bool], request: Request) -> None:
-        self.method = method
-        self.adapter_id: str | None = None
-        header = request.headers.get(REQUEST_ID_HEADER, "")
-        self.header_id = header
-        self.request_id = header if convert.is_request_id(header) else new_request_id()
-        peer = "" if request.client is None else access.peer_of(request.client.host, request.client.port)
-        self.record = access.Access(self.request_id, method, "", peer, time.monotonic())
-        REQUEST_ID.set(self.request_id)
-        access.CURRENT.set(self.record)
-        self._known = known
-        self._done = False
-
-    def finish(self, code: str) -> None:
-        if self._done:
-            return
-        self._done = True
-        metrics.REQUESTS.labels(self.method, code).inc()
-        if self.adapter_id is not None:
-            known = self._known(self.adapter_id)
-            metrics.ADAPTERS.request_finished(self.adapter_id, code, known=known)
-        self.record.adapter = self.adapter_id or ""
-        access.log.info("event=access", extra={"fields": self.record.fields(code, time.monotonic())})
-
-
 class OpenAIRoutes:
-    def __init__(self, runtime: Runtime, generation: GenerationServicer, keys: KeyRing) -> None:
+    def __init__(self, runtime: Runtime, frontend: Frontend, keys: KeyRing) -> None:
         self.runtime = runtime
-        self.generation = generation
+        self.frontend = frontend
         self.keys = keys
         self.created = int(time.time())  # ``created`` of every model card: when this server started
         self.base_name = runtime.settings.model.resolve().name  # ``model`` of the base: its folder's name, as
@@ -105,6 +71,14 @@ class OpenAIRoutes:
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
+    def _observe(self, method: str, request: Request) -> ObservedCall:
+        """The call's observer: its id is a valid ``x-request-id`` header, else a new one. uvicorn runs each request
+        in a task of its own (the streams' tasks inherit it), so it stays the call's for the rest of the request."""
+        header = request.headers.get(REQUEST_ID_HEADER, "")
+        request_id = header if checks.is_request_id(header) else new_request_id()
+        peer = "" if request.client is None else observer.peer_of(request.client.host, request.client.port)
+        return observer.begin(method, request_id, peer, self.runtime.knows_adapter)
+
     # ----------------------------------------------------------------------------------------------- models
 
     async def models(self, request: Request) -> Response:
@@ -118,7 +92,7 @@ class OpenAIRoutes:
         return await self._listing(request, name)
 
     async def _listing(self, request: Request, name: str | None) -> Response:
-        outcome = Outcome("http.models", self.runtime.knows_adapter, request)
+        outcome = self._observe("http.models", request)
         try:
             self._authorize(request)
             cards = self._cards()
@@ -171,22 +145,23 @@ class OpenAIRoutes:
         return await self._generate(request, "completions")
 
     async def _generate(self, request: Request, kind: params.Kind) -> Response:
-        outcome = Outcome(f"http.{kind}", self.runtime.knows_adapter, request)
+        outcome = self._observe(f"http.{kind}", request)
         chat = kind == "chat"
         try:
             self._authorize(request)
             rt = self.runtime.ready()
             body = await self._body(request, rt.settings.max_message_bytes)
             request_id = outcome.request_id
-            if outcome.header_id:  # an invalid one is refused (400) naming the header, never used or echoed
-                request_id = convert.request_id_of(outcome.header_id)
+            header = request.headers.get(REQUEST_ID_HEADER, "")
+            if header:  # an invalid one is refused (400) naming the header, never used or echoed
+                request_id = checks.request_id_of(header)
             call = params.parse(kind, body, request_id=request_id, adapter_of=self._adapter_of)
-            outcome.adapter_id = call.request.adapter_id
+            outcome.adapter, outcome.per_adapter = call.request.adapter_id, True
             replies = Replies(call, request_id, rt.tokenizer)
             headers = {REQUEST_ID_HEADER: request_id}
             if call.stream:
                 return await self._stream(request, call, replies, outcome, headers)
-            response = await _until_disconnect(request, self.generation.generate(call.request, None))
+            response = await _until_disconnect(request, self.frontend.generate(call.request))
         except ClientGone:
             outcome.finish("CANCELLED")
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
@@ -215,11 +190,11 @@ class OpenAIRoutes:
             raise InvalidRequest("the request body is not valid JSON") from None
 
     async def _stream(
-        self, request: Request, call: params.Call, replies: Replies, outcome: Outcome, headers: dict[str, str]
+        self, request: Request, call: params.Call, replies: Replies, outcome: ObservedCall, headers: dict[str, str]
     ) -> Response:
         """Start every choice's stream and wait for the first reply before answering, so a request refused by
         the engine (queue full, bad prompt) still gets its HTTP status instead of a 200 stream with an error."""
-        streams = _merged([self.generation.stream(call.stream_request(i), None) for i in range(call.choices)])
+        streams = _merged([self.frontend.stream(call.choice(i)) for i in range(call.choices)])
         try:
             first = await _until_disconnect(request, anext(streams))
         except BaseException:
@@ -236,8 +211,8 @@ class _EventStream(StreamingResponse):
     def __init__(
         self,
         events: AsyncIterator[bytes],
-        streams: AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None],
-        outcome: Outcome,
+        streams: AsyncGenerator[tuple[int, TokenEvent], None],
+        outcome: ObservedCall,
         headers: dict[str, str],
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
@@ -252,8 +227,8 @@ class _EventStream(StreamingResponse):
 
 
 async def _events(
-    first: tuple[int, pb.GenerateStreamResponse], rest: AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None],
-    replies: Replies, outcome: Outcome,
+    first: tuple[int, TokenEvent], rest: AsyncGenerator[tuple[int, TokenEvent], None],
+    replies: Replies, outcome: ObservedCall,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The SSE body: ``data: <chunk>`` per reply, the usage chunk when asked, ``data: [DONE]``. An error after the
     headers went out is sent as a last ``data: {"error": ...}`` event (there is no status left to set)."""
@@ -281,13 +256,13 @@ def _sse(chunk: dict[str, Any]) -> bytes:
 
 
 async def _merged(
-    streams: list[AsyncGenerator[pb.GenerateStreamResponse, None]],
-) -> AsyncGenerator[tuple[int, pb.GenerateStreamResponse], None]:
+    streams: list[AsyncGenerator[TokenEvent, None]],
+) -> AsyncGenerator[tuple[int, TokenEvent], None]:
     """``(choice index, reply)`` of every stream as they come; the first error ends all of them. Closing this
     closes every stream (each cancels its request)."""
-    queue: asyncio.Queue[tuple[int, pb.GenerateStreamResponse | None, BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncGenerator[pb.GenerateStreamResponse, None]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[TokenEvent, None]) -> None:
         async with contextlib.aclosing(stream):
             try:
                 async for response in stream:

@@ -4,7 +4,8 @@ Each ``LoraplexError`` class already knows its gRPC status; ``HTTP_STATUS`` turn
 so the mapping of a new error class needs no change here. The body is OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``: ``code`` is the error's reason in lower snake case
 (``queue_full``, ``invalid_request``), except for the names OpenAI clients look for (``model_not_found``,
-``unsupported_parameter``, ``unknown_parameter``); ``param`` is the OpenAI name of the field at fault.
+``unsupported_parameter``, ``unknown_parameter``); ``param`` is the OpenAI name of the field at fault (``param_of``:
+from the domain field an error of the shared checks names, never through protobuf).
 Anything that is not a ``LoraplexError`` is a bug: 500, with its traceback logged and only its type sent.
 """
 
@@ -44,11 +45,11 @@ ERROR_TYPES = {
 RETRY_AFTER_SECONDS = "1"
 """``Retry-After`` of a 429 (queue full) or 503 (loading, draining): a short wait, as the gRPC client's backoff."""
 
-# Fields named by the shared checks (protobuf paths) -> the OpenAI parameter; first matching prefix wins.
+# Domain fields (``service.frontend.request``) -> the OpenAI parameter; first matching prefix wins. A field the
+# HTTP edge named itself is already the OpenAI name and matches none of these.
 _PARAMS = (
-    ("stopping.max_new_tokens", "max_tokens"),
-    ("stopping.stop_sequences", "stop"),
-    ("stopping.ignore_eos", "ignore_eos"),
+    ("max_new_tokens", "max_tokens"),
+    ("stop_sequences", "stop"),
     ("sampling.", ""),
     ("inputs[", "@input"),
     ("input.", "@input"),

@@ -1,10 +1,10 @@
 """The HTTP listener: uvicorn serving the OpenAI routes as a task on the event loop that runs grpc.aio.
 
-uvicorn, not a second process or thread: the routes call the gRPC servicer's coroutines directly, so they must run
-on the loop that owns its mailbox and the runtime. Why uvicorn + Starlette: the ASGI pair the Python serving
-ecosystem (vLLM, TGI's router clients, FastAPI users) already runs and operates, small (h11, no C build), with
-``Server.serve()`` usable as a coroutine on a running loop; Starlette gives routing, streaming responses with a
-disconnect watch, and nothing we do not use.
+uvicorn, not a second process or thread: the routes call the frontend's coroutines directly, as the gRPC
+servicer does, so they run on the loop that owns its mailbox and the runtime. Why uvicorn + Starlette: the ASGI
+pair the Python serving ecosystem (vLLM, TGI's router clients, FastAPI users) already runs and operates, small
+(h11, no C build), with ``Server.serve()`` usable as a coroutine on a running loop; Starlette gives routing,
+streaming responses with a disconnect watch, and nothing we do not use.
 
 The socket is bound here, before uvicorn starts, so a taken port fails start-up with an ``OSError`` naming the
 address (uvicorn itself would ``sys.exit``), and port 0 reports the port it got. uvicorn installs no signal

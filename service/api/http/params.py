@@ -1,9 +1,9 @@
-"""OpenAI request bodies -> the gRPC API's request messages, every parameter accounted for.
+"""OpenAI request bodies -> the frontend's domain call, every parameter accounted for.
 
-A body becomes one ``pb.GenerateRequest`` (choice ``j`` of prompt ``p`` is input ``p * n + j``, seeded with
-seed + that index, as the gRPC API seeds its inputs), so the HTTP API runs the same checks (``convert.precheck``,
-``service.api.limits``) and the same generation path as gRPC. This module only checks what JSON can get wrong and
-protobuf cannot hold (types, negative integers, mutually exclusive fields); ranges stay with the shared checks.
+A body becomes one ``GenerationCall`` (choice ``j`` of prompt ``p`` is input ``p * n + j``, seeded with seed + that
+index, as the frontend seeds a call's inputs), so the HTTP API runs the same checks (``service.frontend.checks``)
+and the same generation path as gRPC. This module only checks what JSON can get wrong and the domain types
+cannot hold (types, negative integers, mutually exclusive fields); ranges stay with the shared checks.
 
 Every top-level name is one of: supported (``_CHAT`` / ``_COMPLETIONS``), known but unsupported (``UNSUPPORTED``:
 refused by name with ``unsupported_parameter``, unless the value is null or the parameter's no-op value), or
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from loraplex.v1 import generation_pb2 as pb
-
 from service.errors import InvalidRequest, UnknownParameter, UnsupportedParameter
+from service.frontend import ChatMessage, GenerationCall, Input, Sampling
 
 Kind = Literal["chat", "completions"]
 
@@ -69,7 +68,7 @@ class Call:
 
     kind: Kind
     model: str
-    request: pb.GenerateRequest
+    request: GenerationCall
     n: int
     stream: bool
     include_usage: bool
@@ -79,20 +78,15 @@ class Call:
     def choices(self) -> int:
         return len(self.request.inputs)
 
-    def stream_request(self, index: int) -> pb.GenerateStreamRequest:
-        """Choice ``index`` as a ``GenerateStream`` request, seeded as input ``index`` of ``request`` is."""
+    def choice(self, index: int) -> GenerationCall:
+        """Choice ``index`` as a call of its own (streamed), seeded as input ``index`` of ``request`` is."""
         r = self.request
-        sampling = pb.SamplingParams()
-        sampling.CopyFrom(r.sampling)
-        if sampling.HasField("seed"):
-            sampling.seed = (sampling.seed + index) % 2**64
+        seed = None if r.sampling.seed is None else (r.sampling.seed + index) % 2**64
         several = self.choices > 1 and len(r.request_id) < 120
-        return pb.GenerateStreamRequest(
-            input=r.inputs[index],
-            adapter_id=r.adapter_id,
-            sampling=sampling,
-            stopping=r.stopping,
-            return_options=r.return_options,
+        return replace(
+            r,
+            inputs=(r.inputs[index],),
+            sampling=replace(r.sampling, seed=seed),
             request_id=f"{r.request_id}/{index}" if several else r.request_id,
         )
 
@@ -115,15 +109,22 @@ def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[st
             )
         raise UnknownParameter(f"unknown parameter {name!r}", field=name)
     model = _string(given, "model", required=True)
-    request = pb.GenerateRequest(adapter_id=adapter_of(model), request_id=request_id)
+    adapter_id = adapter_of(model)
     n = _integer(given, "n", 1, lowest=1)
     inputs = _chat_inputs(given) if kind == "chat" else _text_inputs(given)
-    request.inputs.extend(item for item in inputs for _ in range(n))
-    _sampling(given, request.sampling)
-    _stopping(given, request.stopping)
+    sampling = _sampling(given)
+    max_new_tokens, stops, ignore_eos = _stopping(given)
     logprobs = _logprobs(kind, given)
-    request.return_options.return_logprobs = logprobs
-    request.return_options.return_token_ids = logprobs  # the token of each logprob
+    request = GenerationCall(
+        inputs=tuple(item for item in inputs for _ in range(n)),
+        adapter_id=adapter_id,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        stop_sequences=stops,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        request_id=request_id,
+    )
     stream = _boolean(given, "stream", False)
     options = given.get("stream_options")
     if options is not None and not stream:
@@ -132,11 +133,11 @@ def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[st
     return Call(kind, model, request, n, stream, include_usage, logprobs)
 
 
-def _chat_inputs(given: Mapping[str, Any]) -> list[pb.Input]:
+def _chat_inputs(given: Mapping[str, Any]) -> list[Input]:
     messages = given.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty array of chat messages", field="messages")
-    turns = pb.ChatMessages()
+    turns = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -148,8 +149,8 @@ def _chat_inputs(given: Mapping[str, Any]) -> list[pb.Input]:
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"{where}.role must be a non-empty string", field=where)
         role = "system" if role == "developer" else role  # OpenAI's newer name for the system turn
-        turns.messages.add(role=role, content=_content(message.get("content"), where))
-    return [pb.Input(messages=turns)]
+        turns.append(ChatMessage(role, _content(message.get("content"), where)))
+    return [Input(messages=tuple(turns))]
 
 
 def _content(content: object, where: str) -> str:
@@ -171,30 +172,30 @@ def _content(content: object, where: str) -> str:
     raise InvalidRequest(f"{where}.content must be a string or an array of text parts", field=where)
 
 
-def _text_inputs(given: Mapping[str, Any]) -> list[pb.Input]:
+def _text_inputs(given: Mapping[str, Any]) -> list[Input]:
     prompt = given.get("prompt")
     if isinstance(prompt, str):
-        return [pb.Input(text=prompt)]
+        return [Input(text=prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [pb.Input(text=p) for p in prompt]
+        return [Input(text=p) for p in prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
         raise UnsupportedParameter("prompts given as token ids are not supported: send text", field="prompt")
     raise InvalidRequest("prompt must be a string or a non-empty array of strings", field="prompt")
 
 
-def _sampling(given: Mapping[str, Any], out: pb.SamplingParams) -> None:
+def _sampling(given: Mapping[str, Any]) -> Sampling:
     # OpenAI's default temperature is 1 (sampling); 0 is greedy, as in the gRPC API.
-    out.temperature = _number(given, "temperature", 1.0)
-    if "top_p" in given:
-        out.top_p = _number(given, "top_p", 1.0)
-    out.top_k = _integer(given, "top_k", 0, lowest=0)
-    if "repetition_penalty" in given:
-        out.repetition_penalty = _number(given, "repetition_penalty", 1.0)
-    if "seed" in given:
-        out.seed = _integer(given, "seed", 0, lowest=0, highest=2**64 - 1)
+    return Sampling(
+        temperature=_number(given, "temperature", 1.0),
+        top_p=_number(given, "top_p", 1.0),
+        top_k=_integer(given, "top_k", 0, lowest=0),
+        repetition_penalty=_number(given, "repetition_penalty", 1.0),
+        seed=_integer(given, "seed", None, lowest=0, highest=2**64 - 1),
+    )
 
 
-def _stopping(given: Mapping[str, Any], out: pb.StoppingCriteria) -> None:
+def _stopping(given: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...], bool]:
+    """``max_new_tokens`` (None = the server's default), the stop sequences and ``ignore_eos``."""
     tokens = _integer(given, "max_tokens", None, lowest=0)
     completion = _integer(given, "max_completion_tokens", None, lowest=0)
     if tokens is not None and completion is not None and tokens != completion:
@@ -202,16 +203,16 @@ def _stopping(given: Mapping[str, Any], out: pb.StoppingCriteria) -> None:
             "max_tokens and max_completion_tokens differ: give one of them", field="max_completion_tokens"
         )
     limit = completion if completion is not None else tokens
-    if limit is not None:
-        out.max_new_tokens = limit
     stop = given.get("stop")
     if isinstance(stop, str):
-        out.stop_sequences.append(stop)
+        stops: tuple[str, ...] = (stop,)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        out.stop_sequences.extend(stop)
+        stops = tuple(stop)
     elif stop is not None:
         raise InvalidRequest("stop must be a string or an array of strings", field="stop")
-    out.ignore_eos = _boolean(given, "ignore_eos", False)
+    else:
+        stops = ()
+    return limit, stops, _boolean(given, "ignore_eos", False)
 
 
 def _logprobs(kind: Kind, given: Mapping[str, Any]) -> bool:

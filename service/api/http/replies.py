@@ -1,4 +1,4 @@
-"""The gRPC API's replies -> OpenAI response bodies and stream chunks (plain dicts, ready for JSON).
+"""The frontend's results and events -> OpenAI response bodies and stream chunks (plain dicts, ready for JSON).
 
 One ``Replies`` per request: it fixes the reply's ``id`` (``chatcmpl-<request id>`` / ``cmpl-<request id>``),
 ``created`` and ``model`` and adds up usage across choices (each prompt's tokens counted once, as OpenAI does,
@@ -11,18 +11,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from loraplex.v1 import generation_pb2 as pb
-
 from service.api.http.params import Call
+from service.frontend import Completion, FinishReason, Generated, TokenEvent
 from service.tokenizer import Tokenizer
 
-FINISH = {
-    pb.FINISH_REASON_EOS: "stop",
-    pb.FINISH_REASON_STOP_SEQUENCE: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
+FINISH: dict[FinishReason | None, str] = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.LENGTH: "length",
 }
 
-Result = pb.GenerationResult | pb.GenerateStreamResponse
+Result = Completion | TokenEvent
 
 
 class Replies:
@@ -40,10 +39,10 @@ class Replies:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.call.model}
 
-    def _count(self, index: int, usage: pb.Usage) -> None:
+    def _count(self, index: int, result: Result) -> None:
         if index % self.call.n == 0:  # the first choice of its prompt: that prompt's tokens, once
-            self._prompt_tokens[index] = usage.prompt_tokens
-        self._completion_tokens[index] = usage.generated_tokens
+            self._prompt_tokens[index] = result.prompt_tokens
+        self._completion_tokens[index] = result.generated_tokens
 
     def usage(self) -> dict[str, int]:
         prompt, completion = sum(self._prompt_tokens), sum(self._completion_tokens)
@@ -51,18 +50,18 @@ class Replies:
 
     # ------------------------------------------------------------------------------------------ whole replies
 
-    def completion(self, response: pb.GenerateResponse) -> dict[str, Any]:
-        """The body of a non-streamed reply: one choice per result."""
+    def completion(self, generated: Generated) -> dict[str, Any]:
+        """The body of a non-streamed reply: one choice per completion."""
         choices = []
-        for index, result in enumerate(response.results):
-            self._count(index, result.usage)
+        for index, result in enumerate(generated.completions):
+            self._count(index, result)
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
                 choice["text"] = result.text
             choice["logprobs"] = self._logprobs(index, result)
-            choice["finish_reason"] = FINISH.get(result.finish_reason)
+            choice["finish_reason"] = FINISH.get(result.finish)
             choices.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body.update(choices=choices, usage=self.usage())
@@ -70,11 +69,11 @@ class Replies:
 
     # ---------------------------------------------------------------------------------------------- streams
 
-    def chunks(self, index: int, response: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
-        """The stream chunks of one streamed reply of choice ``index`` (none for an empty delta)."""
-        finished = response.finish_reason in FINISH
+    def chunks(self, index: int, response: TokenEvent) -> list[dict[str, Any]]:
+        """The stream chunks of one event of choice ``index`` (none for an empty delta)."""
+        finished = response.finish in FINISH
         if finished:
-            self._count(index, response.usage)
+            self._count(index, response)
         first = not self._started[index]
         self._started[index] = True
         if not response.text and not finished and not (first and self.chat):
@@ -88,7 +87,7 @@ class Replies:
         else:
             choice["text"] = response.text
         choice["logprobs"] = self._logprobs(index, response)
-        choice["finish_reason"] = FINISH.get(response.finish_reason) if finished else None
+        choice["finish_reason"] = FINISH.get(response.finish) if finished else None
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]
         if self.call.include_usage:
@@ -107,7 +106,7 @@ class Replies:
         if not self.call.logprobs:
             return None
         pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in result.token_ids]
-        values: Sequence[float] = list(result.logprobs)
+        values: Sequence[float] = list(result.logprobs or ())
         if self.chat:
             content = [
                 {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8")), "top_logprobs": []}

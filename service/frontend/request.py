@@ -1,0 +1,118 @@
+"""The frontend's domain request and result: what a client asks for and gets back, in no wire format.
+
+Both edges build a ``GenerationCall`` from their own wire format (gRPC: ``service.api.convert``; OpenAI HTTP:
+``service.api.http.params``) and turn ``Completion`` s and ``TokenEvent`` s back into theirs. Nothing here is
+checked on construction: ``service.frontend.checks`` checks a call once, in one order, for both edges.
+
+A domain error's ``field`` names an attribute of a call (each edge maps it to its own vocabulary):
+``inputs`` (their count), ``inputs[i].text`` / ``inputs[i].messages`` (an input's size), ``input`` /
+``input.text`` / ``input.messages`` / ``input.messages.role`` (an input's content, found while it is tokenized),
+``adapter_id``, ``request_id``, ``max_new_tokens``, ``stop_sequences`` / ``stop_sequences[i]``,
+``sampling.<name>``.
+
+A new request field for both APIs is: an attribute here, its check in ``checks`` (or ``SamplingParams``), its
+translation in each edge (``service.api.convert`` for gRPC, its proto message; ``service.api.http.params`` for
+OpenAI JSON), and the engine's use of it. The HTTP path never sees protobuf.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from service.engine.request import FinishReason
+from service.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Input:
+    """One prompt: ``text`` (templated as one user turn when ``chat``), or chat ``messages``. Neither set is a
+    request the checks refuse; an empty text or conversation is still that kind."""
+
+    text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: bool = False
+
+    @property
+    def kind(self) -> str | None:
+        """``"messages"``, ``"text"`` or None (neither)."""
+        if self.messages is not None:
+            return "messages"
+        return None if self.text is None else "text"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens, as asked (unchecked): ``SamplingParams`` checks the values when the call is checked.
+    The numbers are float32 in both APIs: ``params`` rounds each to the nearest float32 (overflow: infinity), so a
+    value means the same, and is refused alike, whichever edge it came through."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def params(self, *, logprobs: bool, offset: int = 0) -> SamplingParams:
+        """The engine's parameters for input ``offset`` of a call: seeded with seed + offset, wrapping modulo 2**64
+        (so every uint64 seed stays valid). Raises ``InvalidRequest`` naming the field."""
+        seed = None if self.seed is None else (self.seed + offset) % 2**64
+        return SamplingParams(
+            temperature=_float32(self.temperature),
+            top_k=self.top_k,
+            top_p=_float32(self.top_p),
+            repetition_penalty=_float32(self.repetition_penalty),
+            seed=seed,
+            logprobs=logprobs,
+        )
+
+
+def _float32(x: float) -> float:
+    return float(ctypes.c_float(x).value)
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    """One call asking for a generation per input, all with the same adapter, sampling and stops.
+
+    ``adapter_id`` "" is the base model; ``max_new_tokens`` None the server's default; ``request_id`` "" a new id;
+    ``deadline`` a ``time.monotonic()`` instant or None; ``speculate`` None: when the adapter has Medusa heads."""
+
+    inputs: tuple[Input, ...]
+    adapter_id: str = ""
+    sampling: Sampling = field(default_factory=Sampling)
+    max_new_tokens: int | None = None
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    speculate: bool | None = None
+    logprobs: bool = False
+    request_id: str = ""
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The whole output of one input: every token id, the log-probabilities asked for, why it finished, usage."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish: FinishReason
+    stop_sequence: str
+    prompt_tokens: int
+    generated_tokens: int
+    accepted_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The answer to a non-streamed call: its request id and one completion per input, in order."""
+
+    request_id: str
+    completions: tuple[Completion, ...]
