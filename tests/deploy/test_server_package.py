@@ -20,8 +20,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # wherever tests/ nests
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 

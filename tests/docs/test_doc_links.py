@@ -10,8 +10,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # wherever tests/ nests
 PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "clients" / "python" / "README.md",
                 *(ROOT / "docs").glob("*.md")])  # fmt: skip
 LINK = re.compile(r"\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -4,14 +4,13 @@ changing a flag."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.paths import ROOT
 
 from service.cli import SERVE_FLAGS, build_parser
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # wherever tests/ nests
 PAGE = ROOT / "docs" / "flags.md"
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from support.paths import ROOT
 
 from service import metrics
 from service.api import convert
@@ -25,7 +26,6 @@ from service.engine.request import FinishReason, GenerationRequest, RequestHandl
 from service.errors import DeadlineExceeded, InvalidRequest
 from service.frontend import ChatMessage, Frontend, GenerationCall, Input, Sampling, checks, observer
 
-ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
