@@ -1,8 +1,9 @@
 """Shared fixtures and the capability guard. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
 
-Tests live in one folder per component (model/, loading/, adapters/, medusa/, engine/, threads/, api/ (gRPC),
-proto/, http/, client/, deploy/, metrics/, fuzz/, bench/); their shared plain helpers in the `support` package
-(tests/support/), which this directory being on ``sys.path`` makes importable. No test module imports another.
+Tests live in one folder per component (model/, loading/, adapters/, medusa/, engine/, threads/, frontend/, api/
+(gRPC), proto/, http/, client/, deploy/, metrics/, docs/, fuzz/, bench/); their shared plain helpers in the
+`support` package (tests/support/), which this directory being on ``sys.path`` makes importable. No test module
+imports another.
 
 Factories: `tiny_llama_factory` (tiny random Llama folders; `tiny_llama_dir` and its `tiny_cfg` are the default
 one), `tiny_server` (a started `BackgroundServer` over the tiny served model with `support.servers.TEST_SETTINGS`,
