@@ -21,6 +21,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from support.metrics import live_metrics_settings, write_live_adapters
 from support.paths import ROOT
+from support.wait import wait_until
 
 from service import metrics
 from service.api.server import BackgroundServer
@@ -174,7 +175,14 @@ def test_demo_adapters_get_their_own_series(tiny_server: Callable[..., Backgroun
         for adapter in ids:
             request = pb.GenerateRequest(inputs=[pb.Input(text="Hi")], adapter_id=adapter, stopping=stopping)
             stub.Generate(request, timeout=120)
-    samples = scrape(srv.server.metrics_port)
+    port = srv.server.metrics_port
+
+    def counted() -> bool:  # the engine counts a step's tokens after its reply has gone out
+        got = scrape(port)
+        return all(value(got, "loraplex_adapter_generated_tokens_total", adapter=a) == 3 for a in ids)
+
+    wait_until(counted, timeout=10.0, poll=0.05)
+    samples = scrape(port)
     for adapter in ids:
         assert value(samples, "loraplex_adapter_requests_total", adapter=adapter, code="OK") == 1, adapter
         assert value(samples, "loraplex_adapter_generated_tokens_total", adapter=adapter) == 3, adapter
