@@ -49,7 +49,7 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["convert"]))' > convert.txt \
     && /opt/venv/bin/pip install -r convert.txt
-# Only the modules fetch-model imports (tests/test_deploy.py checks the list), so other code changes keep the
+# Only the modules fetch-model imports (tests/deploy/test_deploy.py checks the list), so other code changes keep the
 # converted model cached.
 COPY service/__init__.py service/errors.py service/fetch.py service/torch_threads.py service/
 COPY service/loading service/loading

@@ -78,7 +78,7 @@ docs: setup
 
 ## fuzz-long: the property-based fuzzers with 10,000 examples per target (make test runs 200; see bench/README.md)
 fuzz-long: setup model
-	LORAPLEX_FUZZ=long $(PY) -m pytest -p no:cacheprovider tests/test_fuzz_*.py --hypothesis-show-statistics $(PYTEST_ARGS)
+	LORAPLEX_FUZZ=long $(PY) -m pytest -p no:cacheprovider tests/fuzz/ --hypothesis-show-statistics $(PYTEST_ARGS)
 
 ## bench-load: streamed loader vs safetensors / transformers (see bench/README.md)
 bench-load: setup model

@@ -1,6 +1,6 @@
 """Regenerate the Python gRPC stubs of ``proto/loraplex/v1`` into ``clients/python/loraplex/v1``.
 
-The stubs are committed and exist only there; ``tests/test_proto_generated.py`` regenerates them into a
+The stubs are committed and exist only there; ``tests/proto/test_proto_generated.py`` regenerates them into a
 temporary folder and fails if anything differs, so run ``make proto`` after editing a ``.proto`` file.
 
 Per proto file this writes ``*_pb2.py`` + ``*_pb2.pyi`` (grpcio-tools' protoc) and ``*_pb2_grpc.py``

@@ -147,7 +147,7 @@ SUBJECTS = (
 
 
 # Held out from training (different phrasings and subjects from TEMPLATES x SUBJECTS): what bench/medusa.py and
-# tests/test_medusa_smollm2.py measure the heads on.
+# tests/medusa/test_medusa_smollm2.py measure the heads on.
 HELD_OUT_PROMPTS = (
     "Tell me how a refrigerator keeps food cold.",
     "What makes a good night's sleep?",

@@ -20,7 +20,7 @@ from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, hub_cache_dir, pa
 if TYPE_CHECKING:  # the type lives with the loader; importing it at run time would pull torch into the CLI
     from service.loading import LoadMode
 
-# The --load-mode choices: mypy checks each is a LoadMode, tests/test_loading.py that none is missing.
+# The --load-mode choices: mypy checks each is a LoadMode, tests/loading/test_loading.py that none is missing.
 LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 # "auto": bfloat16 where the device computes it natively, float32 on other CPUs (service.model.dtypes)
 DTYPES = ("auto", "float32", "bfloat16", "float16")

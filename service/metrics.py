@@ -3,8 +3,8 @@
 Conventions: base units (``_seconds``, ``_bytes``), counters end in ``_total``, labels are bounded
 (stage, mode, status code, tier). An ``adapter`` label exists only on the per-adapter families at the end, and
 only through ``ADAPTERS`` (``AdapterLabels``), which caps its distinct values at ``--metrics-adapter-series``.
-The table in docs/metrics.md documents each metric; ``tests/test_metrics_doc.py`` keeps that table and this module in
-step.
+The table in docs/metrics.md documents each metric; ``tests/metrics/test_metrics_doc.py`` keeps that table and this
+module in step.
 
 All metrics live in ``REGISTRY`` (not prometheus_client's global one) so the exposition contains exactly
 what this module declares plus the process collector.

@@ -1,11 +1,16 @@
-"""Shared fixtures. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
+"""Shared fixtures and the capability guard. Tests run on CPU, offline; the real SmolLM2 folder comes from `make model`.
+
+Tests live in one folder per component (model/, loading/, adapters/, medusa/, engine/, threads/, frontend/, api/
+(gRPC), proto/, http/, client/, deploy/, metrics/, docs/, fuzz/, bench/); their shared plain helpers in the
+`support` package (tests/support/), which this directory being on ``sys.path`` makes importable. No test module
+imports another.
 
 Factories: `tiny_llama_factory` (tiny random Llama folders; `tiny_llama_dir` and its `tiny_cfg` are the default
-one), `tiny_server` (a started `BackgroundServer` over the tiny served model with `helpers.TEST_SETTINGS` and the
-test's overrides, closed at teardown), `tiny_peft_adapters` (PEFT adapters for the tiny Llama), `make_store` (CPU
-adapter stores for it, closed at teardown), `free_port`; and one default `server` (with its `channel` and `stub`)
-per module, started with the module's `server_settings`, unless the module defines its own. Plain helpers live in
-`helpers*.py`, `tiny_models.py` and `adapter_files.py`; no test module imports another.
+one), `tiny_server` (a started `BackgroundServer` over the tiny served model with `support.servers.TEST_SETTINGS`,
+the module's defaults and the test's overrides, closed at teardown), `tiny_peft_adapters` (PEFT adapters for the
+tiny Llama), `make_store` (CPU adapter stores for it, closed at teardown), `free_port`; and one default `server`
+(with its `channel` and `stub`) per module, started with the module's `server_settings` (a module overrides that
+fixture, which may use the module's other fixtures), unless the module needs another model or start-up.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import grpc
 import pytest
 import torch
 from loraplex.v1 import generation_pb2_grpc
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = Path(os.environ.get("LORAPLEX_TEST_MODEL", ROOT / "models" / "SmolLM2-135M-Instruct"))
 SMOLLM2_GGUF = SMOLLM2_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"  # `fetch-model` keeps it beside the folder
 # pytest's thread keeps torch's default thread count whatever the servers' serial threads set (service.torch_threads)
@@ -92,8 +97,9 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``make(**kwargs) -> folder``: ``tiny_models.write_tiny_llama`` into a fresh temp folder, once per arguments."""
-    from tiny_models import write_tiny_llama
+    """``make(**kwargs) -> folder``: ``support.tiny_models.write_tiny_llama`` into a fresh temp folder, once
+    per arguments."""
+    from support.tiny_models import write_tiny_llama
 
     made: dict[str, Path] = {}
 
@@ -115,22 +121,23 @@ def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def served_tiny_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer files: a servable model that runs in ms."""
-    from tiny_models import write_served_tiny
+    from support.tiny_models import write_served_tiny
 
     return write_served_tiny(tmp_path_factory.mktemp("served_tiny"), smollm2_dir, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")
 def server_settings() -> dict[str, object]:
-    """This module's overrides of `helpers.TEST_SETTINGS` for its ``server``; a module overrides this fixture."""
+    """This module's overrides of `support.servers.TEST_SETTINGS` for its ``server``; a module overrides
+    this fixture."""
     return {}
 
 
 @pytest.fixture(scope="module")
 def server(served_tiny_dir: Path, server_settings: dict[str, object]) -> Iterator[Any]:
-    """One started server per test module over ``served_tiny_dir`` with `helpers.TEST_SETTINGS` and the module's
+    """One started server per test module over ``served_tiny_dir`` with `support.servers.TEST_SETTINGS` and the module's
     ``server_settings`` (a module that needs another model or start-up defines its own ``server``)."""
-    from helpers import tiny_settings
+    from support.servers import tiny_settings
 
     from service.api.server import BackgroundServer
 
@@ -153,16 +160,19 @@ def stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
 
 @pytest.fixture
 def tiny_server(served_tiny_dir: Path) -> Iterator[Callable[..., Any]]:
-    """``start(**settings) -> BackgroundServer``: a started server over ``served_tiny_dir`` (or ``model=``) with
-    `helpers.tiny_settings` defaults and these overrides; every server it started is stopped at teardown."""
-    from helpers import tiny_settings
+    """``start(*defaults, **settings) -> BackgroundServer``: a started server over ``served_tiny_dir`` (or
+    ``model=``) with `support.servers.tiny_settings` defaults, then ``defaults``, then these overrides; every server
+    it started is stopped at teardown."""
+    from support.servers import tiny_settings
 
     from service.api.server import BackgroundServer
 
     with ExitStack() as stack:
 
-        def start(*, model: Path = served_tiny_dir, load: bool = True, **overrides: object) -> BackgroundServer:
-            return stack.enter_context(BackgroundServer(tiny_settings(model, **overrides), load=load))
+        def start(
+            *defaults: dict[str, object], model: Path = served_tiny_dir, load: bool = True, **overrides: object
+        ) -> BackgroundServer:
+            return stack.enter_context(BackgroundServer(tiny_settings(model, *defaults, **overrides), load=load))
 
         yield start
 
@@ -172,14 +182,12 @@ def tiny_peft_adapters(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., dict[str, Path]]:
     """``write(**specs) -> {name: folder}``: one PEFT adapter per ``name={write_peft_adapter keywords}`` over the
-    tiny Llama, written by peft (`adapter_files.write_peft_adapter`) into a fresh temp folder."""
-    from adapter_files import write_peft_adapter
-    from tiny_models import load_hf_llama
+    tiny Llama, written by peft (`support.adapter_files.write_peft_adapters`) into a fresh temp folder."""
+    from support.adapter_files import write_peft_adapters
+    from support.tiny_models import load_hf_llama
 
     def write(**specs: dict[str, Any]) -> dict[str, Path]:
-        model = load_hf_llama(tiny_llama_dir)
-        root = tmp_path_factory.mktemp("peft")
-        return {name: write_peft_adapter(root / name, model, **kw) for name, kw in specs.items()}
+        return write_peft_adapters(tmp_path_factory.mktemp("peft"), load_hf_llama(tiny_llama_dir), specs)
 
     return write
 
@@ -195,8 +203,8 @@ def tiny_cfg(tiny_llama_dir: Path) -> Any:
 @pytest.fixture
 def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
     """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=()) -> AdapterStore``: a CPU adapter store
-    for the tiny Llama (`helpers_adapters.new_store`); every store it made is closed at teardown."""
-    from helpers_adapters import new_store
+    for the tiny Llama (`support.stores.new_store`); every store it made is closed at teardown."""
+    from support.stores import new_store
 
     with ExitStack() as stack:
         yield lambda **kw: stack.enter_context(new_store(tiny_cfg, **kw))
@@ -205,6 +213,6 @@ def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
 @pytest.fixture
 def free_port() -> int:
     """A loopback port nothing listens on right now."""
-    from helpers import free_port as pick
+    from support.servers import free_port as pick
 
     return pick()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_engine import prompt, req, run, stepped_engine, tokens_of
+from support.engines import prompt, req, run, stepped_engine, tokens_of
 
 from service import metrics
 from service.adapters.catalog import AdapterCatalog

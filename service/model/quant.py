@@ -32,8 +32,8 @@ The packed form's memory layout is the kernel's private business and differs by 
 ``unpack`` read it through the layout ``service.model.int4_layout`` derives from the packer itself at first use.
 
 Invariants: a weight holds its packed form and scales, plus a dense copy only when ``with_dense_copy`` made it
-(counted in ``nbytes``); ``dequantize`` reproduces exactly the values the kernel multiplies by (tests/test_quant.py
-checks it against the kernel itself), and the dense copy is that dequantized weight.
+(counted in ``nbytes``); ``dequantize`` reproduces exactly the values the kernel multiplies by
+(tests/model/test_quant.py checks it against the kernel itself), and the dense copy is that dequantized weight.
 """
 
 from __future__ import annotations
