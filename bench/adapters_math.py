@@ -134,7 +134,7 @@ def time_step(step: Callable[[], None], rounds: int, clock: Callable[[], float])
 
 
 def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
 
     model: Llama
     model, cfg, _ = load_model(args.model, dtype=dtype, device="cpu")

@@ -5,7 +5,7 @@
 torch's int4 packed layout is private and differs by capability. Dequantizing (prefill, large batches, dense
 copies) needs its inverse; the candidates, each timed on SmolLM2-135M's four projection shapes in bf16:
 
-- ``derived``: the unpack ``service.model.int4_layout`` derives from the packer at first use (what ships): no
+- ``derived``: the unpack ``service.model.weights.int4_layout`` derives from the packer at first use (what ships): no
   memory beyond the packed weight; the derivation's one-time cost is reported too;
 - ``own copy``: keep a second, row-major copy of the 4-bit values the project owns and unpack that (``q & 15``,
   ``q >> 4`` interleaved): as fast as unpacking gets, for N * K / 2 more bytes per weight;
@@ -45,8 +45,7 @@ def measure(repeats: int) -> dict[str, object]:
     import machine as bench_machine
     import torch
 
-    from service.model import int4_layout
-    from service.model.quant import Int4Weight
+    from service.model.weights import Int4Weight, int4_layout
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 End state for every method: the parameters of ``service.model.llama.Llama`` (fused ``wqkv`` and ``w13`` per
 layer, o/down/norms/embedding, tied ``lm_head`` not duplicated) in the target dtype, filled through the plan
-of ``service.model.weights.build_load_plan`` — except ``transformers``, whose end state is its own usable
+of ``service.model.load_folder.build_load_plan`` — except ``transformers``, whose end state is its own usable
 ``AutoModelForCausalLM`` (time to a usable model). Methods, each in its own fresh process:
 
     stream         load_tensors(mode="stream")  (ours)
@@ -221,7 +221,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from service.loading import CheckpointIndex, load_tensors
     from service.model.config import ModelConfig
     from service.model.llama import Llama
-    from service.model.weights import build_load_plan
+    from service.model.load_folder import build_load_plan
 
     dtype = getattr(torch, spec["dtype"])
     if method == "baseline":

@@ -46,7 +46,7 @@ from service.adapters.medusa.registry import MedusaRegistry  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest  # noqa: E402
-from service.model.weights import load_model  # noqa: E402
+from service.model.load_folder import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 

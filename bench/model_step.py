@@ -22,7 +22,7 @@ import torch
 
 def make_ours(folder: Path, dtype: torch.dtype, batch: int, context: int, steps: int) -> Callable[[int], Any]:
     from service.model import KVCache
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
 
     model, cfg, _ = load_model(folder, dtype=dtype, device="cpu")
     cache = KVCache(cfg, batch, context + steps + 1, dtype=dtype, device=model.device)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from model_step import interleaved_steps
 
-from service.model.quant import Scratch, quantize
+from service.model.weights import Scratch, quantize
 
 SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w13": (3072, 576), "w2": (576, 1536)}
 
@@ -77,7 +77,7 @@ def measure(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, flo
 
 def model_steps(folder: str, dtype: torch.dtype, batch: int, steps: int) -> dict[str, list[float]]:
     from service.model import KVCache
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
 
     context = 128
     runs = {}

@@ -194,7 +194,7 @@ def inprocess_itl(model_dir: Path, dtype: str, new_tokens: int, reps: int) -> li
     from service.config import Settings
     from service.engine.engine import Engine
     from service.engine.request import GenerationRequest
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
     from service.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(model_dir)

@@ -34,8 +34,8 @@ def child(case: str, weights: str, threads: int, steps: int) -> float:
     import torch
 
     from service.model import KVCache
-    from service.model.gguf_weights import load_gguf_model
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
+    from service.model.load_gguf import load_gguf_model
 
     def load() -> object:
         torch.set_num_threads(threads)

@@ -29,7 +29,7 @@ from train_medusa_heads import add_corpus_arguments, build_corpus, training_prom
 
 from service.adapters.medusa import MedusaHeads, index_medusa  # noqa: E402
 from service.model.config import ModelConfig  # noqa: E402
-from service.model.weights import load_model  # noqa: E402
+from service.model.load_folder import load_model  # noqa: E402
 from tools.medusa.train import head_dataset  # noqa: E402
 
 

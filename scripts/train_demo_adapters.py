@@ -97,7 +97,7 @@ def chat_ids(tokenizer: Tokenizer, question: str) -> list[int]:
 def base_answers(folder: Path, tokenizer: Tokenizer, questions: list[str], max_new_tokens: int) -> list[str]:
     """The base model's greedy answers, all questions in one batch through ``service.model`` (our fast path)."""
     from service.model import KVCache
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
 
     model, cfg, _ = load_model(folder, dtype=torch.float32, device="cpu")
     prompts = [chat_ids(tokenizer, q) for q in questions]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.adapters.medusa.format import write_medusa  # noqa: E402
 from service.adapters.medusa.heads import MedusaHeads  # noqa: E402
-from service.model.weights import load_model  # noqa: E402
+from service.model.load_folder import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 from tools.medusa.loop import generate  # noqa: E402
 from tools.medusa.train import head_accuracy, head_dataset, train_v2_heads  # noqa: E402

@@ -40,7 +40,8 @@ from service.adapters.lora.tables import SITES
 from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import FailedPrecondition
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.quant import NEVER, Int4Weight, Int8Weight, QuantizedWeight
+from service.model.weights.dispatch import NEVER
+from service.model.weights.protocol import Weight
 from service.platform import cpu_capability, draft_dtype
 
 __all__ = ["TOLERANCE", "PathCheck", "SelfCheckFailed", "SelfCheckReport", "run_self_check"]
@@ -145,18 +146,19 @@ class _Checker:
         x = self.randn(4, w.shape[1])
         self.record(path, f"dense matmul ({_name(self.dtype)})", F.linear(x, w), F.linear(x.float(), w.float()))
 
-    def quantized(
-        self, kind: str, shape: tuple[int, int], w: QuantizedWeight, sites: list[tuple[int, ProjName]]
-    ) -> None:
+    def quantized(self, kind: str, shape: tuple[int, int], w: Weight, sites: list[tuple[int, ProjName]]) -> None:
         n, k = shape
         label = f"{kind} projection {n}x{k}"
-        probe, truth = _probe_weight(w, self.gen)  # truth: float32 from the probe's raw values
+        probe, truth = w.probe(min(w.shape[0], PROBE_ROWS), self.gen)  # truth: float32 from the raw values
         x = self.randn(3, k)
         ref = F.linear(x.float(), truth)
         del truth
         kernel = self.record(f"{label}: kernel", f"torch {kind} kernel", probe.matmul(x), ref)
         dense = self.record(
-            f"{label}: dequantized dense", f"{_dequant(probe)} + dense matmul", F.linear(x, probe.dequantize()), ref
+            f"{label}: dequantized dense",
+            f"{probe.dequantize_kernel} + dense matmul",
+            F.linear(x, probe.dequantize()),
+            ref,
         )
         own = w.dequantize()  # the model's weight: the two paths must agree on it as well
         own_ref = torch.cat([F.linear(x.float(), rows.float()) for rows in torch.split(own, REF_ROWS)], dim=-1)
@@ -168,15 +170,15 @@ class _Checker:
         if kernel.ok and dense.ok and mine.ok:
             return
         if kernel.ok and not (dense.ok and mine.ok):
-            self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=NEVER, dense=None))
+            self._every(sites, lambda q: q.with_dispatch(NEVER, keep_dense=False))
             self.fallback(dense if not dense.ok else mine, f"the {kind} kernel at every batch size, no dense copies")
         elif dense.ok and not kernel.ok and self.device.type == "cpu":
-            self._every(sites, lambda q: dataclasses.replace(q, dense_from_rows=1))
+            self._every(sites, lambda q: q.with_dispatch(1))
             self.fallback(kernel, f"the dequantized dense path at every batch size for {kind}")
         else:
             self._fail(label)
 
-    def _every(self, sites: list[tuple[int, ProjName]], change: Callable[[QuantizedWeight], QuantizedWeight]) -> None:
+    def _every(self, sites: list[tuple[int, ProjName]], change: Callable[[Weight], Weight]) -> None:
         for layer, name in sites:
             w = self.model.projection(layer, name)
             if not isinstance(w, Tensor):
@@ -309,29 +311,6 @@ def run_self_check(model: Llama) -> SelfCheckReport:
 
 
 # --- probes --------------------------------------------------------------------------------------------
-
-
-def _probe_weight(w: QuantizedWeight, gen: torch.Generator) -> tuple[QuantizedWeight, Tensor]:
-    """A weight of ``w``'s kind, width, dtype and device (at most ``PROBE_ROWS`` rows) from known random values,
-    and those values in float32 computed from the raw numbers (never through the weight's own unpack)."""
-    n, k = min(w.shape[0], PROBE_ROWS), w.shape[1]
-    dev = w.device
-    if isinstance(w, Int4Weight):
-        g = w.group_size
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
-        scale = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.005).to(w.dtype)  # as the weight stores them
-        zero = (torch.randn(n, k // g, generator=gen) * 0.02).to(w.dtype)
-        probe4 = Int4Weight.from_q_scale_zero(q.to(dev), scale.to(dev), zero.to(dev), g, dtype=w.dtype)
-        truth = (q.float() - 8) * scale.float().repeat_interleave(g, 1) + zero.float().repeat_interleave(g, 1)
-        return probe4, truth.to(dev)
-    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale8 = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(w.dtype)
-    probe8 = Int8Weight.from_q_scale(q8.to(dev), scale8.to(dev), dtype=w.dtype)
-    return probe8, (q8.float() * scale8.float()[:, None]).to(dev)
-
-
-def _dequant(w: QuantizedWeight) -> str:
-    return f"{w.layout.form} unpack" if isinstance(w, Int4Weight) else "dequantize"
 
 
 def _sample_rows(vocab: int, gen: torch.Generator) -> Tensor:

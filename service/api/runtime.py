@@ -1,7 +1,7 @@
 """What the servicers share: settings, the loaded model, tokenizer and engine, and the serving state.
 
-``Runtime.load`` runs on a worker thread while the gRPC server is already up (health NOT_SERVING); until it
-finishes, and while draining, generation RPCs get UNAVAILABLE.
+``Runtime.load`` builds the parts (``service.bootstrap``, the composition root) on a worker thread while the gRPC
+server is already up (health NOT_SERVING); until it finishes, and while draining, generation RPCs get UNAVAILABLE.
 
 The runtime owns a small worker pool for CPU work that must not run on the event loop (the frontend's tokenization
 and chat templating, large HTTP bodies' JSON); it is shut down with the runtime. The engine has its own thread.
@@ -17,21 +17,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from service import metrics
+from service import bootstrap
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.kinds import KindContext, build_catalog
 from service.config import Settings
 from service.engine.engine import Engine
 from service.errors import LoraplexError, Unavailable
-from service.hf_cache import AdapterSource, HubRef
 from service.model.config import ModelConfig
-from service.model.dtypes import choose_serving
-from service.selfcheck import SelfCheckReport, run_self_check
+from service.selfcheck import SelfCheckReport
 from service.tokenizer import Tokenizer
 from service.torch_threads import serial_torch
 
@@ -42,8 +38,6 @@ T = TypeVar("T")
 # Threads tokenizing / templating prompts. Small on purpose: the work is CPU-bound (the Rust tokenizer releases
 # the GIL, jinja does not), and more threads would only compete with the engine's step for the cores.
 TOKENIZE_WORKERS = 2
-
-ADAPTER_MARKERS = ("adapter_config.json", "config.json")  # a LoRA, or Medusa heads
 
 
 @dataclass(frozen=True)
@@ -74,47 +68,11 @@ class Runtime:
         self._closed = False
 
     def load(self) -> Loaded:
-        """Load tokenizer and weights, start the engine. Blocking: call it off the event loop."""
-        from service.model.quant import keep_dense_copies
-        from service.model.weights import load_model
-
+        """Build the runtime's parts (``service.bootstrap``), start the engine. Blocking: call it off the event loop."""
         s = self.settings
         start = time.perf_counter()
-        device = torch.device(s.device)
-        tokenizer = Tokenizer.from_folder(s.model)
-        self._check_open()
-        choice = choose_serving(s.dtype, s.weights, s.gguf is not None, device)
-        log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.dtype.name, device,
-                 choice.dtype.reason)  # fmt: skip
-        log.info("event=weights_chosen requested=%s weights=%s reason=%r", s.weights, choice.weights,
-                 choice.weights_reason)  # fmt: skip
-        dtype = choice.dtype.dtype
-        if choice.gguf and s.gguf is not None:
-            from service.model.gguf_weights import load_gguf_model
-
-            model, cfg, stats = load_gguf_model(s.model, s.gguf, dtype=dtype, device=device)
-        else:
-            quantize = None if s.quantize == "none" else s.quantize
-            model, cfg, stats = load_model(
-                s.model, dtype=dtype, device=device, mode=s.load_mode,
-                quantize=quantize, group_size=s.quantize_group_size,  # type: ignore[arg-type]
-            )  # fmt: skip
-        if s.dense_copies_mb:
-            kept = keep_dense_copies(model, None if s.dense_copies_mb < 0 else s.dense_copies_mb * 2**20)
-            metrics.MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
-            log.info("event=dense_copies budget_mb=%d bytes=%d", s.dense_copies_mb, kept)
-        self._check_open()
-        checked = run_self_check(model)  # refuses (SelfCheckFailed) before anything is served, or falls back
-        fallbacks = sum(c.status.startswith("fallback") for c in checked.checks)
-        metrics.SELF_CHECK_FALLBACKS.set(fallbacks)
-        outcome = "fallback" if fallbacks else "ok"
-        metrics.COMPUTE_INFO.info(
-            {"capability": checked.capability, "dtype": checked.dtype, "weights": choice.weights, "self_check": outcome}
-        )
-        roots = adapter_roots(s)
-        adapters = build_catalog(KindContext(cfg, device, dtype, s, roots))
-        register_startup_adapters(adapters, s)
-        engine = Engine(model, tokenizer, s, adapters=adapters)
+        parts = bootstrap.build(s, check_open=self._check_open)
+        engine, adapters, choice, stats = parts.engine, parts.adapters, parts.choice, parts.stats
         with self._closing:
             self._check_open()
             engine.start()
@@ -122,14 +80,14 @@ class Runtime:
         log.info(
             "event=model_loaded path=%s weights=%s mode=%s dtype=%s quantize=%s device=%s bytes=%d parameter_bytes=%d "
             "load_seconds=%.3f weights_seconds=%.3f",
-            s.model, s.gguf if choice.gguf else "safetensors", stats.mode, choice.dtype.name, s.quantize, device,
-            stats.bytes_read,
-            model.parameter_bytes, seconds, stats.total_seconds,
+            s.model, s.gguf if choice.gguf else "safetensors", stats.mode, choice.dtype.name, s.quantize,
+            parts.device, stats.bytes_read, parts.model.parameter_bytes, seconds, stats.total_seconds,
         )  # fmt: skip
         with self._closing:
             self.loaded = Loaded(
-                s, cfg, tokenizer, engine, device, seconds, adapters, choice.dtype.name, checked, choice.weights
-            )
+                s, parts.model_config, parts.tokenizer, engine, parts.device, seconds, adapters, choice.dtype.name,
+                parts.self_check, choice.weights,
+            )  # fmt: skip
             if self._closed:  # closed between the engine's start and here: close did not see it
                 engine.stop(0)
                 adapters.close(0)
@@ -178,36 +136,3 @@ class Runtime:
 
 def _left(until: float | None) -> float | None:
     return None if until is None else max(0.0, until - time.monotonic())
-
-
-def adapter_roots(s: Settings) -> tuple[Path, ...]:
-    """Folders adapters may be read from: the --adapter-dir folders and the folders holding the --adapter paths (the
-    operator's own flags; for an hf:// source its ``models--org--name`` folder, snapshots and blobs), plus every
-    --adapter-root. A root only ever adds: what the operator registered at start-up stays readable. Empty:
-    LoadAdapter is refused (see ``AdaptersServicer``)."""
-    own = (*s.adapter_dirs, *(_own_root(source, s.hf_hub_cache) for _, source in s.adapters))
-    return tuple(dict.fromkeys((*own, *s.adapter_roots)))
-
-
-def _own_root(source: AdapterSource, hub_cache: Path) -> Path:
-    return source.repo_folder(hub_cache) if isinstance(source, HubRef) else source.parent
-
-
-def register_startup_adapters(store: AdapterCatalog, s: Settings) -> None:
-    """Register --adapter ID=SOURCE and every adapter folder under --adapter-dir (configs and headers only).
-
-    A bad explicit --adapter fails start-up; a bad folder under --adapter-dir is logged and skipped, so one broken
-    upload does not keep the server down. Folders without an adapter config (lost+found, ...) are ignored.
-    """
-    for adapter_id, source in s.adapters:
-        store.register(adapter_id, source)
-    for folder in s.adapter_dirs:
-        if not folder.is_dir():
-            raise Unavailable(f"--adapter-dir {folder} is not a folder")
-        for child in sorted(folder.iterdir()):
-            if not child.is_dir() or not any((child / f).is_file() for f in ADAPTER_MARKERS):
-                continue
-            try:
-                store.register(child.name, child)
-            except LoraplexError as exc:
-                log.warning("event=adapter_skipped path=%s error=%s", child, exc)

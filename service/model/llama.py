@@ -2,8 +2,9 @@
 
 Owns the forward pass and nothing else: parameters are allocated with ``torch.empty`` in their final, fused layout
 (per layer ``wqkv`` = [q; k; v] rows, ``w13`` = [gate; up] rows, see ``ModelConfig.fused_rows``) and filled by
-``service.model.weights``; a tied ``lm_head`` is the embedding tensor itself. A GGUF load may swap the embedding for
-an ``EmbeddingTable`` (rows dequantized on gather; as the head, its own projection), see ``set_embeddings``.
+``service.model.load_folder`` / ``load_gguf``; a tied ``lm_head`` is the embedding tensor itself. A GGUF load may
+swap the embedding for an ``EmbeddingTable`` (rows dequantized on gather; as the head, its own projection), see
+``set_embeddings``.
 
 A forward pass runs ``B`` rows that occupy the contiguous cache slots ``[slot_start, slot_start + B)``. Row ``b``
 carries its tokens and their absolute positions; K/V are written at those positions, and each query attends to
@@ -15,15 +16,17 @@ slot's next occupant.
 
 ``adapters`` is the seam for LoRA: every projection goes through ``proj``, which hands the adapter hook the input
 and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. With ``quantized=True`` those four weights of
-every layer are weight-only quantized (``service.model.quant``): they start as shape-only ``meta`` placeholders
+every layer are compact (``service.model.weights``: int8, int4): they start as shape-only ``meta`` placeholders
 that the loader replaces one by one (``set_projection``), so no dense copy of them is ever allocated; ``proj``
-runs them through ``quant.linear`` with the model's one reusable ``scratch``. Embeddings, norms, biases and the
+runs them through ``weights.protocol.linear`` with the model's one reusable ``scratch``. Weights are seen through
+``service.model.weights.protocol`` only: this module knows no kind. Embeddings, norms, biases and the
 ``lm_head`` stay dense. Nothing here implements an adapter, reads a file or keeps per-request state.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -33,17 +36,16 @@ from torch import Tensor, nn
 
 from service.model.config import ModelConfig
 from service.model.kv_cache import KVCache
-from service.model.quant import QuantizedWeight, Scratch, linear
+from service.model.rope import apply_rope, rope_inv_freq, rope_table
+from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.platform import draft_dtype
 
 __all__ = [
     "KV_LIMIT",
     "PROJ_NAMES",
     "AdapterHook",
-    "EmbeddingTable",
     "Llama",
     "ProjName",
-    "ProjWeight",
     "finite_kv",
     "proj",
 ]
@@ -52,7 +54,6 @@ ProjName = Literal["wqkv", "wo", "w13", "w2"]
 # Logits per row recomputed in float32 after a reduced-precision head (``Llama.logits``).
 EXACT_TOP = 8
 PROJ_NAMES: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")
-ProjWeight = Tensor | QuantizedWeight  # a dense [out, in] weight, or its quantized form
 
 
 class AdapterHook(Protocol):
@@ -67,41 +68,6 @@ class AdapterHook(Protocol):
         ...
 
 
-class EmbeddingTable(Protocol):
-    """A [vocab, hidden] embedding / output head kept in a compact form (``service.model.gguf_weights.Q8Table``)."""
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def gather(self, tokens: Tensor) -> Tensor:
-        """tokens [...] int64 -> [..., hidden] in the model dtype."""
-        ...
-
-    def project(self, hidden: Tensor) -> Tensor:
-        """hidden [..., hidden] -> [..., vocab]: the table as the output head."""
-        ...
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
-        """The whole table [vocab, hidden]."""
-        ...
-
-    def rows(self, index: Tensor) -> Tensor:
-        """Rows ``index`` [n] of the table as float32 [n, hidden], exactly (the self-check's reference)."""
-        ...
-
-    def kernel_for(self, rows: int) -> str:
-        """How ``project`` computes ``rows`` hidden states (reported by the self-check)."""
-        ...
-
-    def drop_fast_path(self, rows: int) -> bool:
-        """Stop using the optional form that projects ``rows`` states (it failed the self-check); False if none."""
-        ...
-
-    def keep_dense(self) -> int:
-        """Keep a dense copy for projecting batches; the bytes it added (0 if kept already)."""
-        ...
-
-
 def proj(
     x: Tensor,
     weight: ProjWeight,
@@ -112,7 +78,7 @@ def proj(
     *,
     scratch: Scratch | None = None,
 ) -> Tensor:
-    """One linear projection of the decoder (dense or quantized ``weight``, see ``quant.linear``), with the adapter
+    """One linear projection of the decoder (dense or compact ``weight``, see ``protocol.linear``), with the adapter
     delta added when a hook is given."""
     out = linear(x, weight, bias, scratch=scratch)
     if adapters is not None:
@@ -131,48 +97,6 @@ def finite_kv(kv: Tensor) -> Tensor:
     any healthy row (it only touches this step's new K/V, a few KB); a row that produced non-finite values fails
     on its own logits, while its slot keeps nothing that could poison the slot's next occupant."""
     return torch.nan_to_num(kv, nan=0.0, posinf=KV_LIMIT, neginf=-KV_LIMIT).clamp_(-KV_LIMIT, KV_LIMIT)
-
-
-# --- RoPE -----------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies [D/2] in fp32 on the CPU, with linear or llama3 rescaling (as transformers)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_table(inv_freq: Tensor, length: int, *, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and signed sin for positions ``[0, length)``, each [length, D], computed in fp32, stored in ``dtype``.
-
-    ``cos`` repeats the half-table twice (as transformers); ``sin`` is ``[-sin, sin]`` so that rotating is
-    ``x * cos + roll(x, D/2) * sin``, which equals transformers' ``x * cos + rotate_half(x) * sin``.
-    """
-    pos = torch.arange(length, device=device, dtype=torch.float32)  # [P]
-    freqs = pos[:, None] * inv_freq.to(device)[None, :]  # [P, D/2]
-    cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the two halves of each head (the HF "rotate_half" convention). x [B, T, h, D]; cos, sin [B, T, 1, D]."""
-    # Two rounded products and a sum, exactly as transformers (an addcmul would fuse and differ in the last bit).
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin  # [B, T, h, D]
 
 
 @dataclass(frozen=True)
@@ -436,7 +360,7 @@ class Llama(nn.Module):
         return hidden[rows, lengths - 1]
 
     def set_embeddings(self, table: Tensor | EmbeddingTable, head: Tensor | EmbeddingTable) -> None:
-        """Replace the embedding and the output head by compact forms (a GGUF load, ``service.model.gguf_weights``)."""
+        """Replace the embedding and the output head by compact forms (a GGUF load, ``service.model.load_gguf``)."""
         for name in ("tok_embeddings", "lm_head"):
             self._parameters.pop(name, None)
         self.tok_embeddings = table
@@ -448,8 +372,8 @@ class Llama(nn.Module):
         block = self.blocks[layer]
         return getattr(block.attention if name in ("wqkv", "wo") else block.feed_forward, name)  # type: ignore[no-any-return]
 
-    def set_projection(self, layer: int, name: ProjName, weight: QuantizedWeight) -> None:
-        """Install the quantized weight of a ``quantized`` model's projection (the loader, once per projection)."""
+    def set_projection(self, layer: int, name: ProjName, weight: Weight) -> None:
+        """Install the compact weight of a ``quantized`` model's projection (the loader, once per projection)."""
         if not self.quantized:
             raise ValueError("set_projection is for quantized models; a dense model's weights are loaded in place")
         expected = tuple(self.projection(layer, name).shape)
@@ -458,13 +382,20 @@ class Llama(nn.Module):
         block = self.blocks[layer]
         setattr(block.attention if name in ("wqkv", "wo") else block.feed_forward, name, weight)
 
+    def compact_projections(self) -> Iterator[tuple[int, ProjName, Weight]]:
+        """Every compact projection weight, layer by layer in ``PROJ_NAMES`` order (none in a dense model)."""
+        if not self.quantized:
+            return
+        for layer in range(self.cfg.num_layers):
+            for name in PROJ_NAMES:
+                w = self.projection(layer, name)
+                if not isinstance(w, Tensor):
+                    yield layer, name, w
+
     @property
     def parameter_bytes(self) -> int:
         """Bytes of every weight as served: dense parameters, compact embedding / head, packed projections."""
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
         compact = {id(w): w for w in (self.tok_embeddings, self.lm_head) if not isinstance(w, nn.Parameter)}
         dense += sum(w.nbytes for w in compact.values())  # a compact embedding / head (set_embeddings)
-        if not self.quantized:
-            return dense
-        quantized = (self.projection(i, n) for i in range(self.cfg.num_layers) for n in PROJ_NAMES)
-        return dense + sum(w.nbytes for w in quantized if not isinstance(w, Tensor))
+        return dense + sum(w.nbytes for _, _, w in self.compact_projections())

@@ -320,7 +320,7 @@ DEMO_DIR = ROOT / "adapters" / "demo"
 @pytest.mark.slow
 def test_demo_adapters_on_smollm2_match_peft(smollm2_dir: Path) -> None:
     """The committed demo adapters on the real SmolLM2: a mixed batch (caps, terse, base) against peft, fp32."""
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
     from service.tokenizer import Tokenizer
 
     folders = {name: DEMO_DIR / name for name in ("caps", "terse")}

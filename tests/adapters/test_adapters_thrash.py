@@ -27,7 +27,7 @@ from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest
 from service.model.config import ModelConfig
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")

@@ -39,7 +39,7 @@ from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.errors import ResourceExhausted
 from service.frontend import raise_if_failed
 from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")

@@ -16,8 +16,8 @@ from support.adapter_files import write_peft_adapter
 from support.metrics import requests_total
 from support.servers import stream_req, text_req, tiny_settings
 
-from service.api.runtime import adapter_roots
 from service.api.server import BackgroundServer, grpc_options
+from service.bootstrap import adapter_roots
 from service.config import Settings
 
 MESSAGE_LIMIT = 8 << 10  # small enough for a reply to outgrow it from a prompt under --max-prompt-bytes

@@ -33,7 +33,7 @@ from service.engine.engine import Engine
 from service.engine.request import FinishReason
 from service.errors import EngineStepFailed
 from service.model.config import ModelConfig
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")

@@ -31,7 +31,7 @@ from service.engine.sampling import SamplingParams
 from service.errors import FailedPrecondition
 from service.model.kv_cache import KVCache
 from service.model.llama import KV_LIMIT, finite_kv
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.numerics

@@ -14,7 +14,7 @@ from service.engine.engine import Engine
 from service.engine.prefix import PrefixCache
 from service.model import KVCache
 from service.model.config import ModelConfig
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 
 
 def small_cache(slots: int = 4, max_len: int = 64) -> KVCache:

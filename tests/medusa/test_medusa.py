@@ -77,7 +77,7 @@ def tiny(tiny_llama_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_llama_dir: Path) -> dict[str, Any]:
     """The tiny model on an int4-quantized base: speculation must stay token-identical to its own plain decoding
-    (verification runs k + 1 rows per step, so it takes the other ``quant.linear`` path than a plain step)."""
+    (verification runs k + 1 rows per step, so it takes the other ``weights.linear`` path than a plain step)."""
     model = load_ours(tiny_llama_dir, quantize="int4")
     return {"dir": tiny_llama_dir, "model": model, "cfg": model.cfg}
 
@@ -88,8 +88,8 @@ def _tiny_gguf_model(folder: Path, tmp: Path, *, dense_copies: bool) -> dict[str
     step's k + 1 rows then multiply by the copies, a plain step's one row by the kernels."""
     from support.gguf_files import write_tiny_gguf
 
-    from service.model.gguf_weights import load_gguf_model
-    from service.model.quant import keep_dense_copies
+    from service.model.load_gguf import load_gguf_model
+    from service.model.weights.dense_copies import keep_dense_copies
 
     gguf = write_tiny_gguf(folder, tmp / "tiny.gguf", types={"token_embd": "Q8_0", "output.": "Q8_0"})
     model = load_gguf_model(folder, gguf, dtype=torch.float32)[0]

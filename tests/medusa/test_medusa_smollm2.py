@@ -17,7 +17,7 @@ import torch
 from support.paths import ROOT
 
 from service.adapters.medusa import MedusaHeads, index_medusa
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 from tools.medusa import generate
 

@@ -9,7 +9,7 @@ import torch
 
 from service.drafters.tree import DraftTree
 from service.model import KVCache
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 
 
 def test_parse_chain_and_paths() -> None:

@@ -22,10 +22,10 @@ from support.gguf_files import write_reference_folder, write_tiny_gguf
 from support.tiny_models import load_hf_llama
 
 from service.config import ConfigError, Settings
-from service.model import gguf_weights
-from service.model.gguf_weights import Q8Table, load_gguf_model
 from service.model.llama import PROJ_NAMES
-from service.model.quant import NEVER, dense_from_rows, keep_dense_copies, linear, quantize, with_dense_copy
+from service.model.load_gguf import load_gguf_model
+from service.model.weights import NEVER, Q8Table, dense_from_rows, linear, q8_table, quantize, with_dense_copy
+from service.model.weights.dense_copies import keep_dense_copies
 from service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.numerics
@@ -69,8 +69,8 @@ def test_the_q8_head_projects_a_batch_as_its_dequantized_table(
     model = load_gguf_model(served_tiny_dir, tiny_gguf["gguf"], dtype=dtype)[0]
     head = model.lm_head
     assert isinstance(head, Q8Table)
-    monkeypatch.setattr(gguf_weights, "HEAD_CHUNK_ROWS", 1000)  # several chunks, the last one short
-    rows = gguf_weights.PAIR_MAX_ROWS + 1  # past the int4 pair's rows (bf16): the chunked / dense path
+    monkeypatch.setattr(q8_table, "HEAD_CHUNK_ROWS", 1000)  # several chunks, the last one short
+    rows = q8_table.PAIR_MAX_ROWS + 1  # past the int4 pair's rows (bf16): the chunked / dense path
     hidden = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
     dense = head.dequantize(dtype)
     want = F.linear(hidden, dense)

@@ -17,12 +17,13 @@ import pytest
 import torch
 from support.gguf_files import VARIANTS, load_variant, write_reference_folder, write_tiny_gguf
 
+from service import bootstrap
 from service.loading.gguf import read_gguf_header
 from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION
 from service.model import Llama
-from service.model.gguf_weights import Q8Table, load_gguf_model
 from service.model.llama import PROJ_NAMES
-from service.model.quant import Int4Weight
+from service.model.load_gguf import load_gguf_model
+from service.model.weights import Int4Weight, Q8Table
 
 pytestmark = pytest.mark.numerics
 
@@ -65,7 +66,8 @@ def test_load_metrics_cover_the_gguf_path(tiny_llama_dir: Path, tmp_path: Path) 
     gguf = write_tiny_gguf(tiny_llama_dir, tmp_path / "m.gguf")
     total = MODEL_LOAD_DURATION.labels(stage="total", mode="gguf")
     seconds, nbytes = total._sum.get(), MODEL_LOAD_BYTES.labels(mode="gguf")._value.get()
-    _, _, stats = load_gguf_model(tiny_llama_dir, gguf, dtype=torch.float32)
+    model, _, stats = load_gguf_model(tiny_llama_dir, gguf, dtype=torch.float32)
+    bootstrap.record_load(stats, model)
     assert stats.mode == "gguf" and stats.tensors == 2 * 9 + 3
     assert total._sum.get() - seconds == pytest.approx(stats.total_seconds)
     assert MODEL_LOAD_BYTES.labels(mode="gguf")._value.get() - nbytes == stats.bytes_read

@@ -19,8 +19,9 @@ from support.paths import ROOT
 from support.tiny_models import greedy_generate
 
 from service.model import KVCache
-from service.model.gguf_weights import Q8Table, load_gguf_model
-from service.model.weights import load_model
+from service.model.load_folder import load_model
+from service.model.load_gguf import load_gguf_model
+from service.model.weights import Q8Table
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"Write a short story about a robot number {i}." for i in range(10)]

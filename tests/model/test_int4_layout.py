@@ -1,11 +1,11 @@
-"""service.model.int4_layout: the unpack derived from the packer inverts it, whatever layout the packer uses."""
+"""service.model.weights.int4_layout: the unpack derived from the packer inverts it, whatever layout the packer uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from service.model.int4_layout import LayoutError, chunks_concatenate, derive, pack_cpu
+from service.model.weights.int4_layout import LayoutError, chunks_concatenate, derive, pack_cpu
 
 pytestmark = pytest.mark.numerics
 

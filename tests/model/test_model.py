@@ -185,7 +185,7 @@ def test_bf16_close_to_fp32(tiny_llama_dir: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_matches_the_cpu_reference(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
-    from service.model.weights import load_model
+    from service.model.load_folder import load_model
 
     cuda = torch.device("cuda")
     ours, cfg, _ = load_model(tiny_llama_dir, dtype=dtype, device=cuda)

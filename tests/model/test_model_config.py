@@ -12,7 +12,7 @@ from support.tiny_models import tiny_llama_config
 
 from service.errors import CheckpointError
 from service.model.config import ModelConfig, RopeScaling
-from service.model.llama import rope_inv_freq
+from service.model.rope import rope_inv_freq
 
 BASE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

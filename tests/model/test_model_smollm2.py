@@ -10,7 +10,7 @@ import torch
 from support.tiny_models import greedy_generate, load_hf_llama
 
 from service.model import KVCache, Llama
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""service.model.weights: the HF-name -> fused-slice plan and load_model, against the files transformers wrote."""
+"""service.model.load_folder: the HF-name -> fused-slice plan and load_model, against the files transformers wrote."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from support.tiny_models import load_hf_llama
 
-from service import metrics
+from service import bootstrap, metrics
 from service.errors import CheckpointError, TensorMismatch
 from service.model import KVCache, Llama
-from service.model.weights import build_load_plan, load_model
+from service.model.load_folder import build_load_plan, load_model
 
 
 def _state(folder: Path) -> dict[str, torch.Tensor]:
@@ -92,6 +92,7 @@ def test_load_records_metrics(tiny_llama_dir: Path, mode: str) -> None:
     before_count = sample("loraplex_model_load_duration_seconds_count", count)
     before_bytes = sample("loraplex_model_load_bytes_total", {"mode": mode})
     model, _, stats = load_model(tiny_llama_dir, dtype=torch.float32, device="cpu", mode=mode)  # type: ignore[arg-type]
+    bootstrap.record_load(stats, model)  # the loader returns stats; the composition root records them
     assert sample("loraplex_model_load_duration_seconds_count", count) == before_count + 1
     assert sample("loraplex_model_load_bytes_total", {"mode": mode}) == before_bytes + stats.bytes_read
     file_bytes = sum(f.stat().st_size for f in tiny_llama_dir.glob("*.safetensors"))

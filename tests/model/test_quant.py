@@ -1,4 +1,4 @@
-"""service.model.quant: constructors, the kernels' layouts, dequantize against the kernels, linear's dispatch."""
+"""service.model.weights int8 / int4: constructors, the kernels' layouts, dequantize against the kernels, linear."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from service.model.quant import Int4Weight, Int8Weight, Scratch, linear, quantize
+from service.model.weights import Int4Weight, Int8Weight, Scratch, linear, quantize
 
 pytestmark = pytest.mark.numerics
 

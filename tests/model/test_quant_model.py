@@ -4,7 +4,7 @@ weights the quantized model serves, dequantized to float32 and written to a real
 
 Tolerance: float32 logits within ``ATOL`` of the reference (the kernels accumulate in another order, nothing else
 differs); greedy tokens identical on at least 90 % of a fixed prompt set. The greedy runs cross both paths of
-``quant.linear``: prefills (M >= ``dense_from_rows``) dequantize and run dense, decode steps (M = 1) the kernel.
+``weights.linear``: prefills (M >= ``dense_from_rows``) dequantize and run dense, decode steps (M = 1) the kernel.
 The tiny variants' prefill and greedy checks run with every weight kind's in test_dequantized_reference.py.
 """
 
@@ -37,8 +37,8 @@ from service.config import ConfigError
 from service.errors import TensorMismatch
 from service.model import KVCache, Llama
 from service.model.llama import PROJ_NAMES
-from service.model.quant import Int4Weight, Int8Weight
-from service.model.weights import load_model
+from service.model.load_folder import load_model
+from service.model.weights import Int4Weight, Int8Weight
 
 pytestmark = pytest.mark.numerics
 
@@ -101,7 +101,7 @@ def test_parameter_bytes_count_the_packed_weights(tiny_llama_dir: Path) -> None:
 # set both figures to its own size).
 _PEAK_RSS = """
 import json, sys, torch
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 kind = None if sys.argv[2] == "none" else sys.argv[2]
 model, _, _ = load_model(sys.argv[1], dtype=torch.float32, device="cpu", quantize=kind)
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))

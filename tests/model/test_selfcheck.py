@@ -24,9 +24,8 @@ from support.tiny_models import load_ours
 
 from service import metrics
 from service.api.server import BackgroundServer
-from service.model import int4_layout, quant
-from service.model.gguf_weights import load_gguf_model
-from service.model.quant import NEVER, Int4Weight
+from service.model.load_gguf import load_gguf_model
+from service.model.weights import NEVER, Int4Weight, int4, int4_layout, protocol
 from service.platform import cpu_capability
 from service.selfcheck import SelfCheckFailed, run_self_check
 
@@ -78,7 +77,7 @@ def _wrong_layout(monkeypatch: pytest.MonkeyPatch) -> None:
             wrong[n, k] = int4_layout.derive(_rotating_packer, n, k, device)
         return wrong[n, k]
 
-    monkeypatch.setattr(quant, "layout_for", layout_for)
+    monkeypatch.setattr(int4, "layout_for", layout_for)
 
 
 def test_a_wrong_int4_layout_falls_back_to_the_kernel(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +92,7 @@ def test_a_wrong_int4_layout_falls_back_to_the_kernel(tiny_llama_dir: Path, monk
             assert isinstance(w, Int4Weight) and w.dense_from_rows == NEVER and w.dense is None
     x = torch.randn(300, model.cfg.hidden_size)  # a prefill-sized batch now runs the kernel, never the bad unpack
     w = model.projection(0, "wqkv")
-    assert torch.equal(quant.linear(x, w, scratch=model.scratch), w.matmul(x))
+    assert torch.equal(protocol.linear(x, w, scratch=model.scratch), w.matmul(x))
 
 
 def test_a_wrong_int4_layout_served_falls_back_and_answers_right(
@@ -151,7 +150,7 @@ def test_the_old_avx512_only_unpack_is_caught_wherever_it_is_wrong(
         def unpack(self, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
             return _old_avx512_unpack(packed, self.n, self.k, out)
 
-    monkeypatch.setattr(quant, "layout_for", lambda n, k, device, pack: OldLayout(n, k))
+    monkeypatch.setattr(int4, "layout_for", lambda n, k, device, pack: OldLayout(n, k))
     report = run_self_check(load_ours(tiny_llama_dir, quantize="int4", dtype=torch.bfloat16))
     fell_back = any(c.status.startswith("fallback") for c in report.checks)
     assert fell_back == (cpu_capability() != "AVX512")  # right under AVX-512 only; caught everywhere else

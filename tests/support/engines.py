@@ -17,7 +17,7 @@ import torch
 from service.config import Settings
 from service.engine.engine import Engine, EngineState
 from service.engine.request import GenerationRequest, RequestHandle, TokenEvent
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 

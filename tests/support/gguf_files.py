@@ -186,6 +186,6 @@ def variant_and_reference(variant: str, tiny_llama_factory: Callable[..., Path],
 
 
 def _served(folder: Path, gguf: Path) -> Any:
-    from service.model.gguf_weights import load_gguf_model
+    from service.model.load_gguf import load_gguf_model
 
     return load_gguf_model(folder, gguf, dtype=torch.float32)[0]

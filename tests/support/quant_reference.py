@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from service.model import Llama
 from service.model.llama import PROJ_NAMES
-from service.model.weights import projection_parts
+from service.model.load_folder import projection_parts
 
 # The tiny Llamas the quantized paths are checked on: (tiny Llama config overrides).
 VARIANTS: dict[str, dict[str, Any]] = {

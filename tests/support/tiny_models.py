@@ -113,8 +113,8 @@ def _rewrite_legacy_rope(config_path: Path) -> None:
 
 
 def load_ours(folder: Path, *, dtype: torch.dtype = torch.float32, quantize: str | None = None) -> Any:
-    """``service.model.weights.load_model`` on the CPU (``quantize``: None, "int8" or "int4"); returns the ``Llama``."""
-    from service.model.weights import load_model
+    """``load_folder.load_model`` on the CPU (``quantize``: None, "int8" or "int4"); returns the ``Llama``."""
+    from service.model.load_folder import load_model
 
     return load_model(folder, dtype=dtype, device="cpu", quantize=quantize)[0]  # type: ignore[arg-type]
 

@@ -24,10 +24,9 @@ from torch import Tensor
 
 from service.errors import TensorMismatch
 from service.loading import CheckpointIndex, LoadMode, LoadStats, check_plan, load_tensors
-from service.metrics import MODEL_LOAD_BYTES, MODEL_LOAD_DURATION, MODEL_LOADED, MODEL_PARAMETER_BYTES
 from service.model.config import ModelConfig
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.quant import QuantKind, quantize
+from service.model.weights.kinds import QuantKind, quantize
 
 __all__ = ["build_load_plan", "load_model", "projection_parts"]
 
@@ -153,8 +152,8 @@ def load_model(
 
     ``quantize`` makes the four projections of every layer int8 or int4 (group-wise, ``group_size``) while
     streaming (see the module docstring). The returned stats count header parsing (``CheckpointIndex.open``) in
-    ``header_seconds`` and this whole call (config, allocation, headers, reads) in ``total_seconds``. Records
-    ``MODEL_LOAD_DURATION`` per stage, ``MODEL_LOAD_BYTES``, ``MODEL_PARAMETER_BYTES`` and sets ``MODEL_LOADED`` to 1.
+    ``header_seconds`` and this whole call (config, allocation, headers, reads) in ``total_seconds``; the caller
+    records them (``service.bootstrap.record_load``).
     """
     t0 = time.perf_counter()
     folder = Path(folder)
@@ -173,14 +172,4 @@ def load_model(
         header_seconds=stats.header_seconds + index.header_seconds,
         total_seconds=time.perf_counter() - t0,
     )
-    for stage, seconds in (
-        ("header", stats.header_seconds),
-        ("read", stats.read_seconds),
-        ("convert", stats.convert_seconds),
-        ("total", stats.total_seconds),
-    ):
-        MODEL_LOAD_DURATION.labels(stage=stage, mode=mode).observe(seconds)
-    MODEL_LOAD_BYTES.labels(mode=mode).inc(stats.bytes_read)
-    MODEL_PARAMETER_BYTES.set(model.parameter_bytes)
-    MODEL_LOADED.set(1)
     return model, cfg, stats

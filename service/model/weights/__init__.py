@@ -1,0 +1,44 @@
+"""Every kind of weight the model serves, behind one protocol (``protocol``): what each kind is and how it computes.
+
+- dense: a plain ``Tensor`` [N, K] (``protocol.linear`` runs ``F.linear``);
+- ``Int8Weight`` (``int8``) and ``Int4Weight`` (``int4``, its packed layout derived by ``int4_layout``): weight-only
+  quantized projections, made by ``kinds.quantize`` (the table of quantizers) or from stored blocks (GGUF);
+- ``Q8Table`` (``q8_table``): a GGUF Q8_0 embedding / output head, an ``EmbeddingTable``;
+- dense copies: any kind's ``with_dense_copy``, and ``dense_copies.keep_dense_copies`` (a model's, within a
+  budget).
+
+``dispatch`` holds the measured rows from which ``linear`` leaves a kernel for a dense matmul. The model
+(``service.model.llama``) imports ``protocol`` only; loaders and the self-check import the kinds. Nothing here
+reads a file or records a metric.
+"""
+
+from __future__ import annotations
+
+from service.model.weights.dispatch import DENSE_COPY_FROM_ROWS, DENSE_FROM_ROWS, NEVER, dense_from_rows
+from service.model.weights.int4 import GROUP_SIZES, Int4Weight
+from service.model.weights.int8 import Int8Weight
+from service.model.weights.kinds import QUANTIZERS, QuantizedWeight, QuantKind, quantize, with_dense_copy
+from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear, tensor_nbytes
+from service.model.weights.q8_table import Q8Table
+
+__all__ = [
+    "DENSE_COPY_FROM_ROWS",
+    "DENSE_FROM_ROWS",
+    "GROUP_SIZES",
+    "NEVER",
+    "QUANTIZERS",
+    "EmbeddingTable",
+    "Int4Weight",
+    "Int8Weight",
+    "ProjWeight",
+    "Q8Table",
+    "QuantKind",
+    "QuantizedWeight",
+    "Scratch",
+    "Weight",
+    "dense_from_rows",
+    "linear",
+    "quantize",
+    "tensor_nbytes",
+    "with_dense_copy",
+]
