@@ -25,8 +25,6 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from service.config import Settings
-
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
@@ -277,5 +275,8 @@ class AdapterLabels:
         ADAPTER_EVICTIONS.labels(self.label(adapter_id), tier).inc()
 
 
-# The cap is the Settings default until a server starts (service.api.server.start calls ADAPTERS.reset).
-ADAPTERS = AdapterLabels(Settings().metrics_adapter_series)
+# The cap until a server starts (service.api.server.start calls ADAPTERS.reset): the default of
+# Settings.metrics_adapter_series, spelled here so that metrics imports no configuration (tests/test_structure.py
+# checks the two agree).
+DEFAULT_ADAPTER_SERIES = 32
+ADAPTERS = AdapterLabels(DEFAULT_ADAPTER_SERIES)

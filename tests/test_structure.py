@@ -140,6 +140,14 @@ def test_no_import_cycle_between_modules() -> None:
     assert not found, "import cycles between service modules:\n" + _describe(found, graph)
 
 
+def test_metrics_default_adapter_cap_is_the_settings_default() -> None:
+    """``service.metrics`` keeps its own copy of the default so that it imports no configuration (no cycle)."""
+    from service import metrics
+    from service.config import Settings
+
+    assert Settings().metrics_adapter_series == metrics.DEFAULT_ADAPTER_SERIES
+
+
 def test_no_module_over_the_line_limit() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     over = {name: n for name, n in sorted(sizes.items()) if n > MAX_LINES}
