@@ -26,7 +26,7 @@ LOAD_MODES: tuple[LoadMode, ...] = ("stream", "mmap", "eager")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "given": what --gguf / --model name; "auto": the machine picks between --gguf's blocks and the folder (dtypes)
 WEIGHTS = ("given", "auto")
-QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projections (service.model.quant)
+QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projections (service.model.weights.kinds)
 # The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
 # (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
 PROMPT_BYTES_PER_TOKEN = 128
