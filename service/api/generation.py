@@ -88,7 +88,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             limits=pb.Limits(**{name: getattr(s, name) for name in LIMIT_FIELDS}),
             features=features,
             server_version=__version__,
-            load_mode="gguf" if rt.weights == "gguf" else s.load_mode,
+            load_mode=rt.load_mode,
             load_seconds=rt.load_seconds,
             eos_token_ids=sorted(rt.engine.eos_ids),
             cpu_capability=rt.self_check.capability,

@@ -53,6 +53,7 @@ class Loaded:
     dtype: str  # the serving dtype, ``--dtype auto`` resolved (service.model.dtypes)
     self_check: SelfCheckReport  # the start-up self-check: capability, each compute path's kernel and error
     weights: str  # "folder" or "gguf": ``--weights`` resolved
+    load_mode: str  # how the weights were read: ``--load-mode`` for a folder, "gguf" for a GGUF file
 
 
 class Runtime:
@@ -86,7 +87,7 @@ class Runtime:
         with self._closing:
             self.loaded = Loaded(
                 s, parts.model_config, parts.tokenizer, engine, parts.device, seconds, adapters, choice.dtype.name,
-                parts.self_check, choice.weights,
+                parts.self_check, choice.weights, stats.mode,
             )  # fmt: skip
             if self._closed:  # closed between the engine's start and here: close did not see it
                 engine.stop(0)
