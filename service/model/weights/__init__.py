@@ -15,16 +15,15 @@ reads a file or records a metric.
 from __future__ import annotations
 
 from service.model.weights.dispatch import DENSE_COPY_FROM_ROWS, DENSE_FROM_ROWS, NEVER, dense_from_rows
-from service.model.weights.int4 import GROUP_SIZES, Int4Weight
+from service.model.weights.int4 import Int4Weight
 from service.model.weights.int8 import Int8Weight
-from service.model.weights.kinds import QUANTIZERS, QuantizedWeight, QuantKind, quantize, with_dense_copy
-from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear, tensor_nbytes
+from service.model.weights.kinds import QUANTIZERS, QuantKind, quantize, with_dense_copy
+from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.model.weights.q8_table import Q8Table
 
 __all__ = [
     "DENSE_COPY_FROM_ROWS",
     "DENSE_FROM_ROWS",
-    "GROUP_SIZES",
     "NEVER",
     "QUANTIZERS",
     "EmbeddingTable",
@@ -33,12 +32,10 @@ __all__ = [
     "ProjWeight",
     "Q8Table",
     "QuantKind",
-    "QuantizedWeight",
     "Scratch",
     "Weight",
     "dense_from_rows",
     "linear",
     "quantize",
-    "tensor_nbytes",
     "with_dense_copy",
 ]

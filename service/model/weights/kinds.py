@@ -19,10 +19,9 @@ from service.model.weights.int4 import Int4Weight
 from service.model.weights.int8 import Int8Weight
 from service.model.weights.protocol import Weight
 
-__all__ = ["QUANTIZERS", "QuantKind", "QuantizedWeight", "quantize", "with_dense_copy"]
+__all__ = ["QUANTIZERS", "QuantKind", "quantize", "with_dense_copy"]
 
 QuantKind = Literal["int8", "int4"]
-QuantizedWeight = Int8Weight | Int4Weight
 
 # kind -> (w [N, K], group_size, dtype) -> the compact weight
 QUANTIZERS: dict[str, Callable[[Tensor, int, torch.dtype | None], Weight]] = {
