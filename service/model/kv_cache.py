@@ -8,7 +8,7 @@ positions it is given and attends only to positions ``<=`` the query's own, so w
 (a rolled-back draft, a former occupant, the tail of a padded prompt) is never read into a result.
 
 Masked attention is NaN-safe by what the cache holds: it starts zeroed, never uninitialised, and the model writes
-only finite values bounded by ``llama.KV_LIMIT`` (``llama.finite_kv``), so a masked-out key scores exactly -inf and
+only finite values bounded by ``KV_LIMIT`` (``finite_kv``), so a masked-out key scores exactly -inf and
 its value is weighted by exactly 0 (``0 * NaN`` would be NaN), whoever occupied the slot before. On the CPU the
 zeros come from an anonymous memory map, so the cache costs resident memory only for the pages requests actually
 write: a 32-slot, 4096-token cache is sized for the worst case without zero-filling gigabytes at start-up.
@@ -19,10 +19,23 @@ from __future__ import annotations
 import mmap
 
 import torch
+from torch import Tensor
 
 from service.model.config import ModelConfig
 
-__all__ = ["KVCache", "lazy_zeros"]
+__all__ = ["KV_LIMIT", "KVCache", "finite_kv", "lazy_zeros"]
+
+# Bound of every value the KV cache holds (the fp16 maximum). K/V past a row's length stay in its slot and are
+# read, masked, by the next occupant whenever it shares a batch with a longer row: a masked score must be exactly
+# -inf and a masked value weighted by exactly 0, which NaN, inf or a score that overflows to inf would break.
+KV_LIMIT = 65504.0
+
+
+def finite_kv(kv: Tensor) -> Tensor:
+    """K/V as the cache stores them: NaN -> 0, everything else clamped to +-KV_LIMIT. The identity on the values of
+    any healthy row (it only touches this step's new K/V, a few KB); a row that produced non-finite values fails
+    on its own logits, while its slot keeps nothing that could poison the slot's next occupant."""
+    return torch.nan_to_num(kv, nan=0.0, posinf=KV_LIMIT, neginf=-KV_LIMIT).clamp_(-KV_LIMIT, KV_LIMIT)
 
 
 class KVCache:

@@ -11,7 +11,7 @@ carries its tokens and their absolute positions; K/V are written at those positi
 the keys of its own slot at positions ``<=`` its own. Right-padded prompts, ``[B, 1]`` decode steps and rollback
 (the engine just lowers its length) follow from that one rule; with ``tree`` the row's tokens are the nodes of a
 Medusa draft tree, written at consecutive cache positions and each attending only to its ancestors (the
-verification step). Values the cache stores are finite and bounded (``finite_kv``), so a row never poisons the
+verification step). Values the cache stores are finite and bounded (``kv_cache.finite_kv``), so a row never poisons the
 slot's next occupant.
 
 ``adapters`` is the seam for LoRA: every projection goes through ``proj``, which hands the adapter hook the input
@@ -35,18 +35,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.model.config import ModelConfig
-from service.model.kv_cache import KVCache
+from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.platform import draft_dtype
 
 __all__ = [
-    "KV_LIMIT",
     "PROJ_NAMES",
     "AdapterHook",
     "Llama",
     "ProjName",
-    "finite_kv",
     "proj",
 ]
 
@@ -84,19 +82,6 @@ def proj(
     if adapters is not None:
         out = adapters.add_delta(out, x, layer, name)
     return out
-
-
-# Bound of every value the KV cache holds (the fp16 maximum). K/V past a row's length stay in its slot and are
-# read, masked, by the next occupant whenever it shares a batch with a longer row: a masked score must be exactly
-# -inf and a masked value weighted by exactly 0, which NaN, inf or a score that overflows to inf would break.
-KV_LIMIT = 65504.0
-
-
-def finite_kv(kv: Tensor) -> Tensor:
-    """K/V as the cache stores them: NaN -> 0, everything else clamped to +-KV_LIMIT. The identity on the values of
-    any healthy row (it only touches this step's new K/V, a few KB); a row that produced non-finite values fails
-    on its own logits, while its slot keeps nothing that could poison the slot's next occupant."""
-    return torch.nan_to_num(kv, nan=0.0, posinf=KV_LIMIT, neginf=-KV_LIMIT).clamp_(-KV_LIMIT, KV_LIMIT)
 
 
 @dataclass(frozen=True)

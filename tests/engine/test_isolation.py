@@ -29,8 +29,7 @@ from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
 from service.errors import FailedPrecondition
-from service.model.kv_cache import KVCache
-from service.model.llama import KV_LIMIT, finite_kv
+from service.model.kv_cache import KV_LIMIT, KVCache, finite_kv
 from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
