@@ -13,7 +13,8 @@ import ast
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.paths import ROOT
+
 SERVICE = ROOT / "service"
 MAX_LINES = 400
 

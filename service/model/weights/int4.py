@@ -12,7 +12,7 @@ group_size in 32, 64, 128. Kernels: on CPU ``torch._weight_int4pack_mm_for_cpu``
 
 The packed form's memory layout is the kernel's private business and differs by CPU capability: ``dequantize`` and
 ``unpack`` read it through the layout ``int4_layout`` derives from the packer itself at first use, and so
-reproduce exactly the values the kernel multiplies by (tests/test_quant.py checks it against the kernel itself).
+reproduce exactly the values the kernel multiplies by (tests/model/test_quant.py checks it against the kernel itself).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     Int8Weight.quantize(w [N, K], *, dtype=None) -> Int8Weight                     symmetric absmax per row
 
 The same kernel serves CPU and CUDA. ``dequantize`` is exactly ``q * scale`` in the compute dtype, what the kernel
-multiplies by (tests/test_quant.py checks it against the kernel itself).
+multiplies by (tests/model/test_quant.py checks it against the kernel itself).
 """
 
 from __future__ import annotations

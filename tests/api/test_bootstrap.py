@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_settings
+from support.servers import tiny_settings
 
 from service import bootstrap, metrics
 from service.config import QUANTIZE
