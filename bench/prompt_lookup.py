@@ -32,7 +32,7 @@ from service import metrics  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest, TokenEvent  # noqa: E402
-from service.model.weights import load_model  # noqa: E402
+from service.model.load_folder import load_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 CODE = """def load_adapter(folder, roots, stamp=None):

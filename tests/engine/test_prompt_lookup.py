@@ -32,7 +32,7 @@ from service.engine.engine import Engine
 from service.engine.runner import Runner
 from service.engine.sampling import SamplingParams
 from service.model.config import ModelConfig
-from service.model.weights import load_model
+from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
