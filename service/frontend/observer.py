@@ -137,10 +137,13 @@ def observe(event: TokenEvent) -> None:
 
 
 def decided(method: str, code: str) -> None:
-    """An edge sent status ``code`` for the current call: the observer reports it when the call ends. A call no
-    observer watches (health, reflection) is counted here, at once."""
+    """An edge is about to send status ``code`` for the current call: report the call now, before the status can
+    reach the client (a client that scrapes the metrics right after its error then finds it counted), and let its
+    later ``finish`` (whatever the call's task ends with) change nothing. A call no observer watches (health,
+    reflection) is counted here too."""
     call = CURRENT.get()
     if call is None:
         metrics.REQUESTS.labels(method, code).inc()
     else:
         call.decided = code
+        call.finish(code)
