@@ -122,7 +122,8 @@ def compare(base: Path, flags: list[str], args: argparse.Namespace) -> dict[str,
     for key in rounds["before"][0]:
         a = statistics.median(x[key] for x in rounds["before"])
         b = statistics.median(x[key] for x in rounds["after"])
-        out[key] = {"before": a, "after": b, "ratio": b / a}
+        runs = {name: [x[key] for x in rows] for name, rows in rounds.items()}
+        out[key] = {"before": a, "after": b, "ratio": b / a, "runs": runs}
     return out
 
 
@@ -143,7 +144,8 @@ def main() -> None:
         got = compare(base, CONFIGS[config], args)
         results["configs"][config] = got
         for key, v in got.items():
-            line = f"before {v['before']:8.2f}  after {v['after']:8.2f}  after/before {v['ratio']:.3f}"
+            spread = "  ".join(f"{n} {min(r):.2f}-{max(r):.2f}" for n, r in v["runs"].items())
+            line = f"before {v['before']:8.2f}  after {v['after']:8.2f}  after/before {v['ratio']:.3f}  ({spread})"
             print(f"{config:8} {key:18} {line}")
     results.update(bench_serve.run_record("bench/compare_trees.py", started, load_before))
     args.out.parent.mkdir(parents=True, exist_ok=True)
