@@ -1,6 +1,7 @@
 """The inference gateway's model-server protocol metrics, scraped over real HTTP while adapters run and wait.
 
-``LoraRequestsInfo`` is walked on its own first (one series at a time, ids in first-seen order). Then a real
+``LoraRequestsInfo`` is walked on its own first (one series at a time, ids in first-seen order), then through a
+stepped engine (one slot, two adapters: the label set after every step follows the rows). Then a real
 server (tiny random Llama, ``--max-batch-size 1``, two LoRA adapters) runs a long stream on adapter ``a`` while a
 request for ``b`` queues behind it: the scrape's ``loraplex_lora_requests_info`` names ``a`` running, ``b`` waiting
 and ``max_lora="1"``, its value is the current Unix time, and the queue / running / KV gauges the endpoint picker
@@ -17,15 +18,26 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from prometheus_client import Gauge
 from prometheus_client.parser import text_string_to_metric_families
+from support.adapter_files import write_peft_adapter
+from support.engines import Events, idle, prompt, req, step_until
 from support.metrics import write_live_adapters
 from support.wait import wait_until
 
+from service import metrics
+from service.adapters.catalog import AdapterCatalog
+from service.adapters.lora.part import LoraPart
+from service.adapters.lora.store import AdapterStore
 from service.api.server import BackgroundServer
+from service.config import Settings
+from service.engine.engine import Engine
 from service.metrics import LoraRequestsInfo
+from service.model.load_folder import load_model
+from service.tokenizer import Tokenizer
 
 INFO = "loraplex_lora_requests_info"
 # The protocol's gauges as loraplex names them (docs/operations.md, "Inference gateway (endpoint picker)").
@@ -48,6 +60,38 @@ def test_one_series_at_a_time() -> None:
         {"running_lora_adapters": "", "waiting_lora_adapters": "b", "max_lora": "4"}
     ]
     assert abs(info_series()[0][1] - time.time()) < 60
+
+
+def lora_engine(folder: Path, root: Path) -> Engine:
+    """A stepped engine with one slot and the LoRA adapters ``a`` and ``b`` resident before the first step."""
+    settings = Settings(model=folder, max_batch_size=1, max_total_tokens=128, max_prompt_tokens=32)
+    model, cfg, _ = load_model(folder, dtype=torch.float32, device=torch.device("cpu"))
+    store = AdapterStore(
+        cfg, device=torch.device("cpu"), dtype=torch.float32, device_budget_bytes=1 << 24, host_budget_bytes=1 << 24
+    )
+    catalog = AdapterCatalog([LoraPart(store)])
+    for name in ("a", "b"):
+        catalog.register(name, root / name)
+        store.ensure(name, timeout=30)
+    return Engine(model, Tokenizer.from_folder(folder), settings, adapters=catalog)
+
+
+def test_engine_publishes_the_rows_adapters_each_step(served_tiny_dir: Path, tmp_path: Path) -> None:
+    for name, seed in (("a", 3), ("b", 4)):
+        write_peft_adapter(tmp_path / name, served_tiny_dir, r=4, alpha=8, seed=seed, scale=0.5)
+    engine = lora_engine(served_tiny_dir, tmp_path)
+    events = Events()
+    events.submit(engine, req("base", prompt(0, 4), 2))
+    events.submit(engine, req("ra", prompt(1, 4), 3, adapter_id="a"))
+    events.submit(engine, req("rb", prompt(2, 4), 3, adapter_id="b"))
+    engine.step()
+    assert metrics.LORA_INFO.labels == ("", "a,b", "1")  # the base model's row runs; it names no adapter
+    step_until(engine, lambda: events.finished("base") and engine.state().running == 1)
+    assert metrics.LORA_INFO.labels == ("a", "b", "1")
+    step_until(engine, lambda: events.finished("ra") and engine.state().running == 1)
+    assert metrics.LORA_INFO.labels == ("b", "", "1")
+    step_until(engine, lambda: idle(engine))
+    assert metrics.LORA_INFO.labels == ("", "", "1")
 
 
 def scrape(port: int) -> tuple[dict[str, str], dict[str, list[tuple[dict[str, str], float]]]]:
