@@ -1,11 +1,12 @@
 """The inference gateway's model-server protocol metrics, scraped over real HTTP while adapters run and wait.
 
 ``LoraRequestsInfo`` is walked on its own first (one series at a time, ids in first-seen order), then through a
-stepped engine (one slot, two adapters: the label set after every step follows the rows). Then a real
-server (tiny random Llama, ``--max-batch-size 1``, two LoRA adapters) runs a long stream on adapter ``a`` while a
-request for ``b`` queues behind it: the scrape's ``loraplex_lora_requests_info`` names ``a`` running, ``b`` waiting
-and ``max_lora="1"``, its value is the current Unix time, and the queue / running / KV gauges the endpoint picker
-reads are gauges within their ranges. When both are done the single series names no adapter.
+stepped engine (one slot, two adapters: the label set after every step follows the rows). Then a real server
+(tiny random Llama, ``--max-batch-size 1``, two LoRA adapters) runs a long stream on adapter ``a`` (over gRPC)
+while an OpenAI completion for ``b`` queues behind it: the scrape's ``loraplex_lora_requests_info`` names ``a``
+running, ``b`` waiting and ``max_lora="1"``, its value is the current Unix time, and the queue / running / KV
+gauges the endpoint picker reads are gauges within their ranges. When both are done the single series names no
+adapter.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -25,6 +27,7 @@ from prometheus_client import Gauge
 from prometheus_client.parser import text_string_to_metric_families
 from support.adapter_files import write_peft_adapter
 from support.engines import Events, idle, prompt, req, step_until
+from support.http_api import base_url, call
 from support.metrics import write_live_adapters
 from support.wait import wait_until
 
@@ -118,14 +121,15 @@ def test_lora_info_names_running_and_queued_adapters(
     for name in ("a", "b"):
         shutil.copytree(root / "lora", root / name)
     limits = {"max_prompt_tokens": 64, "max_new_tokens": 900, "max_total_tokens": 1000}
-    srv = tiny_server(limits, metrics_port=0, adapter_dirs=(root,), max_batch_size=1)
+    srv = tiny_server(limits, metrics_port=0, http_port=0, adapter_dirs=(root,), max_batch_size=1)
     assert srv.server is not None and srv.server.metrics_port is not None
     port = srv.server.metrics_port
-    with grpc.insecure_channel(srv.target) as channel:
+    with grpc.insecure_channel(srv.target) as channel, ThreadPoolExecutor(1) as pool:
         stub = pb_grpc.GenerationStub(channel)
         long = stream(stub, "a", 900)
         next(long)  # a's row is running
-        queued = stream(stub, "b", 2)
+        # The second arrives as the gateway sends it: an OpenAI completion whose ``model`` is the adapter id.
+        queued = pool.submit(call, f"{base_url(srv)}/completions", {"model": "b", "prompt": "Go", "max_tokens": 2})
         running_and_waiting = {"running_lora_adapters": "a", "waiting_lora_adapters": "b", "max_lora": "1"}
         seen: list[tuple[dict[str, str], dict[str, list[tuple[dict[str, str], float]]]]] = []
 
@@ -141,7 +145,7 @@ def test_lora_info_names_running_and_queued_adapters(
         assert samples["loraplex_waiting_requests"][0][1] == 1
         assert 0 <= samples["loraplex_kv_cache_usage_ratio"][0][1] <= 1
         long.cancel()
-        assert len(list(queued)) >= 1  # b ran once a's slot was free
+        assert queued.result(timeout=60).status == 200  # b ran once a's slot was free
 
         def idle() -> bool:
             seen.append(scrape(port))
