@@ -123,6 +123,15 @@ RUNNING_REQUESTS = _gauge("loraplex_running_requests", "Requests in the running 
 WAITING_REQUESTS = _gauge("loraplex_waiting_requests", "Requests queued for admission.")
 BATCH_SIZE = _histogram("loraplex_batch_size", "Rows per forward step.", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 KV_CACHE_USAGE = _gauge("loraplex_kv_cache_usage_ratio", "Fraction of KV cache slots held by running requests.")
+# The inference gateway's model-server protocol (vLLM's vllm:lora_requests_info): one series at a time, published
+# by the engine once per step through LORA_INFO (below); its value is the time of that step, so a scraper can tell
+# the newest label set.
+LORA_REQUESTS_INFO = _gauge(
+    "loraplex_lora_requests_info",
+    "Adapters of the running rows and of the queued rows (comma-separated ids) and max_lora (the most distinct "
+    "adapters one batch runs: --max-batch-size); value: Unix time of the engine step that published it.",
+    ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+)
 ENGINE_STEP_FAILURES = _counter(
     "loraplex_engine_step_failures_total",
     "Engine steps that raised: their requests failed with INTERNAL, the engine went on.",
@@ -273,6 +282,34 @@ class AdapterLabels:
 
     def evicted(self, adapter_id: str, tier: str) -> None:
         ADAPTER_EVICTIONS.labels(self.label(adapter_id), tier).inc()
+
+
+class LoraRequestsInfo:
+    """Keeps ``gauge`` (``LORA_REQUESTS_INFO``) at one series: a new label set is written first, then the previous
+    one removed (a scrape between the two sees both; the newer has the larger value, which is how the protocol's
+    scrapers pick the latest)."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self._lock = threading.Lock()
+        self._gauge = gauge
+        self._labels: tuple[str, str, str] | None = None
+
+    @property
+    def labels(self) -> tuple[str, str, str] | None:
+        """The current (running, waiting, max_lora) label values; None before the first publish."""
+        return self._labels
+
+    def publish(self, running: Sequence[str], waiting: Sequence[str], max_lora: int) -> None:
+        """``running`` / ``waiting``: the adapter ids of the rows, repeats allowed (the first occurrence orders)."""
+        labels = (",".join(dict.fromkeys(running)), ",".join(dict.fromkeys(waiting)), str(max_lora))
+        with self._lock:
+            self._gauge.labels(*labels).set_to_current_time()
+            if self._labels is not None and self._labels != labels:
+                self._gauge.remove(*self._labels)
+            self._labels = labels
+
+
+LORA_INFO = LoraRequestsInfo(LORA_REQUESTS_INFO)
 
 
 # The cap until a server starts (service.api.server.start calls ADAPTERS.reset): the default of

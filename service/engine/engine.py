@@ -365,3 +365,8 @@ class Engine:
         metrics.RUNNING_REQUESTS.set(len(running))
         metrics.WAITING_REQUESTS.set(len(waiting))
         metrics.KV_CACHE_USAGE.set(len(running) / self.settings.max_batch_size)
+        metrics.LORA_INFO.publish(
+            [r.adapter.id for r in running if r.adapter is not None],
+            [r.adapter.id for r in waiting if r.adapter is not None],
+            self.settings.max_batch_size,
+        )
