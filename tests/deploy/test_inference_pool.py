@@ -260,3 +260,36 @@ def test_epp_reads_the_gauges_loraplex_serves(docs: list[Obj]) -> None:
         name = engine[field]
         assert name in gauges or name in PENDING_GAUGES, f"{field}: {name} is no gauge of service.metrics"
     assert engine["cacheInfoSpec"] == ""  # loraplex has no cache-config gauge; empty turns it off
+
+
+def admits(policy: Obj, pod_labels: dict[str, str], port: str) -> bool:
+    """Whether a NetworkPolicy's ingress rules let pods with ``pod_labels`` (same namespace) reach ``port``."""
+    for rule in policy["spec"].get("ingress", []):
+        ports = {p["port"] for p in rule.get("ports", [])}
+        peers = [peer["podSelector"].get("matchLabels", {}) for peer in rule.get("from", []) if "podSelector" in peer]
+        if port in ports and any(matches(selector, pod_labels) for selector in peers):
+            return True
+    return False
+
+
+def test_epp_may_scrape_the_server_pods(docs: list[Obj]) -> None:
+    server = named(docs, "Deployment", "loraplex")["spec"]["template"]
+    epp = named(docs, "Deployment", "loraplex-epp")["spec"]["template"]["metadata"]["labels"]
+    (metrics,) = [p for c in server["spec"]["containers"] for p in c["ports"] if p["name"] == "metrics"]
+    assert metrics["containerPort"] == DEFAULTS.metrics_port
+    policies = [
+        p
+        for p in docs
+        if p["kind"] == "NetworkPolicy"
+        and matches(p["spec"]["podSelector"]["matchLabels"], server["metadata"]["labels"])
+    ]
+    assert any(admits(p, epp, "metrics") for p in policies)
+    assert not any(admits(p, epp, "http") or admits(p, epp, "grpc") for p in policies)  # the picker only reads
+
+
+def test_renders_with_every_other_component(tmp_path: Path) -> None:
+    """Beside TLS, a model volume and an adapters image, the pool still selects the (patched) server pods."""
+    docs = render(tmp_path, "tls", "mtls", "prometheus-adapter", "model-volume", "adapters-image", COMPONENT)
+    server = named(docs, "Deployment", "loraplex")["spec"]["template"]["metadata"]["labels"]
+    assert matches(pool(docs)["spec"]["selector"]["matchLabels"], server)
+    assert schema_errors(pool(docs)["spec"], POOL_SPEC, "spec") == []
