@@ -30,6 +30,9 @@ POOL_API = "inference.networking.k8s.io/v1"
 OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
 EPP_CONFIG_API = "inference.networking.x-k8s.io/v1alpha1"
 CRD_APIS = {"InferencePool": POOL_API, "InferenceObjective": OBJECTIVE_API}
+# Flags of the v1.5.0 EPP these manifests may pass (a typo would stop the picker at start-up).
+EPP_FLAGS = {"pool-name", "pool-namespace", "pool-group", "config-file", "model-server-metrics-port"}
+EPP_FLAGS |= {"metrics-endpoint-auth", "tracing", "zap-encoder", "v"}
 # Gauges the metrics branch of issue 25 adds to service/metrics.py; until it merges the registry lacks them.
 PENDING_GAUGES = {"loraplex_lora_requests_info"}
 
@@ -143,7 +146,9 @@ def epp_flags(docs: list[Obj]) -> dict[str, str]:
     """``--flag=value`` arguments of the EPP container."""
     args = epp_container(docs)["args"]
     assert all(a.startswith("--") and "=" in a for a in args), args
-    return dict(a[2:].split("=", 1) for a in args)
+    flags = dict(a[2:].split("=", 1) for a in args)
+    assert set(flags) <= EPP_FLAGS, set(flags) - EPP_FLAGS
+    return flags
 
 
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
