@@ -9,9 +9,7 @@ container or a download at pod start.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
-from support.deploy import K8S, K8S_VERSIONS, find_kubectl, one, pod_spec, server_container
+from support.deploy import K8S_VERSIONS, one, pod_spec, render, server_container
 
 from service.api.server import GENERATION_SERVICE
 from service.cli import build_parser
@@ -35,21 +33,6 @@ VERSIONS = {name: K8S_VERSIONS for name in COMPONENTS}
 VERSIONS["adapters-image"] = tuple(v for v in K8S_VERSIONS if int(v.split(".")[1]) >= 31)
 # Server settings the edge branch adds (TLS, the API key file); until it merges they are not Settings fields.
 TLS_VARIABLES = {"LORAPLEX_TLS_CERT", "LORAPLEX_TLS_KEY", "LORAPLEX_TLS_CLIENT_CA", "LORAPLEX_API_KEY_FILE"}
-
-
-def render(tmp_path: Path, *components: str) -> list[Obj]:
-    """``kubectl kustomize`` of a kustomization in ``tmp_path``: overlays/cpu plus ``components``."""
-    rel = Path(os.path.relpath(K8S, tmp_path))  # kustomize refuses absolute paths
-    spec = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": [str(rel / "overlays" / "cpu")],
-        "components": [str(rel / "components" / c) for c in components],
-    }
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(spec))
-    proc = subprocess.run([find_kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
 def config(docs: list[Obj]) -> dict[str, str]:

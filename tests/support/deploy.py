@@ -1,10 +1,12 @@
-"""Shared helpers for the deployment tests: the Kubernetes folder and versions, a kustomize-capable kubectl, the
-rendered objects' accessors and the Dockerfile read as stages. Test modules import these; none imports another."""
+"""Shared helpers for the deployment tests: the Kubernetes folder and versions, a kustomize-capable kubectl, an
+overlay rendered with components, the rendered objects' accessors and the Dockerfile read as stages. Test modules
+import these; none imports another."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -14,6 +16,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from support.paths import ROOT
 
@@ -34,6 +37,21 @@ def find_kubectl() -> str:
         if re.search(r"^Kustomize Version: v([4-9]|[1-9]\d)\.", out.stdout, re.MULTILINE):
             return candidate
     pytest.fail("no kubectl with kustomize >= v4: run scripts/system_deps.sh (as root for the apt part)")
+
+
+def render(tmp_path: Path, *components: str) -> list[Obj]:
+    """``kubectl kustomize`` of a kustomization in ``tmp_path``: overlays/cpu plus ``components``."""
+    rel = Path(os.path.relpath(K8S, tmp_path))  # kustomize refuses absolute paths
+    spec = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [str(rel / "overlays" / "cpu")],
+        "components": [str(rel / "components" / c) for c in components],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([find_kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
 def one(docs: list[Obj], kind: str) -> Obj:
