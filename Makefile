@@ -20,7 +20,7 @@ DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)
 PYTEST_ARGS ?=
 PEERS_ARGS ?=
 
-.PHONY: setup system-deps model serve test test-fast lint typecheck check proto docs fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak bench-peers clean distclean
+.PHONY: setup system-deps model serve test test-fast lint typecheck check proto docs fuzz-long bench-load bench-serve bench-adapters bench-medusa bench-loadgen bench-soak bench-scaleout bench-peers clean distclean
 
 ## setup: create .venv and install the server, the client package, fetch-model's converter and the dev tools (idempotent)
 setup: $(VENV)/.installed
@@ -103,6 +103,10 @@ bench-loadgen: setup model
 ## bench-soak: 10 min with adapter churn (13 LoRAs over a 1 MiB device budget), judged by the RSS slope (bench/soak.py)
 bench-soak: setup model
 	$(PY) bench/soak.py --json bench/results/soak.json
+
+## bench-scaleout: 3 replicas, 48 LoRAs over small device budgets: round-robin vs hash affinity vs least-loaded-with-adapter
+bench-scaleout: setup model
+	$(PY) bench/scaleout.py --json bench/results/scaleout.json
 
 ## bench-peers: loraplex vs vLLM (CPU) and llama-cpp-python, same workload (builds their venvs under bench/.work once)
 bench-peers: setup model
