@@ -23,6 +23,8 @@ from support.adapter_files import write_peft_adapter
 from support.http_api import Reply, base_url, call, requests_count
 from support.paths import ROOT
 
+from service.adapters.lora.part import LoraPart
+from service.adapters.lora.store import AdapterStore
 from service.api.http.errors import HTTP_STATUS
 from service.api.server import BackgroundServer
 
@@ -228,3 +230,36 @@ def test_grpc_and_http_share_one_catalog(server: BackgroundServer, roots: tuple[
         with pytest.raises(grpc.RpcError) as gone:
             admin.GetAdapter(apb.GetAdapterRequest(id="shared"), metadata=md, timeout=60)
         assert gone.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def _store(srv: BackgroundServer) -> AdapterStore:
+    assert srv.server is not None and srv.server.runtime.loaded is not None
+    lora = srv.server.runtime.loaded.adapters.kind(LoraPart)
+    assert lora is not None
+    return lora.store
+
+
+def test_an_adapter_in_use_is_not_unloaded(server: BackgroundServer, roots: tuple[Path, Path]) -> None:
+    url, folder = base_url(server), shutil.copytree(roots[0] / "other", roots[0] / "busy")
+    assert (
+        call(url + "/load_lora_adapter", {"lora_name": "busy", "lora_path": str(folder)}, key=ADMIN_KEY).status == 200
+    )
+    _store(server).pin("busy")  # what a running request on it holds
+    try:
+        busy = call(url + "/unload_lora_adapter", {"lora_name": "busy"}, key=ADMIN_KEY)
+        assert busy.status == 400 and busy.body["error"]["code"] == "failed_precondition", busy.body
+        assert "in use by 1 running request" in busy.body["error"]["message"]
+        assert "busy" in [c["id"] for c in call(url + "/models", key=ADMIN_KEY).body["data"]]  # nothing changed
+    finally:
+        _store(server).unpin("busy")
+    assert call(url + "/unload_lora_adapter", {"lora_name": "busy"}, key=ADMIN_KEY).status == 200
+
+
+def test_the_adapter_routes_answer_503_while_the_model_loads(
+    tiny_server: Callable[..., BackgroundServer], roots: tuple[Path, Path]
+) -> None:
+    waiting = tiny_server(http_port=0, adapter_roots=(roots[0],), load=False)
+    body = {"lora_name": "sql", "lora_path": str(roots[0] / "sql")}
+    for route in ("/load_lora_adapter", "/unload_lora_adapter"):
+        reply = call(base_url(waiting) + route, body)
+        assert (reply.status, reply.headers["retry-after"]) == (503, "1"), reply.body
