@@ -263,3 +263,20 @@ def test_the_adapter_routes_answer_503_while_the_model_loads(
     for route in ("/load_lora_adapter", "/unload_lora_adapter"):
         reply = call(base_url(waiting) + route, body)
         assert (reply.status, reply.headers["retry-after"]) == (503, "1"), reply.body
+
+
+def test_a_bare_hub_repo_id_is_read_from_the_servers_cache_as_vllm_reads_it(
+    tiny_server: Callable[..., BackgroundServer], roots: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cache, commit = tmp_path / "hub", "c" * 40
+    repo = cache / "models--acme--sql"
+    shutil.copytree(roots[0] / "sql", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    srv = tiny_server(http_port=0, hf_hub_cache=cache, adapter_roots=(cache,))
+    reply = call(base_url(srv) + "/load_lora_adapter", {"lora_name": "hub-sql", "lora_path": "acme/sql"})
+    assert (reply.status, reply.body) == (200, "Success: LoRA adapter 'hub-sql' added successfully.")
+    card = next(c for c in call(base_url(srv) + "/models").body["data"] if c["id"] == "hub-sql")
+    assert card["root"] == "hf://acme/sql"
+    absent = call(base_url(srv) + "/load_lora_adapter", {"lora_name": "hub-x", "lora_path": "acme/not-cached"})
+    assert absent.status == 404 and "never downloads" in absent.body["error"]["message"], absent.body

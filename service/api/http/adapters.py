@@ -13,6 +13,7 @@ Each call is observed as every route is: ``method="http.load_lora_adapter"`` / `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +34,9 @@ LOAD_METHOD = "/loraplex.v1.Adapters/LoadAdapter"
 UNLOAD_METHOD = "/loraplex.v1.Adapters/UnloadAdapter"
 """The gRPC methods whose role each route needs (``KeyRing.authorize``): admin."""
 
+HUB_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A bare ``org/name``: vLLM reads such a ``lora_path`` (when it is no local folder) as a Hugging Face repo id."""
+
 Observe = Callable[[str, Request], ObservedCall]
 ReadBody = Callable[[Request, int], Awaitable[object]]
 
@@ -48,7 +52,7 @@ class AdapterRoutes:
         outcome = self._observe("http.load_lora_adapter", request)
         try:
             name, path = await self._fields(request, LOAD_METHOD, outcome, ("lora_name", "lora_path"))
-            await self.admin.load(name, path, id_field="lora_name", source_field="lora_path")
+            await self.admin.load(name, _source(path), id_field="lora_name", source_field="lora_path")
         except Exception as exc:
             return _refused(_as_vllm(exc), outcome)
         return _done(f"Success: LoRA adapter '{name}' added successfully.", outcome)
@@ -84,6 +88,15 @@ def _string(body: dict[str, Any], name: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequest(f"{name} must be a string, not {type(value).__name__}", field=name)
     return value
+
+
+def _source(lora_path: str) -> str:
+    """``lora_path`` as a loraplex source: a bare ``org/name`` is that repo in the server's Hugging Face cache
+    (``hf://org/name``: read from the cache only, never downloaded, and only inside a root); anything else as
+    given, so folders are given as absolute paths."""
+    if HUB_REPO_ID.fullmatch(lora_path) and ".." not in lora_path:
+        return "hf://" + lora_path
+    return lora_path
 
 
 def _resolve(catalog: AdapterCatalog, adapter_id: str) -> object:
