@@ -6,7 +6,9 @@ with vLLM's plain-text ``Success: ...`` line out; an id already loaded is 400 (g
 unknown id on unload or a missing folder 404. Errors keep this edge's OpenAI error object. Where loraplex is
 stricter than vLLM it stays so: the admin role (``KeyRing``, as gRPC's Adapters service), ``--adapter-root``
 (403 outside every root) and the adapter id rule, all through the seam gRPC uses (``service.frontend.adapters``),
-never checked here a second time. Unknown body fields are ignored, as vLLM ignores them.
+never checked here a second time. Unknown body fields are ignored, as vLLM ignores them (``lora_int_id``,
+``load_inplace``). A bare ``org/name`` ``lora_path`` is a Hugging Face repo id, as in vLLM, but read from the
+server's cache (``hf://``), never downloaded.
 
 Each call is observed as every route is: ``method="http.load_lora_adapter"`` / ``"http.unload_lora_adapter"``.
 """
