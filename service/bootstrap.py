@@ -158,7 +158,7 @@ def adapter_roots(s: Settings) -> tuple[Path, ...]:
     """Folders adapters may be read from: the --adapter-dir folders and the folders holding the --adapter paths (the
     operator's own flags; for an hf:// source its ``models--org--name`` folder, snapshots and blobs), plus every
     --adapter-root. A root only ever adds: what the operator registered at start-up stays readable. Empty:
-    LoadAdapter is refused (see ``AdaptersServicer``)."""
+    LoadAdapter is refused (see ``service.frontend.adapters``)."""
     own = (*s.adapter_dirs, *(_own_root(source, s.hf_hub_cache) for _, source in s.adapters))
     return tuple(dict.fromkeys((*own, *s.adapter_roots)))
 

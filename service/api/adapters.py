@@ -1,4 +1,5 @@
-"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work).
+"""The `loraplex.v1.Adapters` servicer: register, remove and inspect adapters (thin; the store does the work, and
+loading and removal go through the seam both edges share, ``service.frontend.adapters``).
 
 Every method taking an id checks it first (``service.adapters.common.ids``): a malformed id is INVALID_ARGUMENT,
 NOT_FOUND is for a well-formed id that is not registered. Methods raise typed errors; the interceptors
@@ -6,8 +7,6 @@ NOT_FOUND is for a well-formed id that is not registered. Methods raise typed er
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from loraplex.v1 import adapters_pb2 as pb
@@ -20,8 +19,7 @@ from service.adapters.lora.part import LoraPart
 from service.adapters.medusa.part import MedusaPart
 from service.api.runtime import Runtime
 from service.api.status import Context
-from service.errors import InvalidRequest, PermissionDenied
-from service.hf_cache import parse_source
+from service.frontend.adapters import AdapterAdmin
 
 _STATES = {
     "registered": pb.ADAPTER_STATE_REGISTERED,
@@ -121,26 +119,14 @@ def unloaded(info: pb.AdapterInfo) -> pb.AdapterInfo:
 class AdaptersServicer(pb_grpc.AdaptersServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.admin = AdapterAdmin(runtime)  # the checks and order shared with the HTTP edge
 
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: Context) -> pb.LoadAdapterResponse:
-        store = self.runtime.ready().adapters
-        check_adapter_id(request.id, field="id")
-        if not request.source:
-            raise InvalidRequest("source is empty: give the adapter folder's path on the server, or hf://org/name")
-        if not store.roots:
-            raise PermissionDenied(
-                "this server loads adapters from no folder: start it with --adapter-root DIR (or --adapter-dir DIR)"
-            )
-        source = parse_source(request.source)
-        # Registration reads a config file and safetensors headers (and an hf:// ref): file I/O, off the event loop.
-        await asyncio.to_thread(store.register, request.id, source)
+        store = await self.admin.load(request.id, request.source)
         return pb.LoadAdapterResponse(adapter=describe(store, request.id))
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: Context) -> pb.UnloadAdapterResponse:
-        store = self.runtime.ready().adapters
-        check_adapter_id(request.id, field="id")
-        info = describe(store, request.id)
-        store.unregister(request.id)  # raises (and changes nothing) while requests use it
+        info = self.admin.unload(request.id, describe)  # raises (and changes nothing) while requests use it
         return pb.UnloadAdapterResponse(adapter=unloaded(info))
 
     async def ListAdapters(self, request: pb.ListAdaptersRequest, context: Context) -> pb.ListAdaptersResponse:

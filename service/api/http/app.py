@@ -5,9 +5,10 @@ body is read; the serving state (``Runtime.ready``: 503 while loading or drainin
 ``--max-message-bytes`` while it is read; the parameters (``params``: OpenAI JSON -> a domain call); then the
 frontend's generation path with its checks. Every call is reported by the call observer
 (``service.frontend.observer``), as gRPC calls are: one ``loraplex_requests_total`` sample,
-``method="http.chat"`` / ``"http.completions"`` / ``"http.models"``, ``code`` = the gRPC status name of the
-outcome (the same label values as gRPC's), one ``loraplex_adapter_requests_total`` sample per generation, and one
-``event=access`` line on ``loraplex.access``.
+``method="http.chat"`` / ``"http.completions"`` / ``"http.models"`` (vLLM's adapter routes,
+``service.api.http.adapters``: ``"http.load_lora_adapter"`` / ``"http.unload_lora_adapter"``), ``code`` = the gRPC
+status name of the outcome (the same label values as gRPC's), one ``loraplex_adapter_requests_total`` sample per
+generation, and one ``event=access`` line on ``loraplex.access``.
 
 A client that goes away cancels its generation: a non-streamed call races the generation against the connection's
 ``http.disconnect``; a stream is closed by Starlette's disconnect watch, and closing it cancels every choice's
@@ -33,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 from service.adapters.common.ids import check_adapter_id
 from service.api.auth import KeyRing
 from service.api.http import errors, params
+from service.api.http.adapters import AdapterRoutes
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
 from service.errors import AdapterNotFound, InvalidRequest
@@ -61,6 +63,7 @@ class OpenAIRoutes:
         self.created = int(time.time())  # ``created`` of every model card: when this server started
         self.base_name = runtime.settings.model.resolve().name  # ``model`` of the base: its folder's name, as
         # ModelInfo.model_name (resolved once: no file system call per request on the event loop)
+        self.adapter_routes = AdapterRoutes(runtime, keys, self._observe, self._body)
 
     def app(self) -> Starlette:
         routes = [
@@ -68,6 +71,8 @@ class OpenAIRoutes:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.adapter_routes.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.adapter_routes.unload, methods=["POST"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
@@ -116,9 +121,10 @@ class OpenAIRoutes:
         cards = [{"id": base, "object": "model", "created": created, "owned_by": "loraplex", "root": base}]
         for adapter_id in rt.adapters.ids():
             if adapter_id != base:
+                root = rt.adapters.source_of(adapter_id) or base  # as vLLM: the adapter's path, as loaded
                 cards.append(
                     {"id": adapter_id, "object": "model", "created": created, "owned_by": "loraplex",
-                     "root": base, "parent": base}
+                     "root": root, "parent": base}
                 )  # fmt: skip
         return cards
 
