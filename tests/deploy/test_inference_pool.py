@@ -41,6 +41,12 @@ DNS_SUBDOMAIN_OR_EMPTY = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 KIND_PATTERN = r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"
 LABEL_VALUE = {"type": str, "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
 PORT = {"type": dict, "required": {"number"}, "properties": {"number": {"type": int, "minimum": 1, "maximum": 65535}}}
+# A reference to another object (the pool's picker, the objective's pool): the fields both CRDs share.
+REFERENCE: Obj = {
+    "group": {"type": str, "maxLength": 253, "pattern": DNS_SUBDOMAIN_OR_EMPTY},
+    "kind": {"type": str, "minLength": 1, "maxLength": 63, "pattern": KIND_PATTERN},
+    "name": {"type": str, "minLength": 1, "maxLength": 253},
+}
 POOL_SPEC: Obj = {
     "type": dict,
     "required": {"selector", "targetPorts", "endpointPickerRef"},
@@ -58,9 +64,7 @@ POOL_SPEC: Obj = {
             "type": dict,
             "required": {"name"},
             "properties": {
-                "group": {"type": str, "maxLength": 253, "pattern": DNS_SUBDOMAIN_OR_EMPTY},
-                "kind": {"type": str, "minLength": 1, "maxLength": 63, "pattern": KIND_PATTERN},
-                "name": {"type": str, "minLength": 1, "maxLength": 253},
+                **REFERENCE,
                 "port": PORT,
                 "failureMode": {"type": str, "enum": {"FailOpen", "FailClose"}},
             },
@@ -75,9 +79,7 @@ OBJECTIVE_SPEC: Obj = {
             "type": dict,
             "required": {"name"},
             "properties": {
-                "group": {"type": str, "maxLength": 253, "pattern": DNS_SUBDOMAIN_OR_EMPTY},
-                "kind": {"type": str, "minLength": 1, "maxLength": 63, "pattern": KIND_PATTERN},
-                "name": {"type": str, "minLength": 1, "maxLength": 253},
+                **REFERENCE,
             },
         },
         "priority": {"type": int},
