@@ -129,9 +129,9 @@ _ADAPTER_FLAGS = (
     _Flag("--speculate-max-batch", "speculation (Medusa heads, --draft) off above this batch size", type=int),
     _Flag("--draft", "server-wide drafter for greedy rows whose adapter has no Medusa heads: none (default) or "
           "prompt-lookup (drafts copied from the row's own prompt and output; no weights)", metavar="KIND"),
-    _Flag("--draft-ngram", "prompt-lookup: match the row's last N tokens (N down to 1, longest first; default 3)",
+    _Flag("--draft-ngram", "prompt-lookup: match the row's last N tokens (N down to 1, longest first; 1-16, default 3)",
           type=int, metavar="N"),
-    _Flag("--draft-tokens", "prompt-lookup: tokens proposed after a match, verified in one step (default 8)",
+    _Flag("--draft-tokens", "prompt-lookup: tokens proposed after a match, verified in one step (1-32, default 8)",
           type=int, metavar="K"),
 )  # fmt: skip
 # TLS, API keys, message size and connection age.

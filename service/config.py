@@ -32,6 +32,10 @@ QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projectio
 PROMPT_BYTES_PER_TOKEN = 128
 
 
+MAX_DRAFT_NGRAM = 16  # --draft-ngram: the longest suffix prompt lookup matches
+MAX_DRAFT_TOKENS = 32  # --draft-tokens: the most tokens it proposes per step
+
+
 class ConfigError(ValueError):
     """A setting, or a file a setting names, is invalid. The message names it; `loraplex serve` prints it, exits 2."""
 
@@ -180,8 +184,14 @@ class Settings:
 
         if self.draft != "none" and self.draft not in SERVER_DRAFTERS:
             raise ValueError(f"draft must be none or one of {tuple(SERVER_DRAFTERS)}, got {self.draft!r}")
+        # Bounds before work: the lookup scans the row's history once per n-gram length, and every proposed token
+        # is one more node each step verifies for the row.
         if self.draft_ngram < 1 or self.draft_tokens < 1:
             raise ValueError("draft_ngram and draft_tokens must be >= 1")
+        if self.draft_ngram > MAX_DRAFT_NGRAM:
+            raise ValueError(f"draft_ngram must be at most {MAX_DRAFT_NGRAM}, got {self.draft_ngram}")
+        if self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
 
     def _validate_transport(self) -> None:
         if not 0 < self.max_message_bytes < 1 << 31:

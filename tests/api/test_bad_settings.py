@@ -27,6 +27,10 @@ BAD_VALUES = [
     ("PREFILL_CHUNK_TOKENS", "-1", "prefill_chunk_tokens must be >= 0"),
     ("DENSE_COPIES_MB", "-2", "dense_copies_mb must be -1"),
     ("DENSE_COPIES_MB", "64", "dense_copies_mb applies to a quantized base"),
+    ("DRAFT", "medusa", "draft must be none or one of"),
+    ("DRAFT_NGRAM", "17", "draft_ngram must be at most 16"),
+    ("DRAFT_TOKENS", "0", "draft_ngram and draft_tokens must be >= 1"),
+    ("DRAFT_TOKENS", "33", "draft_tokens must be at most 32"),
     ("LOG_FORMAT", "xml", "log_format must be one of"),
     ("LOG_LEVEL", "LOUD", "log_level one of"),
 ]
