@@ -99,6 +99,12 @@ _LIMIT_FLAGS = (
     _Flag("--max-chat-messages", "chat messages in one input (default 1024)", type=int),
     _Flag("--max-stop-sequences", "stop sequences per request (default 16)", type=int),
     _Flag("--max-stop-sequence-bytes", "UTF-8 bytes of each stop sequence (default 1024)", type=int),
+    _Flag("--max-constraint-bytes", "UTF-8 bytes of one output constraint: schema, regex, grammar or choices "
+          "(default 65536)", type=int),
+    _Flag("--max-constraint-choices", "strings in one choice constraint (default 1024)", type=int),
+    _Flag("--max-constraint-depth", "nesting levels of one JSON schema constraint (default 32)", type=int),
+    _Flag("--constraint-cache-bytes", "bytes of compiled grammars kept for reuse, least recently used first "
+          "(default 64 MiB; 0 = compile every time)", type=int),
     _Flag("--grace-seconds", "drain time on SIGTERM (default 10)", type=float),
     _Flag("--prefill-chunk-tokens",
           "prompt tokens per prefill pass between decode steps, so long prompts cannot stall running streams "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service.constraints.spec import ConstraintLimits
 from service.errors import InvalidRequest
 from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, hub_cache_dir, parse_source
 
@@ -69,6 +70,10 @@ class Settings:
     max_chat_messages: int = 1024
     max_stop_sequences: int = 16
     max_stop_sequence_bytes: int = 1024
+    max_constraint_bytes: int = 64 << 10  # output constraints (service.constraints.spec)
+    max_constraint_choices: int = 1024
+    max_constraint_depth: int = 32
+    constraint_cache_bytes: int = 64 << 20  # compiled grammars kept for reuse (service.constraints.cache)
     grace_seconds: float = 10.0
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
     prefix_block_tokens: int = 16
@@ -110,6 +115,11 @@ class Settings:
         """UTF-8 bytes one prompt may have before tokenization: ``max_prompt_bytes``, or by default enough for
         ``max_prompt_tokens`` tokens of the longest kind, so the byte limit never refuses a prompt whose tokens fit."""
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_prompt_tokens
+
+    @property
+    def constraint_limits(self) -> ConstraintLimits:
+        """The bounds every output constraint meets before it is compiled."""
+        return ConstraintLimits(self.max_constraint_bytes, self.max_constraint_choices, self.max_constraint_depth)
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -153,10 +163,13 @@ class Settings:
             raise ConfigError("quantize applies to safetensors checkpoints; a gguf file's blocks are served as stored")
         for name in (
             "max_batch_size", "max_queue", "max_prompt_tokens", "max_new_tokens", "max_total_tokens",
-            "max_chat_messages", "max_stop_sequences", "max_stop_sequence_bytes",
+            "max_chat_messages", "max_stop_sequences", "max_stop_sequence_bytes", "max_constraint_bytes",
+            "max_constraint_choices", "max_constraint_depth",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.constraint_cache_bytes < 0:
+            raise ValueError("constraint_cache_bytes must be >= 0 (0 = no cache)")
         if self.max_prompt_bytes < 0:
             raise ValueError("max_prompt_bytes must be >= 0 (0 = derived from max_prompt_tokens)")
         from service.drafters.tree import DraftTree

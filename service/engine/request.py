@@ -12,9 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from service.constraints.backend import Grammar
 
 
 class FinishReason(enum.Enum):
@@ -24,6 +28,7 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"
+    DEAD_END = "dead_end"  # the output constraint allows no next token (its grammar can neither go on nor end)
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() instant after which the request is dropped
     arrival: float = field(default_factory=time.monotonic)
     call_id: str = ""  # the id of the API call this request is part of (one of several prompts); empty: request_id
+    grammar: Grammar | None = None  # the compiled output constraint every token must follow (None: free text)
 
     @property
     def log_id(self) -> str:

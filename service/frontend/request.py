@@ -8,7 +8,7 @@ A domain error's ``field`` names an attribute of a call (each edge maps it to it
 ``inputs`` (their count), ``inputs[i].text`` / ``inputs[i].messages`` (an input's size), ``input`` /
 ``input.text`` / ``input.messages`` / ``input.messages.role`` (an input's content, found while it is tokenized),
 ``adapter_id``, ``request_id``, ``max_new_tokens``, ``stop_sequences`` / ``stop_sequences[i]``,
-``sampling.<name>``.
+``sampling.<name>``, ``constraint`` / ``constraint.<kind>``.
 
 A new request field for both APIs is: an attribute here, its check in ``checks`` (or ``SamplingParams``), its
 translation in each edge (``service.api.convert`` for gRPC, its proto message; ``service.api.http.params`` for
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+from service.constraints.spec import Constraint
 from service.engine.request import FinishReason
 from service.engine.sampling import SamplingParams
 
@@ -82,7 +83,8 @@ class GenerationCall:
     """One call asking for a generation per input, all with the same adapter, sampling and stops.
 
     ``adapter_id`` "" is the base model; ``max_new_tokens`` None the server's default; ``request_id`` "" a new id;
-    ``deadline`` a ``time.monotonic()`` instant or None; ``speculate`` None: when the adapter has Medusa heads."""
+    ``deadline`` a ``time.monotonic()`` instant or None; ``speculate`` None: when the adapter has Medusa heads;
+    ``constraint`` what every output must match (None: free text)."""
 
     inputs: tuple[Input, ...]
     adapter_id: str = ""
@@ -94,6 +96,7 @@ class GenerationCall:
     logprobs: bool = False
     request_id: str = ""
     deadline: float | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
