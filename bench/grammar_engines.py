@@ -24,8 +24,9 @@ Measured per engine:
   * memory: RSS growth for the 32 compiled grammars, and after walking them;
   * correctness: a corpus of generated and hand-written schemas; random walks (a random allowed token each step,
     tokens with a quote preferred 60% of the time, else a string would rarely end; stop when EOS is allowed, at
-    most 300 tokens), decoded, ``json.loads`` and ``jsonschema`` (with format checks): valid / invalid / unsupported schema
-    (compile error) / capped / dead end (no token allowed and EOS not allowed).
+    most 300 tokens), decoded, ``json.loads`` and ``jsonschema`` (with format checks): valid / invalid /
+    unsupported schema (compile error) / compile past ``--compile-limit`` / capped / dead end (no token allowed
+    and EOS not allowed).
 Results: ``--out`` (bench/results/grammar_engines.json) and a table on stdout.
 """
 
