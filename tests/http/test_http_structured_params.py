@@ -85,11 +85,11 @@ def test_schema_key_order_is_kept() -> None:
     ("grammar", "dialect"),
     [
         ('root ::= "a"', "gbnf"),
-        ('  root   ::= item+\nitem ::= [a-z]', "gbnf"),
+        ("  root   ::= item+\nitem ::= [a-z]", "gbnf"),
         ('# a comment\nroot-rule ::= "x"', "gbnf"),
         ('start: "a"', "lark"),
         ('start: "::="', "lark"),  # a Lark string holding GBNF's operator is still Lark
-        ('%llguidance {}\nstart: /[0-9]+/', "lark"),
+        ("%llguidance {}\nstart: /[0-9]+/", "lark"),
     ],
 )
 def test_grammar_dialect_is_gbnf_where_a_line_defines_a_gbnf_rule(grammar: str, dialect: str) -> None:
