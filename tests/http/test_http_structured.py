@@ -57,7 +57,9 @@ def model(smollm2_dir: Path) -> str:
 
 
 def chat(client: openai.OpenAI, model: str, **kw: Any) -> Any:
-    return client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=64, **kw)  # type: ignore[arg-type]
+    """A greedy chat call (``ASK`` unless ``messages`` is given) with ``kw``."""
+    kw = {"messages": ASK, "temperature": 0, "max_tokens": 64, **kw}
+    return client.chat.completions.create(model=model, **kw)
 
 
 def test_response_format_json_schema_gives_valid_json(client: openai.OpenAI, model: str) -> None:
@@ -83,7 +85,8 @@ def test_the_clients_parse_helper_gets_its_pydantic_model(client: openai.OpenAI,
 
 
 def test_json_object_on_both_routes(client: openai.OpenAI, model: str) -> None:
-    reply = chat(client, model, response_format={"type": "json_object"})
+    capital = [{"role": "user", "content": "Reply in JSON: what is the capital of France?"}]
+    reply = chat(client, model, response_format={"type": "json_object"}, messages=capital)
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
     text = client.completions.create(
@@ -147,9 +150,10 @@ def test_a_stream_gives_the_whole_reply(client: openai.OpenAI, model: str, extra
             finish = chunk.choices[0].finish_reason or finish
     assert "".join(parts) == whole.choices[0].message.content
     assert finish == whole.choices[0].finish_reason == "stop"
-    text = client.completions.create(model=model, prompt="Answer:", temperature=0, max_tokens=64, **_spelled(extra))
+    # the client's completions.create has no response_format argument: vLLM's extension body carries it
+    text = client.completions.create(model=model, prompt="Answer:", temperature=0, max_tokens=64, extra_body=extra)
     streamed = client.completions.create(
-        model=model, prompt="Answer:", temperature=0, max_tokens=64, stream=True, **_spelled(extra)
+        model=model, prompt="Answer:", temperature=0, max_tokens=64, stream=True, extra_body=extra
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text.choices[0].text
 

@@ -215,8 +215,16 @@ def test_a_constraint_error_is_renamed_to_the_parameter_it_came_from(
     assert structured.rename(other, param) is other
 
 
-def test_dead_end_has_its_own_finish_reason() -> None:
-    from service.api.http.replies import FINISH
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_dead_end_finishes_with_dead_end(kind: params.Kind) -> None:
+    """The engine's ``DEAD_END`` (the constraint allowed no next token) is its own finish reason, whole and
+    streamed: ``stop`` would claim a complete output, and OpenAI has no value for it."""
+    from service.api.http.replies import Replies
+    from service.frontend import Completion, Generated, TokenEvent
 
-    assert FINISH[FinishReason.DEAD_END] == "dead_end"
-    assert set(FINISH.values()) == {"stop", "length", "dead_end"}
+    call = parsed(kind, guided_regex="a+b")
+    done = Completion("aa", (1, 1), (), FinishReason.DEAD_END, "", 3, 2, 0)
+    body = Replies(call, "r", None).completion(Generated("r", (done,)))  # type: ignore[arg-type]
+    assert body["choices"][0]["finish_reason"] == "dead_end"
+    chunks = Replies(call, "r", None).chunks(0, TokenEvent((1,), "a", finish=FinishReason.DEAD_END))  # type: ignore[arg-type]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == ["dead_end"]
