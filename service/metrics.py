@@ -201,6 +201,8 @@ CONSTRAINT_CACHE_LOOKUPS = _counter(
     "Compiled-grammar cache lookups by result (hit, miss).",
     ["result"],
 )
+for _result in ("hit", "miss"):  # both series exist from the start, so a hit ratio is defined before the first miss
+    CONSTRAINT_CACHE_LOOKUPS.labels(_result)
 CONSTRAINT_CACHE_BYTES = _gauge(
     "loraplex_constraint_cache_bytes", "Bytes charged to the compiled grammars the cache holds (an estimate)."
 )
