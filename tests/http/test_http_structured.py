@@ -197,6 +197,18 @@ def test_constraints_the_backend_refuses_are_400_naming_the_field(
     assert error["message"] and len(error["message"]) < 4096
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="service/constraints/llg.py sends llguidance's whole error, which quotes the input (about 3x its size); "
+    "cutting it with service.errors.shorten makes this pass: then drop this mark",
+)
+def test_a_long_refused_constraint_gets_a_short_message(server: BackgroundServer, model: str) -> None:
+    body = {"model": model, "prompt": "hi", "max_tokens": 4, "guided_regex": "(" + "a" * 60_000}
+    reply = call(f"{base_url(server)}/completions", body)
+    assert reply.status == 400 and reply.body["error"]["param"] == "guided_regex"
+    assert len(reply.body["error"]["message"]) < 4096
+
+
 def _nested(depth: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "integer"}
     for _ in range(depth - 1):
