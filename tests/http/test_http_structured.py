@@ -17,6 +17,7 @@ import openai
 import pydantic
 import pytest
 from support.http_api import base_url, call, sse_events
+from support.paths import ROOT
 from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
@@ -42,7 +43,8 @@ ASK = [{"role": "user", "content": "Give me the name and age of a famous scienti
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir: Path) -> Iterator[BackgroundServer]:
-    with BackgroundServer(tiny_settings(smollm2_dir, http_port=0, max_new_tokens=96)) as srv:
+    demo = ROOT / "adapters" / "demo"
+    with BackgroundServer(tiny_settings(smollm2_dir, http_port=0, max_new_tokens=96, adapter_dirs=(demo,))) as srv:
         yield srv
 
 
@@ -131,6 +133,21 @@ def test_sampled_choices_all_match(client: openai.OpenAI, model: str) -> None:
     assert len(reply.choices) == 3
     for choice in reply.choices:
         assert choice.finish_reason == "stop" and re.fullmatch(PHONE, choice.message.content), choice
+
+
+def test_streamed_choices_and_adapters_are_constrained(client: openai.OpenAI, model: str) -> None:
+    texts: dict[int, str] = {}
+    for chunk in chat(client, model, temperature=1.0, seed=3, n=2, stream=True, extra_body={"guided_regex": PHONE}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert sorted(texts) == [0, 1] and all(re.fullmatch(PHONE, t) for t in texts.values()), texts
+    for adapter in ("caps", "terse"):
+        reply = chat(client, adapter, extra_body={"structured_outputs": {"choice": COLOURS}})
+        assert reply.choices[0].message.content in COLOURS and reply.choices[0].finish_reason == "stop"
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        reply = chat(client, adapter, response_format=fmt)
+        assert reply.choices[0].finish_reason == "stop", (adapter, reply.choices[0])
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
 
 
 @pytest.mark.parametrize(
