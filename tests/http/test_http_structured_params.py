@@ -61,6 +61,10 @@ def parsed(kind: params.Kind = "chat", **extra: Any) -> params.Call:
         ({"guided_grammar": LARK}, Constraint("grammar", LARK, "lark"), "guided_grammar"),
         ({"response_format": {"type": "text"}, "guided_regex": "a"}, Constraint("regex", "a"), "guided_regex"),
         ({"response_format": None, "structured_outputs": None, "guided_json": None}, None, None),
+        ({"response_format": {"type": "text", "json_schema": None}}, None, None),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": None,
+                                                                     "description": None}}},
+         Constraint("json_schema", SCHEMA_TEXT), "response_format.json_schema.schema"),
         ({}, None, None),
     ],
 )  # fmt: skip

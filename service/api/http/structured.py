@@ -78,7 +78,7 @@ def parse(given: Mapping[str, Any]) -> Structured:
     for name in GUIDED:
         if name in given:
             field = name.removeprefix("guided_")
-            found.append(_constraint(field, given[name], name, _dialect_of(None, name)))
+            found.append(_constraint(field, given[name], name, None))
     found = [s for s in found if s.constraint is not None]
     if len(found) > 1:
         first, second = found[0].param, found[1].param
@@ -180,9 +180,9 @@ def _options(given: Mapping[str, Any], where: str) -> None:
             raise UnsupportedParameter(f"{where}.{name} is not supported (only {only})", field=f"{where}.{name}")
 
 
-def _dialect_of(given: Mapping[str, Any] | None, where: str) -> str | None:
+def _dialect_of(given: Mapping[str, Any], where: str) -> str | None:
     """The explicit ``grammar_dialect`` (None: guess it from the grammar)."""
-    if given is None or "grammar_dialect" not in given:
+    if "grammar_dialect" not in given:
         return None
     dialect = given["grammar_dialect"]
     if dialect not in ("gbnf", "lark"):
@@ -245,8 +245,8 @@ def _schema_text(schema: dict[str, Any], param: str) -> str:
 
 
 def _only(value: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    for name in value:
-        if name not in allowed:
+    for name, item in value.items():
+        if name not in allowed and item is not None:  # a null field is an absent one, as at the top level
             raise UnknownParameter(f"unknown parameter {where}.{echo(name)}", field=f"{where}.{name[:64]}")
 
 
