@@ -102,7 +102,7 @@ class LLGuidanceBackend:
         error = next((m.get_error() for m in (matcher, probe) if m.is_error()), "")
         if error:
             raise InvalidRequest(
-                f"the {constraint.kind} constraint cannot be compiled: {error}", field=_field(constraint)
+                f"the {constraint.kind} constraint cannot be compiled: {shorten(error)}", field=_field(constraint)
             )
         return LLGuidanceGrammar(matcher, len(grammar) + _GRAMMAR_OVERHEAD_BYTES)
 

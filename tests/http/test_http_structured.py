@@ -214,11 +214,6 @@ def test_constraints_the_backend_refuses_are_400_naming_the_field(
     assert error["message"] and len(error["message"]) < 4096
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLGuidanceBackend.compile (service/constraints/llg.py) still sends the matcher's whole error, which quotes "
-    "the input (about 3x its size): 'cannot be compiled: {error}' needs errors.shorten too; then drop this mark",
-)
 def test_a_long_refused_constraint_gets_a_short_message(server: BackgroundServer, model: str) -> None:
     body = {"model": model, "prompt": "hi", "max_tokens": 4, "guided_regex": "(" + "a" * 60_000}
     reply = call(f"{base_url(server)}/completions", body)
