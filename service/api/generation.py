@@ -54,9 +54,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateStreamRequest, deadline: float | None
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         request_id = request.request_id or new_request_id()  # the access interceptor's, unless called directly
-        call = replace(convert.call_of(request, deadline=deadline), request_id=request_id)
         first = True
         with convert.grpc_fields(stream=True):
+            call = replace(convert.call_of(request, deadline=deadline), request_id=request_id)
             async with contextlib.aclosing(self.frontend.stream(call)) as events:
                 async for event in events:
                     response = convert.stream_response(event, request.return_options)
