@@ -82,7 +82,12 @@ def test_json_schema_output_parses_and_validates(stub: pb_grpc.GenerationStub) -
 
 
 def test_json_object_output_is_an_object(stub: pb_grpc.GenerationStub) -> None:
-    text = _both(stub, "Give me a small JSON object about cats.", pb.Constraint(json_object=pb.JsonObject()), n=64)
+    text = _both(
+        stub,
+        'Give a JSON object with one key, "animal", whose value is "cat".',
+        pb.Constraint(json_object=pb.JsonObject()),
+        n=64,
+    )
     assert isinstance(json.loads(text), dict)
 
 
