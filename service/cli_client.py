@@ -103,7 +103,7 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def _schema_arg(value: str) -> str:
     """``--json-schema``: JSON text (it starts with ``{``), else the path of a file holding it."""
-    if value.lstrip().startswith("{") or value.strip() in ("true", "false"):
+    if value.lstrip().startswith("{"):
         return value
     return _file_arg(value)
 

@@ -77,6 +77,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         features = ["lora", "medusa", "logprobs", "stop_sequences", "seed"]
         if rt.tokenizer.has_chat_template:
             features.append("chat_template")
+        if rt.grammars is not None:
+            features.append("constraints")  # GenerateRequest.constraint is served
         return pb.ModelInfoResponse(
             model_name=s.model.resolve().name,
             model_path=str(s.model),

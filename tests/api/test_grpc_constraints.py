@@ -168,6 +168,7 @@ def test_the_client_and_the_cli_reach_the_same_constraint(
 
     prompt = "Describe a person as JSON with a name and an age."
     with loraplex.Client(server.target, timeout=120) as client:
+        assert "constraints" in client.model_info().features
         one = client.generate(prompt, chat=True, json_schema=PERSON, max_new_tokens=96)
         assert one.finish_reason is loraplex.FinishReason.EOS
         jsonschema.validate(json.loads(one.text), PERSON)

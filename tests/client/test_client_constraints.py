@@ -27,7 +27,6 @@ def _constraint(**kwargs: Any) -> pb.Constraint | None:
     [
         ({"json_schema": SCHEMA}, pb.Constraint(json_schema=json.dumps(SCHEMA))),
         ({"json_schema": '{"type": "integer"}'}, pb.Constraint(json_schema='{"type": "integer"}')),
-        ({"json_schema": "true"}, pb.Constraint(json_schema="true")),
         ({"json_object": True}, pb.Constraint(json_object=pb.JsonObject())),
         ({"regex": r"\d+"}, pb.Constraint(regex=r"\d+")),
         ({"grammar": 'start: "a"'},
@@ -56,6 +55,7 @@ def test_no_constraint_leaves_the_field_unset() -> None:
         ({"grammar_dialect": "gbnf"}, ValueError, "only for grammar="),
         ({"json_schema": "{not json"}, ValueError, "json_schema is not JSON"),
         ({"json_schema": "[1, 2]"}, ValueError, "JSON object"),
+        ({"json_schema": "true"}, ValueError, "JSON object, got JSON of type bool"),
         ({"json_schema": ""}, ValueError, "json_schema must not be empty"),
         ({"json_schema": b"{}"}, TypeError, "bytes"),
         ({"json_schema": 3}, TypeError, "json_schema must be a str"),

@@ -28,7 +28,7 @@ def _text(name: str, value: object) -> str:
 
 
 def _schema(value: object) -> str:
-    """A JSON schema as JSON text: a mapping is serialised; a str must already be JSON (an object or a bool)."""
+    """A JSON schema as JSON text: a mapping is serialised; a str must already be a JSON object's text."""
     if isinstance(value, Mapping):
         try:
             return json.dumps(value, ensure_ascii=False, allow_nan=False)
@@ -41,8 +41,8 @@ def _schema(value: object) -> str:
         parsed = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"json_schema is not JSON: {exc}") from None
-    if not isinstance(parsed, (dict, bool)):
-        raise ValueError(f"json_schema must be a JSON object (or true / false), got {type(parsed).__name__}")
+    if not isinstance(parsed, dict):
+        raise ValueError(f"json_schema must be a JSON object, got JSON of type {type(parsed).__name__}")
     return text
 
 

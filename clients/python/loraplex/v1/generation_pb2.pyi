@@ -51,9 +51,9 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
     """The request was cancelled (client cancel, deadline, or the server shutting down)."""
     FINISH_REASON_DEAD_END: _FinishReason.ValueType  # 5
-    """The request's `constraint` allowed no next token: its grammar could neither go on nor end (a
-    grammar that demands more text than max_new_tokens leaves is LENGTH, not this). The text so far
-    is returned and may not match the constraint.
+    """The request's `constraint` allowed no next token and could not end there (llguidance's per-step
+    limits reached mid-way). The text so far is a prefix the constraint accepts, not a whole match.
+    Running out of max_new_tokens first is LENGTH, not this.
     """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
@@ -70,9 +70,9 @@ FINISH_REASON_STOP_SEQUENCE: FinishReason.ValueType  # 3
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
 """The request was cancelled (client cancel, deadline, or the server shutting down)."""
 FINISH_REASON_DEAD_END: FinishReason.ValueType  # 5
-"""The request's `constraint` allowed no next token: its grammar could neither go on nor end (a
-grammar that demands more text than max_new_tokens leaves is LENGTH, not this). The text so far
-is returned and may not match the constraint.
+"""The request's `constraint` allowed no next token and could not end there (llguidance's per-step
+limits reached mid-way). The text so far is a prefix the constraint accepts, not a whole match.
+Running out of max_new_tokens first is LENGTH, not this.
 """
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
@@ -370,6 +370,8 @@ class Constraint(_message.Message):
     constraint's text together is at most the server's --max-constraint-bytes of UTF-8 (more is
     INVALID_ARGUMENT, field `constraint`), and one that does not compile is INVALID_ARGUMENT naming its
     field. The server caches compiled constraints, so repeating one is cheaper than its first use.
+    ModelInfoResponse.features lists "constraints" where the server serves them. See
+    docs/structured-output.md.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -380,9 +382,11 @@ class Constraint(_message.Message):
     GRAMMAR_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
-    """A JSON Schema (draft 2020-12, as JSON text); the output is one JSON value that validates
-    against it. Text that is not JSON, a schema llguidance cannot compile, or nesting deeper than
-    the server's --max-constraint-depth is INVALID_ARGUMENT (field `constraint.json_schema`).
+    """A JSON Schema, as the text of a JSON object; the output is one JSON value valid under it,
+    written compactly (one space after `,` and `:`, no newlines). Text that is not a JSON object, a
+    schema llguidance cannot compile (it serves most of draft 2020-12), or objects and arrays nested
+    deeper than the server's --max-constraint-depth is INVALID_ARGUMENT (field
+    `constraint.json_schema`).
     """
     regex: _builtins.str
     """A regular expression (Rust `regex` syntax) the whole output matches, anchored at both ends.
@@ -914,7 +918,9 @@ class ModelInfoResponse(_message.Message):
 
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Optional features this server has, e.g. "lora", "medusa", "chat_template", "logprobs"."""
+        """Optional features this server has, e.g. "lora", "medusa", "chat_template", "logprobs",
+        "constraints" (GenerateRequest.constraint is served; without it a constraint is INVALID_ARGUMENT).
+        """
 
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
