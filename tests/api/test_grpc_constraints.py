@@ -6,6 +6,7 @@ and the problem, and the server keeps serving. One server for the module; greedy
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -177,6 +178,12 @@ def test_the_client_and_the_cli_reach_the_same_constraint(
         with pytest.raises(loraplex.InvalidArgument) as refused:
             client.generate("hi", regex="(unclosed", max_new_tokens=4)
         assert refused.value.details["field"] == "constraint.regex"
+
+    async def phone() -> str:
+        async with loraplex.AsyncClient(server.target, timeout=120) as client:
+            return (await client.generate("Make up a phone number.", chat=True, regex=PHONE)).text
+
+    assert re.fullmatch(PHONE, asyncio.run(phone()))
     assert main(["generate", "--target", server.target, "--json", "--max-new-tokens", "96",
                  "--json-schema", json.dumps(PERSON), prompt]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["text"] == one.text
