@@ -163,7 +163,7 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(
 
 
 def test_the_client_and_the_cli_reach_the_same_constraint(
-    server: BackgroundServer, stub: pb_grpc.GenerationStub, capsys: pytest.CaptureFixture[str]
+    server: BackgroundServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from service.cli import main
 
@@ -187,3 +187,11 @@ def test_the_client_and_the_cli_reach_the_same_constraint(
     assert main(["generate", "--target", server.target, "--json", "--max-new-tokens", "96",
                  "--json-schema", json.dumps(PERSON), prompt]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["text"] == one.text
+    (tmp_path / "schema.json").write_text(json.dumps(PERSON))
+    (tmp_path / "answer.gbnf").write_text(GBNF)
+    assert main(["generate", "--target", server.target, "--json", "--max-new-tokens", "96",
+                 "--json-schema", str(tmp_path / "schema.json"), prompt]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["text"] == one.text
+    grammar = ["--grammar", str(tmp_path / "answer.gbnf"), "--grammar-dialect", "gbnf"]
+    assert main(["generate", "--target", server.target, "--max-new-tokens", "8", *grammar, "Is the sky blue?"]) == 0
+    assert re.fullmatch(r"(yes|no)!", capsys.readouterr().out.strip())

@@ -76,3 +76,30 @@ def test_no_constraint_leaves_the_field_unset() -> None:
 def test_bad_constraints_are_refused_before_sending(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         _convert.generation_options(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+        (["--json-object", "--json-schema", "{}"], "not allowed with argument"),
+        (["--grammar-dialect", "gbnf"], "--grammar-dialect is only for --grammar"),
+        (["--grammar-dialect", "ebnf", "--grammar", __file__], "invalid choice: 'ebnf'"),
+        (["--grammar", "/no/such/grammar.lark"], "cannot read /no/such/grammar.lark"),
+        (["--json-schema", "/no/such/schema.json"], "cannot read /no/such/schema.json"),
+        (["--json-schema", "{not json"], "json_schema is not JSON"),
+        (["--choice", "yes", "--choice", ""], r"choice[1] must not be empty"),
+    ],
+)
+def test_cli_constraint_flags_are_refused_before_any_rpc(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    # Port 1 on loopback: nothing listens, so a request that got as far as an RPC would fail differently.
+    try:
+        code = main(["generate", "--target", "127.0.0.1:1", "--timeout", "5", *flags, "hi"])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code  # type: ignore[assignment]
+    assert code == 2
+    assert message in capsys.readouterr().err
