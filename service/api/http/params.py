@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from service.api.http import structured
 from service.errors import InvalidRequest, UnknownParameter, UnsupportedParameter
 from service.frontend import ChatMessage, GenerationCall, Input, Sampling
 
@@ -29,7 +30,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "parallel_tool_calls": "tool calling",
     "functions": "function calling",
     "function_call": "function calling",
-    "response_format": "structured output (only plain text)",
     "logit_bias": "logit bias",
     "frequency_penalty": "frequency penalties (repetition_penalty is)",
     "presence_penalty": "presence penalties (repetition_penalty is)",
@@ -57,7 +57,6 @@ NO_OP: Mapping[str, object] = {
     "store": False,
     "echo": False,
     "best_of": 1,
-    "response_format": {"type": "text"},
 }
 """Values of unsupported parameters that change nothing: accepted (so are nulls)."""
 
@@ -73,6 +72,7 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: bool
+    constraint_param: str | None = None  # the parameter the output constraint came from (its errors' param)
 
     @property
     def choices(self) -> int:
@@ -115,6 +115,7 @@ def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[st
     sampling = _sampling(given)
     max_new_tokens, stops, ignore_eos = _stopping(given)
     logprobs = _logprobs(kind, given)
+    output = structured.parse(given)  # response_format, structured_outputs, guided_*
     request = GenerationCall(
         inputs=tuple(item for item in inputs for _ in range(n)),
         adapter_id=adapter_id,
@@ -124,13 +125,14 @@ def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[st
         ignore_eos=ignore_eos,
         logprobs=logprobs,
         request_id=request_id,
+        constraint=output.constraint,
     )
     stream = _boolean(given, "stream", False)
     options = given.get("stream_options")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", field="stream_options")
     include_usage = _stream_options(options)
-    return Call(kind, model, request, n, stream, include_usage, logprobs)
+    return Call(kind, model, request, n, stream, include_usage, logprobs, constraint_param=output.param)
 
 
 def _chat_inputs(given: Mapping[str, Any]) -> list[Input]:
@@ -282,7 +284,7 @@ def _integer(given: Mapping[str, Any], name: str, default: Any, *, lowest: int, 
     return value
 
 
-_COMMON = frozenset(
+_COMMON = structured.NAMES | frozenset(
     {
         "model", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "max_tokens", "user",
         "logprobs",

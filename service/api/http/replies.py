@@ -2,7 +2,8 @@
 
 One ``Replies`` per request: it fixes the reply's ``id`` (``chatcmpl-<request id>`` / ``cmpl-<request id>``),
 ``created`` and ``model`` and adds up usage across choices (each prompt's tokens counted once, as OpenAI does,
-however many choices it has). Finish reasons: EOS and a stop sequence are ``stop``, the token limit ``length``.
+however many choices it has). Finish reasons: EOS and a stop sequence are ``stop``, the token limit ``length``,
+an output constraint that allows no next token ``dead_end`` (docs/http.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ FINISH: dict[FinishReason | None, str] = {
     FinishReason.EOS: "stop",
     FinishReason.STOP_SEQUENCE: "stop",
     FinishReason.LENGTH: "length",
+    FinishReason.DEAD_END: "dead_end",  # the output constraint allowed no next token (OpenAI has no name for it)
 }
 
 Result = Completion | TokenEvent
