@@ -22,12 +22,9 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from service.constraints.spec import JSON_SCHEMA, Constraint
-
-if TYPE_CHECKING:
-    from service.frontend.request import ChatMessage
 
 NONE, AUTO, REQUIRED = "none", "auto", "required"
 EMPTY_PARAMETERS = '{"type":"object","properties":{}}'
@@ -59,6 +56,21 @@ class ToolCall:
     name: str
     arguments: str
     id: str = ""
+
+
+class ChatMessage(Protocol):
+    """What is read of a chat turn here (``service.frontend.request.ChatMessage``, which imports this module)."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def content(self) -> str: ...
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]: ...
+    @property
+    def tool_call_id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ def parse_hermes(text: str, use: ToolUse | None) -> tuple[str | None, tuple[Tool
     kept: list[str] = []
     at = 0
     for match in _BLOCK.finditer(text):
-        call = _hermes_call(match.group(1), use)
+        call = hermes_call(match.group(1), use)
         if call is None:
             continue
         kept.append(text[at : match.start()])
@@ -180,7 +192,7 @@ def parse_hermes(text: str, use: ToolUse | None) -> tuple[str | None, tuple[Tool
     return (content or None), tuple(calls)
 
 
-def _hermes_call(body: str, use: ToolUse | None) -> ToolCall | None:
+def hermes_call(body: str, use: ToolUse | None) -> ToolCall | None:
     try:
         value = json.loads(body)
     except ValueError:
@@ -316,70 +328,3 @@ def tool_texts(tools: Sequence[ToolSpec], messages: Sequence[ChatMessage] | None
     texts = [s for t in tools for s in (t.name, t.description, t.parameters)]
     texts += [s for m in messages or () for c in m.tool_calls for s in (c.name, c.arguments, c.id)]
     return texts + [s for m in messages or () for s in (m.tool_call_id, m.name) if s]
-
-
-class CallStream:
-    """One streamed output's ``(content, calls)``, delta by delta: content goes out as it comes, except what may be
-    the start of a tool-call block; a block goes out as one call once it closes (or as content, if it holds no
-    valid call). A forced output is held whole and parsed at its end."""
-
-    def __init__(self, use: ToolUse, fmt: ToolFormat) -> None:
-        self.use, self.fmt = use, fmt
-        self.calls = 0  # calls sent so far
-        self._held = ""
-        self._in_block = False
-        self._after_call = False
-
-    def feed(self, text: str, final: bool) -> tuple[str, tuple[ToolCall, ...]]:
-        """The content to send now and the calls completed by ``text`` (``final``: the output's last delta)."""
-        if self.use.choice == NONE:
-            return text, ()
-        self._held += text
-        if self.use.forced:
-            if not final:
-                return "", ()
-            content, calls = self.use.calls_of(self._held, self.fmt)
-            self._held = ""
-            self.calls += len(calls)
-            return content or "", calls
-        out: list[str] = []
-        calls: list[ToolCall] = []
-        while True:
-            if self._in_block:
-                end = self._held.find(CALL_CLOSE)
-                if end < 0 and not final:
-                    break
-                body = self._held[len(CALL_OPEN) : end if end >= 0 else len(self._held)]
-                whole = self._held if end < 0 else self._held[: end + len(CALL_CLOSE)]
-                call = _hermes_call(body, self.use)
-                if call is None:
-                    out.append(whole)
-                elif self.use.parallel or not self.calls:
-                    calls.append(call)
-                    self.calls += 1
-                    self._after_call = True
-                self._held = self._held[len(whole) :]
-                self._in_block = False
-                continue
-            if self._after_call:
-                self._held = self._held.lstrip()
-                self._after_call = not self._held and not final
-            start = self._held.find(CALL_OPEN)
-            if start >= 0:
-                out.append(self._held[:start])
-                self._held = self._held[start:]
-                self._in_block = True
-                continue
-            keep = 0 if final else _partial_open(self._held)
-            out.append(self._held[: len(self._held) - keep])
-            self._held = self._held[len(self._held) - keep :]
-            break
-        return "".join(out), tuple(calls)
-
-
-def _partial_open(text: str) -> int:
-    """How many characters at the end of ``text`` could begin ``<tool_call>``."""
-    for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-size:]):
-            return size
-    return 0

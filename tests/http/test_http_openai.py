@@ -209,7 +209,7 @@ def test_logprobs_of_chosen_tokens(server: BackgroundServer, client: openai.Open
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
          "unsupported_parameter"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),

@@ -16,6 +16,7 @@ from typing import Any
 from service.api.http import tools as wire
 from service.api.http.params import Call
 from service.frontend import Completion, FinishReason, Generated, TokenEvent, tools
+from service.frontend.tool_stream import CallStream
 from service.tokenizer import Tokenizer
 
 FINISH: dict[FinishReason | None, str] = {
@@ -40,7 +41,7 @@ class Replies:
         self._started = [False] * call.choices
         self._format = tools.format_for(tokenizer.chat_template)
         use = call.tools if self.chat else None
-        self._calls = None if use is None else [tools.CallStream(use, self._format) for _ in range(call.choices)]
+        self._calls = None if use is None else [CallStream(use, self._format) for _ in range(call.choices)]
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.call.model}
@@ -91,7 +92,8 @@ class Replies:
             self._count(index, response)
         first = not self._started[index]
         self._started[index] = True
-        text, calls, made = response.text, (), 0
+        text, made = response.text, 0
+        calls: tuple[tools.ToolCall, ...] = ()
         if self._calls is not None:
             made = self._calls[index].calls
             text, calls = self._calls[index].feed(response.text, finished)

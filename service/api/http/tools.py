@@ -118,17 +118,17 @@ def chat_message(role: str, content: str, message: Mapping[str, Any], where: str
         raise InvalidRequest(f"{where}.name must be a string", field=where)
     if name and role != "tool":
         raise UnsupportedParameter(f"{where}.name is not supported (participant names)", field=where)
-    return ChatMessage(role, content, tuple(_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)),
+    return ChatMessage(role, content, tuple(_call(c, f"{where}.tool_calls[{j}]", where) for j, c in enumerate(calls)),
                        call_id, name)  # fmt: skip
 
 
-def _call(call: object, where: str) -> ToolCall:
+def _call(call: object, where: str, field: str) -> ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
-        raise InvalidRequest(f"{where} must be {{type: function, id, function: {{name, arguments}}}}", field=where)
+        raise InvalidRequest(f"{where} must be {{type: function, id, function: {{name, arguments}}}}", field=field)
     name, arguments, call_id = function.get("name"), function.get("arguments", "{}"), call.get("id", "")
     if not isinstance(name, str) or not name or not isinstance(arguments, str) or not isinstance(call_id, str):
-        raise InvalidRequest(f"{where}.function needs a name and arguments (a JSON string)", field=where)
+        raise InvalidRequest(f"{where}.function needs a name and arguments (a JSON string)", field=field)
     return ToolCall(name, arguments, call_id)
 
 
