@@ -30,6 +30,7 @@ WEATHER = ToolSpec(
 )
 TIME = ToolSpec("get_time", parameters=json.dumps({"type": "object", "properties": {"zone": {"type": "integer"}}}))
 BOTH = (WEATHER, TIME)
+EMPTY = tools.EMPTY_PARAMETERS
 HERMES_TEMPLATE = (  # a Qwen2.5-like template: renders tools, tool calls and tool results itself
     "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
@@ -211,3 +212,20 @@ def test_a_template_that_renders_tools_gets_them_in_transformers_shape(smollm2_d
         f"<tools>{json.dumps(WEATHER.as_openai())}</tools>\n<user>Weather?"  # trim_blocks, as transformers
         '<assistant><tool_call>get_weather {"city": "Paris"}</tool_call><tool>22 C[call_7]<assistant>'
     )
+
+
+def test_tools_and_calls_count_towards_the_prompt_bytes() -> None:
+    from service.config import Settings
+    from service.errors import InvalidRequest
+    from service.frontend.checks import check_input
+
+    settings = Settings(model=Path("unused"), max_prompt_bytes=4096)
+    big = ToolSpec("big", "x" * 3000, EMPTY)
+    question = (ChatMessage("user", "hi"),)
+    check_input(Input(messages=question, tools=(big,)), settings)
+    with pytest.raises(InvalidRequest, match="--max-prompt-bytes") as info:
+        check_input(Input(messages=question, tools=(big, ToolSpec("b2", "y" * 1200, EMPTY))), settings)
+    assert info.value.field == "input.messages"
+    calls = (ChatMessage("assistant", "", (ToolCall("big", json.dumps({"a": "z" * 4100}), "c"),)),)
+    with pytest.raises(InvalidRequest, match="--max-prompt-bytes"):
+        check_input(Input(messages=question + calls), settings)
