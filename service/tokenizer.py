@@ -136,6 +136,10 @@ class Tokenizer:
         ``_fast`` variant skips the character offsets nobody reads. The ids are the same."""
         return list(self._tk.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar backends build their token tables from)."""
+        return str(self._tk.to_str())
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Ids → text. Byte sequences that are not valid UTF-8 (e.g. half of an emoji) decode to U+FFFD."""
         return str(self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens))

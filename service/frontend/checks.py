@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from service.adapters.common.ids import check_adapter_id
 from service.config import Settings
+from service.constraints.backend import Grammar
+from service.constraints.spec import check_constraint
 from service.engine.request import GenerationRequest, check_max_new_tokens
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
@@ -149,6 +151,8 @@ def check_call(call: GenerationCall, settings: Settings) -> None:
             limit=settings.max_batch_size,
         )
     check_stops(call.stop_sequences, settings)
+    if call.constraint is not None:
+        check_constraint(call.constraint, settings.constraint_limits)
     for i, item in enumerate(call.inputs):
         check_input(item, settings, f"inputs[{i}]")
 
@@ -174,9 +178,12 @@ def check(call: GenerationCall, settings: Settings) -> Checked:
     return Checked(call, request_id, max_new, sampling)
 
 
-def engine_request(checked: Checked, prompt: Prompt, index: int = 0) -> GenerationRequest:
+def engine_request(
+    checked: Checked, prompt: Prompt, index: int = 0, grammar: Grammar | None = None
+) -> GenerationRequest:
     """Input ``index`` of a checked call as the engine's request (its id is ``<request id>/<index>`` when there are
-    several; its ``call_id`` the id of the call running it, which its engine log lines carry): assembly only."""
+    several; its ``call_id`` the id of the call running it, which its engine log lines carry; ``grammar`` its
+    compiled constraint): assembly only."""
     call = checked.call
     several = len(checked.sampling) > 1
     return GenerationRequest(
@@ -190,4 +197,5 @@ def engine_request(checked: Checked, prompt: Prompt, index: int = 0) -> Generati
         speculate=call.speculate,
         deadline=call.deadline,
         call_id=REQUEST_ID.get() or "",
+        grammar=grammar,
     )
