@@ -173,6 +173,13 @@ def test_tool_choice_none_makes_no_calls(client: openai.OpenAI, model: str) -> N
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),  # a schema the backend cannot compile
     ],
 )
 def test_bad_tools_are_refused_by_the_openai_client(

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.adapters.common.ids import check_adapter_id
 from service.api.auth import KeyRing
-from service.api.http import errors, params
+from service.api.http import errors, params, tools
 from service.api.http.adapters import AdapterRoutes
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
@@ -153,6 +153,7 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, kind: params.Kind) -> Response:
         outcome = self._observe(f"http.{kind}", request)
         chat = kind == "chat"
+        call: params.Call | None = None
         try:
             self._authorize(request)
             rt = self.runtime.ready()
@@ -176,6 +177,7 @@ class OpenAIRoutes:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
+            exc = tools.about_tools(exc, None if call is None else call.tools)
             return _error(exc, chat=chat, request_id=outcome.request_id)
         outcome.finish("OK")
         return JSONResponse(replies.completion(response), headers=headers)

@@ -132,6 +132,14 @@ def _call(call: object, where: str, field: str) -> ToolCall:
     return ToolCall(name, arguments, call_id)
 
 
+def about_tools(exc: Exception, use: ToolUse | None) -> Exception:
+    """An error about the constraint of a forced call (its schema does not compile) is about ``tools``."""
+    field = getattr(exc, "field", None) or ""
+    if use is not None and use.forced and isinstance(exc, InvalidRequest) and field.startswith("constraint"):
+        return exc.at("tools")
+    return exc
+
+
 # ---- replies ------------------------------------------------------------------------------------------------------
 
 
