@@ -4,6 +4,7 @@ Hermes parser on hand-written outputs, whole and streamed, and the chat turns ea
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jsonschema
@@ -229,3 +230,30 @@ def test_tools_and_calls_count_towards_the_prompt_bytes() -> None:
     calls = (ChatMessage("assistant", "", (ToolCall("big", json.dumps({"a": "z" * 4100}), "c"),)),)
     with pytest.raises(InvalidRequest, match="--max-prompt-bytes"):
         check_input(Input(messages=question + calls), settings)
+
+
+@pytest.mark.slow
+def test_a_tools_template_renders_as_transformers_renders_it(smollm2_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "hermes"
+    folder.mkdir()
+    shutil.copy(smollm2_dir / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
+    messages = (
+        ChatMessage("user", "Weather?"),
+        ChatMessage("assistant", "", (ToolCall("get_weather", '{"city": "Paris"}', "call_7"),)),
+        ChatMessage("tool", "22 C", tool_call_id="call_7"),
+    )
+    hf_messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "22 C", "tool_call_id": "call_7"},
+    ]  # fmt: skip
+    ours = prompt_of(Input(messages=messages, tools=BOTH), Tokenizer.from_folder(folder)).rendered
+    hf = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        hf_messages, tools=[t.as_openai() for t in BOTH], tokenize=False, add_generation_prompt=True
+    )
+    assert ours == hf
