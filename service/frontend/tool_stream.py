@@ -4,12 +4,12 @@ calls it completed, so a stream's calls and content are those of the same output
 
 from __future__ import annotations
 
-from service.frontend.tools import CALL_CLOSE, CALL_OPEN, NONE, ToolCall, ToolFormat, ToolUse, hermes_call
+from service.frontend.tools import CALL_CLOSE, CALL_OPEN, NONE, ToolCall, ToolFormat, ToolUse, block_calls
 
 
 class CallStream:
     """One streamed output's ``(content, calls)``, delta by delta: content goes out as it comes, except what may be
-    the start of a tool-call block; a block goes out as one call once it closes (or as content, if it holds no
+    the start of a tool-call block; a block goes out as its calls once it closes (or as content, if it holds no
     valid call). A forced output is held whole and parsed at its end."""
 
     def __init__(self, use: ToolUse, fmt: ToolFormat) -> None:
@@ -40,12 +40,13 @@ class CallStream:
                     break
                 body = self._held[len(CALL_OPEN) : end if end >= 0 else len(self._held)]
                 block_text = self._held if end < 0 else self._held[: end + len(CALL_CLOSE)]
-                call = hermes_call(body, self.use)
-                if call is None:
+                found = block_calls(body, self.use)
+                if found is None:
                     out.append(block_text)
-                elif self.use.parallel or not self.calls:
-                    calls.append(call)
-                    self.calls += 1
+                else:
+                    kept = found if self.use.parallel else found[: max(0, 1 - self.calls)]
+                    calls += kept
+                    self.calls += len(kept)
                     self._after_call = True
                 self._held = self._held[len(block_text) :]
                 self._in_block = False

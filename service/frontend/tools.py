@@ -11,8 +11,10 @@ keeps them).
 How tools reach the prompt and how calls come back out depends on the chat template: ``FORMATS`` is a small table,
 tried in order, of ``ToolFormat`` s. ``HERMES`` is for templates that render ``tools``, assistant ``tool_calls``
 and ``role: tool`` messages themselves (Qwen2.5, Hermes 2/3): they get the conversation in transformers' shape.
-``HERMES_PROMPT`` is for templates that know nothing of tools (SmolLM2's): the server writes the tool block into
-the system turn and renders calls and their results as text, in the same ``<tool_call>{...}</tool_call>`` format.
+``SMOLLM2`` is for templates that know nothing of tools, SmolLM2's among them: the server writes the tool prompt
+into the system turn as SmolLM2 was taught it (``<tools>[...]</tools>``, calls as ``<tool_call>[{...}, ...]
+</tool_call>``) and renders earlier calls and their results as text. Both parse ``<tool_call>`` blocks holding one
+call object (Hermes) or a list of them (SmolLM2).
 """
 
 from __future__ import annotations
@@ -168,60 +170,67 @@ def _json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-# ---- the Hermes format: <tool_call>{"name": ..., "arguments": {...}}</tool_call> -------------------------------------
+# ---- <tool_call> blocks: one call each (Hermes), or a list of calls (SmolLM2) ----------------------------------------
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
-def parse_hermes(text: str, use: ToolUse | None) -> tuple[str | None, tuple[ToolCall, ...]]:
+def parse_blocks(text: str, use: ToolUse | None) -> tuple[str | None, tuple[ToolCall, ...]]:
     """``(content, calls)`` of an output: each ``<tool_call>`` block (the last may be left open at the end) holding
-    a valid call of a known tool becomes a call and leaves the content; any other block stays content."""
+    valid calls of known tools gives its calls and leaves the content (an empty list: no call); any other block
+    stays content."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     at = 0
     for match in _BLOCK.finditer(text):
-        call = hermes_call(match.group(1), use)
-        if call is None:
+        found = block_calls(match.group(1), use)
+        if found is None:
             continue
         kept.append(text[at : match.start()])
         at = match.end()
-        calls.append(call)
+        calls += found
+    if not at:
+        return text, ()
     kept.append(text[at:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), tuple(calls)
+    content = "".join(kept).strip()
+    return (content or None) if calls else content, tuple(calls)
 
 
-def hermes_call(body: str, use: ToolUse | None) -> ToolCall | None:
+def block_calls(body: str, use: ToolUse | None) -> tuple[ToolCall, ...] | None:
+    """The calls of one block's JSON: a call object (Hermes) or a list of them (SmolLM2); None when it holds
+    anything else, or a call of a tool ``use`` does not have."""
     try:
         value = json.loads(body)
     except ValueError:
         return None
-    return _call_of(value, use)
+    calls = [_call_of(item, use) for item in (value if isinstance(value, list) else [value])]
+    return None if any(c is None for c in calls) else tuple(c for c in calls if c is not None)
+
+
+def _call_json(call: ToolCall) -> str:
+    return _json({"name": call.name, "arguments": _object(call.arguments)})
 
 
 def hermes_block(call: ToolCall) -> str:
-    try:
-        arguments: object = json.loads(call.arguments)
-    except ValueError:
-        arguments = call.arguments
-    return f"{CALL_OPEN}\n{_json({'name': call.name, 'arguments': arguments})}\n{CALL_CLOSE}"
+    return f"{CALL_OPEN}\n{_call_json(call)}\n{CALL_CLOSE}"
 
 
-TOOL_PROMPT = """# Tools
+def smollm2_block(calls: Sequence[ToolCall]) -> str:
+    return CALL_OPEN + "[\n" + ",\n".join(_call_json(c) for c in calls) + "\n]" + CALL_CLOSE
 
-You may call one or more functions to assist with the user query.
 
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML \
-tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+SMOLLM2_PROMPT = """You can compose function calls. Given a question and the functions below, make one or more \
+function calls that achieve its purpose. If no function fits, say so and do not answer; if the question lacks a \
+parameter a function requires, say so too.
+You have access to the following tools:
+<tools>{tools}</tools>
+To call functions, reply in exactly this format and with nothing else, each argument of its parameter's type \
+(if no call is needed, give the empty list []):
+<tool_call>[
+{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}},
+(more tool calls as required)
+]</tool_call>"""
 
 
 def _template_turns(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -243,30 +252,31 @@ def _template_turns(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return turns
 
 
-def _prompt_turns(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
-    """For a template that knows no tools: the tool block leads the system turn, calls are written into their
-    assistant turn, and each run of tool results becomes one user turn of ``<tool_response>`` blocks."""
+def _smollm2_turns(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """For a template that knows no tools, as SmolLM2 was taught them: the tool prompt leads the system turn, an
+    assistant's calls are written as one ``<tool_call>[...]</tool_call>`` block after its text, and each run of
+    tool results becomes one user turn of ``<tool_response>`` blocks."""
     turns: list[dict[str, Any]] = []
+    results = False  # the last turn holds tool results
     for m in messages:
         if m.role == "tool":
             block = f"<tool_response>\n{m.content}\n</tool_response>"
-            if turns and turns[-1].get("tool_results"):
+            if results:
                 turns[-1]["content"] += "\n" + block
             else:
-                turns.append({"role": "user", "content": block, "tool_results": True})
+                turns.append({"role": "user", "content": block})
+            results = True
             continue
+        results = False
         content = m.content
         if m.tool_calls:
-            blocks = "\n".join(hermes_block(c) for c in m.tool_calls)
-            content = f"{content}\n{blocks}" if content else blocks
+            content = f"{content}\n{smollm2_block(m.tool_calls)}" if content else smollm2_block(m.tool_calls)
         turns.append({"role": m.role, "content": content})
-    for turn in turns:
-        turn.pop("tool_results", None)
     if tools:
-        block = TOOL_PROMPT.format(tools="\n".join(_json(t.as_openai()) for t in tools))
+        block = SMOLLM2_PROMPT.format(tools=_json([t.as_openai() for t in tools]))
         if turns and turns[0]["role"] == "system":
             first = turns[0]["content"]
-            turns[0]["content"] = f"{first}\n\n{block}" if first else block
+            turns[0]["content"] = f"{block}\n\n{first}" if first else block
         else:
             turns.insert(0, {"role": "system", "content": block})
     return turns
@@ -305,10 +315,10 @@ _RENDERS_TOOLS = re.compile(r"\btools\b")
 
 HERMES = ToolFormat(
     "hermes", lambda template: bool(_RENDERS_TOOLS.search(template)), True,
-    lambda messages, _tools: _template_turns(messages), parse_hermes,
+    lambda messages, _tools: _template_turns(messages), parse_blocks,
 )  # fmt: skip
-HERMES_PROMPT = ToolFormat("hermes-prompt", lambda _template: True, False, _prompt_turns, parse_hermes)
-FORMATS: tuple[ToolFormat, ...] = (HERMES, HERMES_PROMPT)
+SMOLLM2 = ToolFormat("smollm2", lambda _template: True, False, _smollm2_turns, parse_blocks)
+FORMATS: tuple[ToolFormat, ...] = (HERMES, SMOLLM2)
 """Tried in order; the last fits every template."""
 
 

@@ -69,7 +69,7 @@ def test_required_forces_calls_of_known_tools_with_valid_arguments() -> None:
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    calls = ToolUse(BOTH, REQUIRED).calls_of(json.dumps(good), tools.HERMES_PROMPT)
+    calls = ToolUse(BOTH, REQUIRED).calls_of(json.dumps(good), tools.SMOLLM2)
     assert calls[0] is None and [(c.name, json.loads(c.arguments)) for c in calls[1]] == [
         ("get_weather", {"city": "Paris", "unit": "C"}),
         ("get_time", {}),
@@ -91,15 +91,15 @@ def test_a_named_tool_forces_its_arguments_alone() -> None:
     jsonschema.validate({"city": "Oslo"}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"zone": 1}, schema)
-    content, calls = use.calls_of('{"city": "Oslo"}', tools.HERMES_PROMPT)
+    content, calls = use.calls_of('{"city": "Oslo"}', tools.SMOLLM2)
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
 
 def test_auto_and_none_force_nothing_and_a_cut_forced_output_stays_content() -> None:
     assert ToolUse(BOTH, AUTO).constraint() is None and ToolUse(BOTH, NONE).constraint() is None
-    assert ToolUse(BOTH, REQUIRED).calls_of('[{"name": "get_ti', tools.HERMES_PROMPT) == ('[{"name": "get_ti', ())
+    assert ToolUse(BOTH, REQUIRED).calls_of('[{"name": "get_ti', tools.SMOLLM2) == ('[{"name": "get_ti', ())
     text = block("get_time", {})
-    assert ToolUse(BOTH, NONE).calls_of(text, tools.HERMES_PROMPT) == (text, ())
+    assert ToolUse(BOTH, NONE).calls_of(text, tools.SMOLLM2) == (text, ())
 
 
 @pytest.mark.parametrize(
@@ -122,6 +122,18 @@ def test_auto_and_none_force_nothing_and_a_cut_forced_output_stays_content() -> 
         ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),  # invalid: stays content
         (block("launch", {}), block("launch", {}), []),  # an unknown tool: stays content
         ('<tool_call>["get_time"]</tool_call>', '<tool_call>["get_time"]</tool_call>', []),
+        (  # SmolLM2's list of calls in one block
+            'On it. <tool_call>[\n{"name": "get_time", "arguments": {"zone": 1}},\n'
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n]</tool_call>',
+            "On it.",
+            [("get_time", {"zone": 1}), ("get_weather", {"city": "Oslo"})],
+        ),
+        ("No tool fits. <tool_call>[]</tool_call>", "No tool fits.", []),  # the empty list: no call
+        (  # one bad call in a list: the whole block stays content
+            '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "launch", "arguments": {}}]</tool_call>',
+            '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "launch", "arguments": {}}]</tool_call>',
+            [],
+        ),
         (
             '<tool_call>{"name": "get_time", "arguments": 3}</tool_call>',
             '<tool_call>{"name": "get_time", "arguments": 3}</tool_call>',
@@ -132,19 +144,19 @@ def test_auto_and_none_force_nothing_and_a_cut_forced_output_stays_content() -> 
 def test_auto_parses_hermes_blocks_of_hand_written_outputs(
     output: str, content: str | None, calls: list[tuple[str, object]]
 ) -> None:
-    got_content, got = ToolUse(BOTH, AUTO).calls_of(output, tools.HERMES_PROMPT)
+    got_content, got = ToolUse(BOTH, AUTO).calls_of(output, tools.SMOLLM2)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
 def test_auto_without_parallel_calls_keeps_the_first() -> None:
     output = block("get_time", {}) + block("get_weather", {"city": "x"})
-    _, calls = ToolUse(BOTH, AUTO, parallel=False).calls_of(output, tools.HERMES_PROMPT)
+    _, calls = ToolUse(BOTH, AUTO, parallel=False).calls_of(output, tools.SMOLLM2)
     assert [c.name for c in calls] == ["get_time"]
 
 
 def streamed(use: ToolUse, output: str, size: int) -> tuple[str, list[ToolCall]]:
-    stream = CallStream(use, tools.HERMES_PROMPT)
+    stream = CallStream(use, tools.SMOLLM2)
     pieces = [output[i : i + size] for i in range(0, len(output), size)] or [""]
     content, calls = [], []
     for i, piece in enumerate(pieces):
@@ -163,9 +175,12 @@ def test_streamed_outputs_give_the_calls_and_content_of_whole_ones(size: int) ->
         "a <tool_call>{not json}</tool_call> b",
         '<tool_call>{"name": "get_time", "arguments": {}}',
         "x < y <tool",
+        'a <tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {"zone": 1}}]'
+        "</tool_call>",
+        "None. <tool_call>[]</tool_call>",
     ]
     for output in cases:
-        whole_content, whole = ToolUse(BOTH, AUTO).calls_of(output, tools.HERMES_PROMPT)
+        whole_content, whole = ToolUse(BOTH, AUTO).calls_of(output, tools.SMOLLM2)
         content, calls = streamed(ToolUse(BOTH, AUTO), output, size)
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
         assert content.strip() == (whole_content or ""), output
@@ -177,7 +192,7 @@ def test_streamed_outputs_give_the_calls_and_content_of_whole_ones(size: int) ->
 
 def test_a_template_without_tools_gets_the_tool_block_and_calls_as_text(smollm2_dir: Path) -> None:
     tokenizer = Tokenizer.from_folder(smollm2_dir)
-    assert tools.format_for(tokenizer.chat_template) is tools.HERMES_PROMPT
+    assert tools.format_for(tokenizer.chat_template) is tools.SMOLLM2
     call = ToolCall("get_weather", '{"city": "Paris"}', "call_1")
     messages = (
         ChatMessage("system", "Be brief."),
@@ -187,13 +202,14 @@ def test_a_template_without_tools_gets_the_tool_block_and_calls_as_text(smollm2_
         ChatMessage("tool", "sunny", tool_call_id="call_1"),
     )
     text = prompt_of(Input(messages=messages, tools=BOTH), tokenizer).rendered
-    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
-    assert json.dumps(WEATHER.as_openai()) in text and json.dumps(TIME.as_openai()) in text
-    assert "<|im_start|>assistant\n" + block("get_weather", {"city": "Paris"}) + "<|im_end|>" in text
+    system = tools.SMOLLM2_PROMPT.format(tools=json.dumps([WEATHER.as_openai(), TIME.as_openai()]))
+    assert text.startswith(f"<|im_start|>system\n{system}\n\nBe brief.<|im_end|>\n")
+    smol_call = '<tool_call>[\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n]</tool_call>'
+    assert f"<|im_start|>assistant\n{smol_call}<|im_end|>" in text
     assert "<|im_start|>user\n<tool_response>\n22 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
     plain = prompt_of(Input(messages=messages[:2]), tokenizer).rendered
-    assert "# Tools" not in plain
+    assert "<tools>" not in plain
 
 
 def test_a_template_that_renders_tools_gets_them_in_transformers_shape(smollm2_dir: Path) -> None:
