@@ -128,6 +128,8 @@ class Runtime:
             loaded = self.loaded
         self._pool.shutdown(wait=False, cancel_futures=True)
         if loaded is not None:
+            if loaded.grammars is not None:
+                loaded.grammars.close()
             loaded.engine.stop(_left(until))
             loaded.adapters.close(_left(until))
 

@@ -94,9 +94,15 @@ class LLGuidanceBackend:
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
         grammar = self._grammar_text(constraint)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
+        # The first mask builds the lexer's start: the expensive part of some grammars (a regex of nested repeats).
+        # Computed here, on a copy, on the compile pool, it costs no engine step; a lexer over its limits fails here.
+        probe = matcher.deep_copy()
+        if not probe.is_error():
+            probe.compute_bitmask()
+        error = next((m.get_error() for m in (matcher, probe) if m.is_error()), "")
+        if error:
             raise InvalidRequest(
-                f"the {constraint.kind} constraint cannot be compiled: {matcher.get_error()}", field=_field(constraint)
+                f"the {constraint.kind} constraint cannot be compiled: {error}", field=_field(constraint)
             )
         return LLGuidanceGrammar(matcher, len(grammar) + _GRAMMAR_OVERHEAD_BYTES)
 

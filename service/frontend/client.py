@@ -96,7 +96,15 @@ class Frontend:
             return None
         if rt.grammars is None:
             raise InvalidRequest("this server serves no output constraints", field="constraint")
-        return await self.runtime.off_loop(rt.grammars.get, call.constraint)
+        limit = rt.settings.max_constraint_compile_seconds
+        try:  # the compile goes on past the limit (it cannot be interrupted) and its result is cached
+            return await asyncio.wait_for(asyncio.wrap_future(rt.grammars.submit(call.constraint)), limit)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the constraint did not compile within {limit:g} s (--max-constraint-compile-seconds); simplify it",
+                field="constraint",
+                limit=limit,
+            ) from None
 
     def _submit(self, rt: Ready, request: GenerationRequest) -> tuple[RequestHandle, asyncio.Queue[TokenEvent]]:
         loop = asyncio.get_running_loop()

@@ -239,7 +239,7 @@ def test_a_cancelled_request_frees_its_place_for_the_next_one(
 
 LIMIT_FLAGS = (
     "--max-prompt-bytes", "--max-chat-messages", "--max-stop-sequences", "--max-stop-sequence-bytes",
-    "--max-constraint-bytes", "--max-constraint-choices", "--max-constraint-depth",
+    "--max-constraint-bytes", "--max-constraint-choices", "--max-constraint-depth", "--max-constraint-compile-seconds",
 )  # fmt: skip
 
 

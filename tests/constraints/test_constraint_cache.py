@@ -126,14 +126,44 @@ def test_the_cache_keeps_by_content_and_evicts_least_recently_used(backend: LLGu
     assert metrics.CONSTRAINT_CACHE_BYTES._value.get() == cache.held_bytes
 
 
-def test_a_zero_budget_keeps_nothing_and_errors_are_not_cached(backend: LLGuidanceBackend) -> None:
+def test_a_zero_budget_keeps_nothing(backend: LLGuidanceBackend) -> None:
     cache = GrammarCache(backend, budget_bytes=0)
     assert cache.get(_regex(2)) is not cache.get(_regex(2))
     assert cache.keys() == [] and cache.held_bytes == 0
+
+
+def test_a_failed_compile_is_remembered_and_refused_at_once(backend: LLGuidanceBackend) -> None:
+    slow = _SlowBackend(backend)
+    slow.release.set()
+    cache = GrammarCache(slow, budget_bytes=1 << 20)  # type: ignore[arg-type]
     bad = Constraint("regex", "(")
-    for _ in range(2):
-        with pytest.raises(InvalidRequest):
+    errors = []
+    for _ in range(3):
+        with pytest.raises(InvalidRequest, match="cannot be compiled") as info:
             cache.get(bad)
+        errors.append(info.value)
+    assert slow.compiles == 1 and cache.keys() == [bad.key]
+    assert len({id(e) for e in errors}) == 3  # a fresh error each time, never the kept instance
+
+
+def test_submit_compiles_on_the_cache_pool_and_answers_hits_at_once(backend: LLGuidanceBackend) -> None:
+    cache = GrammarCache(backend, budget_bytes=1 << 20)
+    try:
+        first = cache.submit(_regex(6)).result(10)
+        again = cache.submit(_regex(6))
+        assert again.done() and again.result() is first
+    finally:
+        cache.close()
+
+
+def test_a_regex_of_nested_repeats_compiles_with_its_first_mask(backend: LLGuidanceBackend) -> None:
+    import torch
+
+    grammar = backend.compile(Constraint("regex", "(a{40}){40}"))
+    bits = torch.zeros((backend.vocab + 31) // 32, dtype=torch.int32)
+    matcher = grammar.start()
+    matcher.fill_mask(bits.data_ptr(), bits.numel() * 4)
+    assert matcher.error == "" and int(bits.count_nonzero()) > 0
 
 
 class _SlowBackend:
