@@ -96,6 +96,14 @@ def test_required_gives_valid_calls_of_the_tools(client: openai.OpenAI, model: s
         temperature=0, max_tokens=NEW,
     )  # fmt: skip
     assert len(check_calls(single.choices[0].message.tool_calls, set(SCHEMAS))) == 1
+    sampled = client.chat.completions.create(
+        model=model, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2,
+        temperature=1.0, seed=7, max_tokens=NEW,
+    )  # fmt: skip
+    for choice in sampled.choices:  # sampled, each choice under the same schema (one call: a sampled list of calls
+        # may go on until the token limit)
+        assert choice.finish_reason == "tool_calls"
+        check_calls(choice.message.tool_calls, set(SCHEMAS))
 
 
 def test_a_named_function_is_called_with_valid_arguments(client: openai.OpenAI, model: str) -> None:
