@@ -1,38 +1,71 @@
 """Tool calls in a streamed output: ``CallStream`` turns each text delta into the content to send now and the
-calls it completed, so a stream's calls and content are those of the same output parsed whole
+``CallDelta`` s of the calls, so a stream's calls and content are those of the same output parsed whole
 (``ToolUse.calls_of``), up to the whitespace around blocks."""
 
 from __future__ import annotations
 
-from service.frontend.tools import CALL_CLOSE, CALL_OPEN, NONE, ToolCall, ToolFormat, ToolUse, block_calls
+import json
+from dataclasses import dataclass
+
+from service.frontend.tools import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    NONE,
+    REQUIRED,
+    ToolCall,
+    ToolFormat,
+    ToolUse,
+    block_calls,
+    new_call_id,
+)
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of call ``index`` of a reply: its first piece has the call's ``id`` and ``name``; the pieces'
+    ``arguments`` joined are its arguments' JSON text."""
+
+    index: int
+    arguments: str
+    name: str = ""
+    id: str = ""
+
+    @classmethod
+    def whole(cls, index: int, call: ToolCall) -> CallDelta:
+        return cls(index, call.arguments, call.name, call.id or new_call_id())
 
 
 class CallStream:
     """One streamed output's ``(content, calls)``, delta by delta: content goes out as it comes, except what may be
     the start of a tool-call block; a block goes out as its calls once it closes (or as content, if it holds no
-    valid call). A forced output is held whole and parsed at its end."""
+    valid call). Under a named tool the output is its arguments, sent as they come; under ``REQUIRED`` it is held
+    whole and parsed at its end. ``complete``: the calls sent are whole (False once a named tool's arguments ended
+    cut short)."""
 
     def __init__(self, use: ToolUse, fmt: ToolFormat) -> None:
         self.use, self.fmt = use, fmt
-        self.calls = 0  # calls sent so far
+        self.calls = 0  # calls started so far
+        self.complete = True
         self._held = ""
         self._in_block = False
         self._after_call = False
 
-    def feed(self, text: str, final: bool) -> tuple[str, tuple[ToolCall, ...]]:
-        """The content to send now and the calls completed by ``text`` (``final``: the output's last delta)."""
+    def feed(self, text: str, final: bool) -> tuple[str, tuple[CallDelta, ...]]:
+        """The content to send now and the call pieces ``text`` gave (``final``: the output's last delta)."""
         if self.use.choice == NONE:
             return text, ()
         self._held += text
-        if self.use.forced:
+        if self.use.choice == REQUIRED:
             if not final:
                 return "", ()
             content, whole = self.use.calls_of(self._held, self.fmt)
             self._held = ""
             self.calls += len(whole)
-            return content or "", whole
+            return content or "", tuple(CallDelta.whole(i, c) for i, c in enumerate(whole))
+        if self.use.forced:
+            return "", self._named(text, final)
         out: list[str] = []
-        calls: list[ToolCall] = []
+        calls: list[CallDelta] = []
         while True:
             if self._in_block:
                 end = self._held.find(CALL_CLOSE)
@@ -45,7 +78,7 @@ class CallStream:
                     out.append(block_text)
                 else:
                     kept = found if self.use.parallel else found[: max(0, 1 - self.calls)]
-                    calls += kept
+                    calls += [CallDelta.whole(self.calls + i, c) for i, c in enumerate(kept)]
                     self.calls += len(kept)
                     self._after_call = True
                 self._held = self._held[len(block_text) :]
@@ -65,6 +98,20 @@ class CallStream:
             self._held = self._held[len(self._held) - keep :]
             break
         return "".join(out), tuple(calls)
+
+    def _named(self, text: str, final: bool) -> tuple[CallDelta, ...]:
+        if final:
+            try:
+                self.complete = isinstance(json.loads(self._held), dict)
+            except ValueError:
+                self.complete = False
+        piece = text.lstrip() if not self.calls else text
+        if self.calls:
+            return (CallDelta(0, piece),) if piece else ()
+        if not piece and not final:
+            return ()
+        self.calls = 1
+        return (CallDelta(0, piece, self.use.choice, new_call_id()),)
 
 
 def _partial_open(text: str) -> int:

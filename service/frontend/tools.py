@@ -143,7 +143,8 @@ def parse_forced(use: ToolUse, text: str) -> tuple[ToolCall, ...] | None:
     except ValueError:
         return None
     if use.choice != REQUIRED:
-        return (ToolCall(use.choice, _json(value), new_call_id()),) if isinstance(value, dict) else None
+        # the model's own text, as a stream sends it piece by piece
+        return (ToolCall(use.choice, text.strip(), new_call_id()),) if isinstance(value, dict) else None
     if not isinstance(value, list) or not value:
         return None
     calls = [_call_of(item, use) for item in value]

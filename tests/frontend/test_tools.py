@@ -156,15 +156,21 @@ def test_auto_without_parallel_calls_keeps_the_first() -> None:
 
 
 def streamed(use: ToolUse, output: str, size: int) -> tuple[str, list[ToolCall]]:
+    """The content and calls of ``output`` fed in pieces of ``size`` characters, each call put together from its
+    deltas (the first has its id and name, each a piece of its arguments)."""
     stream = CallStream(use, tools.SMOLLM2)
     pieces = [output[i : i + size] for i in range(0, len(output), size)] or [""]
-    content, calls = [], []
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}
     for i, piece in enumerate(pieces):
-        text, made = stream.feed(piece, i == len(pieces) - 1)
+        text, deltas = stream.feed(piece, i == len(pieces) - 1)
         content.append(text)
-        calls += made
-    assert stream.calls == len(calls)
-    return "".join(content), calls
+        for d in deltas:
+            assert bool(d.id) == (d.index not in calls) and bool(d.name) == bool(d.id)
+            entry = calls.setdefault(d.index, [d.name, "", d.id])
+            entry[1] += d.arguments
+    assert stream.calls == len(calls) and sorted(calls) == list(range(len(calls)))
+    return "".join(content), [ToolCall(*calls[i]) for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
@@ -186,8 +192,24 @@ def test_streamed_outputs_give_the_calls_and_content_of_whole_ones(size: int) ->
         assert content.strip() == (whole_content or ""), output
     forced_output = '[{"name": "get_time", "arguments": {"zone": 2}}]'
     content, calls = streamed(ToolUse(BOTH, REQUIRED), forced_output, size)
-    assert content == "" and [c.name for c in calls] == ["get_time"]
-    assert streamed(ToolUse(BOTH, NONE), block("get_time", {}), size) == (block("get_time", {}), [])
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": 2}')]
+    named = ToolUse(BOTH, "get_weather")
+    content, calls = streamed(named, '{"city": "Oslo", "unit": "C"}', size)  # its arguments, as they come
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Oslo", "unit": "C"}')
+    ]
+    assert [c.arguments for c in named.calls_of('{"city": "Oslo", "unit": "C"}', tools.SMOLLM2)[1]] == [
+        calls[0].arguments
+    ]
+
+
+def test_a_named_call_cut_short_is_not_complete() -> None:
+    stream = CallStream(ToolUse(BOTH, "get_weather"), tools.SMOLLM2)
+    assert stream.feed('{"city": "Os', False)[1][0].name == "get_weather"
+    assert stream.feed("lo", True)[1][0].arguments == "lo" and not stream.complete
+    whole = CallStream(ToolUse(BOTH, "get_weather"), tools.SMOLLM2)
+    whole.feed('{"city": "Oslo"}', True)
+    assert whole.complete and whole.calls == 1
 
 
 def test_a_template_without_tools_gets_the_tool_block_and_calls_as_text(smollm2_dir: Path) -> None:

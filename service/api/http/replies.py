@@ -16,7 +16,7 @@ from typing import Any
 from service.api.http import tools as wire
 from service.api.http.params import Call
 from service.frontend import Completion, FinishReason, Generated, TokenEvent, tools
-from service.frontend.tool_stream import CallStream
+from service.frontend.tool_stream import CallDelta, CallStream
 from service.tokenizer import Tokenizer
 
 FINISH: dict[FinishReason | None, str] = {
@@ -92,10 +92,9 @@ class Replies:
             self._count(index, response)
         first = not self._started[index]
         self._started[index] = True
-        text, made = response.text, 0
-        calls: tuple[tools.ToolCall, ...] = ()
+        text = response.text
+        calls: tuple[CallDelta, ...] = ()
         if self._calls is not None:
-            made = self._calls[index].calls
             text, calls = self._calls[index].feed(response.text, finished)
         if not text and not calls and not finished and not (first and self.chat):
             return []
@@ -105,14 +104,15 @@ class Replies:
             if text or first:
                 delta["content"] = text
             if calls:
-                delta["tool_calls"] = wire.tool_call_deltas(calls, made)
+                delta["tool_calls"] = wire.tool_call_deltas(calls)
             choice["delta"] = delta
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(index, response)
         choice["finish_reason"] = None
         if finished:
-            called = self._calls is not None and self._calls[index].calls > 0
+            stream = None if self._calls is None else self._calls[index]
+            called = stream is not None and stream.calls > 0 and stream.complete
             choice["finish_reason"] = "tool_calls" if called else FINISH.get(response.finish)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         chunk["choices"] = [choice]

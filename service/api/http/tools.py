@@ -15,6 +15,7 @@ from typing import Any
 from service.constraints.spec import ConstraintLimits, check_constraint
 from service.errors import InvalidRequest, UnsupportedParameter
 from service.frontend.request import ChatMessage
+from service.frontend.tool_stream import CallDelta
 from service.frontend.tools import AUTO, MAX_TOOLS, NONE, REQUIRED, ToolCall, ToolSpec, ToolUse, new_call_id
 
 PARAMS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -151,7 +152,14 @@ def tool_calls_json(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
     ]
 
 
-def tool_call_deltas(calls: tuple[ToolCall, ...], first_index: int) -> list[dict[str, Any]]:
-    """``delta.tool_calls`` of a stream chunk: each call whole, numbered from ``first_index`` (as vLLM's
-    deltas: ``index``, ``id``, ``type``, ``function.name``, ``function.arguments``)."""
-    return [{"index": first_index + i, **call} for i, call in enumerate(tool_calls_json(calls))]
+def tool_call_deltas(deltas: tuple[CallDelta, ...]) -> list[dict[str, Any]]:
+    """``delta.tool_calls`` of a stream chunk, as vLLM's: a call's first piece has ``index``, ``id``, ``type`` and
+    ``function.name``; every piece ``index`` and ``function.arguments``."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.id:
+            out.append({"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})  # fmt: skip
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
