@@ -19,7 +19,7 @@ import llguidance
 
 from service.constraints.backend import Matcher
 from service.constraints.spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, shorten
 
 # What the cache charges a grammar beyond its text: llguidance's lexer and parser tables live outside Python's
 # view; a JSON schema of 50 properties grows RSS by about this much once compiled (bench/README.md).
@@ -102,7 +102,7 @@ class LLGuidanceBackend:
         error = next((m.get_error() for m in (matcher, probe) if m.is_error()), "")
         if error:
             raise InvalidRequest(
-                f"the {constraint.kind} constraint cannot be compiled: {error}", field=_field(constraint)
+                f"the {constraint.kind} constraint cannot be compiled: {shorten(error)}", field=_field(constraint)
             )
         return LLGuidanceGrammar(matcher, len(grammar) + _GRAMMAR_OVERHEAD_BYTES)
 
@@ -124,7 +124,7 @@ class LLGuidanceBackend:
             if c.kind == GRAMMAR:
                 return llguidance.grammar_from("lark" if c.dialect == "lark" else "gbnf", c.source)
         except ValueError as exc:
-            raise InvalidRequest(f"the {c.kind} constraint is malformed: {exc}", field=_field(c)) from None
+            raise InvalidRequest(f"the {c.kind} constraint is malformed: {shorten(exc)}", field=_field(c)) from None
         raise InvalidRequest(f"unknown constraint kind {c.kind!r}", field="constraint")
 
 
@@ -169,7 +169,8 @@ def _parse_schema(source: str, max_depth: int) -> dict[str, object]:
     try:
         schema = json.loads(source)
     except ValueError as exc:
-        raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}", field="constraint.json_schema") from None
+        message = f"the JSON schema is not valid JSON: {shorten(exc)}"
+        raise InvalidRequest(message, field="constraint.json_schema") from None
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be a JSON object", field="constraint.json_schema")
     return schema

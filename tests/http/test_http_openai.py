@@ -210,8 +210,11 @@ def test_logprobs_of_chosen_tokens(server: BackgroundServer, client: openai.Open
     ("body", "param", "code"),
     [
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
-         "unsupported_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema", "invalid_request"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "invalid_request"),
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace", "unsupported_parameter"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs", "unsupported_parameter"),

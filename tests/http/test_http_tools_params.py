@@ -102,6 +102,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
      "'nope', which is not one of the tools"),
     ({"tools": [], "tool_choice": "required"}, "tool_choice", "tools is empty"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot also match response_format"),
     ({"messages": [USER, {"role": "tool", "content": "x"}]}, "messages[1]", "needs tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, "messages[0]", "only allowed on assistant"),
     ({"messages": [USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}]},

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.adapters.common.ids import check_adapter_id
 from service.api.auth import KeyRing
-from service.api.http import errors, params, tools
+from service.api.http import errors, params, structured
 from service.api.http.adapters import AdapterRoutes
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
@@ -177,7 +177,7 @@ class OpenAIRoutes:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
-            exc = tools.about_tools(exc, None if call is None else call.tools)
+            exc = structured.rename(exc, None if call is None else call.constraint_param)  # names its parameter
             return _error(exc, chat=chat, request_id=outcome.request_id)
         outcome.finish("OK")
         return JSONResponse(replies.completion(response), headers=headers)
@@ -256,6 +256,7 @@ async def _events(
         code = "OK"
     except Exception as exc:
         code = errors.status_name(exc)
+        exc = structured.rename(exc, replies.call.constraint_param)
         yield _sse(errors.error_body(exc, chat=replies.chat, where="stream"))
     finally:
         outcome.finish(code)

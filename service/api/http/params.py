@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from service.api.http import tools
+from service.api.http import structured, tools
 from service.constraints.spec import ConstraintLimits
 from service.errors import InvalidRequest, UnknownParameter, UnsupportedParameter
 from service.frontend import GenerationCall, Input, Sampling
@@ -32,7 +32,6 @@ UNSUPPORTED: Mapping[str, str] = {
     "parallel_tool_calls": "tool calling on /v1/completions (/v1/chat/completions has it)",
     "functions": "function calling",
     "function_call": "function calling",
-    "response_format": "structured output (only plain text)",
     "logit_bias": "logit bias",
     "frequency_penalty": "frequency penalties (repetition_penalty is)",
     "presence_penalty": "presence penalties (repetition_penalty is)",
@@ -60,7 +59,6 @@ NO_OP: Mapping[str, object] = {
     "store": False,
     "echo": False,
     "best_of": 1,
-    "response_format": {"type": "text"},
 }
 """Values of unsupported parameters that change nothing: accepted (so are nulls)."""
 
@@ -76,6 +74,7 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: bool
+    constraint_param: str | None = None  # the parameter the output constraint came from (its errors' param)
     tools: ToolUse | None = None  # chat only: the request's tools (``service.api.http.tools``)
 
     @property
@@ -128,6 +127,7 @@ def parse(
     sampling = _sampling(given)
     max_new_tokens, stops, ignore_eos = _stopping(given)
     logprobs = _logprobs(kind, given)
+    output = tools.with_structured(use, structured.parse(given))  # response_format, structured_outputs, guided_*
     request = GenerationCall(
         inputs=tuple(item for item in inputs for _ in range(n)),
         adapter_id=adapter_id,
@@ -137,14 +137,14 @@ def parse(
         ignore_eos=ignore_eos,
         logprobs=logprobs,
         request_id=request_id,
-        constraint=None if use is None else use.constraint(),
+        constraint=output.constraint,
     )
     stream = _boolean(given, "stream", False)
     options = given.get("stream_options")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", field="stream_options")
     include_usage = _stream_options(options)
-    return Call(kind, model, request, n, stream, include_usage, logprobs, use)
+    return Call(kind, model, request, n, stream, include_usage, logprobs, constraint_param=output.param, tools=use)
 
 
 def _chat_inputs(given: Mapping[str, Any], use: ToolUse | None) -> list[Input]:
@@ -296,7 +296,7 @@ def _integer(given: Mapping[str, Any], name: str, default: Any, *, lowest: int, 
     return value
 
 
-_COMMON = frozenset(
+_COMMON = structured.NAMES | frozenset(
     {
         "model", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "max_tokens", "user",
         "logprobs",

@@ -3,8 +3,8 @@
 One ``Replies`` per request: it fixes the reply's ``id`` (``chatcmpl-<request id>`` / ``cmpl-<request id>``),
 ``created`` and ``model`` and adds up usage across choices (each prompt's tokens counted once, as OpenAI does,
 however many choices it has). Finish reasons: EOS and a stop sequence are ``stop``, the token limit ``length``,
-and a reply that made tool calls ``tool_calls`` (its calls parsed by ``service.frontend.tools``, sent as
-``service.api.http.tools`` shapes them).
+an output constraint that allows no next token ``dead_end`` (docs/http.md), and a reply that made tool calls
+``tool_calls`` (its calls parsed by ``service.frontend.tools``, sent as ``service.api.http.tools`` shapes them).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ FINISH: dict[FinishReason | None, str] = {
     FinishReason.EOS: "stop",
     FinishReason.STOP_SEQUENCE: "stop",
     FinishReason.LENGTH: "length",
+    FinishReason.DEAD_END: "dead_end",  # the output constraint allowed no next token (OpenAI has no name for it)
 }
 
 Result = Completion | TokenEvent
@@ -39,9 +40,12 @@ class Replies:
         self._completion_tokens = [0] * call.choices
         self._text_offsets = [0] * call.choices  # completions logprobs: where the next token starts
         self._started = [False] * call.choices
-        self._format = tools.format_for(tokenizer.chat_template)
+        self._format = tools.SMOLLM2  # the chat template's tool format, where there are tools
         use = call.tools if self.chat else None
-        self._calls = None if use is None else [CallStream(use, self._format) for _ in range(call.choices)]
+        self._calls = None
+        if use is not None:
+            self._format = tools.format_for(tokenizer.chat_template)
+            self._calls = [CallStream(use, self._format) for _ in range(call.choices)]
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.call.model}

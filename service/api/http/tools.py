@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from service.api.http.structured import Structured
 from service.constraints.spec import ConstraintLimits, check_constraint
 from service.errors import InvalidRequest, UnsupportedParameter
 from service.frontend.request import ChatMessage
@@ -133,12 +134,18 @@ def _call(call: object, where: str, field: str) -> ToolCall:
     return ToolCall(name, arguments, call_id)
 
 
-def about_tools(exc: Exception, use: ToolUse | None) -> Exception:
-    """An error about the constraint of a forced call (its schema does not compile) is about ``tools``."""
-    field = getattr(exc, "field", None) or ""
-    if use is not None and use.forced and isinstance(exc, InvalidRequest) and field.startswith("constraint"):
-        return exc.at("tools")
-    return exc
+def with_structured(use: ToolUse | None, output: Structured) -> Structured:
+    """The request's one output constraint: a forced call's schema (its errors about ``tools``), else the structured
+    output's. Both at once is refused: the output cannot be a call and match another schema."""
+    constraint = None if use is None else use.constraint()
+    if use is None or constraint is None:
+        return output
+    if output.constraint is not None:
+        raise InvalidRequest(
+            f"tool_choice {use.choice!r} forces a tool call, which cannot also match {output.param}: give one of them",
+            field="tool_choice",
+        )
+    return Structured(constraint, "tools")
 
 
 # ---- replies ------------------------------------------------------------------------------------------------------
