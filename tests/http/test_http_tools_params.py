@@ -92,7 +92,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": [tool(name="has space")]}, "tools", "function.name"),
     ({"tools": [tool(name="f", parameters=[1])]}, "tools", "parameters must be a JSON schema object"),
     ({"tools": [tool(name="f", parameters="{}")]}, "tools", "parameters must be a JSON schema object"),
-    ({"tools": [tool(name="f", made_up=1)]}, "tools", "function.made_up"),
+    ({"tools": [tool(name="f", made_up=1)]}, "tools", "function.'made_up'"),
+    ({"tools": [tool(name="f", **{"x" * 5000: 1})]}, "tools", "more characters"),  # echoed input is cut
     ({"tools": [tool(name="f"), tool(name="f")]}, "tools", "same name"),
     ({"tools": [tool(name=f"f{i}") for i in range(MAX_TOOLS + 1)]}, "tools", f"at most {MAX_TOOLS}"),
     ({"tools": [tool(name="f", parameters=TOO_BIG)], "tool_choice": "required"}, "tools", "--max-constraint-bytes"),
@@ -100,6 +101,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "'none', 'auto', 'required'"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "'nope', which is not one of the tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "n" * 5000}}}, "tool_choice",
+     "more characters"),
     ({"tools": [], "tool_choice": "required"}, "tool_choice", "tools is empty"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",

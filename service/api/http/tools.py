@@ -14,7 +14,7 @@ from typing import Any
 
 from service.api.http.structured import Structured
 from service.constraints.spec import ConstraintLimits, check_constraint
-from service.errors import InvalidRequest, UnsupportedParameter
+from service.errors import InvalidRequest, UnsupportedParameter, echo
 from service.frontend.request import ChatMessage
 from service.frontend.tool_stream import CallDelta
 from service.frontend.tools import AUTO, MAX_TOOLS, NONE, REQUIRED, ToolCall, ToolSpec, ToolUse, new_call_id
@@ -69,9 +69,11 @@ def _spec(tool: object, where: str) -> ToolSpec:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise InvalidRequest(f"{where}.function must be an object with a name", field="tools")
-    extra = sorted(set(tool) - {"type", "function"}) + [f"function.{k}" for k in sorted(set(function) - _FUNCTION_KEYS)]
+    extra = [("", k) for k in sorted(set(tool) - {"type", "function"})]
+    extra += [("function.", k) for k in sorted(set(function) - _FUNCTION_KEYS)]
     if extra:
-        raise InvalidRequest(f"{where}.{extra[0]} is not a field of an OpenAI tool", field="tools")
+        at, key = extra[0]
+        raise InvalidRequest(f"{where}.{at}{echo(key)} is not a field of an OpenAI tool", field="tools")
     name = function.get("name")
     if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-." for c in name):
         raise InvalidRequest(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.'", field="tools")
@@ -97,7 +99,7 @@ def _choice(choice: object, specs: tuple[ToolSpec, ...]) -> str:
         name = choice["function"].get("name")
         if isinstance(name, str) and any(s.name == name for s in specs):
             return name
-        raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the tools", field="tool_choice")
+        raise InvalidRequest(f"tool_choice names {echo(name)}, which is not one of the tools", field="tool_choice")
     raise InvalidRequest(
         "tool_choice must be 'none', 'auto', 'required' or {type: function, function: {name}}", field="tool_choice"
     )
