@@ -190,6 +190,8 @@ def parse_blocks(text: str, use: ToolUse | None) -> tuple[str | None, tuple[Tool
             continue
         kept.append(text[at : match.start()])
         at = match.end()
+        while at < len(text) and text[at].isspace():  # the whitespace after a call goes with it (as streamed)
+            at += 1
         calls += found
     if not at:
         return text, ()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.frontend import tools
 from service.frontend.prompts import prompt_of
@@ -295,3 +297,45 @@ def test_a_tools_template_renders_as_transformers_renders_it(smollm2_dir: Path, 
         hf_messages, tools=[t.as_openai() for t in BOTH], tokenize=False, add_generation_prompt=True
     )
     assert ours == hf
+
+
+_PIECES = st.one_of(
+    st.text(alphabet="ab <>/_tolcx{}\n", max_size=12),
+    st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "[]", "{not json}", " \n "]),
+    st.sampled_from(
+        [
+            block("get_time", {"zone": 1}),
+            block("get_weather", {"city": "Oslo"}),
+            block("launch", {}),
+            '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {"zone": 2}}]'
+            "</tool_call>",
+        ]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(_PIECES, max_size=8),
+    cuts=st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=40),
+    parallel=st.booleans(),
+)
+def test_any_output_streamed_in_any_pieces_gives_the_calls_and_content_of_the_whole(
+    pieces: list[str], cuts: list[int], parallel: bool
+) -> None:
+    output = "".join(pieces)
+    use = ToolUse(BOTH, AUTO, parallel=parallel)
+    whole_content, whole = use.calls_of(output, tools.SMOLLM2)
+    stream = CallStream(use, tools.SMOLLM2)
+    content, calls, at = [], [], 0
+    for i in range(len(cuts) + 1):
+        size = cuts[i] if i < len(cuts) else len(output)
+        final = i == len(cuts) or at + size >= len(output)
+        text, deltas = stream.feed(output[at : at + size], final)
+        content.append(text)
+        calls += [(d.name, d.arguments) for d in deltas]
+        at += size
+        if final:
+            break
+    assert calls == [(c.name, c.arguments) for c in whole]
+    assert "".join(content).strip() == (whole_content or "").strip()
