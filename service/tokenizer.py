@@ -205,15 +205,10 @@ class Tokenizer:
                 raise InvalidRequest(f"message {i} ({role}) needs a string 'content'")
             # transformers drops None-valued keys before rendering.
             plain.append({k: v for k, v in msg.items() if v is not None})
-        variables: dict[str, Any] = {**self.special_tokens, **extra}
+        # ``tools`` / ``documents`` are None unless given (transformers' defaults), and may be given in ``extra``.
+        variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens, **extra}
         try:
-            return self._template.render(
-                messages=plain,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            return self._template.render(messages=plain, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected this conversation: {exc}") from exc
 

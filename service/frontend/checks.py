@@ -27,6 +27,7 @@ from service.constraints.spec import check_constraint
 from service.engine.request import GenerationRequest, check_max_new_tokens
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
+from service.frontend import tools
 from service.frontend.prompts import Prompt
 from service.frontend.request import GenerationCall, Input
 from service.logs import REQUEST_ID
@@ -55,8 +56,8 @@ def _utf8_len_over(texts: Sequence[str], limit: int) -> int | None:
 
 def check_input(item: Input, settings: Settings, field: str = "input") -> None:
     """The prompt's size before tokenization: ``max_prompt_bytes`` of UTF-8 (text, or every chat message's role and
-    content together) and at most ``max_chat_messages`` chat messages. ``field``: where the input is in its
-    request (``inputs[2]``), for the error's ``field``."""
+    content together, with the tools and tool calls) and at most ``max_chat_messages`` chat messages. ``field``:
+    where the input is in its request (``inputs[2]``), for the error's ``field``."""
     limit = settings.prompt_bytes_limit
     kind = item.kind
     if item.messages is not None:
@@ -71,6 +72,8 @@ def check_input(item: Input, settings: Settings, field: str = "input") -> None:
         texts: Sequence[str] = [s for m in turns for s in (m.role, m.content)]
     else:
         texts = [item.text] if item.text is not None else []
+    if item.tools or item.messages:
+        texts = [*texts, *tools.tool_texts(item.tools, item.messages)]  # the tools and calls count too
     size = _utf8_len_over(texts, limit)
     if size is not None:
         raise InvalidRequest(

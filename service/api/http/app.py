@@ -162,7 +162,10 @@ class OpenAIRoutes:
             header = request.headers.get(REQUEST_ID_HEADER, "")
             if header:  # an invalid one is refused (400) naming the header, never used or echoed
                 request_id = checks.request_id_of(header)
-            call = params.parse(kind, body, request_id=request_id, adapter_of=self._adapter_of)
+            call = params.parse(
+                kind, body, request_id=request_id, adapter_of=self._adapter_of,
+                constraint_limits=rt.settings.constraint_limits,
+            )  # fmt: skip
             outcome.adapter, outcome.per_adapter = call.request.adapter_id, True
             replies = Replies(call, request_id, rt.tokenizer)
             headers = {REQUEST_ID_HEADER: request_id}
