@@ -23,6 +23,8 @@ from service import metrics
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.kinds import KindContext, build_catalog
 from service.config import Settings
+from service.constraints.cache import GrammarCache
+from service.constraints.llg import LLGuidanceBackend
 from service.engine.engine import Engine
 from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
@@ -134,6 +136,7 @@ class Parts:
     self_check: SelfCheckReport  # capability, each compute path's kernel and error
     adapters: AdapterCatalog
     engine: Engine
+    grammars: GrammarCache  # output constraints, compiled for this tokenizer and vocabulary
 
 
 def _nothing() -> None:
@@ -150,8 +153,16 @@ def build(s: Settings, *, check_open: Callable[[], None] = _nothing) -> Parts:
     check_open()
     checked = _self_check(model, choice)
     adapters = _catalog(s, cfg, device, choice.dtype.dtype)
-    engine = Engine(model, tokenizer, s, adapters=adapters)
-    return Parts(s, choice, device, tokenizer, model, cfg, stats, checked, adapters, engine)
+    grammars = _grammars(s, tokenizer, cfg)
+    engine = Engine(model, tokenizer, s, adapters=adapters, constraints=grammars.backend)
+    return Parts(s, choice, device, tokenizer, model, cfg, stats, checked, adapters, engine, grammars)
+
+
+def _grammars(s: Settings, tokenizer: Tokenizer, cfg: ModelConfig) -> GrammarCache:
+    """The constraint backend for this tokenizer and the model's vocabulary, behind the compiled-grammar cache."""
+    eos = frozenset(tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
+    backend = LLGuidanceBackend(tokenizer.to_json(), cfg.vocab_size, sorted(eos), max_depth=s.max_constraint_depth)
+    return GrammarCache(backend, s.constraint_cache_bytes)
 
 
 def adapter_roots(s: Settings) -> tuple[Path, ...]:

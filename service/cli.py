@@ -103,6 +103,8 @@ _LIMIT_FLAGS = (
           "(default 65536)", type=int),
     _Flag("--max-constraint-choices", "strings in one choice constraint (default 1024)", type=int),
     _Flag("--max-constraint-depth", "nesting levels of one JSON schema constraint (default 32)", type=int),
+    _Flag("--max-constraint-compile-seconds", "seconds a request waits for its constraint to compile; past them it is "
+          "refused (default 2)", type=float),
     _Flag("--constraint-cache-bytes", "bytes of compiled grammars kept for reuse, least recently used first "
           "(default 64 MiB; 0 = compile every time)", type=int),
     _Flag("--grace-seconds", "drain time on SIGTERM (default 10)", type=float),

@@ -66,6 +66,7 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     gen.add_argument("--raw", action="store_true", help="send the prompt as is (default: apply the chat template)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default none)")
     gen.add_argument("--json", action="store_true", help="print one JSON result instead of streaming text")
+    _constraint_flags(gen)
 
     tok = sub.add_parser("tokenize", parents=[connection], help="tokenize text on a running server")
     tok.add_argument("text", help="the text to tokenize")
@@ -100,7 +101,58 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     unload.add_argument("id", help="adapter id")
 
 
+def _schema_arg(value: str) -> str:
+    """``--json-schema``: JSON text (it starts with ``{``), else the path of a file holding it."""
+    if value.lstrip().startswith("{"):
+        return value
+    return _file_arg(value)
+
+
+def _file_arg(value: str) -> str:
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value}: {exc}") from None
+
+
+def _constraint_flags(gen: argparse.ArgumentParser) -> None:
+    """The output constraint of ``generate`` (structured output): at most one of the kinds."""
+    group = gen.add_argument_group("output constraint (at most one)")
+    kinds = group.add_mutually_exclusive_group()
+    kinds.add_argument(
+        "--json-schema", type=_schema_arg, metavar="FILE_OR_JSON",
+        help="the output is JSON valid against this JSON Schema (inline JSON text, or a file holding it)",
+    )  # fmt: skip
+    kinds.add_argument("--json-object", action="store_true", help="the output is a JSON object (any)")
+    kinds.add_argument("--regex", metavar="PATTERN", help="the whole output matches this regular expression")
+    kinds.add_argument(
+        "--grammar", type=_file_arg, metavar="FILE", help="the output is a sentence of the grammar in FILE"
+    )
+    kinds.add_argument(
+        "--choice", action="append", metavar="S", help="the output is exactly one of these strings (repeatable)"
+    )
+    group.add_argument(
+        "--grammar-dialect", choices=("lark", "gbnf"), default=None,
+        help="the syntax of --grammar: lark (default; start rule `start`) or gbnf (llama.cpp; start rule `root`)",
+    )  # fmt: skip
+
+
+def _constraint_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "json_schema": args.json_schema,
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "grammar": args.grammar,
+        "grammar_dialect": args.grammar_dialect,
+        "choice": args.choice,
+    }
+    return {k: v for k, v in options.items() if v not in (None, False)}
+
+
 def _generate(args: argparse.Namespace) -> int:
+    if args.grammar_dialect is not None and args.grammar is None:
+        print("loraplex generate: --grammar-dialect is only for --grammar", file=sys.stderr)
+        return 2
     options: dict[str, Any] = {
         "adapter": args.adapter or None,
         "max_new_tokens": args.max_new_tokens,
@@ -112,13 +164,19 @@ def _generate(args: argparse.Namespace) -> int:
         "stop": args.stop,
         "chat": not args.raw,
         "timeout": args.timeout,
+        **_constraint_options(args),
     }
     with _client(args) as client:
-        if args.json:
-            result = client.generate(args.prompt, return_token_ids=True, **options)
-            print(json.dumps(_plain(result), indent=2))
-            return 0
-        for chunk in client.stream(args.prompt, **options):
+        try:
+            if args.json:
+                result = client.generate(args.prompt, return_token_ids=True, **options)
+                print(json.dumps(_plain(result), indent=2))
+                return 0
+            chunks = client.stream(args.prompt, **options)
+        except ValueError as exc:  # the client's own argument checks (a schema that is not JSON, an empty --choice)
+            print(f"loraplex generate: {exc}", file=sys.stderr)
+            return 2
+        for chunk in chunks:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")

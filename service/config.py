@@ -73,6 +73,7 @@ class Settings:
     max_constraint_bytes: int = 64 << 10  # output constraints (service.constraints.spec)
     max_constraint_choices: int = 1024
     max_constraint_depth: int = 32
+    max_constraint_compile_seconds: float = 2.0  # a constraint's compile (and first mask), on the compile pool
     constraint_cache_bytes: int = 64 << 20  # compiled grammars kept for reuse (service.constraints.cache)
     grace_seconds: float = 10.0
     prefix_cache_bytes: int = 256 << 20  # K/V of prompt prefixes kept for reuse; 0 turns prefix caching off
@@ -168,6 +169,8 @@ class Settings:
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not self.max_constraint_compile_seconds > 0:
+            raise ValueError("max_constraint_compile_seconds must be > 0")
         if self.constraint_cache_bytes < 0:
             raise ValueError("constraint_cache_bytes must be >= 0 (0 = no cache)")
         if self.max_prompt_bytes < 0:

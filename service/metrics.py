@@ -188,6 +188,39 @@ SPECULATIVE_STEPS = _counter(
     "Row-steps that verified drafts; accepted / steps + 1 = mean tokens per step of a speculating row.",
 )
 
+# --- output constraints (JSON schema, regex, grammars) -------------------------------------------------------
+# Grammar work is milliseconds or less: compiles of typical schemas, one step's masks for a batch.
+CONSTRAINT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+CONSTRAINT_COMPILE_SECONDS = _histogram(
+    "loraplex_constraint_compile_seconds",
+    "Time to compile one output constraint (a cache miss), on the worker pool.",
+    buckets=CONSTRAINT_BUCKETS,
+)
+CONSTRAINT_CACHE_LOOKUPS = _counter(
+    "loraplex_constraint_cache_lookups_total",
+    "Compiled-grammar cache lookups by result (hit, miss).",
+    ["result"],
+)
+for _result in ("hit", "miss"):  # both series exist from the start, so a hit ratio is defined before the first miss
+    CONSTRAINT_CACHE_LOOKUPS.labels(_result)
+CONSTRAINT_CACHE_BYTES = _gauge(
+    "loraplex_constraint_cache_bytes", "Bytes charged to the compiled grammars the cache holds (an estimate)."
+)
+CONSTRAINT_MASK_SECONDS = _histogram(
+    "loraplex_constraint_mask_seconds",
+    "Time to compute one step's token masks for every constrained row, on the mask thread beside the forward pass.",
+    buckets=CONSTRAINT_BUCKETS,
+)
+CONSTRAINT_MASK_WAIT_SECONDS = _histogram(
+    "loraplex_constraint_mask_wait_seconds",
+    "Time the engine waited for a step's masks after its forward pass (0 when the masks were ready).",
+    buckets=CONSTRAINT_BUCKETS,
+)
+CONSTRAINT_DEAD_ENDS = _counter(
+    "loraplex_constraint_dead_ends_total",
+    "Requests ended because their constraint allowed no next token (finish reason dead_end).",
+)
+
 # --- per adapter (labels only through ADAPTERS below) -----------------------------------------------------------
 ADAPTER_REQUESTS = _counter(
     "loraplex_adapter_requests",

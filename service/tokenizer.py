@@ -136,6 +136,10 @@ class Tokenizer:
         ``_fast`` variant skips the character offsets nobody reads. The ids are the same."""
         return list(self._tk.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar backends build their token tables from)."""
+        return str(self._tk.to_str())
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Ids → text. Byte sequences that are not valid UTF-8 (e.g. half of an emoji) decode to U+FFFD."""
         return str(self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -201,15 +205,10 @@ class Tokenizer:
                 raise InvalidRequest(f"message {i} ({role}) needs a string 'content'")
             # transformers drops None-valued keys before rendering.
             plain.append({k: v for k, v in msg.items() if v is not None})
-        variables: dict[str, Any] = {**self.special_tokens, **extra}
+        # ``tools`` / ``documents`` are None unless given (transformers' defaults), and may be given in ``extra``.
+        variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens, **extra}
         try:
-            return self._template.render(
-                messages=plain,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            return self._template.render(messages=plain, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected this conversation: {exc}") from exc
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from loraplex.v1 import generation_pb2 as pb
 
+from service.constraints.spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint
 from service.errors import InvalidRequest
 from service.frontend import (
     ChatMessage,
@@ -34,7 +36,11 @@ FINISH_TO_PB = {
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.DEADLINE: pb.FINISH_REASON_CANCELLED,
     FinishReason.ERROR: pb.FINISH_REASON_CANCELLED,
+    FinishReason.DEAD_END: pb.FINISH_REASON_DEAD_END,
 }
+
+DIALECTS = {pb.GRAMMAR_DIALECT_LARK: "lark", pb.GRAMMAR_DIALECT_GBNF: "gbnf"}
+"""``GrammarDialect`` -> the domain's dialect name (UNSPECIFIED, or a value this server does not know, is refused)."""
 
 _FIELDS = (("max_new_tokens", "stopping.max_new_tokens"), ("stop_sequences", "stopping.stop_sequences"))
 """Domain field prefix -> its path in a generation request message (the rest are the same in both)."""
@@ -79,6 +85,40 @@ def _sampling_of(message: pb.SamplingParams) -> Sampling:
     )
 
 
+def constraint_of(message: pb.GenerateRequest | pb.GenerateStreamRequest) -> Constraint | None:
+    """The domain constraint of a request (None: unset, or no kind set). Raises ``InvalidRequest`` for a grammar
+    without a known dialect; everything else is checked by the frontend (``check_constraint``)."""
+    if not message.HasField("constraint"):
+        return None
+    c = message.constraint
+    kind = c.WhichOneof("kind")
+    if kind == "json_schema":
+        return Constraint(JSON_SCHEMA, source=c.json_schema)
+    if kind == "json_object":
+        return Constraint(JSON_OBJECT)
+    if kind == "regex":
+        return Constraint(REGEX, source=c.regex)
+    if kind == "grammar":
+        dialect = DIALECTS.get(c.grammar.dialect)
+        if dialect is None:
+            raise InvalidRequest(
+                f"constraint.grammar.dialect must be GRAMMAR_DIALECT_LARK or GRAMMAR_DIALECT_GBNF, got "
+                f"{_enum_name(pb.GrammarDialect, c.grammar.dialect)}",
+                field="constraint.grammar.dialect",
+            )
+        return Constraint(GRAMMAR, source=c.grammar.text, dialect=dialect)
+    if kind == "choice":
+        return Constraint(CHOICE, choices=tuple(c.choice.choices))
+    return None
+
+
+def _enum_name(enum: Any, value: int) -> str:
+    try:
+        return str(enum.Name(value))
+    except ValueError:
+        return str(value)
+
+
 def call_of(message: pb.GenerateRequest | pb.GenerateStreamRequest, *, deadline: float | None) -> GenerationCall:
     """The domain call of a generation request (``deadline``: a ``time.monotonic()`` instant, or None)."""
     stopping = message.stopping
@@ -97,6 +137,7 @@ def call_of(message: pb.GenerateRequest | pb.GenerateStreamRequest, *, deadline:
         logprobs=message.return_options.return_logprobs,
         request_id=message.request_id,
         deadline=deadline,
+        constraint=constraint_of(message),
     )
 
 

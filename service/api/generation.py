@@ -54,9 +54,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateStreamRequest, deadline: float | None
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         request_id = request.request_id or new_request_id()  # the access interceptor's, unless called directly
-        call = replace(convert.call_of(request, deadline=deadline), request_id=request_id)
         first = True
         with convert.grpc_fields(stream=True):
+            call = replace(convert.call_of(request, deadline=deadline), request_id=request_id)
             async with contextlib.aclosing(self.frontend.stream(call)) as events:
                 async for event in events:
                     response = convert.stream_response(event, request.return_options)
@@ -77,6 +77,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         features = ["lora", "medusa", "logprobs", "stop_sequences", "seed"]
         if rt.tokenizer.has_chat_template:
             features.append("chat_template")
+        if rt.grammars is not None:
+            features.append("constraints")  # GenerateRequest.constraint is served
         return pb.ModelInfoResponse(
             model_name=s.model.resolve().name,
             model_path=str(s.model),

@@ -24,6 +24,7 @@ import torch
 from service import bootstrap
 from service.adapters.catalog import AdapterCatalog
 from service.config import Settings
+from service.constraints.cache import GrammarCache
 from service.engine.engine import Engine
 from service.errors import LoraplexError, Unavailable
 from service.model.config import ModelConfig
@@ -54,6 +55,7 @@ class Loaded:
     self_check: SelfCheckReport  # the start-up self-check: capability, each compute path's kernel and error
     weights: str  # "folder" or "gguf": ``--weights`` resolved
     load_mode: str  # how the weights were read: ``--load-mode`` for a folder, "gguf" for a GGUF file
+    grammars: GrammarCache | None = None  # compiled output constraints (service.constraints)
 
 
 class Runtime:
@@ -87,7 +89,7 @@ class Runtime:
         with self._closing:
             self.loaded = Loaded(
                 s, parts.model_config, parts.tokenizer, engine, parts.device, seconds, adapters, choice.dtype.name,
-                parts.self_check, choice.weights, stats.mode,
+                parts.self_check, choice.weights, stats.mode, parts.grammars,
             )  # fmt: skip
             if self._closed:  # closed between the engine's start and here: close did not see it
                 engine.stop(0)
@@ -126,6 +128,8 @@ class Runtime:
             loaded = self.loaded
         self._pool.shutdown(wait=False, cancel_futures=True)
         if loaded is not None:
+            if loaded.grammars is not None:
+                loaded.grammars.close()
             loaded.engine.stop(_left(until))
             loaded.adapters.close(_left(until))
 

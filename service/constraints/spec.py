@@ -91,7 +91,8 @@ def check_constraint(c: Constraint, limits: ConstraintLimits) -> None:
 
 
 def _utf8_size(c: Constraint) -> int:
-    return len(c.source.encode("utf-8", "surrogatepass")) + sum(len(s.encode("utf-8", "surrogatepass")) for s in c.choices)
+    texts = (c.source, *c.choices)
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
 
 __all__ = [

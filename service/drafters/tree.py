@@ -15,7 +15,7 @@ decoding. The K/V of the accepted path are then moved to ``L + 1 .. L + a`` (a n
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -92,14 +92,16 @@ class DraftTree:
         """``topk[h][r]``: head h's rank-r token -> the token of every node but the root, in node order."""
         return [topk[len(p) - 1][p[-1]] for p in self.paths]
 
-    def accept(self, tokens: Sequence[int], predicted: Sequence[int], valid: int) -> list[int]:
-        """Nodes ``1 .. valid-1`` carry ``tokens[i]``; ``predicted[i]`` is the model's argmax after node i's path.
-        Returns the accepted nodes from the root down (empty: nothing accepted)."""
+    def accept(self, tokens: Sequence[int], predict: Callable[[int], int | None], valid: int) -> list[int]:
+        """Nodes ``1 .. valid-1`` carry ``tokens[i]``; ``predict(i)`` is the token decoding picks after node i's
+        path (called once per node on the walk, root first; None: nothing may follow). Returns the accepted nodes
+        from the root down (empty: nothing accepted)."""
         parents = self.parents
         path: list[int] = []
         node = 0
         while True:
-            nxt = next((c for c in range(1, valid) if parents[c] == node and tokens[c] == predicted[node]), None)
+            want = predict(node)
+            nxt = next((c for c in range(1, valid) if parents[c] == node and tokens[c] == want), None)
             if nxt is None:
                 return path
             path.append(nxt)

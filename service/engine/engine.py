@@ -27,6 +27,8 @@ from service import metrics
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.handle import Adapter
 from service.config import Settings
+from service.constraints.backend import Backend
+from service.constraints.masks import Masks
 from service.drafters.registry import server_drafter
 from service.engine.detok import IncrementalDetokenizer
 from service.engine.outputs import OutputProcessor
@@ -68,7 +70,13 @@ class EngineState:
 
 class Engine:
     def __init__(
-        self, model: Llama, tokenizer: Tokenizer, settings: Settings, *, adapters: AdapterCatalog | None = None
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        settings: Settings,
+        *,
+        adapters: AdapterCatalog | None = None,
+        constraints: Backend | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,7 +90,10 @@ class Engine:
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(eos, settings.max_total_tokens, self._release)
         lookup = adapters.layer if adapters is not None else None
-        self.runner = Runner(model, self.cache, settings, self.outputs, lookup)
+        masks = None
+        if constraints is not None:
+            masks = Masks(constraints, model.cfg.vocab_size, settings.max_batch_size, self.device)
+        self.runner = Runner(model, self.cache, settings, self.outputs, lookup, masks)
         limits = SchedulerLimits(
             settings.max_batch_size,
             settings.speculate_max_batch,
@@ -169,6 +180,8 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if request.grammar is not None and self.runner.masks is None:
+            raise InvalidRequest("this engine serves no output constraints", field="constraint")
         if request.adapter_id is None:
             if request.speculate:
                 raise InvalidRequest("speculate=true needs an adapter with Medusa heads (adapter_id is empty)")
@@ -233,6 +246,8 @@ class Engine:
         for row in self.scheduler.drain():
             self.outputs.finish(row, FinishReason.ERROR, error=Unavailable("the server is shutting down"))
         self.outputs.publish()
+        if self.runner.masks is not None:
+            self.runner.masks.close()
 
     def step(self) -> EngineState:
         """Take every submission queued so far and run one step; for tests that drive an engine never started."""
@@ -271,6 +286,7 @@ class Engine:
             ids=list(req.prompt_ids),
             adapter=adapter,
             enqueued=req.arrival,
+            matcher=req.grammar.start() if req.grammar is not None else None,
         )
 
     def _run_step(self) -> None:

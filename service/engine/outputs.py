@@ -23,7 +23,7 @@ from service.logs import about
 
 log = logging.getLogger("loraplex.engine")
 
-_COMPLETED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE)
+_COMPLETED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReason.DEAD_END)
 _SILENT = (FinishReason.CANCELLED, FinishReason.DEADLINE, FinishReason.ERROR)
 
 
@@ -63,6 +63,14 @@ class OutputProcessor:
             self.emit(row, token, None)
 
     def emit(self, row: Row, token: int, logprob: float | None) -> None:
+        # A constrained row's grammar consumes the token first: a token it refuses is never emitted (the mask
+        # allowed it, so only a backend limit hit mid-way refuses it) and the row ends at a dead end instead.
+        complete = False  # then: the grammar is complete, nothing but end-of-sequence may follow
+        if row.matcher is not None:
+            if not row.matcher.consume(token):
+                self.dead_end(row)
+                return
+            complete = row.matcher.finished
         now = time.monotonic()
         req = row.request
         if row.generated == 0:
@@ -75,11 +83,14 @@ class OutputProcessor:
         row.pending = token
         self.stats.generated += 1
         finish: FinishReason | None = None
-        if token in self.eos_ids and not req.ignore_eos:
+        eos = token in self.eos_ids and (not req.ignore_eos or complete)
+        if eos:
             finish = FinishReason.EOS
             text = row.detok.flush()
         else:
             text = row.detok.push(token)
+            if complete:
+                finish = FinishReason.EOS
         if row.stops is not None:
             text, stopped = row.stops.push(text)
             if stopped:
@@ -87,7 +98,7 @@ class OutputProcessor:
         if finish is None and (row.generated >= req.max_new_tokens or row.length + 1 >= self.max_total_tokens):
             finish = FinishReason.LENGTH
         if finish is not None and finish is not FinishReason.STOP_SEQUENCE:
-            text = self._final_text(row, text, flush=finish is not FinishReason.EOS)
+            text = self._final_text(row, text, flush=not eos)
         event = TokenEvent(
             token_ids=(token,),
             text=text,
@@ -134,6 +145,18 @@ class OutputProcessor:
             error=error,
         )
         self._deliver(row, event)
+
+    def dead_end(self, row: Row) -> None:
+        """End a row whose constraint allows no next token (its grammar can neither go on nor end: a backend
+        limit hit mid-way): its output so far is a prefix the grammar accepts."""
+        reason = row.matcher.error if row.matcher is not None else ""
+        log.warning(
+            "event=constraint_dead_end request=%s adapter=%s generated=%d reason=%r",
+            row.request.request_id, row.request.adapter_id, row.generated, reason[:200],
+            extra=about(row.request.log_id),
+        )  # fmt: skip
+        metrics.CONSTRAINT_DEAD_ENDS.inc()
+        self.finish(row, FinishReason.DEAD_END)
 
     def fail_non_finite(self, row: Row) -> None:
         """End a row whose logits hold NaN or inf with an error naming its adapter (its K/V never poison its slot:

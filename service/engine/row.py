@@ -18,6 +18,7 @@ from service.engine.request import GenerationRequest, RequestHandle, Sink
 
 if TYPE_CHECKING:
     from service.adapters.handle import Adapter
+    from service.constraints.backend import Matcher
     from service.drafters.base import Draft, Drafter
     from service.engine.detok import IncrementalDetokenizer
     from service.engine.sampling import RandomStream
@@ -40,6 +41,7 @@ class Row:
     drafter: Drafter | None = None  # proposes its draft tokens (greedy rows only; from admission)
     kv_key: Hashable | None = None  # what besides the tokens shapes its K/V (e.g. the LoRA registration)
     draft: Draft | None = None  # drafted tokens to verify at the next step
+    matcher: Matcher | None = None  # where its output is in its constraint's grammar (None: unconstrained)
     accepted: int = 0  # draft tokens accepted so far
     done: bool = False  # leaves its slot at the next compaction
     closed: bool = False  # its final event is delivered and its adapter released

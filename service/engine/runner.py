@@ -21,6 +21,8 @@ import torch
 from service import metrics
 from service.adapters.lora.batch import AdapterBatch, LayerLookup, LoraTables
 from service.config import Settings
+from service.constraints.masks import Masks, PendingMasks
+from service.engine.constrained import ConstrainedWalk, trim_draft
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
 from service.engine.row import Row
@@ -37,6 +39,7 @@ class Runner:
         settings: Settings,
         outputs: OutputProcessor,
         layer_lookup: LayerLookup | None,
+        masks: Masks | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -49,6 +52,7 @@ class Runner:
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
         self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if layer_lookup is not None else None
         self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
+        self.masks = masks  # token masks of constrained rows (None: this runner serves no constraints)
 
     def reset(self) -> None:
         """Drop the caches that outlive rows (prefix blocks, LoRA tables): after a failed step they may be half
@@ -88,10 +92,11 @@ class Runner:
         metrics.PREFILL_CHUNKS.inc(len(rows))
         batch = self._adapter_batch(rows, start)
         kv_len = int(positions.max()) + 1
+        done = [b for b, (r, e) in enumerate(zip(rows, ends, strict=True)) if e == len(r.request.prompt_ids)]
+        masks = self._begin_masks([rows[b] for b in done])  # filled beside the forward pass
         hidden = self.model(
             tokens.to(self.device), positions.to(self.device), self.cache, start, batch, kv_len=kv_len
         )  # [B, T, H]
-        done = [b for b, (r, e) in enumerate(zip(rows, ends, strict=True)) if e == len(r.request.prompt_ids)]
         last = torch.tensor([ends[b] - rows[b].length - 1 for b in done], dtype=torch.long, device=self.device)
         for r, e in zip(rows, ends, strict=True):
             r.length = e
@@ -103,7 +108,7 @@ class Runner:
         for b, r in zip(done, completed, strict=True):
             self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
         metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
-        self._sample(completed, logits)
+        self._sample(completed, logits, masks)
         self._draft(completed, final, draft)
 
     def _start_rows(self, fresh: Sequence[tuple[Row, int]]) -> None:
@@ -165,11 +170,12 @@ class Runner:
         tokens = torch.tensor([[r.pending] for r in rows], dtype=torch.long)  # [B, 1]
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
         batch = self._adapter_batch(rows, 0)
+        masks = self._begin_masks(rows)  # filled beside the forward pass
         hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
         logits = self.model.logits(hidden[:, -1])  # [B, V]
         for r in rows:
             r.length += 1
-        self._sample(rows, logits)
+        self._sample(rows, logits, masks)
         self._draft(rows, hidden[:, -1], draft)
 
     def _decode_speculative(self, rows: list[Row], draft: bool) -> None:
@@ -199,30 +205,48 @@ class Runner:
             sub = [rows[b] for b in plain]
             for r in sub:
                 r.length += 1
-            self._sample(sub, logits[torch.tensor(plain, device=self.device), 0])
+            self._sample(sub, logits[torch.tensor(plain, device=self.device), 0], self._begin_masks(sub))
         self._fail_non_finite_paths(rows, logits, valid)
-        last = self._accept(rows, fed, logits.argmax(dim=-1).tolist(), valid)
+        last = self._accept(rows, fed, logits.argmax(dim=-1).tolist(), valid, logits)
         at = torch.tensor(last, device=self.device)
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at], draft)  # after the last kept token
 
     def _accept(
-        self, rows: Sequence[Row], fed: list[list[int]], predicted: list[list[int]], valid: list[int]
+        self,
+        rows: Sequence[Row],
+        fed: list[list[int]],
+        predicted: list[list[int]],
+        valid: list[int],
+        logits: torch.Tensor,
     ) -> list[int]:
-        """Walk each drafting row's tree along the model's argmax ``predicted`` [B, T]; keep and emit the path.
-        Returns per row the node whose hidden state drafts next."""
+        """Walk each drafting row's tree along the model's argmax ``predicted`` [B, T] (a constrained row: the
+        argmax its grammar allows, from ``logits`` [B, T, V]); keep and emit the path. Returns per row the node
+        whose hidden state drafts next."""
         last = [0] * len(rows)
         drafted = kept = 0
         for b, row in enumerate(rows):
             if row.drafter is None or row.done:
                 continue
-            path = row.draft.tree.accept(fed[b], predicted[b], valid[b]) if row.draft is not None else []
+            tree = row.draft.tree if row.draft is not None else None
+            if row.matcher is not None and self.masks is not None:  # the walk follows the grammar's argmax
+                walk = ConstrainedWalk(self.masks, row.matcher, logits[b])
+                path = tree.accept(fed[b], walk.predict, valid[b]) if tree is not None else []
+                final = walk.picked[-1] if walk.picked else walk.predict(0)
+                walk.undo()  # the output processor consumes what is emitted
+            else:
+                path = tree.accept(fed[b], predicted[b].__getitem__, valid[b]) if tree is not None else []
+                final = predicted[b][path[-1] if path else 0]
             self.cache.keep_path(b, row.length, path)
             drafted += valid[b] - 1
             kept += len(path)
             last[b] = path[-1] if path else 0
             row.length += 1 + len(path)
             row.accepted += len(path)
-            self.outputs.emit_path(row, [*(fed[b][i] for i in path), predicted[b][last[b]]])
+            self.outputs.emit_path(row, [fed[b][i] for i in path])
+            if final is None:
+                self.outputs.dead_end(row)
+            else:
+                self.outputs.emit_path(row, [final])
         metrics.SPECULATIVE_DRAFTED.inc(drafted)
         metrics.SPECULATIVE_ACCEPTED.inc(kept)
         metrics.SPECULATIVE_STEPS.inc(sum(1 for r in rows if r.drafter is not None))
@@ -263,10 +287,20 @@ class Runner:
         return [min(v, width) for v in valid]
 
     # --- sampling and drafting --------------------------------------------------------------------------------
-    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> None:
+    def _begin_masks(self, rows: Sequence[Row]) -> PendingMasks | None:
+        return self.masks.begin(rows) if self.masks is not None else None
+
+    def _sample(self, rows: Sequence[Row], logits: torch.Tensor, masks: PendingMasks | None = None) -> None:
+        """Sample every row's next token from ``logits`` [B, V], after ``masks`` (begun for these rows) removed
+        what each constrained row's grammar does not allow."""
         finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
-        if not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
-            keep = [b for b, ok in enumerate(finite.tolist()) if ok or self._fail(rows[b])]
+        dead = self.masks.apply(masks, logits) if masks is not None and self.masks is not None else []
+        if dead or not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
+            ok = finite.tolist()
+            for b in dead:
+                if ok[b]:
+                    self.outputs.dead_end(rows[b])
+            keep = [b for b, fine in enumerate(ok) if (fine or self._fail(rows[b])) and b not in dead]
             rows = [rows[b] for b in keep]
             logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
             if not rows:
@@ -308,6 +342,9 @@ class Runner:
             x = hidden.index_select(0, torch.tensor(members, device=hidden.device))  # [g, H]
             drafts = drafter.propose(x, [rows[b].ids for b in members], self.model)
             for b, proposed in zip(members, drafts, strict=True):
+                matcher = rows[b].matcher
+                if proposed is not None and matcher is not None:
+                    proposed = trim_draft(proposed, matcher)
                 rows[b].draft = proposed if proposed is not None and proposed.tokens else None
 
 

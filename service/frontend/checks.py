@@ -22,9 +22,12 @@ from dataclasses import dataclass
 
 from service.adapters.common.ids import check_adapter_id
 from service.config import Settings
+from service.constraints.backend import Grammar
+from service.constraints.spec import check_constraint
 from service.engine.request import GenerationRequest, check_max_new_tokens
 from service.engine.sampling import SamplingParams
 from service.errors import InvalidRequest
+from service.frontend import tools
 from service.frontend.prompts import Prompt
 from service.frontend.request import GenerationCall, Input
 from service.logs import REQUEST_ID
@@ -53,8 +56,8 @@ def _utf8_len_over(texts: Sequence[str], limit: int) -> int | None:
 
 def check_input(item: Input, settings: Settings, field: str = "input") -> None:
     """The prompt's size before tokenization: ``max_prompt_bytes`` of UTF-8 (text, or every chat message's role and
-    content together) and at most ``max_chat_messages`` chat messages. ``field``: where the input is in its
-    request (``inputs[2]``), for the error's ``field``."""
+    content together, with the tools and tool calls) and at most ``max_chat_messages`` chat messages. ``field``:
+    where the input is in its request (``inputs[2]``), for the error's ``field``."""
     limit = settings.prompt_bytes_limit
     kind = item.kind
     if item.messages is not None:
@@ -69,6 +72,8 @@ def check_input(item: Input, settings: Settings, field: str = "input") -> None:
         texts: Sequence[str] = [s for m in turns for s in (m.role, m.content)]
     else:
         texts = [item.text] if item.text is not None else []
+    if item.tools or item.messages:
+        texts = [*texts, *tools.tool_texts(item.tools, item.messages)]  # the tools and calls count too
     size = _utf8_len_over(texts, limit)
     if size is not None:
         raise InvalidRequest(
@@ -146,6 +151,8 @@ def check_call(call: GenerationCall, settings: Settings) -> None:
             limit=settings.max_batch_size,
         )
     check_stops(call.stop_sequences, settings)
+    if call.constraint is not None:
+        check_constraint(call.constraint, settings.constraint_limits)
     for i, item in enumerate(call.inputs):
         check_input(item, settings, f"inputs[{i}]")
 
@@ -171,9 +178,12 @@ def check(call: GenerationCall, settings: Settings) -> Checked:
     return Checked(call, request_id, max_new, sampling)
 
 
-def engine_request(checked: Checked, prompt: Prompt, index: int = 0) -> GenerationRequest:
+def engine_request(
+    checked: Checked, prompt: Prompt, index: int = 0, grammar: Grammar | None = None
+) -> GenerationRequest:
     """Input ``index`` of a checked call as the engine's request (its id is ``<request id>/<index>`` when there are
-    several; its ``call_id`` the id of the call running it, which its engine log lines carry): assembly only."""
+    several; its ``call_id`` the id of the call running it, which its engine log lines carry; ``grammar`` its
+    compiled constraint): assembly only."""
     call = checked.call
     several = len(checked.sampling) > 1
     return GenerationRequest(
@@ -187,4 +197,5 @@ def engine_request(checked: Checked, prompt: Prompt, index: int = 0) -> Generati
         speculate=call.speculate,
         deadline=call.deadline,
         call_id=REQUEST_ID.get() or "",
+        grammar=grammar,
     )

@@ -19,9 +19,11 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Protocol, TypeVar
 
 from service.config import Settings
+from service.constraints.backend import Grammar
+from service.constraints.cache import GrammarCache
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent
-from service.errors import DeadlineExceeded, LoraplexError, Unavailable
+from service.errors import DeadlineExceeded, InvalidRequest, LoraplexError, Unavailable
 from service.frontend import checks, observer
 from service.frontend.prompts import Prompt, Tokenized, prompt_of, tokenize
 from service.frontend.request import Completion, Generated, GenerationCall, Input
@@ -39,6 +41,8 @@ class Ready(Protocol):
     def tokenizer(self) -> Tokenizer: ...
     @property
     def engine(self) -> Engine: ...
+    @property
+    def grammars(self) -> GrammarCache | None: ...
 
 
 class Serving(Protocol):
@@ -86,6 +90,22 @@ class Frontend:
     async def _prompt(self, item: Input, tokenizer: Tokenizer) -> Prompt:
         return await self.runtime.off_loop(prompt_of, item, tokenizer)
 
+    async def _grammar(self, rt: Ready, call: GenerationCall) -> Grammar | None:
+        """The call's compiled constraint (from the cache, or compiled on the worker pool), or None."""
+        if call.constraint is None:
+            return None
+        if rt.grammars is None:
+            raise InvalidRequest("this server serves no output constraints", field="constraint")
+        limit = rt.settings.max_constraint_compile_seconds
+        try:  # the compile goes on past the limit (it cannot be interrupted) and its result is cached
+            return await asyncio.wait_for(asyncio.wrap_future(rt.grammars.submit(call.constraint)), limit)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the constraint did not compile within {limit:g} s (--max-constraint-compile-seconds); simplify it",
+                field="constraint",
+                limit=limit,
+            ) from None
+
     def _submit(self, rt: Ready, request: GenerationRequest) -> tuple[RequestHandle, asyncio.Queue[TokenEvent]]:
         loop = asyncio.get_running_loop()
         if self._mailbox is None or self._mailbox.loop is not loop:
@@ -104,8 +124,12 @@ class Frontend:
         """Every input of ``call`` to its end: one completion per input, in order."""
         rt = self.runtime.ready()
         checked = checks.check(call, rt.settings)
-        prompts = await asyncio.gather(*(self._prompt(item, rt.tokenizer) for item in call.inputs))
-        requests = [checks.engine_request(checked, prompt, i) for i, prompt in enumerate(prompts)]
+        compiling = asyncio.ensure_future(self._grammar(rt, call))  # beside the prompts' tokenization
+        try:
+            prompts = await asyncio.gather(*(self._prompt(item, rt.tokenizer) for item in call.inputs))
+        finally:
+            grammar = await compiling
+        requests = [checks.engine_request(checked, prompt, i, grammar) for i, prompt in enumerate(prompts)]
         for request in requests:  # refuse the whole call before any part of it runs
             rt.engine.validate(request)
         submitted: list[tuple[RequestHandle, asyncio.Queue[TokenEvent]]] = []
@@ -123,8 +147,8 @@ class Frontend:
         the request (its KV slot is freed at the engine's next step)."""
         rt = self.runtime.ready()
         checked = checks.check(call, rt.settings)
-        prompt = await self._prompt(call.inputs[0], rt.tokenizer)
-        handle, events = self._submit(rt, checks.engine_request(checked, prompt))
+        grammar, prompt = await asyncio.gather(self._grammar(rt, call), self._prompt(call.inputs[0], rt.tokenizer))
+        handle, events = self._submit(rt, checks.engine_request(checked, prompt, 0, grammar))
         try:
             while True:
                 event = await events.get()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.errors import InvalidRequest
+from service.frontend import tools
 from service.frontend.request import Input
 from service.tokenizer import Tokenizer
 
@@ -36,7 +37,12 @@ def prompt_of(item: Input, tokenizer: Tokenizer) -> Prompt:
             raise InvalidRequest("input.messages is empty: give at least one chat message", field="input.messages")
         if any(not t["role"] for t in turns):
             raise InvalidRequest("every chat message needs a role (e.g. 'user')", field="input.messages.role")
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        if tools.uses_tools(item.messages, item.tools):
+            fmt = tools.format_for(tokenizer.chat_template)
+            turns, extra = fmt.render_args(item.messages, item.tools)
+            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, **extra)
+        else:
+            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
         return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
     if item.text is not None:
         if not item.text:

@@ -23,22 +23,31 @@ from dataclasses import dataclass, field
 from service.constraints.spec import Constraint
 from service.engine.request import FinishReason
 from service.engine.sampling import SamplingParams
+from service.frontend.tools import ToolCall, ToolSpec
 
 
 @dataclass(frozen=True)
 class ChatMessage:
+    """One turn. An assistant turn may carry the ``tool_calls`` it made; a ``tool`` turn is the result of the call
+    ``tool_call_id`` (of the function ``name``)."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)
 class Input:
     """One prompt: ``text`` (templated as one user turn when ``chat``), or chat ``messages``. Neither set is a
-    request the checks refuse; an empty text or conversation is still that kind."""
+    request the checks refuse; an empty text or conversation is still that kind. ``tools``: the functions the
+    chat template is told of (``service.frontend.tools``)."""
 
     text: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     chat: bool = False
+    tools: tuple[ToolSpec, ...] = ()
 
     @property
     def kind(self) -> str | None:

@@ -10,6 +10,7 @@ second table names must exist.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -49,6 +50,9 @@ LIMITS: dict[str, object] = {
     "max_stop_sequences": 4,
     "max_stop_sequence_bytes": 32,
     "max_message_bytes": 64 << 10,
+    "max_constraint_bytes": 1024,
+    "max_constraint_choices": 4,
+    "max_constraint_depth": 4,
 }
 
 
@@ -149,6 +153,34 @@ FIELDS: dict[str, Mutation] = {
     "request-id-too-long": _set("request_id", "r" * 10_000),
     "speculate-no-adapter": _set("speculate", True),
     "speculate-lora": lambda r: r.MergeFrom(pb.GenerateRequest(speculate=True, adapter_id="good")),
+}
+
+
+def _constraint(**kind: Any) -> Mutation:
+    return lambda r: r.constraint.CopyFrom(pb.Constraint(**kind))
+
+
+def _nested(depth: int) -> str:
+    """A JSON schema of ``depth`` objects, each the only property of the one around it."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return json.dumps(schema)
+
+
+CONSTRAINTS: dict[str, Mutation] = {
+    "constraint-too-large": _constraint(regex="a" * 1025),
+    "constraint-too-large-multibyte": _constraint(choice=pb.Choice(choices=["€" * 400, "é"])),  # 401 chars, 1,202 bytes
+    "constraint-too-many-choices": _constraint(choice=pb.Choice(choices=["a", "b", "c", "d", "e"])),
+    "constraint-choice-empty": _constraint(choice=pb.Choice()),
+    "constraint-choice-empty-string": _constraint(choice=pb.Choice(choices=["yes", ""])),
+    "constraint-regex-empty": _constraint(regex=""),
+    "constraint-dialect-unspecified": _constraint(grammar=pb.Grammar(text='start: "a"')),
+    "constraint-dialect-unknown": _constraint(grammar=pb.Grammar(text='start: "a"', dialect=9)),  # type: ignore[arg-type]
+    "constraint-regex-invalid": _constraint(regex="(unclosed"),
+    "constraint-schema-not-json": _constraint(json_schema="{not json"),
+    "constraint-schema-too-deep": _constraint(json_schema=_nested(6)),
+    "constraint-grammar-invalid": _constraint(grammar=pb.Grammar(text="start: (", dialect=pb.GRAMMAR_DIALECT_LARK)),
 }
 
 
@@ -306,6 +338,7 @@ CASES: dict[str, Callable[[Live], list[Outcome]]] = {
     "no-inputs": _inputs(0),
     "too-many-inputs": _inputs(3),
     **{name: field_case(mutate, both=True) for name, mutate in FIELDS.items()},
+    **{name: field_case(mutate, both=True) for name, mutate in CONSTRAINTS.items()},
     "temperature-tiny": _accepted_like_greedy(_set("sampling.temperature", 1e-45)),
     "top-k-huge": _accepted_like_greedy(_set("sampling.top_k", 4_000_000_000)),
     "seed-wraps": _seed_wraps,

@@ -60,6 +60,12 @@ def test_grpcurl_list_describe_and_generate(server: BackgroundServer) -> None:
     assert reply["requestId"] == "grpcurl-1"
     assert reply["results"][0]["usage"]["generatedTokens"] == 5
 
+    # A constraint in grpcurl's JSON: the oneof's field by its JSON name; the schema is a string of JSON.
+    body = {"inputs": [{"text": "Hello there"}], "stopping": {"maxNewTokens": 8},
+            "constraint": {"jsonSchema": json.dumps({"type": "boolean"})}}  # fmt: skip
+    reply = json.loads(run_grpcurl(server, "loraplex.v1.Generation/Generate", flags=("-d", json.dumps(body))))
+    assert reply["results"][0]["text"] in ("true", "false"), reply
+
 
 def _reflect(channel: grpc.Channel, service: str, request: rpb.ServerReflectionRequest) -> rpb.ServerReflectionResponse:
     call = channel.stream_stream(

@@ -23,6 +23,7 @@ from support.wait import wait_until
 
 from service.api.server import BackgroundServer
 from service.config import Settings
+from service.constraints.spec import ConstraintLimits
 from service.errors import AdapterNotFound, CheckpointError, shorten
 from service.tokenizer import Tokenizer
 
@@ -236,7 +237,10 @@ def test_a_cancelled_request_frees_its_place_for_the_next_one(
         assert refused == []
 
 
-LIMIT_FLAGS = ("--max-prompt-bytes", "--max-chat-messages", "--max-stop-sequences", "--max-stop-sequence-bytes")
+LIMIT_FLAGS = (
+    "--max-prompt-bytes", "--max-chat-messages", "--max-stop-sequences", "--max-stop-sequence-bytes",
+    "--max-constraint-bytes", "--max-constraint-choices", "--max-constraint-depth", "--max-constraint-compile-seconds",
+)  # fmt: skip
 
 
 def test_limit_flags_reach_the_settings_and_are_documented() -> None:
@@ -247,6 +251,7 @@ def test_limit_flags_reach_the_settings_and_are_documented() -> None:
     settings = Settings.from_env({}, **fields)
     assert (settings.max_prompt_bytes, settings.max_chat_messages) == (7, 7)
     assert (settings.max_stop_sequences, settings.max_stop_sequence_bytes) == (7, 7)
+    assert settings.constraint_limits == ConstraintLimits(7, 7, 7)
     assert Settings.from_env({"LORAPLEX_MAX_PROMPT_BYTES": "9"}).prompt_bytes_limit == 9
     assert Settings().prompt_bytes_limit == 128 * Settings().max_prompt_tokens == 256 << 10
     with pytest.raises(ValueError, match="max_stop_sequences"):

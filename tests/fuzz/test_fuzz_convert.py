@@ -3,7 +3,8 @@
 Random valid-looking ``GenerateRequest`` / ``GenerateStreamRequest`` messages (every field set or unset, edge
 values for numbers, any Unicode in strings, chat and raw inputs) and the same messages damaged on the wire
 (bytes flipped, cut or spliced, then parsed the way grpc parses them) go through what the servicer runs before
-it submits: ``call_of``, ``check``, ``prompt_of`` with SmolLM2's tokenizer and chat template, ``engine_request``.
+it submits: ``call_of``, ``check``, ``prompt_of`` with SmolLM2's tokenizer and chat template, ``engine_request``
+(an output constraint of any kind, or of an unknown grammar dialect, is converted and size-checked, not compiled).
 Each ends in a ``GenerationRequest`` whose fields are in range, or a ``LoraplexError``, never another exception.
 Bytes that do not parse are the transport edge's business (``DecodeError``) and are skipped here.
 """
@@ -73,6 +74,29 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
     return message
 
 
+DIALECTS = _mostly(
+    st.sampled_from([pb.GRAMMAR_DIALECT_LARK, pb.GRAMMAR_DIALECT_GBNF]), st.integers(-(2**31), 2**31 - 1)
+)
+
+
+@st.composite
+def constraints(draw: st.DrawFn) -> pb.Constraint:
+    """Any kind of the oneof (or none), with any text: conversion and the size checks, never compiled here."""
+    kind = draw(st.sampled_from(["json_schema", "json_object", "regex", "grammar", "choice", "none"]))
+    message = pb.Constraint()
+    if kind in ("json_schema", "regex"):
+        setattr(message, kind, draw(st.one_of(TEXT, st.just('{"type": "object"}'))))
+    elif kind == "json_object":
+        message.json_object.SetInParent()
+    elif kind == "grammar":
+        message.grammar.text = draw(TEXT)
+        message.grammar.dialect = draw(DIALECTS)  # type: ignore[assignment]  # proto3 enums are open: any int32
+    elif kind == "choice":
+        message.choice.SetInParent()
+        message.choice.choices.extend(draw(st.lists(SHORT, max_size=4)))
+    return message
+
+
 @st.composite
 def requests(draw: st.DrawFn) -> pb.GenerateRequest | pb.GenerateStreamRequest:
     stream = draw(st.booleans())
@@ -90,6 +114,8 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest | pb.GenerateStreamRequest:
     message.return_options.return_logprobs = draw(st.booleans())
     if draw(st.booleans()):
         message.speculate = draw(st.booleans())
+    if draw(st.booleans()):
+        message.constraint.CopyFrom(draw(constraints()))
     return message
 
 

@@ -209,9 +209,12 @@ def test_logprobs_of_chosen_tokens(server: BackgroundServer, client: openai.Open
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
-         "unsupported_parameter"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema", "invalid_request"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "invalid_request"),
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace", "unsupported_parameter"),
         ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs", "unsupported_parameter"),
@@ -231,7 +234,8 @@ def test_logprobs_of_chosen_tokens(server: BackgroundServer, client: openai.Open
         ({"stream": "yes"}, "stream", "invalid_request"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "invalid_request"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "x"}]}]}, "messages[0]",
-         "unsupported_parameter"),
+         "invalid_request"),  # tool calls are the assistant's
+        ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0]", "unsupported_parameter"),
     ],
 )  # fmt: skip
 def test_bad_parameters_are_refused_by_name(

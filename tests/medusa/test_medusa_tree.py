@@ -34,9 +34,9 @@ def test_accept_walks_the_argmax() -> None:
     assert tokens == [99, 10, 11, 20, 20, 30]
     # model: after root -> 11 (node 2), after node 2 -> 20 (node 4), after node 4 -> 7 (no child)
     predicted = [11, 0, 20, 0, 7, 0]
-    assert tree.accept(tokens, predicted, valid=6) == [2, 4]
-    assert tree.accept(tokens, predicted, valid=3) == [2]  # node 4 not verified
-    assert tree.accept(tokens, [5, 0, 0, 0, 0, 0], valid=6) == []
+    assert tree.accept(tokens, predicted.__getitem__, valid=6) == [2, 4]
+    assert tree.accept(tokens, predicted.__getitem__, valid=3) == [2]  # node 4 not verified
+    assert tree.accept(tokens, [5, 0, 0, 0, 0, 0].__getitem__, valid=6) == []
 
 
 def test_tree_attention_matches_plain_decoding(tiny_llama_factory) -> None:  # type: ignore[no-untyped-def]

@@ -99,10 +99,14 @@ class Prometheus:
         self.log.close()
 
 
-def traffic(stub: pb_grpc.GenerationStub) -> None:
+def traffic(stub: pb_grpc.GenerationStub, round_: int) -> None:
     """One round of everything the dashboard plots: base, stream, two LoRAs (evicting each other), speculation,
-    an unknown adapter and a request whose client deadline passes mid-generation."""
+    an unknown adapter, a request whose client deadline passes mid-generation, and constrained requests (a schema
+    new in this round: a compile, then a cache hit)."""
     short = pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True)
+    for _ in range(2):
+        digits = pb.Constraint(regex=f"[0-9]{{4,{9 + round_}}}")
+        stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="N")], stopping=short, constraint=digits), timeout=60)
     stub.Generate(pb.GenerateRequest(inputs=[pb.Input(text="Hello"), pb.Input(text="Hi")], stopping=short), timeout=60)
     list(stub.GenerateStream(pb.GenerateStreamRequest(input=pb.Input(text="Count"), stopping=short), timeout=60))
     for adapter in ("lora", "lora", "other_lora", "lora"):
@@ -139,8 +143,8 @@ def prometheus(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             prom.wait_up()
             with grpc.insecure_channel(srv.target) as channel:
                 stub = pb_grpc.GenerationStub(channel)
-                for _ in range(2):  # the first round creates the series, the second increases them
-                    traffic(stub)
+                for round_ in range(2):  # the first round creates the series, the second increases them
+                    traffic(stub, round_)
                     time.sleep(2.0)  # a few scrapes
             yield prom
         finally:

@@ -15,22 +15,34 @@ from pathlib import Path
 import torch
 
 from service.config import Settings
+from service.constraints.cache import GrammarCache
+from service.constraints.llg import LLGuidanceBackend
 from service.engine.engine import Engine, EngineState
 from service.engine.request import GenerationRequest, RequestHandle, TokenEvent
+from service.model.config import ModelConfig
 from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 
-def stepped_engine(folder: Path, **overrides: object) -> Engine:
+def stepped_engine(folder: Path, grammars: GrammarCache | None = None, **overrides: object) -> Engine:
     """An engine (fp32, CPU) over the model in ``folder`` with these settings (``quantize`` included), never
-    started: the test drives it with ``step()``."""
+    started: the test drives it with ``step()``. With ``grammars``, it serves their constraints."""
     settings = Settings(model=folder, dtype="float32", **overrides).replace()  # type: ignore[arg-type]
     quantize = None if settings.quantize == "none" else settings.quantize
     model, _, _ = load_model(
         folder, dtype=torch.float32, device=torch.device("cpu"), quantize=quantize,  # type: ignore[arg-type]
         group_size=settings.quantize_group_size,
     )  # fmt: skip
-    return Engine(model, Tokenizer.from_folder(folder), settings)
+    backend = grammars.backend if grammars is not None else None
+    return Engine(model, Tokenizer.from_folder(folder), settings, constraints=backend)
+
+
+def grammar_cache(folder: Path, budget_bytes: int = 64 << 20) -> GrammarCache:
+    """The server's constraint backend (llguidance) for the model in ``folder``, behind a cache."""
+    tokenizer = Tokenizer.from_folder(folder)
+    cfg = ModelConfig.from_hf(folder)
+    eos = sorted(set(tokenizer.eos_token_ids) | set(cfg.eos_token_ids))
+    return GrammarCache(LLGuidanceBackend(tokenizer.to_json(), cfg.vocab_size, eos, max_depth=32), budget_bytes)
 
 
 def make_engine(folder: Path, **overrides: object) -> Engine:

@@ -145,6 +145,11 @@ def scrape_live_server(model_dir: Path, adapter_dir: Path) -> str:
                 )
                 assert lora.results[0].usage.generated_tokens == 6
             assert speculate_once(stub).results[0].usage.generated_tokens == 16
+            for _ in range(2):  # a constrained request compiles (a miss), then hits the grammar cache
+                constrained = pb.GenerateRequest(
+                    inputs=[pb.Input(text="Digits")], stopping=stopping, constraint=pb.Constraint(regex="[0-9]{4,9}")
+                )
+                assert stub.Generate(constrained, timeout=60).results[0].text.isdigit()
         url = f"http://{settings.metrics_host}:{srv.server.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             body: str = response.read().decode()

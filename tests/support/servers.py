@@ -64,7 +64,7 @@ def stream_req(text: str, n: int = 16, **kw: object) -> pb.GenerateStreamRequest
 
 def as_stream(r: pb.GenerateRequest) -> pb.GenerateStreamRequest:
     """The same request for GenerateStream: its first input (or an empty one), adapter, sampling, stopping, id,
-    speculate."""
+    speculate, constraint."""
     stream = pb.GenerateStreamRequest(
         input=r.inputs[0] if r.inputs else pb.Input(),
         adapter_id=r.adapter_id,
@@ -74,6 +74,8 @@ def as_stream(r: pb.GenerateRequest) -> pb.GenerateStreamRequest:
     )
     if r.HasField("speculate"):
         stream.speculate = r.speculate
+    if r.HasField("constraint"):
+        stream.constraint.CopyFrom(r.constraint)
     return stream
 
 

@@ -16,6 +16,7 @@ from typing import Any, TypedDict
 
 from google.protobuf import timestamp_pb2
 
+from loraplex._constraint import constraint_message
 from loraplex._types import (
     AdapterInfo,
     AdapterKind,
@@ -47,6 +48,7 @@ _FINISH_REASONS = {
     generation_pb2.FINISH_REASON_EOS: FinishReason.EOS,
     generation_pb2.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
     generation_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+    generation_pb2.FINISH_REASON_DEAD_END: FinishReason.DEAD_END,
 }
 _ADAPTER_KINDS = {
     adapters_pb2.ADAPTER_KIND_LORA: AdapterKind.LORA,
@@ -84,6 +86,16 @@ class GenerateOptions(TypedDict, total=False):
     return_token_ids    fill ``token_ids``. Default False.
     return_logprobs     fill ``logprobs``. Default False.
     request_id          an id for server logs; "" = the server makes one.
+
+    Output constraints (structured output), at most one of them; every output must match it:
+    json_schema         a JSON Schema, as a dict or a str of JSON: the output is one JSON value valid
+                        against it.
+    json_object         True: the output is a JSON object (any). Default False.
+    regex               a regular expression (Rust ``regex`` syntax) the whole output matches.
+    grammar             a context-free grammar's text, in ``grammar_dialect``.
+    grammar_dialect     "lark" (default; llguidance's Lark, start rule ``start``) or "gbnf"
+                        (llama.cpp's GBNF, start rule ``root``).
+    choice              a list of strings: the output is exactly one of them.
     """
 
     adapter: str | None
@@ -101,6 +113,12 @@ class GenerateOptions(TypedDict, total=False):
     return_token_ids: bool
     return_logprobs: bool
     request_id: str | None
+    json_schema: Mapping[str, Any] | str | None
+    json_object: bool
+    regex: str | None
+    grammar: str | None
+    grammar_dialect: str | None
+    choice: Sequence[str] | None
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,7 @@ class GenerationOptions:
     return_options: generation_pb2.ReturnOptions
     speculate: bool | None
     request_id: str
+    constraint: generation_pb2.Constraint | None = None
 
 
 # --------------------------------------------------------------------------------------- validation
@@ -223,6 +242,12 @@ def generation_options(
     return_token_ids: bool = False,
     return_logprobs: bool = False,
     request_id: str | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    grammar_dialect: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> GenerationOptions:
     """Check the keyword arguments shared by ``generate`` and ``stream`` (see ``GenerateOptions``).
 
@@ -250,6 +275,14 @@ def generation_options(
         ),
         speculate=None if speculate is None else _bool("speculate", speculate),
         request_id=check_id("request_id", request_id or "", allow_empty=True),
+        constraint=constraint_message(
+            json_schema=json_schema,
+            json_object=json_object,
+            regex=regex,
+            grammar=grammar,
+            grammar_dialect=grammar_dialect,
+            choice=choice,
+        ),
     )
 
 
@@ -327,6 +360,8 @@ def _request_fields(options: GenerationOptions) -> dict[str, Any]:
     }
     if options.speculate is not None:
         fields["speculate"] = options.speculate
+    if options.constraint is not None:
+        fields["constraint"] = options.constraint
     return fields
 
 

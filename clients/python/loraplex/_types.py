@@ -19,6 +19,7 @@ class FinishReason(enum.StrEnum):
     EOS = "eos"  # the model ended the sequence
     STOP_SEQUENCE = "stop_sequence"  # one of ``stop`` appeared in the text
     CANCELLED = "cancelled"  # cancelled by the client, a deadline, or server shutdown
+    DEAD_END = "dead_end"  # the output constraint allowed no next token (the text may not match it)
     UNSPECIFIED = "unspecified"  # not reported (an older or newer server)
 
 

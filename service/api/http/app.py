@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.adapters.common.ids import check_adapter_id
 from service.api.auth import KeyRing
-from service.api.http import errors, params
+from service.api.http import errors, params, structured
 from service.api.http.adapters import AdapterRoutes
 from service.api.http.replies import Replies
 from service.api.runtime import Runtime
@@ -153,6 +153,7 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, kind: params.Kind) -> Response:
         outcome = self._observe(f"http.{kind}", request)
         chat = kind == "chat"
+        call: params.Call | None = None
         try:
             self._authorize(request)
             rt = self.runtime.ready()
@@ -161,7 +162,10 @@ class OpenAIRoutes:
             header = request.headers.get(REQUEST_ID_HEADER, "")
             if header:  # an invalid one is refused (400) naming the header, never used or echoed
                 request_id = checks.request_id_of(header)
-            call = params.parse(kind, body, request_id=request_id, adapter_of=self._adapter_of)
+            call = params.parse(
+                kind, body, request_id=request_id, adapter_of=self._adapter_of,
+                constraint_limits=rt.settings.constraint_limits,
+            )  # fmt: skip
             outcome.adapter, outcome.per_adapter = call.request.adapter_id, True
             replies = Replies(call, request_id, rt.tokenizer)
             headers = {REQUEST_ID_HEADER: request_id}
@@ -173,6 +177,7 @@ class OpenAIRoutes:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
+            exc = structured.rename(exc, None if call is None else call.constraint_param)  # names its parameter
             return _error(exc, chat=chat, request_id=outcome.request_id)
         outcome.finish("OK")
         return JSONResponse(replies.completion(response), headers=headers)
@@ -251,6 +256,7 @@ async def _events(
         code = "OK"
     except Exception as exc:
         code = errors.status_name(exc)
+        exc = structured.rename(exc, replies.call.constraint_param)
         yield _sse(errors.error_body(exc, chat=replies.chat, where="stream"))
     finally:
         outcome.finish(code)

@@ -18,18 +18,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from service.api.http import structured, tools
+from service.constraints.spec import ConstraintLimits
 from service.errors import InvalidRequest, UnknownParameter, UnsupportedParameter
-from service.frontend import ChatMessage, GenerationCall, Input, Sampling
+from service.frontend import GenerationCall, Input, Sampling
+from service.frontend.tools import ToolUse
 
 Kind = Literal["chat", "completions"]
 
 UNSUPPORTED: Mapping[str, str] = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "parallel_tool_calls": "tool calling",
+    "tools": "tool calling on /v1/completions (/v1/chat/completions has it)",
+    "tool_choice": "tool calling on /v1/completions (/v1/chat/completions has it)",
+    "parallel_tool_calls": "tool calling on /v1/completions (/v1/chat/completions has it)",
     "functions": "function calling",
     "function_call": "function calling",
-    "response_format": "structured output (only plain text)",
     "logit_bias": "logit bias",
     "frequency_penalty": "frequency penalties (repetition_penalty is)",
     "presence_penalty": "presence penalties (repetition_penalty is)",
@@ -57,7 +59,6 @@ NO_OP: Mapping[str, object] = {
     "store": False,
     "echo": False,
     "best_of": 1,
-    "response_format": {"type": "text"},
 }
 """Values of unsupported parameters that change nothing: accepted (so are nulls)."""
 
@@ -73,6 +74,8 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: bool
+    constraint_param: str | None = None  # the parameter the output constraint came from (its errors' param)
+    tools: ToolUse | None = None  # chat only: the request's tools (``service.api.http.tools``)
 
     @property
     def choices(self) -> int:
@@ -91,9 +94,17 @@ class Call:
         )
 
 
-def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[str], str]) -> Call:
+def parse(
+    kind: Kind,
+    body: object,
+    *,
+    request_id: str,
+    adapter_of: Callable[[str], str],
+    constraint_limits: ConstraintLimits | None = None,
+) -> Call:
     """Check ``body`` (a parsed JSON value) and build its ``Call``. ``adapter_of(model)`` is the adapter id for a
-    ``model`` name ("" = the base model) or raises ``AdapterNotFound``."""
+    ``model`` name ("" = the base model) or raises ``AdapterNotFound``; ``constraint_limits`` bound the schema of a
+    forced tool call."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object", field=None)
     known = _CHAT if kind == "chat" else _COMPLETIONS
@@ -111,10 +122,12 @@ def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[st
     model = _string(given, "model", required=True)
     adapter_id = adapter_of(model)
     n = _integer(given, "n", 1, lowest=1)
-    inputs = _chat_inputs(given) if kind == "chat" else _text_inputs(given)
+    use = tools.tool_use(given, constraint_limits) if kind == "chat" else None
+    inputs = _chat_inputs(given, use) if kind == "chat" else _text_inputs(given)
     sampling = _sampling(given)
     max_new_tokens, stops, ignore_eos = _stopping(given)
     logprobs = _logprobs(kind, given)
+    output = tools.with_structured(use, structured.parse(given))  # response_format, structured_outputs, guided_*
     request = GenerationCall(
         inputs=tuple(item for item in inputs for _ in range(n)),
         adapter_id=adapter_id,
@@ -124,16 +137,17 @@ def parse(kind: Kind, body: object, *, request_id: str, adapter_of: Callable[[st
         ignore_eos=ignore_eos,
         logprobs=logprobs,
         request_id=request_id,
+        constraint=output.constraint,
     )
     stream = _boolean(given, "stream", False)
     options = given.get("stream_options")
     if options is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", field="stream_options")
     include_usage = _stream_options(options)
-    return Call(kind, model, request, n, stream, include_usage, logprobs)
+    return Call(kind, model, request, n, stream, include_usage, logprobs, constraint_param=output.param, tools=use)
 
 
-def _chat_inputs(given: Mapping[str, Any]) -> list[Input]:
+def _chat_inputs(given: Mapping[str, Any], use: ToolUse | None) -> list[Input]:
     messages = given.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty array of chat messages", field="messages")
@@ -143,14 +157,14 @@ def _chat_inputs(given: Mapping[str, Any]) -> list[Input]:
         if not isinstance(message, dict):
             raise InvalidRequest(f"{where} must be an object with role and content", field=where)
         for name, value in message.items():
-            if name not in ("role", "content") and value not in (None, [], {}, ""):
+            if name not in ("role", "content", *tools.MESSAGE_KEYS) and value not in (None, [], {}, ""):
                 raise UnsupportedParameter(f"{where}.{name} is not supported (text chat messages only)", field=where)
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"{where}.role must be a non-empty string", field=where)
         role = "system" if role == "developer" else role  # OpenAI's newer name for the system turn
-        turns.append(ChatMessage(role, _content(message.get("content"), where)))
-    return [Input(messages=tuple(turns))]
+        turns.append(tools.chat_message(role, _content(message.get("content"), where), message, where))
+    return [Input(messages=tuple(turns), tools=() if use is None else use.tools)]
 
 
 def _content(content: object, where: str) -> str:
@@ -282,7 +296,7 @@ def _integer(given: Mapping[str, Any], name: str, default: Any, *, lowest: int, 
     return value
 
 
-_COMMON = frozenset(
+_COMMON = structured.NAMES | frozenset(
     {
         "model", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "max_tokens", "user",
         "logprobs",
@@ -290,5 +304,5 @@ _COMMON = frozenset(
         "top_k", "repetition_penalty", "ignore_eos",
     }
 )  # fmt: skip
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", *tools.PARAMS}
 _COMPLETIONS = _COMMON | {"prompt"}

@@ -50,6 +50,11 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The text produced one of `stop_sequences`."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
     """The request was cancelled (client cancel, deadline, or the server shutting down)."""
+    FINISH_REASON_DEAD_END: _FinishReason.ValueType  # 5
+    """The request's `constraint` allowed no next token and could not end there (llguidance's per-step
+    limits reached mid-way). The text so far is a prefix the constraint accepts, not a whole match.
+    Running out of max_new_tokens first is LENGTH, not this.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a generation stopped."""
@@ -64,7 +69,40 @@ FINISH_REASON_STOP_SEQUENCE: FinishReason.ValueType  # 3
 """The text produced one of `stop_sequences`."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
 """The request was cancelled (client cancel, deadline, or the server shutting down)."""
+FINISH_REASON_DEAD_END: FinishReason.ValueType  # 5
+"""The request's `constraint` allowed no next token and could not end there (llguidance's per-step
+limits reached mid-way). The text so far is a prefix the constraint accepts, not a whole match.
+Running out of max_new_tokens first is LENGTH, not this.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
+
+class _GrammarDialect:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GrammarDialectEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GrammarDialect.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GRAMMAR_DIALECT_UNSPECIFIED: _GrammarDialect.ValueType  # 0
+    """Not set: INVALID_ARGUMENT (field `constraint.grammar.dialect`)."""
+    GRAMMAR_DIALECT_LARK: _GrammarDialect.ValueType  # 1
+    """Lark, as llguidance reads it (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md):
+    rules `name: ...`, terminals `NAME: ...`, `/regex/` literals; the start rule is `start`.
+    """
+    GRAMMAR_DIALECT_GBNF: _GrammarDialect.ValueType  # 2
+    """llama.cpp's GBNF: rules `name ::= ...`; the start rule is `root`."""
+
+class GrammarDialect(_GrammarDialect, metaclass=_GrammarDialectEnumTypeWrapper):
+    """The syntax of a `Grammar`'s text."""
+
+GRAMMAR_DIALECT_UNSPECIFIED: GrammarDialect.ValueType  # 0
+"""Not set: INVALID_ARGUMENT (field `constraint.grammar.dialect`)."""
+GRAMMAR_DIALECT_LARK: GrammarDialect.ValueType  # 1
+"""Lark, as llguidance reads it (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md):
+rules `name: ...`, terminals `NAME: ...`, `/regex/` literals; the start rule is `start`.
+"""
+GRAMMAR_DIALECT_GBNF: GrammarDialect.ValueType  # 2
+"""llama.cpp's GBNF: rules `name ::= ...`; the start rule is `root`."""
+Global___GrammarDialect: _TypeAlias = GrammarDialect  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):
@@ -255,6 +293,137 @@ class StoppingCriteria(_message.Message):
 Global___StoppingCriteria: _TypeAlias = StoppingCriteria  # noqa: Y015
 
 @_typing.final
+class JsonObject(_message.Message):
+    """`Constraint.json_object`: any JSON object. Has no fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JsonObject: _TypeAlias = JsonObject  # noqa: Y015
+
+@_typing.final
+class Grammar(_message.Message):
+    """`Constraint.grammar`: a context-free grammar the whole output must be a sentence of."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    DIALECT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The grammar's text, in `dialect`. Empty (or only whitespace) is INVALID_ARGUMENT; so is a grammar
+    that does not parse or compile (the message says where).
+    """
+    dialect: Global___GrammarDialect.ValueType
+    """The syntax of `text`. UNSPECIFIED is INVALID_ARGUMENT."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        dialect: Global___GrammarDialect.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dialect", b"dialect", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    """`Constraint.choice`: the output is exactly one of a list of strings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The strings, at least one, none empty, at most the server's --max-constraint-choices of them."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
+
+@_typing.final
+class Constraint(_message.Message):
+    """What every generated output must match (structured output). At each step the server allows only the
+    tokens the constraint can continue with, and lets the output end only where the constraint is
+    complete. max_new_tokens still applies: an output that finishes with LENGTH may be an unfinished match;
+    one that finishes with DEAD_END could not go on. Constraints are checked before any work: all of the
+    constraint's text together is at most the server's --max-constraint-bytes of UTF-8 (more is
+    INVALID_ARGUMENT, field `constraint`), and one that does not compile is INVALID_ARGUMENT naming its
+    field. The server caches compiled constraints, so repeating one is cheaper than its first use.
+    ModelInfoResponse.features lists "constraints" where the server serves them. See
+    docs/structured-output.md.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema, as the text of a JSON object; the output is one JSON value valid under it,
+    written compactly (one space after `,` and `:`, no newlines). Text that is not a JSON object, a
+    schema llguidance cannot compile (it serves most of draft 2020-12), or objects and arrays nested
+    deeper than the server's --max-constraint-depth is INVALID_ARGUMENT (field
+    `constraint.json_schema`).
+    """
+    regex: _builtins.str
+    """A regular expression (Rust `regex` syntax) the whole output matches, anchored at both ends.
+    An invalid pattern is INVALID_ARGUMENT (field `constraint.regex`).
+    """
+    @_builtins.property
+    def json_object(self) -> Global___JsonObject:
+        """Any JSON object."""
+
+    @_builtins.property
+    def grammar(self) -> Global___Grammar:
+        """A context-free grammar (Lark or GBNF)."""
+
+    @_builtins.property
+    def choice(self) -> Global___Choice:
+        """A fixed list of strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: Global___JsonObject | None = ...,
+        regex: _builtins.str = ...,
+        grammar: Global___Grammar | None = ...,
+        choice: Global___Choice | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar", "choice"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___Constraint: _TypeAlias = Constraint  # noqa: Y015
+
+@_typing.final
 class ReturnOptions(_message.Message):
     """Optional extra outputs."""
 
@@ -327,6 +496,7 @@ class GenerateRequest(_message.Message):
     RETURN_OPTIONS_FIELD_NUMBER: _builtins.int
     SPECULATE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CONSTRAINT_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """Registered adapter to apply (see Adapters.ListAdapters); empty = the base model alone."""
     speculate: _builtins.bool
@@ -354,6 +524,10 @@ class GenerateRequest(_message.Message):
     def return_options(self) -> Global___ReturnOptions:
         """Unset = text and usage only."""
 
+    @_builtins.property
+    def constraint(self) -> Global___Constraint:
+        """What every input's output must match (see Constraint). Unset = free text."""
+
     def __init__(
         self,
         *,
@@ -364,10 +538,11 @@ class GenerateRequest(_message.Message):
         return_options: Global___ReturnOptions | None = ...,
         speculate: _builtins.bool | None = ...,
         request_id: _builtins.str = ...,
+        constraint: Global___Constraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "constraint", b"constraint", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "adapter_id", b"adapter_id", "inputs", b"inputs", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "adapter_id", b"adapter_id", "constraint", b"constraint", "inputs", b"inputs", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__speculate: _TypeAlias = _typing.Literal["speculate"]  # noqa: Y015
     _WhichOneofArgType__speculate: _TypeAlias = _typing.Literal["_speculate", b"_speculate"]  # noqa: Y015
@@ -466,6 +641,7 @@ class GenerateStreamRequest(_message.Message):
     RETURN_OPTIONS_FIELD_NUMBER: _builtins.int
     SPECULATE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CONSTRAINT_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """Registered adapter to apply; empty = the base model alone."""
     speculate: _builtins.bool
@@ -488,6 +664,10 @@ class GenerateStreamRequest(_message.Message):
     def return_options(self) -> Global___ReturnOptions:
         """Unset = text and usage only."""
 
+    @_builtins.property
+    def constraint(self) -> Global___Constraint:
+        """As GenerateRequest.constraint."""
+
     def __init__(
         self,
         *,
@@ -498,10 +678,11 @@ class GenerateStreamRequest(_message.Message):
         return_options: Global___ReturnOptions | None = ...,
         speculate: _builtins.bool | None = ...,
         request_id: _builtins.str = ...,
+        constraint: Global___Constraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "input", b"input", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "constraint", b"constraint", "input", b"input", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "adapter_id", b"adapter_id", "input", b"input", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "adapter_id", b"adapter_id", "constraint", b"constraint", "input", b"input", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__speculate: _TypeAlias = _typing.Literal["speculate"]  # noqa: Y015
     _WhichOneofArgType__speculate: _TypeAlias = _typing.Literal["_speculate", b"_speculate"]  # noqa: Y015
@@ -737,7 +918,9 @@ class ModelInfoResponse(_message.Message):
 
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Optional features this server has, e.g. "lora", "medusa", "chat_template", "logprobs"."""
+        """Optional features this server has, e.g. "lora", "medusa", "chat_template", "logprobs",
+        "constraints" (GenerateRequest.constraint is served; without it a constraint is INVALID_ARGUMENT).
+        """
 
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -1,0 +1,110 @@
+"""Token masks for the constrained rows of a step, computed beside the forward pass and applied before sampling.
+
+``begin`` hands the rows' matchers to the mask thread, which fills one int32 bitmask row per constrained row
+(the backend's executor spreads the rows over its own threads, with the GIL released) while the engine thread
+runs the forward pass; ``apply`` waits for it, if it is not done yet, and sets every disallowed logit to -inf,
+on the logits' device. Sampling then sees only tokens the grammar allows, whatever the sampling options; a row
+whose mask allows nothing is a dead end, reported to the caller. ``allowed_argmax`` serves speculative
+verification, which walks a row's draft node by node and needs the mask after each accepted token.
+
+It never advances a matcher: the output processor consumes each emitted token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from service import metrics
+from service.constraints.backend import Backend, Matcher
+
+__all__ = ["Masks", "PendingMasks"]
+
+
+class PendingMasks:
+    """One step's masks in flight: ``rows`` (index in the step's batch, matcher), and the fill's future."""
+
+    __slots__ = ("future", "rows")
+
+    def __init__(self, rows: list[tuple[int, Matcher]], future: Future[float]) -> None:
+        self.rows = rows
+        self.future = future
+
+
+class Masks:
+    def __init__(self, backend: Backend, vocab: int, max_rows: int, device: torch.device) -> None:
+        self.backend = backend
+        self.vocab = vocab
+        self.device = device
+        self.words = (vocab + 31) // 32
+        pin = device.type == "cuda"
+        self._bits = torch.zeros((max_rows, self.words), dtype=torch.int32, pin_memory=pin)  # [R, W]
+        self._one = torch.zeros((1, self.words), dtype=torch.int32, pin_memory=pin)  # [1, W]: speculative walks
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._last: Future[float] | None = None  # the fill in flight: one bitmask, so one fill at a time
+
+    def begin(self, rows: Sequence[object]) -> PendingMasks | None:
+        """Start filling the masks of the rows (anything with a ``matcher``) that have one; None if none has."""
+        constrained = [(b, m) for b, r in enumerate(rows) if (m := getattr(r, "matcher", None)) is not None]
+        if not constrained:
+            return None
+        if self._last is not None and not self._last.done():  # a step that failed before applying its masks
+            self._last.exception()
+        self._last = self._executor().submit(self._fill, constrained)
+        return PendingMasks(constrained, self._last)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-masks")
+            return self._pool
+
+    def _fill(self, rows: list[tuple[int, Matcher]]) -> float:
+        start = time.perf_counter()
+        bits = self._bits
+        self.backend.fill_masks([(m, b) for b, m in rows], bits.data_ptr(), self.words * 4, bits.shape[0])
+        seconds = time.perf_counter() - start
+        metrics.CONSTRAINT_MASK_SECONDS.observe(seconds)
+        return seconds
+
+    def apply(self, pending: PendingMasks, logits: torch.Tensor) -> list[int]:
+        """Mask ``logits`` [B, V] in place (row b of the step gets its matcher's mask); returns the rows whose mask
+        allows no token (dead ends)."""
+        start = time.perf_counter()
+        pending.future.result()
+        metrics.CONSTRAINT_MASK_WAIT_SECONDS.observe(time.perf_counter() - start)
+        index = [b for b, _ in pending.rows]
+        slots = torch.tensor(index, dtype=torch.long)  # the fill wrote row b's mask at bitmask row b
+        allowed = self._unpack(self._bits.index_select(0, slots))  # [C, V]
+        at = slots.to(logits.device)
+        rows = logits.index_select(0, at).masked_fill_(~allowed, float("-inf"))  # [C, V]
+        logits.index_copy_(0, at, rows)
+        none = (~allowed.any(dim=-1)).tolist()
+        # A matcher in error (a backend limit hit, a refused token) may still allow end-of-sequence: a dead end too.
+        return [b for (b, m), dead in zip(pending.rows, none, strict=True) if dead or m.error]
+
+    def allowed_argmax(self, matcher: Matcher, logits: torch.Tensor) -> int | None:
+        """The most likely token ``matcher`` allows next, from one row's logits [V]; None at a dead end."""
+        matcher.fill_mask(self._one.data_ptr(), self.words * 4)
+        allowed = self._unpack(self._one)[0]  # [V]
+        if matcher.error or not bool(allowed.any()):
+            return None
+        return int(logits.masked_fill(~allowed, float("-inf")).argmax())
+
+    def _unpack(self, bits: torch.Tensor) -> torch.Tensor:
+        """[C, W] int32 bitmask -> [C, V] bool on the logits' device (bit t % 32 of word t // 32: token t)."""
+        bits = bits.to(self.device, non_blocking=True)
+        expanded = (bits[:, :, None] >> self._shifts) & 1  # [C, W, 32]
+        return expanded.view(bits.shape[0], -1)[:, : self.vocab].bool()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
