@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support.paths import ROOT
 
 
+@pytest.mark.slow  # the real tokenizer (make model); ~7 s on a quiet machine
 def test_quick_run_with_llguidance_only(tmp_path: Path, smollm2_dir: Path) -> None:
     out = tmp_path / "grammar.json"
     cmd = [sys.executable, str(ROOT / "bench/grammar_engines.py"), "--quick", "--here", "--engines", "llguidance"]
