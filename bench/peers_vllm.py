@@ -23,14 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_workload import NEW_TOKENS, Row, peak_rss_bytes, prompt, summarise
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    from vllm import LLM, SamplingParams
+def engine(spec: dict[str, Any], max_num_seqs: int, max_model_len: int) -> tuple[Any, list[Any]]:
+    """``vllm.LLM`` over ``spec``'s model and dtype with its LoRAs enabled, and one ``LoRARequest`` per adapter
+    folder (ids from 1): what every vLLM runner of bench/ starts from."""
+    from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    rows = [Row(**r) for r in spec["rows"]]
     adapters = [LoRARequest(f"lora{k:02d}", k + 1, path) for k, path in enumerate(spec["adapters"])]
-    start = time.perf_counter()
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
@@ -38,10 +37,21 @@ def main() -> None:
         max_loras=max(1, len(adapters)),
         max_cpu_loras=max(1, len(adapters)),
         max_lora_rank=spec["lora_rank"],
-        max_num_seqs=max(r.requests for r in rows),
-        max_model_len=spec["max_model_len"],
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
         seed=0,
     )
+    return llm, adapters
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    rows = [Row(**r) for r in spec["rows"]]
+    start = time.perf_counter()
+    llm, adapters = engine(spec, max(r.requests for r in rows), spec["max_model_len"])
     load_s = time.perf_counter() - start
     # no min_tokens: vLLM implements it by masking EOS, which would change the greedy path; ignore_eos alone
     # keeps going past an EOS that was picked, as the other engines do

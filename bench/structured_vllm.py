@@ -19,29 +19,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers_vllm import engine
 from structured_workload import NEW_TOKENS, prompt, schema
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    streams, adapters = spec["streams"], spec["adapters"]
-    loras = [LoRARequest(f"lora{k:02d}", k + 1, path) for k, path in enumerate(adapters)]
+    streams = spec["streams"]
     start = time.perf_counter()
-    llm = LLM(
-        model=spec["model"],
-        dtype=spec["dtype"],
-        enable_lora=bool(loras),
-        max_loras=max(1, len(loras)),
-        max_cpu_loras=max(1, len(loras)),
-        max_lora_rank=spec["lora_rank"],
-        max_num_seqs=streams,
-        max_model_len=512,
-        seed=0,
-    )
+    llm, loras = engine(spec, streams, 512)
     load_s = time.perf_counter() - start
     prompts = [prompt(i) for i in range(streams)]
     per_stream = [loras[i % len(loras)] for i in range(streams)] if loras else None

@@ -22,7 +22,8 @@ from service.constraints.spec import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, 
 from service.errors import InvalidRequest, shorten
 
 # What the cache charges a grammar beyond its text: llguidance's lexer and parser tables live outside Python's
-# view; a JSON schema of 50 properties grows RSS by about this much once compiled (bench/README.md).
+# view and grow as rows walk the grammar; this lies between a fresh compile's and a walked one's RSS growth
+# (bench/README.md, structured output: the grammar engine).
 _GRAMMAR_OVERHEAD_BYTES = 256 << 10
 # One space after "," and ":" (how most JSON a model has read is written), no other whitespace: a model cannot
 # pad its output with newlines until its token limit.

@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.adapter_files import write_peft_adapter
+from support.drafters import Oracle
 from support.engines import grammar_cache, prompt, run, stepped_engine, tokens_of
 
 from service.adapters.catalog import AdapterCatalog
@@ -32,9 +33,7 @@ from service.adapters.medusa.registry import MedusaRegistry
 from service.config import Settings
 from service.constraints.cache import GrammarCache
 from service.constraints.spec import Constraint
-from service.drafters.base import Draft
 from service.drafters.registry import SERVER_DRAFTERS
-from service.drafters.tree import DraftTree
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
@@ -202,22 +201,6 @@ def test_a_grammar_that_refuses_every_token_ends_its_row_at_a_dead_end(
     assert free[-1].finish is FinishReason.LENGTH and len(tokens_of(free)) == 30  # its neighbour goes on
 
 
-class Oracle:
-    """Proposes each row's known constrained greedy continuation, its last token wrong: verification accepts all
-    but the last, so the walk runs the grammar across several nodes each step."""
-
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int = 4) -> None:
-        self.expected, self.tree = expected, DraftTree.parse("chain", k)
-
-    def propose(self, hidden: torch.Tensor, history: Sequence[Sequence[int]], model: object) -> list[Draft | None]:
-        out: list[Draft | None] = []
-        for tokens in history:
-            start = next(p for p in self.expected if tuple(tokens[: len(p)]) == p)
-            ahead = self.expected[start][len(tokens) - len(start) :][: self.tree.size - 1]
-            out.append(Draft(self.tree, (*ahead[:-1], ahead[-1] ^ 1)) if ahead else None)
-        return out
-
-
 def _adapter_engine(folder: Path, root: Path, grammars: GrammarCache, **overrides: Any) -> Engine:
     """An fp32 engine with LoRA adapters ``lora-a``, ``lora-b`` and Medusa heads ``heads`` (tree 0;1;0.0;1.0)."""
     s = Settings(model=folder, dtype="float32", **{**LIMITS, **overrides})
@@ -278,7 +261,7 @@ def test_speculation_under_constraints_is_plain_constrained_greedy(
     plain = _adapter_engine(served_tiny_dir, adapter_root, grammars, speculate_max_batch=0)
     requests = [_request(rid, g, SAMPLED[0], n=32, adapter_id=a) for rid, g, a in jobs]
     expected = {r.request_id: tokens_of(run(plain, r)[r.request_id]) for r in requests}
-    oracle = Oracle({r.prompt_ids: expected[r.request_id] for r in requests})
+    oracle = Oracle({r.prompt_ids: expected[r.request_id] for r in requests}, k=4)
     monkeypatch.setitem(SERVER_DRAFTERS, "oracle", lambda _settings: oracle)
     fast = _adapter_engine(
         served_tiny_dir, adapter_root, grammars, draft="oracle", speculate_max_batch=8, speculate_adaptive=False

@@ -8,12 +8,12 @@ and rows of another drafter, each with its own tree, verified in one step.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.drafters import Oracle
 from support.engines import prompt, req, run, stepped_engine, tokens_of
 
 from service import metrics
@@ -24,10 +24,8 @@ from service.adapters.medusa.format import write_medusa
 from service.adapters.medusa.part import MedusaPart
 from service.adapters.medusa.registry import MedusaRegistry
 from service.config import Settings
-from service.drafters.base import Draft
 from service.drafters.prompt_lookup import PromptLookupDrafter, lookup
 from service.drafters.registry import SERVER_DRAFTERS
-from service.drafters.tree import DraftTree
 from service.engine.engine import Engine
 from service.engine.runner import Runner
 from service.engine.sampling import SamplingParams
@@ -92,22 +90,6 @@ def test_greedy_output_with_prompt_lookup_is_plain_greedy_on_a_tiny_model(served
     assert together["off"][-1].accepted_draft_tokens == 0 and together["sampled"][-1].accepted_draft_tokens == 0
     for rid, p, kw in _jobs()[:2]:  # and alone
         assert tokens_of(run(drafting, req(f"{rid}-alone", p, n=48, **kw))[f"{rid}-alone"]) == expected[rid]
-
-
-class Oracle:
-    """A drafter that knows each prompt's plain greedy output: proposes its next ``k`` tokens, the last one wrong,
-    so every verification accepts ``k - 1`` (a drafter the runner has never heard of, registered by one line)."""
-
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int = 3) -> None:
-        self.expected, self.tree = expected, DraftTree.parse("chain", k)
-
-    def propose(self, hidden: torch.Tensor, history: Sequence[Sequence[int]], model: object) -> list[Draft | None]:
-        out: list[Draft | None] = []
-        for tokens in history:
-            prompt_ids = next(p for p in self.expected if tuple(tokens[: len(p)]) == p)
-            ahead = self.expected[prompt_ids][len(tokens) - len(prompt_ids) :][: self.tree.size - 1]
-            out.append(Draft(self.tree, (*ahead[:-1], ahead[-1] ^ 1)) if ahead else None)
-        return out
 
 
 def _medusa_engine(folder: Path, root: Path, **overrides: object) -> Engine:

@@ -48,16 +48,6 @@ def server(smollm2_dir: Path) -> Iterator[BackgroundServer]:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server: BackgroundServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url(server), api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_dir: Path) -> str:
-    return smollm2_dir.resolve().name
-
-
 def chat(client: openai.OpenAI, model: str, **kw: Any) -> Any:
     """A greedy chat call (``ASK`` unless ``messages`` is given) with ``kw``."""
     kw = {"messages": ASK, "temperature": 0, "max_tokens": 64, **kw}

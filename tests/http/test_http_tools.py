@@ -15,7 +15,6 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from support.http_api import base_url
 from support.servers import tiny_settings
 
 from service.api.server import BackgroundServer
@@ -58,16 +57,6 @@ def server(smollm2_dir: Path) -> Iterator[BackgroundServer]:
     )
     with BackgroundServer(settings) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: BackgroundServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url(server), api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_dir: Path) -> str:
-    return smollm2_dir.resolve().name
 
 
 def check_calls(calls: list[Any] | None, names: set[str]) -> list[tuple[str, dict[str, Any]]]:
