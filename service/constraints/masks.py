@@ -21,6 +21,7 @@ import torch
 
 from service import metrics
 from service.constraints.backend import Backend, Matcher
+from service.engine.sampling import greedy
 
 __all__ = ["Masks", "PendingMasks"]
 
@@ -44,7 +45,9 @@ class Masks:
         pin = device.type == "cuda"
         self._bits = torch.zeros((max_rows, self.words), dtype=torch.int32, pin_memory=pin)  # [R, W]
         self._one = torch.zeros((1, self.words), dtype=torch.int32, pin_memory=pin)  # [1, W]: speculative walks
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
+        # byte -> which of its 8 tokens are refused (bit j of byte k of the little-endian words: token 8k + j)
+        table = [[not (byte >> j) & 1 for j in range(8)] for byte in range(256)]
+        self._refuses = torch.tensor(table, dtype=torch.bool, device=device)  # [256, 8]
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._last: Future[float] | None = None  # the fill in flight: one bitmask, so one fill at a time
@@ -73,35 +76,54 @@ class Masks:
         metrics.CONSTRAINT_MASK_SECONDS.observe(seconds)
         return seconds
 
-    def apply(self, pending: PendingMasks, logits: torch.Tensor) -> list[int]:
+    def apply(self, pending: PendingMasks, logits: torch.Tensor, argmax_only: Sequence[bool] = ()) -> list[int]:
         """Mask ``logits`` [B, V] in place (row b of the step gets its matcher's mask); returns the rows whose mask
-        allows no token (dead ends)."""
+        allows no token (dead ends).
+
+        A row with ``argmax_only[b]`` (greedy, no penalty, no logprobs) needs only its argmax to be right: when its
+        unmasked argmax is a token its grammar allows, the masked argmax is that same token (ties go to the lowest
+        id either way), and its logits are left alone; they are masked only when the argmax is refused. A model
+        that writes what its grammar wants (most steps of a JSON output) costs one bit test per row."""
         start = time.perf_counter()
         pending.future.result()
         metrics.CONSTRAINT_MASK_WAIT_SECONDS.observe(time.perf_counter() - start)
         index = [b for b, _ in pending.rows]
-        slots = torch.tensor(index, dtype=torch.long)  # the fill wrote row b's mask at bitmask row b
-        allowed = self._unpack(self._bits.index_select(0, slots))  # [C, V]
-        at = slots.to(logits.device)
-        rows = logits.index_select(0, at).masked_fill_(~allowed, float("-inf"))  # [C, V]
-        logits.index_copy_(0, at, rows)
-        none = (~allowed.any(dim=-1)).tolist()
+        bits = self._bits.index_select(0, torch.tensor(index, dtype=torch.long))  # [C, W]: row b's mask at row b
+        full = [c for c, b in enumerate(index) if not (b < len(argmax_only) and argmax_only[b])]
+        lazy = [c for c, b in enumerate(index) if b < len(argmax_only) and argmax_only[b]]
+        if lazy:
+            rows = torch.tensor([index[c] for c in lazy], dtype=torch.long, device=logits.device)
+            top = greedy(logits.index_select(0, rows)).cpu()  # [L]
+            words = bits[torch.tensor(lazy, dtype=torch.long), top // 32]  # [L]
+            allowed = ((words >> (top % 32).to(torch.int32)) & 1).tolist()
+            full += [c for c, ok in zip(lazy, allowed, strict=True) if not ok]
+        if full:
+            full.sort()
+            at = torch.tensor([index[c] for c in full], dtype=torch.long, device=logits.device)
+            refused = self._refused(bits.index_select(0, torch.tensor(full, dtype=torch.long)))  # [F, V]
+            if len(full) == logits.shape[0]:  # every row of the step: in place
+                logits.masked_fill_(refused, float("-inf"))
+            else:
+                logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(refused, float("-inf")))
+        none = (bits == 0).all(dim=-1).tolist()  # bits past the vocabulary are never set
         # A matcher in error (a backend limit hit, a refused token) may still allow end-of-sequence: a dead end too.
         return [b for (b, m), dead in zip(pending.rows, none, strict=True) if dead or m.error]
 
     def allowed_argmax(self, matcher: Matcher, logits: torch.Tensor) -> int | None:
         """The most likely token ``matcher`` allows next, from one row's logits [V]; None at a dead end."""
         matcher.fill_mask(self._one.data_ptr(), self.words * 4)
-        allowed = self._unpack(self._one)[0]  # [V]
-        if matcher.error or not bool(allowed.any()):
+        if matcher.error or not bool(self._one.any()):
             return None
-        return int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        top = int(greedy(logits))
+        if (int(self._one[0, top // 32]) >> (top % 32)) & 1:  # the argmax is allowed: it is the masked argmax
+            return top
+        return int(greedy(logits.masked_fill(self._refused(self._one)[0], float("-inf"))))
 
-    def _unpack(self, bits: torch.Tensor) -> torch.Tensor:
-        """[C, W] int32 bitmask -> [C, V] bool on the logits' device (bit t % 32 of word t // 32: token t)."""
-        bits = bits.to(self.device, non_blocking=True)
-        expanded = (bits[:, :, None] >> self._shifts) & 1  # [C, W, 32]
-        return expanded.view(bits.shape[0], -1)[:, : self.vocab].bool()
+    def _refused(self, bits: torch.Tensor) -> torch.Tensor:
+        """[C, W] int32 bitmask -> [C, V] bool on the logits' device, True where a token is refused (bit t % 32 of
+        word t // 32 clear: token t), through a 256-entry table of bytes."""
+        octets = bits.to(self.device, non_blocking=True).view(torch.uint8).long()  # [C, 4W]
+        return self._refuses[octets].view(bits.shape[0], -1)[:, : self.vocab]
 
     def close(self) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from service.engine.constrained import ConstrainedWalk, trim_draft
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
 from service.engine.row import Row
-from service.engine.sampling import Sampler
+from service.engine.sampling import Sampler, greedy
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 
@@ -207,7 +207,7 @@ class Runner:
                 r.length += 1
             self._sample(sub, logits[torch.tensor(plain, device=self.device), 0], self._begin_masks(sub))
         self._fail_non_finite_paths(rows, logits, valid)
-        last = self._accept(rows, fed, logits.argmax(dim=-1).tolist(), valid, logits)
+        last = self._accept(rows, fed, greedy(logits).tolist(), valid, logits)
         at = torch.tensor(last, device=self.device)
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at], draft)  # after the last kept token
 
@@ -294,7 +294,10 @@ class Runner:
         """Sample every row's next token from ``logits`` [B, V], after ``masks`` (begun for these rows) removed
         what each constrained row's grammar does not allow."""
         finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
-        dead = self.masks.apply(masks, logits) if masks is not None and self.masks is not None else []
+        dead: list[int] = []
+        if masks is not None and self.masks is not None:  # rows needing only their argmax are masked if it is refused
+            argmax_only = [p.greedy and not p.penalized and not p.logprobs for p in (r.request.sampling for r in rows)]
+            dead = self.masks.apply(masks, logits, argmax_only)
         if dead or not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
             ok = finite.tolist()
             for b in dead:

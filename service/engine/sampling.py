@@ -120,8 +120,11 @@ class SampleResult:
 
 
 def greedy(logits: Tensor) -> Tensor:
-    """[B, V] (or [..., V]) logits → [B] int64 argmax ids. Ties resolve to the lowest id, like torch.argmax."""
-    return logits.argmax(dim=-1)
+    """[B, V] (or [..., V]) logits → [B] int64 argmax ids. Ties resolve to the lowest id, like torch.argmax.
+
+    ``max(dim).indices``, not ``argmax``: both are documented to return the first maximal value, and on CPU the
+    reduction ``max`` runs several times faster than ``argmax`` over a bf16 vocabulary (bench/README.md)."""
+    return logits.max(dim=-1).indices
 
 
 History = Sequence[Tensor | Sequence[int]]
