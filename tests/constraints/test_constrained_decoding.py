@@ -251,6 +251,14 @@ def test_mixed_batches_give_every_row_its_own_tokens(
     alone = {rid: tokens_of(run(engine, _request(rid, g, SAMPLED[0], n=32, adapter_id=a))[rid]) for rid, g, a in jobs}
     together = run(engine, *(_request(rid, g, SAMPLED[0], n=32, adapter_id=a) for rid, g, a in jobs))
     assert {rid: tokens_of(ev) for rid, ev in together.items()} == alone
+    sampled = run(engine, *(_request(rid, g, SAMPLED[2], n=32, adapter_id=a) for rid, g, a in jobs))
+    for rid, grammar, _ in jobs:  # greedy and sampled, under LoRAs and Medusa heads: every token the grammar's
+        for events in (together[rid], sampled[rid]):
+            assert events[-1].finish in (FinishReason.EOS, FinishReason.LENGTH)
+            if grammar is not None:
+                assert grammar.start().valid_prefix(tokens_of(events)) == len(tokens_of(events))
+                if rid.startswith("schema") and events[-1].finish is FinishReason.EOS:
+                    json.loads("".join(e.text for e in events))
 
 
 @pytest.mark.numerics
