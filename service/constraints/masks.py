@@ -21,9 +21,14 @@ import torch
 
 from service import metrics
 from service.constraints.backend import Backend, Matcher
-from service.engine.sampling import greedy
 
 __all__ = ["Masks", "PendingMasks"]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax ids of [..., V] logits, ties to the lowest id: the sampler's own rule (``service.engine.sampling``
+    imports nothing from here, and this package nothing from the engine)."""
+    return logits.max(dim=-1).indices
 
 
 class PendingMasks:
