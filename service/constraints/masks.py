@@ -4,8 +4,8 @@
 (the backend's executor spreads the rows over its own threads, with the GIL released) while the engine thread
 runs the forward pass; ``apply`` waits for it, if it is not done yet, and sets every disallowed logit to -inf,
 on the logits' device. Sampling then sees only tokens the grammar allows, whatever the sampling options; a row
-whose mask allows nothing is a dead end, reported to the caller. ``allowed_argmax`` serves speculative
-verification, which walks a row's draft node by node and needs the mask after each accepted token.
+whose mask allows nothing is a dead end, reported to the caller. ``load`` / ``allows`` / ``masked`` serve
+speculative verification, which walks a row's draft node by node and needs the mask after each accepted token.
 
 It never advances a matcher: the output processor consumes each emitted token.
 """
@@ -23,12 +23,6 @@ from service import metrics
 from service.constraints.backend import Backend, Matcher
 
 __all__ = ["Masks", "PendingMasks"]
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax ids of [..., V] logits, ties to the lowest id: the sampler's own rule (``service.engine.sampling``
-    imports nothing from here, and this package nothing from the engine)."""
-    return logits.max(dim=-1).indices
 
 
 class PendingMasks:
@@ -81,29 +75,26 @@ class Masks:
         metrics.CONSTRAINT_MASK_SECONDS.observe(seconds)
         return seconds
 
-    def apply(self, pending: PendingMasks, logits: torch.Tensor, argmax_only: Sequence[bool] = ()) -> list[int]:
+    def apply(self, pending: PendingMasks, logits: torch.Tensor, argmax: Sequence[int | None] = ()) -> list[int]:
         """Mask ``logits`` [B, V] in place (row b of the step gets its matcher's mask); returns the rows whose mask
         allows no token (dead ends).
 
-        A row with ``argmax_only[b]`` (greedy, no penalty, no logprobs) needs only its argmax to be right: when its
-        unmasked argmax is a token its grammar allows, the masked argmax is that same token (ties go to the lowest
-        id either way), and its logits are left alone; they are masked only when the argmax is refused. A model
-        that writes what its grammar wants (most steps of a JSON output) costs one bit test per row."""
+        ``argmax[b]``, where given, is row b's unmasked argmax, for a row that needs only its argmax to be right
+        (greedy, no penalty, no logprobs): when its grammar allows that token, the masked argmax is the same token
+        (ties go to the lowest id either way) and the row's logits are left alone; they are masked only when it is
+        refused. A model that writes what its grammar wants (most steps of a JSON output) costs one bit test."""
         start = time.perf_counter()
         pending.future.result()
         metrics.CONSTRAINT_MASK_WAIT_SECONDS.observe(time.perf_counter() - start)
         index = [b for b, _ in pending.rows]
         bits = self._bits.index_select(0, torch.tensor(index, dtype=torch.long))  # [C, W]: row b's mask at row b
-        full = [c for c, b in enumerate(index) if not (b < len(argmax_only) and argmax_only[b])]
-        lazy = [c for c, b in enumerate(index) if b < len(argmax_only) and argmax_only[b]]
-        if lazy:
-            rows = torch.tensor([index[c] for c in lazy], dtype=torch.long, device=logits.device)
-            top = greedy(logits.index_select(0, rows)).cpu()  # [L]
-            words = bits[torch.tensor(lazy, dtype=torch.long), top // 32]  # [L]
-            allowed = ((words >> (top % 32).to(torch.int32)) & 1).tolist()
-            full += [c for c, ok in zip(lazy, allowed, strict=True) if not ok]
+        words = bits.numpy()
+        full = []  # rows (of ``index``) whose logits are masked
+        for c, b in enumerate(index):
+            top = argmax[b] if argmax else None
+            if top is None or not (int(words[c, top // 32]) >> (top % 32)) & 1:
+                full.append(c)
         if full:
-            full.sort()
             at = torch.tensor([index[c] for c in full], dtype=torch.long, device=logits.device)
             refused = self._refused(bits.index_select(0, torch.tensor(full, dtype=torch.long)))  # [F, V]
             if len(full) == logits.shape[0]:  # every row of the step: in place
@@ -114,15 +105,19 @@ class Masks:
         # A matcher in error (a backend limit hit, a refused token) may still allow end-of-sequence: a dead end too.
         return [b for (b, m), dead in zip(pending.rows, none, strict=True) if dead or m.error]
 
-    def allowed_argmax(self, matcher: Matcher, logits: torch.Tensor) -> int | None:
-        """The most likely token ``matcher`` allows next, from one row's logits [V]; None at a dead end."""
+    # One matcher at a time, on the engine thread: speculative verification walks a draft node by node.
+    def load(self, matcher: Matcher) -> bool:
+        """Compute ``matcher``'s mask for ``allows`` and ``masked``; False at a dead end (nothing allowed)."""
         matcher.fill_mask(self._one.data_ptr(), self.words * 4)
-        if matcher.error or not bool(self._one.any()):
-            return None
-        top = int(greedy(logits))
-        if (int(self._one[0, top // 32]) >> (top % 32)) & 1:  # the argmax is allowed: it is the masked argmax
-            return top
-        return int(greedy(logits.masked_fill(self._refused(self._one)[0], float("-inf"))))
+        return not matcher.error and bool(self._one.any())
+
+    def allows(self, token: int) -> bool:
+        """Whether the loaded mask allows ``token``."""
+        return bool((int(self._one[0, token // 32]) >> (token % 32)) & 1)
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """One row's logits [V] with what the loaded mask refuses set to -inf (a copy)."""
+        return logits.masked_fill(self._refused(self._one)[0], float("-inf"))
 
     def _refused(self, bits: torch.Tensor) -> torch.Tensor:
         """[C, W] int32 bitmask -> [C, V] bool on the logits' device, True where a token is refused (bit t % 32 of

@@ -17,6 +17,7 @@ import torch
 from service.constraints.backend import Matcher
 from service.constraints.masks import Masks
 from service.drafters.base import Draft
+from service.engine.sampling import greedy
 
 __all__ = ["ConstrainedWalk", "trim_draft"]
 
@@ -37,11 +38,19 @@ class ConstrainedWalk:
         follows it; None at a dead end, which ends the walk."""
         if self.picked and self.picked[-1] is None:
             return None
-        token = self._masks.allowed_argmax(self._matcher, self._logits[node])
+        token = self._allowed_argmax(self._logits[node])
         if token is not None and not self._matcher.consume(token):
             token = None  # the mask allowed it, the parser refused it: a backend limit was hit
         self.picked.append(token)
         return token
+
+    def _allowed_argmax(self, logits: torch.Tensor) -> int | None:
+        """The most likely token the matcher allows next, from one node's logits [V]; None at a dead end. The
+        unmasked argmax, when allowed, is the masked one (ties go to the lowest id either way)."""
+        if not self._masks.load(self._matcher):
+            return None
+        top = int(greedy(logits))
+        return top if self._masks.allows(top) else int(greedy(self._masks.masked(logits)))
 
     def undo(self) -> None:
         """Put the matcher back where the walk started."""

@@ -296,8 +296,9 @@ class Runner:
         finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
         dead: list[int] = []
         if masks is not None and self.masks is not None:  # rows needing only their argmax are masked if it is refused
-            argmax_only = [p.greedy and not p.penalized and not p.logprobs for p in (r.request.sampling for r in rows)]
-            dead = self.masks.apply(masks, logits, argmax_only)
+            only = [p.greedy and not p.penalized and not p.logprobs for p in (r.request.sampling for r in rows)]
+            tops = greedy(logits).tolist() if any(only) else [None] * len(rows)
+            dead = self.masks.apply(masks, logits, [t if o else None for t, o in zip(tops, only, strict=True)])
         if dead or not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
             ok = finite.tolist()
             for b in dead:
