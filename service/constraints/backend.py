@@ -59,8 +59,6 @@ class Grammar(Protocol):
 class Backend(Protocol):
     """Compiles constraints for one tokenizer and vocabulary; fills many rows' masks in one call."""
 
-    name: str
-
     def compile(self, constraint: Constraint) -> Grammar:
         """A checked constraint -> its grammar. Raises ``InvalidRequest`` naming the problem (a bad schema,
         regex or grammar, or one over the backend's limits)."""

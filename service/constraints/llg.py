@@ -81,15 +81,12 @@ class LLGuidanceBackend:
     """Compiles constraints for one tokenizer (its ``tokenizer.json`` text) and a model vocabulary of ``vocab``
     ids (ids past the tokenizer's are never allowed); ``eos_ids`` end a grammar that is complete."""
 
-    name = "llguidance"
-
-    def __init__(
-        self, tokenizer_json: str, vocab: int, eos_ids: Sequence[int], *, max_depth: int, threads: int = 1
-    ) -> None:
+    def __init__(self, tokenizer_json: str, vocab: int, eos_ids: Sequence[int], *, max_depth: int) -> None:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=sorted(eos_ids))
         self.vocab = vocab
         self.max_depth = max_depth
-        self._executor = llguidance.LLExecutor(num_threads=max(1, threads))
+        # One executor thread: the masks are filled beside the forward pass, whose torch threads take the cores.
+        self._executor = llguidance.LLExecutor(num_threads=1)
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # errors never echo grammars into logs
 
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:

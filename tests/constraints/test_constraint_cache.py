@@ -170,7 +170,7 @@ class _SlowBackend:
     """The real backend, each compile held until the test lets it go."""
 
     def __init__(self, inner: LLGuidanceBackend) -> None:
-        self.inner, self.name = inner, "slow"
+        self.inner = inner
         self.release, self.compiles = threading.Event(), 0
 
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
