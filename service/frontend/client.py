@@ -90,6 +90,9 @@ class Frontend:
     async def _prompt(self, item: Input, tokenizer: Tokenizer) -> Prompt:
         return await self.runtime.off_loop(prompt_of, item, tokenizer)
 
+    async def _prompts(self, rt: Ready, call: GenerationCall) -> list[Prompt]:
+        return await asyncio.gather(*(self._prompt(item, rt.tokenizer) for item in call.inputs))
+
     async def _grammar(self, rt: Ready, call: GenerationCall) -> Grammar | None:
         """The call's compiled constraint (from the cache, or compiled on the worker pool), or None."""
         if call.constraint is None:
@@ -124,11 +127,7 @@ class Frontend:
         """Every input of ``call`` to its end: one completion per input, in order."""
         rt = self.runtime.ready()
         checked = checks.check(call, rt.settings)
-        compiling = asyncio.ensure_future(self._grammar(rt, call))  # beside the prompts' tokenization
-        try:
-            prompts = await asyncio.gather(*(self._prompt(item, rt.tokenizer) for item in call.inputs))
-        finally:
-            grammar = await compiling
+        grammar, prompts = await asyncio.gather(self._grammar(rt, call), self._prompts(rt, call))  # side by side
         requests = [checks.engine_request(checked, prompt, i, grammar) for i, prompt in enumerate(prompts)]
         for request in requests:  # refuse the whole call before any part of it runs
             rt.engine.validate(request)

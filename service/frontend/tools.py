@@ -147,7 +147,12 @@ def parse_forced(use: ToolUse, text: str) -> tuple[ToolCall, ...] | None:
         return (ToolCall(use.choice, text.strip(), new_call_id()),) if isinstance(value, dict) else None
     if not isinstance(value, list) or not value:
         return None
-    calls = [_call_of(item, use) for item in value]
+    return _calls_of(value, use)
+
+
+def _calls_of(items: Sequence[object], use: ToolUse | None) -> tuple[ToolCall, ...] | None:
+    """Every item as a call (``_call_of``), or None if any is not one."""
+    calls = [_call_of(item, use) for item in items]
     return None if any(c is None for c in calls) else tuple(c for c in calls if c is not None)
 
 
@@ -207,8 +212,7 @@ def block_calls(body: str, use: ToolUse | None) -> tuple[ToolCall, ...] | None:
         value = json.loads(body)
     except ValueError:
         return None
-    calls = [_call_of(item, use) for item in (value if isinstance(value, list) else [value])]
-    return None if any(c is None for c in calls) else tuple(c for c in calls if c is not None)
+    return _calls_of(value if isinstance(value, list) else [value], use)
 
 
 def _call_json(call: ToolCall) -> str:
@@ -308,10 +312,8 @@ class ToolFormat:
         self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """``(messages, extra template variables)`` for ``Tokenizer.apply_chat_template``."""
-        if self.renders_tools:
-            extra = {"tools": [t.as_openai() for t in tools]} if tools else {}
-            return self.turns(messages, tools), extra
-        return self.turns(messages, tools), {}
+        extra = {"tools": [t.as_openai() for t in tools]} if self.renders_tools and tools else {}
+        return self.turns(messages, tools), extra
 
 
 _RENDERS_TOOLS = re.compile(r"\btools\b")
