@@ -31,6 +31,11 @@ BAD_VALUES = [
     ("DRAFT_NGRAM", "17", "draft_ngram must be at most 16"),
     ("DRAFT_TOKENS", "0", "draft_ngram and draft_tokens must be >= 1"),
     ("DRAFT_TOKENS", "33", "draft_tokens must be at most 32"),
+    ("MAX_CONSTRAINT_BYTES", "0", "max_constraint_bytes must be > 0"),
+    ("MAX_CONSTRAINT_CHOICES", "-1", "max_constraint_choices must be > 0"),
+    ("MAX_CONSTRAINT_DEPTH", "0", "max_constraint_depth must be > 0"),
+    ("MAX_CONSTRAINT_COMPILE_SECONDS", "0", "max_constraint_compile_seconds must be > 0"),
+    ("CONSTRAINT_CACHE_BYTES", "-1", "constraint_cache_bytes must be >= 0"),
     ("LOG_FORMAT", "xml", "log_format must be one of"),
     ("LOG_LEVEL", "LOUD", "log_level one of"),
 ]
