@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from support.adapter_files import write_peft_adapter
 from support.drafters import Oracle
 from support.engines import grammar_cache, prompt, run, stepped_engine, tokens_of
+from support.wait import wait_until
 
 from service.adapters.catalog import AdapterCatalog
 from service.adapters.lora.part import LoraPart
@@ -210,10 +210,9 @@ def _adapter_engine(folder: Path, root: Path, grammars: GrammarCache, **override
     catalog = AdapterCatalog([MedusaPart(registry, tree="0;1;0.0;1.0"), LoraPart(store)])
     for name in ("lora-a", "lora-b", "heads"):
         catalog.register(name, root / name)
-    deadline = time.monotonic() + 30
-    while not registry.request("heads"):
-        assert registry.failure("heads") is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    # the heads load on the registry's thread
+    assert wait_until(lambda: registry.request("heads") or registry.failure("heads") is not None, 30, poll=0.01)
+    assert registry.failure("heads") is None
     return Engine(model, Tokenizer.from_folder(folder), s, adapters=catalog, constraints=grammars.backend)
 
 
