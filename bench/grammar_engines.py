@@ -32,6 +32,7 @@ Results: ``--out`` (bench/results/grammar_engines.json) and a table on stdout.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib
 import json
@@ -287,7 +288,7 @@ def dump(obj: Any) -> str:
 # ---------------------------------------------------------------- the engines (imported only in their child)
 
 
-class Engine:
+class Engine(abc.ABC):
     """One engine's set-up, compile, matchers and masks, all on one int32 bitmask of (rows, VOCAB / 32) words."""
 
     name = ""
@@ -296,20 +297,24 @@ class Engine:
     def __init__(self, tokenizer: Path, threads: int) -> None:
         self.threads = threads
 
+    @abc.abstractmethod
     def compile(self, schema: str) -> Any:
-        raise NotImplementedError
+        """The compiled form of a schema (JSON text)."""
 
     def cache_hit(self, schema: str, compiled: Any) -> Any:
         return self.start(compiled)
 
+    @abc.abstractmethod
     def start(self, compiled: Any) -> Any:
-        raise NotImplementedError
+        """A fresh matcher of a compiled schema."""
 
+    @abc.abstractmethod
     def fill(self, matchers: list[Any], bitmask: Any) -> None:
-        raise NotImplementedError
+        """Every matcher's mask into its row of ``bitmask``."""
 
+    @abc.abstractmethod
     def consume(self, matcher: Any, token: int) -> bool:
-        raise NotImplementedError
+        """Advance ``matcher`` by ``token``; False if refused."""
 
 
 class Llguidance(Engine):

@@ -133,8 +133,7 @@ async def _validity(target: str, count: int) -> dict[str, int]:
         for i in range(count):
             s = typical_schema(500 + i, 5 + i % 10)
             messages = [{"role": "user", "content": f"Describe robot number {i} as JSON."}]
-            out = await client.generate(messages, max_new_tokens=400, temperature=0.0, json_schema=s, timeout=600)
-            result = out
+            result = await client.generate(messages, max_new_tokens=400, temperature=0.0, json_schema=s, timeout=600)
             if result.finish_reason == "eos":
                 finished += 1
                 try:
