@@ -122,12 +122,12 @@ def parse(
     model = _string(given, "model", required=True)
     adapter_id = adapter_of(model)
     n = _integer(given, "n", 1, lowest=1)
-    use = tools.tool_use(given, constraint_limits) if kind == "chat" else None
+    use = tools.tool_use(given) if kind == "chat" else None
     inputs = _chat_inputs(given, use) if kind == "chat" else _text_inputs(given)
     sampling = _sampling(given)
     max_new_tokens, stops, ignore_eos = _stopping(given)
     logprobs = _logprobs(kind, given)
-    output = tools.with_structured(use, structured.parse(given))  # response_format, structured_outputs, guided_*
+    output = tools.with_structured(use, structured.parse(given), constraint_limits)  # or response_format, guided_*
     request = GenerationCall(
         inputs=tuple(item for item in inputs for _ in range(n)),
         adapter_id=adapter_id,

@@ -26,8 +26,8 @@ MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
-def tool_use(given: Mapping[str, Any], limits: ConstraintLimits | None) -> ToolUse | None:
-    """The request's tools and choice (None: no ``tools``). ``limits`` bound a forced choice's schema."""
+def tool_use(given: Mapping[str, Any]) -> ToolUse | None:
+    """The request's tools and choice (None: no ``tools``)."""
     tools = given.get("tools")
     choice = given.get("tool_choice")
     parallel = given.get("parallel_tool_calls", True)
@@ -52,14 +52,6 @@ def tool_use(given: Mapping[str, Any], limits: ConstraintLimits | None) -> ToolU
         if use.forced:
             raise InvalidRequest("tool_choice forces a call, but tools is empty", field="tool_choice")
         return None
-    constraint = use.constraint()
-    if constraint is not None and limits is not None:
-        try:
-            check_constraint(constraint, limits)
-        except InvalidRequest as exc:
-            raise InvalidRequest(
-                f"the schema that forces a call of these tools is too large: {exc}", field="tools", limit=exc.limit
-            ) from None
     return use
 
 
@@ -136,9 +128,10 @@ def _call(call: object, where: str, field: str) -> ToolCall:
     return ToolCall(name, arguments, call_id)
 
 
-def with_structured(use: ToolUse | None, output: Structured) -> Structured:
-    """The request's one output constraint: a forced call's schema (its errors about ``tools``), else the structured
-    output's. Both at once is refused: the output cannot be a call and match another schema."""
+def with_structured(use: ToolUse | None, output: Structured, limits: ConstraintLimits | None) -> Structured:
+    """The request's one output constraint: a forced call's schema (bounded by ``limits`` here, so its errors are
+    about ``tools``), else the structured output's. Both at once is refused: the output cannot be a call and match
+    another schema."""
     constraint = None if use is None else use.constraint()
     if use is None or constraint is None:
         return output
@@ -147,6 +140,13 @@ def with_structured(use: ToolUse | None, output: Structured) -> Structured:
             f"tool_choice {use.choice!r} forces a tool call, which cannot also match {output.param}: give one of them",
             field="tool_choice",
         )
+    if limits is not None:
+        try:
+            check_constraint(constraint, limits)
+        except InvalidRequest as exc:
+            raise InvalidRequest(
+                f"the schema that forces a call of these tools is too large: {exc}", field="tools", limit=exc.limit
+            ) from None
     return Structured(constraint, "tools")
 
 
