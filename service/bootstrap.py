@@ -29,6 +29,7 @@ from service.engine.engine import Engine
 from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
 from service.loading import LoadStats
+from service.model.base_weights import ModelBaseWeights
 from service.model.config import ModelConfig
 from service.model.dtypes import ServingChoice, choose_serving
 from service.model.llama import Llama
@@ -116,8 +117,9 @@ def _self_check(model: Llama, choice: ServingChoice) -> SelfCheckReport:
     return checked
 
 
-def _catalog(s: Settings, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> AdapterCatalog:
-    adapters = build_catalog(KindContext(cfg, device, dtype, s, adapter_roots(s)))
+def _catalog(s: Settings, model: Llama, device: torch.device, dtype: torch.dtype) -> AdapterCatalog:
+    context = KindContext(model.cfg, device, dtype, s, adapter_roots(s), base=ModelBaseWeights(model))
+    adapters = build_catalog(context)
     register_startup_adapters(adapters, s)
     return adapters
 
@@ -152,7 +154,7 @@ def build(s: Settings, *, check_open: Callable[[], None] = _nothing) -> Parts:
     model, cfg, stats = load_weights(s, choice, device)
     check_open()
     checked = _self_check(model, choice)
-    adapters = _catalog(s, cfg, device, choice.dtype.dtype)
+    adapters = _catalog(s, model, device, choice.dtype.dtype)
     grammars = _grammars(s, tokenizer, cfg)
     engine = Engine(model, tokenizer, s, adapters=adapters, constraints=grammars.backend)
     return Parts(s, choice, device, tokenizer, model, cfg, stats, checked, adapters, engine, grammars)

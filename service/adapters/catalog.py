@@ -26,7 +26,7 @@ from service.errors import AdapterNotFound, LoraplexError
 from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, source_folder
 
 if TYPE_CHECKING:
-    from service.adapters.lora.types import LoraLayer
+    from service.adapters.lora.types import LoraLayer, LoraTop
 
 K = TypeVar("K")
 
@@ -110,6 +110,14 @@ class AdapterCatalog:
             deltas = kind.layer(adapter_id, layer)
             if deltas is not None:
                 return cast("LoraLayer", deltas)
+        return None
+
+    def top(self, adapter_id: str) -> LoraTop | None:
+        """The engine's model-level lookup (embeddings, head, final norm; valid while a request holds it ready)."""
+        for kind in self.kinds:
+            top = kind.top(adapter_id)
+            if top is not None:
+                return cast("LoraTop", top)
         return None
 
     def ids(self) -> list[str]:

@@ -18,6 +18,7 @@ from service.adapters.common.files import resolve_source
 from service.adapters.common.part import PartKind
 from service.adapters.lora.part import LoraPart
 from service.adapters.lora.store import AdapterStore
+from service.adapters.lora.types import BaseWeights
 from service.adapters.medusa.part import MedusaPart
 from service.adapters.medusa.registry import MedusaRegistry
 from service.config import Settings
@@ -33,6 +34,7 @@ class KindContext:
     dtype: torch.dtype
     settings: Settings
     roots: tuple[Path, ...]  # the path policy (--adapter-root); empty: any readable folder
+    base: BaseWeights | None = None  # the base model's projection weights (DoRA's norms); None: DoRA refused
 
     def check_path(self, path: Path) -> Path:
         return resolve_source(path, self.roots)

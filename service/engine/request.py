@@ -38,6 +38,9 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter_id: str | None = None
+    # The weighted adapters whose deltas the row sums (a mixture, or one adapter at a ``scale``), in request order;
+    # ``adapter_id`` is then the first. Empty: ``adapter_id`` alone at weight 1.
+    mix: tuple[tuple[str, float], ...] = ()
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
     speculate: bool | None = None  # None: speculate when a drafter serves the row (Medusa heads, --draft)
@@ -45,6 +48,13 @@ class GenerationRequest:
     arrival: float = field(default_factory=time.monotonic)
     call_id: str = ""  # the id of the API call this request is part of (one of several prompts); empty: request_id
     grammar: Grammar | None = None  # the compiled output constraint every token must follow (None: free text)
+
+    @property
+    def deltas_key(self) -> tuple[tuple[str, float], ...] | None:
+        """The weighted adapters of the row's deltas (what the batched math and its caches key by); None: base."""
+        if self.mix:
+            return self.mix
+        return None if self.adapter_id is None else ((self.adapter_id, 1.0),)
 
     @property
     def log_id(self) -> str:

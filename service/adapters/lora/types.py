@@ -10,21 +10,48 @@ Module names are the PEFT / Hugging Face names of a Llama layer's projections. `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
+from torch import Tensor
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT/HF names
 
 
 @dataclass(frozen=True)
+class DoraNorm:
+    """DoRA's magnitude and the terms of the squared row norm ``||W + w·sBA||²`` of one module, per output channel
+    (float32, on the device), computed once when the layer loads (the base weight dequantized for this only).
+
+    ``s`` is the adapter's scaling (already in ``LoraModule.b``) and ``w`` a request's weight on the adapter
+    (``scale``): ``||W + w·sBA||² = base_sq + 2w·cross + w²·delta_sq``, so any weight costs three vector ops."""
+
+    magnitude: Tensor  # [out] lora_magnitude_vector
+    base_sq: Tensor  # [out] ||W_o||²
+    cross: Tensor  # [out] <W_o, (sBA)_o>
+    delta_sq: Tensor  # [out] ||(sBA)_o||²
+
+    def rescale(self, weight: float = 1.0) -> Tensor:
+        """[out] ``m / ||W + weight·sBA||``: DoRA's factor on the base output plus the (weighted) delta (PEFT's
+        ``mag_norm_scale``)."""
+        sq = self.base_sq + (2.0 * weight) * self.cross + (weight * weight) * self.delta_sq
+        return self.magnitude / sq.clamp_min(0.0).sqrt()
+
+
+@dataclass(frozen=True)
 class LoraModule:
-    """One target module of one layer, ready for the math, on its device and in the serving dtype."""
+    """One target module of one layer, ready for the math, on its device and in the serving dtype.
+
+    The module's output is ``rescale ⊙ (W x + b(a x)) + bias``: ``rescale`` (DoRA) is None for plain LoRA and
+    ``bias`` None without a trained LoRA bias."""
 
     a: torch.Tensor  # [r, in_features]   lora_A.weight as PEFT stores it (fan_in_fan_out already handled)
     b: torch.Tensor  # [out_features, r]  lora_B.weight with the scaling (alpha/r or alpha/sqrt(r)) multiplied in
+    bias: Tensor | None = None  # [out] lora_B.bias (lora_bias) or a trained base bias's change, scaled like b
+    dora: DoraNorm | None = None  # DoRA's terms (to rescale for another weight)
+    rescale: Tensor | None = None  # [out] float32 DoRA factor for this module's weights as they are (dora.rescale(1))
 
     @property
     def rank(self) -> int:
@@ -33,10 +60,47 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class LoraLayer:
-    """All target modules of one layer of one adapter; a module the adapter does not touch is absent."""
+    """All target modules of one layer of one adapter; a module the adapter does not touch is absent.
+
+    ``norms`` holds the layer's norms the adapter replaces (``modules_to_save``): ``"input_layernorm"`` /
+    ``"post_attention_layernorm"`` -> the trained weight [hidden]."""
 
     modules: Mapping[str, LoraModule]
     nbytes: int
+    norms: Mapping[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EmbedLora:
+    """LoRA on ``embed_tokens``: token t's delta is ``b @ a_t[t]`` (PEFT's ``lora_embedding_A/B``)."""
+
+    a_t: Tensor  # [vocab, r] lora_embedding_A transposed (rows gathered by token)
+    b: Tensor  # [hidden, r] lora_embedding_B with the scaling multiplied in
+
+    @property
+    def rank(self) -> int:
+        return int(self.a_t.shape[1])
+
+
+@dataclass(frozen=True)
+class LoraTop:
+    """The model-level parts of one adapter (outside the decoder layers); every field may be absent."""
+
+    embed: EmbedLora | None = None  # LoRA on embed_tokens
+    head: LoraModule | None = None  # LoRA on lm_head: a [r, hidden], b [vocab, r] (scaled)
+    embed_tokens: Tensor | None = None  # modules_to_save: the trained embedding [vocab, hidden]
+    lm_head: Tensor | None = None  # modules_to_save: the trained head [vocab, hidden]
+    norm: Tensor | None = None  # modules_to_save: the trained final norm weight [hidden]
+    nbytes: int = 0
+
+
+class BaseWeights(Protocol):
+    """The base model's projection weights as DoRA's norm needs them (implemented in ``service.model``)."""
+
+    def weight(self, layer: int, module: str) -> Tensor:
+        """A float32 copy [out, in] of one module's base weight (dense, or dequantized: int8, int4, GGUF), on the
+        model's device. Made on each call; the caller drops it."""
+        ...
 
 
 AdapterState = Literal["registered", "loading", "host", "device", "failed"]
@@ -70,6 +134,10 @@ class AdapterInfo:
     layout_seconds: float  # last load: scaling, dtype conversion and copy onto the device
     total_seconds: float  # last load: from the request that queued it to resident (includes queueing)
     error: str | None
+    dora: bool = False  # use_dora: the deltas are rescaled per output channel (DoRA)
+    saved_modules: tuple[str, ...] = ()  # modules_to_save the adapter replaces (norms, embed_tokens, lm_head)
+    top_modules: tuple[str, ...] = ()  # LoRA targets outside the layers: "embed_tokens", "lm_head"
+    evictions: int = 0  # times it left the device tier to make room for another
 
 
 @dataclass(frozen=True)
