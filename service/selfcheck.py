@@ -226,7 +226,7 @@ class _Checker:
         modes: tuple[Mode, ...] = ("slots", "shared")
         for mode in modes:
             tables = LoraTables(cfg, device=self.device, dtype=self.dtype)
-            batch = AdapterBatch.build(["a", None, "b"], lambda a, _layer: adapters[a], tables, mode=mode)
+            batch = AdapterBatch.build(["a", None, "b"], lambda a, _layer: adapters[str(a)], tables, mode=mode)
             if batch is None:
                 raise RuntimeError("an adapter batch with adapters was built as None")
             for site in PROJ_NAMES:

@@ -12,6 +12,10 @@ Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (laye
   (each adapter's modules' ``A`` along the rank axis) and per module ``bt`` ``[G, r_m, out_m]``, ranks zero-padded
   to the widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
 
+Two per-row extras ride along where a row needs them, per module: ``scale`` (DoRA's per-channel factor on the
+base output plus the delta, ones elsewhere) and ``bias`` (a trained LoRA bias, zeros elsewhere); a table without
+a DoRA or biased row has neither, and a plain LoRA batch pays nothing for them.
+
 On CPU the tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times slower than
 fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype. The tables hold weak
 references to the ``LoraLayer`` objects they copied, so they never keep evicted adapter weights alive and notice
@@ -22,49 +26,28 @@ against the base layer's shape (``InvalidAdapter`` otherwise).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Final
 
 import torch
-from torch import Tensor
 
+from service.adapters.lora.layouts import (
+    SITES,
+    ModuleSpec,
+    Need,
+    Segment,
+    SharedTable,
+    SlotTable,
+    TableStats,
+    module_layout,
+    needs_of,
+)
 from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
 
-SITES: Final[dict[ProjName, tuple[str, ...]]] = {
-    "wqkv": ("q_proj", "k_proj", "v_proj"),
-    "wo": ("o_proj",),
-    "w13": ("gate_proj", "up_proj"),
-    "w2": ("down_proj",),
-}
 SHARED_SETS_KEPT: Final = 2  # adapter sets whose shared tables are kept per layer
-
-
-@dataclass(frozen=True)
-class ModuleSpec:
-    """A PEFT module's place in the model: its input size and its output columns in the fused projection."""
-
-    name: str
-    cols: tuple[int, int]  # output columns of the fused projection
-    in_features: int
-    out_features: int
-
-
-def module_layout(cfg: ModelConfig) -> dict[str, ModuleSpec]:
-    """Each PEFT module's input size and output columns within its fused projection."""
-    fused = cfg.fused_rows()
-    hidden, inter, attn = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    layout: dict[str, ModuleSpec] = {}
-    for part in fused["wqkv"]:
-        layout[part.hf_name] = ModuleSpec(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
-    layout["o_proj"] = ModuleSpec("o_proj", (0, hidden), attn, hidden)
-    for part in fused["w13"]:
-        layout[part.hf_name] = ModuleSpec(part.hf_name, (part.start, part.stop), hidden, part.stop - part.start)
-    layout["down_proj"] = ModuleSpec("down_proj", (0, hidden), inter, hidden)
-    return layout
 
 
 class _Dirty:
@@ -74,47 +57,6 @@ class _Dirty:
 _DIRTY: Final = _Dirty()
 _Owner = weakref.ReferenceType[LoraLayer] | _Dirty | None  # None: the slot's rows are zeros
 _SetKey = tuple[weakref.ReferenceType[LoraLayer] | None, ...]  # the adapters' layers a shared table was built from
-
-
-@dataclass
-class SlotTable:
-    """Per-slot (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m."""
-
-    ranks: dict[str, int]  # module -> padded rank r_m, in fused column order
-    offsets: dict[str, int]  # module -> first column of its segment in ``at``'s last dimension
-    at: Tensor
-    bt: dict[str, Tensor]
-
-    @property
-    def width(self) -> int:
-        return sum(self.ranks.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.at, *self.bt.values()))
-
-
-@dataclass
-class SharedTable:
-    """Shared (layer, site) table of a set of G distinct adapters, stacked for grouped ``bmm``: ``a`` [G, R, in]
-    (each adapter's modules' A along the rank axis, ranks zero-padded to the widest in the set, absent modules zero)
-    and per module (module, start, stop of its columns of ``h``, ``bt`` [G, r_m, out_m] = the scaled B^T)."""
-
-    a: Tensor
-    segs: list[tuple[str, int, int, Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, *(s[3] for s in self.segs)))
-
-
-@dataclass
-class TableStats:
-    """Counters for tests and benchmarks: how much copying the steps caused."""
-
-    slot_writes: int = 0  # (layer, slot) pairs rewritten because their adapter changed
-    relayouts: int = 0  # per-slot (layer, site) tables reallocated: the set of modules or ranks changed
-    shared_builds: int = 0  # layers whose shared tables were rebuilt: the set of adapters changed
 
 
 class LoraTables:
@@ -178,27 +120,32 @@ class LoraTables:
 
     def _stack(self, site: ProjName, distinct: Sequence[LoraLayer | None]) -> SharedTable | None:
         """The site's weights of ``distinct`` stacked along a leading adapter axis; None if none targets it."""
-        need: dict[str, int] = {}  # module -> widest rank among the set, in fused column order
-        for name in SITES[site]:
-            ranks = [m.rank for lora in distinct if lora is not None and (m := lora.modules.get(name)) is not None]
-            if ranks:
-                need[name] = max(ranks)
-        if not need:
+        need = needs_of(site, distinct)
+        if not need.ranks:
             return None
-        g, width = len(distinct), sum(need.values())
+        g, width = len(distinct), sum(need.ranks.values())
         dt, dev = self.compute_dtype, self.device
-        a = torch.zeros(g, width, self.modules[next(iter(need))].in_features, dtype=dt, device=dev)  # [G, R, in]
-        segs: list[tuple[str, int, int, Tensor]] = []
+        a = torch.zeros(g, width, self.modules[next(iter(need.ranks))].in_features, dtype=dt, device=dev)  # [G, R, in]
+        segs: list[Segment] = []
         start = 0
-        for name, r_max in need.items():
-            bt = torch.zeros(g, r_max, self.modules[name].out_features, dtype=dt, device=dev)  # [G, r_m, out_m]
+        for name, r_max in need.ranks.items():
+            out_m = self.modules[name].out_features
+            seg = Segment(name, start, start + r_max, torch.zeros(g, r_max, out_m, dtype=dt, device=dev))
+            if name in need.scaled:
+                seg.scale = torch.ones(g, out_m, dtype=torch.float32, device=dev)
+            if name in need.biased:
+                seg.bias = torch.zeros(g, out_m, dtype=torch.float32, device=dev)
             for i, lora in enumerate(distinct):
                 module = None if lora is None else lora.modules.get(name)
                 if module is not None:
                     self._check(name, module)
                     a[i, start : start + module.rank].copy_(module.a)  # [r, in]
-                    bt[i, : module.rank].copy_(module.b.t())  # [r, out] <- [out, r]^T
-            segs.append((name, start, start + r_max, bt))
+                    seg.bt[i, : module.rank].copy_(module.b.t())  # [r, out] <- [out, r]^T
+                    if seg.scale is not None and module.rescale is not None:
+                        seg.scale[i].copy_(module.rescale)
+                    if seg.bias is not None and module.bias is not None:
+                        seg.bias[i].copy_(module.bias)
+            segs.append(seg)
             start += r_max
         return SharedTable(a, segs)
 
@@ -233,31 +180,28 @@ class LoraTables:
                 table.at = torch.cat((table.at, table.at.new_zeros(grow, *table.at.shape[1:])))
                 for name, bt in table.bt.items():
                     table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
+                for name, sc in table.scale.items():
+                    table.scale[name] = torch.cat((sc, sc.new_ones(grow, sc.shape[1])))
+                for name, bias in table.bias.items():
+                    table.bias[name] = torch.cat((bias, bias.new_zeros(grow, bias.shape[1])))
             self._owners[layer].extend([None] * grow)
         self._capacity = slots
 
     def _fit_layout(
         self, layer: int, site: str, tables: dict[str, SlotTable], rows: Sequence[LoraLayer | None]
     ) -> None:
-        """(Re)allocate the site's table when the rows need a module or a rank it lacks, or use far less."""
-        need: dict[str, int] = {}
-        for lora in rows:
-            if lora is None:
-                continue
-            for name in SITES[site]:  # type: ignore[index]
-                module = lora.modules.get(name)
-                if module is not None:
-                    need[name] = max(need.get(name, 0), module.rank)
+        """(Re)allocate the site's table when the rows need a module, a rank or an extra it lacks, or use far less."""
+        need = needs_of(site, rows)
         table = tables.get(site)
         if table is None:
-            if need:
+            if need.ranks:
                 tables[site] = self._alloc(need)
                 self._mark_dirty(layer)
-        elif any(r > table.ranks.get(name, 0) for name, r in need.items()):  # grow, keeping what it had
-            tables[site] = self._alloc({name: max(r, table.ranks.get(name, 0)) for name, r in need.items()})
+        elif not need.covered_by(table.need):  # grow, keeping what it had
+            tables[site] = self._alloc(need.grown(table.need))
             self._mark_dirty(layer)
-        elif table.width > 2 * sum(need.values()):  # hysteresis: shrink only when over twice what rows need
-            if need:
+        elif table.width > 2 * sum(need.ranks.values()):  # hysteresis: shrink only when over twice what rows need
+            if need.ranks:
                 tables[site] = self._alloc(need)
             else:
                 del tables[site]
@@ -271,9 +215,9 @@ class LoraTables:
             if owner is not None:
                 owners[slot] = _DIRTY
 
-    def _alloc(self, need: Mapping[str, int]) -> SlotTable:
-        modules = [m for m in MODULES if m in need]  # fused column order
-        ranks = {m: need[m] for m in modules}
+    def _alloc(self, need: Need) -> SlotTable:
+        modules = [m for m in MODULES if m in need.ranks]  # fused column order
+        ranks = {m: need.ranks[m] for m in modules}
         offsets: dict[str, int] = {}
         width = 0
         for m in modules:
@@ -283,7 +227,10 @@ class LoraTables:
         dt, dev, cap = self.compute_dtype, self.device, self._capacity
         at = torch.zeros(cap, in_features, width, dtype=dt, device=dev)
         bt = {m: torch.zeros(cap, ranks[m], self.modules[m].out_features, dtype=dt, device=dev) for m in modules}
-        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt)
+        f32 = torch.float32
+        scale = {m: torch.ones(cap, self.modules[m].out_features, dtype=f32, device=dev) for m in need.scaled}
+        bias = {m: torch.zeros(cap, self.modules[m].out_features, dtype=f32, device=dev) for m in need.biased}
+        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt, scale=scale, bias=bias)
 
     def _write(self, tables: dict[str, SlotTable], slot: int, lora: LoraLayer | None) -> None:
         """Copy one adapter layer (or zeros) into row ``slot`` of every per-slot table of the layer."""
@@ -293,6 +240,7 @@ class LoraTables:
                 off = table.offsets[name]
                 bt = table.bt[name][slot]  # [r_m, out_m]
                 module = None if lora is None else lora.modules.get(name)
+                _write_extras(table, name, slot, module)
                 if module is None:
                     at[:, off : off + width].zero_()
                     bt.zero_()
@@ -315,6 +263,23 @@ class LoraTables:
             )
 
 
+def _write_extras(table: SlotTable, name: str, slot: int, module: LoraModule | None) -> None:
+    """Row ``slot``'s DoRA scale (ones without) and bias (zeros without) of ``name``, where the table has them."""
+    scale, bias = table.scale.get(name), table.bias.get(name)
+    rescale = None if module is None else module.rescale
+    trained = None if module is None else module.bias
+    if scale is not None:
+        if rescale is None:
+            scale[slot].fill_(1.0)
+        else:
+            scale[slot].copy_(rescale)
+    if bias is not None:
+        if trained is None:
+            bias[slot].zero_()
+        else:
+            bias[slot].copy_(trained)
+
+
 def _same_layers(key: _SetKey, layers: Sequence[LoraLayer | None]) -> bool:
     """Whether ``key`` holds weak references to exactly ``layers`` (the same objects, in order)."""
     if len(key) != len(layers):
@@ -325,4 +290,14 @@ def _same_layers(key: _SetKey, layers: Sequence[LoraLayer | None]) -> bool:
     )
 
 
-__all__ = ["SITES", "LoraTables", "ModuleSpec", "SharedTable", "SlotTable", "TableStats", "module_layout"]
+__all__ = [
+    "SITES",
+    "LoraTables",
+    "ModuleSpec",
+    "Need",
+    "Segment",
+    "SharedTable",
+    "SlotTable",
+    "TableStats",
+    "module_layout",
+]
