@@ -77,3 +77,26 @@ def test_the_server_receives_the_mixture(
             assert scaled.token_ids == plain.token_ids
             list(client.stream("hi", adapters=[("b", 0.5), ("a", 0.5)], max_new_tokens=2))
     assert [(r.adapter_id, r.mix) for r in seen] == [("a", ()), ("a", ()), ("b", (("b", 0.5), ("a", 0.5)))]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mix", "a"], "expected ID=WEIGHT"),
+        (["--mix", "a=x"], "expected ID=WEIGHT"),
+        (["--adapter-scale", "0.5"], "adapter_scale needs an adapter"),
+        (["--mix", "a=1", "--mix", "a=2"], "repeats adapter"),
+        (["--adapter", "a", "--adapter-scale", "2", "--mix", "a=1"], "exclude each other"),
+    ],
+)
+def test_cli_mixture_flags_are_refused_before_any_rpc(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    try:  # port 1 on loopback: nothing listens, so a request that got as far as an RPC would fail differently
+        code = main(["generate", "--target", "127.0.0.1:1", "--timeout", "5", *flags, "hi"])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code  # type: ignore[assignment]
+    assert code == 2
+    assert message in capsys.readouterr().err
