@@ -124,6 +124,8 @@ _ADAPTER_FLAGS = (
           dest="adapter_roots", action="append", type=Path, metavar="DIR"),
     _Flag("--adapter-device-budget-bytes", "device-tier adapter cache budget", type=int),
     _Flag("--adapter-host-budget-bytes", "host-tier adapter cache budget", type=int),
+    _Flag("--max-mixture-adapters", "adapters one request may mix with weights (GenerateRequest.adapters; 1-16, "
+          "default 4)", type=int),
     _Flag("--prefix-cache-bytes", "K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)", type=int),
     _Flag("--prefix-block-tokens", "prefix cache granularity in tokens (default 16)", type=int),
     _Flag("--draft-threshold",

@@ -56,6 +56,22 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     gen = sub.add_parser("generate", parents=[connection], help="stream a generation from a running server")
     gen.add_argument("prompt", help="the prompt (a user message, unless --raw)")
     gen.add_argument("--adapter", default="", help="adapter id (default: the base model)")
+    gen.add_argument(
+        "--adapter-scale",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the adapter's strength: its deltas times S (default 1; |S| <= 8)",
+    )
+    gen.add_argument(
+        "--mix",
+        dest="mix",
+        action="append",
+        type=_weighted,
+        default=[],
+        metavar="ID=WEIGHT",
+        help="an adapter of a weighted mixture (repeatable, in order; not with --adapter-scale)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
@@ -115,6 +131,17 @@ def _file_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {value}: {exc}") from None
 
 
+def _weighted(text: str) -> tuple[str, float]:
+    """``ID=WEIGHT`` of ``--mix``."""
+    adapter_id, sep, weight = text.rpartition("=")
+    try:
+        if not sep or not adapter_id:
+            raise ValueError
+        return adapter_id, float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=WEIGHT (a number), got {text!r}") from None
+
+
 def _constraint_flags(gen: argparse.ArgumentParser) -> None:
     """The output constraint of ``generate`` (structured output): at most one of the kinds."""
     group = gen.add_argument_group("output constraint (at most one)")
@@ -155,6 +182,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     options: dict[str, Any] = {
         "adapter": args.adapter or None,
+        "adapter_scale": args.adapter_scale,
+        "adapters": args.mix or None,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,

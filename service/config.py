@@ -35,6 +35,7 @@ PROMPT_BYTES_PER_TOKEN = 128
 
 MAX_DRAFT_NGRAM = 16  # --draft-ngram: the longest suffix prompt lookup matches
 MAX_DRAFT_TOKENS = 32  # --draft-tokens: the most tokens it proposes per step
+MAX_MIXTURE_ADAPTERS = 16  # --max-mixture-adapters: each adapter of a mixture is one more delta per row per layer
 
 
 class ConfigError(ValueError):
@@ -87,6 +88,7 @@ class Settings:
     hf_hub_cache: Path = DEFAULT_HUB_CACHE
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
+    max_mixture_adapters: int = 4  # adapters one request may mix (GenerateRequest.adapters)
     # speculative decoding: Medusa heads (per adapter) and the server-wide drafter
     speculate_max_batch: int = 4
     speculate_adaptive: bool = True  # measure plain vs speculative steps per batch size, use the faster
@@ -185,6 +187,10 @@ class Settings:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0 = prefill whole prompts)")
+        if not 1 <= self.max_mixture_adapters <= MAX_MIXTURE_ADAPTERS:
+            raise ValueError(
+                f"max_mixture_adapters must be in [1, {MAX_MIXTURE_ADAPTERS}], got {self.max_mixture_adapters}"
+            )
         if self.metrics_adapter_series < 0:
             raise ValueError("metrics_adapter_series must be >= 0")
         from service.logs import LOG_FORMATS, LOG_LEVELS

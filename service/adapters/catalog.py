@@ -9,7 +9,8 @@ are removed again. Parts are removed in the reverse order (a kind that refuses w
 before anything is removed). The catalog remembers each adapter's source as given (``source_of``: what the API
 reports) next to the folder its parts index (what the API reports as resolved). ``resolve`` turns an id into a
 per-request ``Adapter`` object with one claim per part (in removal order: a LoRA part's failure is reported
-first); nothing below it asks which kind a part is.
+first); nothing below it asks which kind a part is. ``resolve_mix`` does so for a mixture (or one adapter at a
+scale), refusing in a mixture of two or more what PEFT defines no weighted sum for: DoRA, modules_to_save.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from service.adapters.common.files import resolve_source
 from service.adapters.common.ids import check_adapter_id
 from service.adapters.common.part import PartKind
-from service.adapters.handle import Adapter
-from service.errors import AdapterNotFound, LoraplexError
+from service.adapters.handle import Adapter, Mixture, check_mix
+from service.adapters.lora.part import LoraPart
+from service.errors import AdapterNotFound, InvalidRequest, LoraplexError
 from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, source_folder
 
 if TYPE_CHECKING:
@@ -103,6 +105,33 @@ class AdapterCatalog:
         if not owners:
             raise AdapterNotFound(adapter_id)
         return Adapter(adapter_id, [kind.claim(adapter_id) for kind in reversed(owners)])
+
+    def resolve_mix(self, mix: Sequence[tuple[str, float]], *, limit: int) -> Adapter:
+        """A per-request object for adapters at weights (``check_mix``'s rule, at most ``limit`` of them). The
+        first unknown id is ``AdapterNotFound``; in a mixture of two or more, a DoRA adapter or one with
+        modules_to_save is ``InvalidRequest`` (a scale on it alone is fine). One adapter at weight 1 is that
+        adapter as ``resolve`` gives it (its K/V key unchanged)."""
+        check_mix(mix, limit)
+        weighted = [(self.resolve(adapter_id), weight) for adapter_id, weight in mix]
+        if len(mix) == 1 and mix[0][1] == 1.0:
+            return weighted[0][0]
+        if len(mix) > 1:
+            for i, (adapter_id, _) in enumerate(mix):
+                self._check_summable(adapter_id, f"adapters[{i}].id")
+        return Mixture(weighted)
+
+    def _check_summable(self, adapter_id: str, field: str) -> None:
+        lora = self.kind(LoraPart)
+        if lora is None or not lora.has(adapter_id):
+            return
+        info = lora.store.get(adapter_id)
+        what = "DoRA (use_dora)" if info.dora else "modules_to_save" if info.saved_modules else None
+        if what is not None:
+            raise InvalidRequest(
+                f"adapter {adapter_id!r} uses {what}: PEFT defines no weighted sum of it with other adapters; "
+                "serve it alone (a scale is allowed)",
+                field=field,
+            )
 
     def layer(self, adapter_id: str, layer: int) -> LoraLayer | None:
         """The engine's per-layer lookup in the forward (valid while a request holds the adapter ready)."""

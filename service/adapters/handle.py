@@ -8,6 +8,11 @@ gives them back.
 
 Commands (``load``, ``release``) change the parts' state; queries (``ready``, ``failure``,
 ``kv_key``, ``binding``) never do. Loads run on each kind's own threads, never here.
+
+A ``Mixture`` is one request's view of several adapters at weights (or one at a ``scale``): the claims of every
+component, ready when all are, a K/V key of (component key, weight) pairs, the deltas if any component has them and
+the drafter of the first component (request order) that has one. ``check_mix`` is the one rule for a mixture's
+shape (count, weights, distinct ids), run by the API edge before any work and by the engine for other callers.
 """
 
 from __future__ import annotations
@@ -15,9 +20,45 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from service.adapters.common.part import Binding, PartClaim
-from service.errors import LoraplexError
+from service.errors import InvalidRequest, LoraplexError
 
 _NOTHING = Binding()
+
+MAX_ADAPTER_WEIGHT = 8.0
+"""The largest |weight| (or |scale|) a request may put on an adapter: past it a delta outgrows the base weights it
+corrects (docs/limits.md)."""
+
+
+def check_weight(weight: float, field: str) -> None:
+    """``InvalidRequest`` naming ``field`` unless ``weight`` is finite and at most ``MAX_ADAPTER_WEIGHT`` in size."""
+    if not abs(weight) <= MAX_ADAPTER_WEIGHT:  # NaN fails this too
+        raise InvalidRequest(
+            f"{field} must be a finite number in [-{MAX_ADAPTER_WEIGHT:g}, {MAX_ADAPTER_WEIGHT:g}], got {weight}",
+            field=field,
+            limit=MAX_ADAPTER_WEIGHT,
+        )
+
+
+def check_mix(mix: Sequence[tuple[str, float]], limit: int, field: str = "adapters") -> None:
+    """A mixture's shape: 1 to ``limit`` adapters (``--max-mixture-adapters``), distinct ids, each weight non-zero
+    and within ``check_weight`` (a zero weight is refused: in protobuf it is what an unset one reads as)."""
+    if len(mix) > limit:
+        raise InvalidRequest(
+            f"{field} has {len(mix)} adapters; this server mixes at most {limit} (--max-mixture-adapters)",
+            field=field,
+            limit=limit,
+        )
+    seen: set[str] = set()
+    for i, (adapter_id, weight) in enumerate(mix):
+        if adapter_id in seen:
+            raise InvalidRequest(f"{field}[{i}].id repeats an adapter of the mixture", field=f"{field}[{i}].id")
+        seen.add(adapter_id)
+        check_weight(weight, f"{field}[{i}].weight")
+        if weight == 0:
+            raise InvalidRequest(
+                f"{field}[{i}].weight is 0 (unset?): give each adapter a non-zero weight, or leave it out",
+                field=f"{field}[{i}].weight",
+            )
 
 
 class Adapter:
@@ -75,9 +116,39 @@ class Adapter:
         """Whether a part brings a drafter once ready (known from registration: no load needed)."""
         return any(claim.drafts() for claim in self._claims)
 
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The registered adapters this object holds (one; a ``Mixture`` several), in request order."""
+        return (self.id,)
+
     def __repr__(self) -> str:
         parts = ", ".join(type(c).__name__ for c in self._claims)
         return f"Adapter({self.id!r}, parts=[{parts}], ready={self.ready()})"
 
 
-__all__ = ["Adapter"]
+class Mixture(Adapter):
+    """One request's view of several adapters at weights, or of one at a scale (see the module docstring). Its
+    ``id`` is the first component's: what metrics and logs label the request by."""
+
+    __slots__ = ("weighted",)
+
+    def __init__(self, weighted: Sequence[tuple[Adapter, float]]) -> None:
+        # Claims in request order: ``binding`` merges them so, giving the first component's drafter.
+        super().__init__(weighted[0][0].id, [c for adapter, _ in weighted for c in adapter._claims])
+        self.weighted = tuple(weighted)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return tuple(adapter.id for adapter, _ in self.weighted)
+
+    def kv_key(self) -> Hashable | None:
+        """(component key, weight) of every component that changes the K/V: no two scales or mixtures share K/V.
+        None when no component changes it (heads only)."""
+        keys = tuple((key, w) for adapter, w in self.weighted if (key := adapter.kv_key()) is not None)
+        return keys or None
+
+    def __repr__(self) -> str:
+        return f"Mixture({[(a.id, w) for a, w in self.weighted]!r}, ready={self.ready()})"
+
+
+__all__ = ["MAX_ADAPTER_WEIGHT", "Adapter", "Mixture", "check_mix", "check_weight"]

@@ -2,7 +2,8 @@
 
 ``call_of`` turns a ``GenerateRequest`` / ``GenerateStreamRequest`` into a ``GenerationCall`` (assembly only: the
 frontend checks it), ``input_of`` an ``Input``; ``result_of`` / ``stream_response`` / ``tokenize_response`` turn
-the frontend's results back into reply messages, shaped by the request's ``ReturnOptions``. ``grpc_fields``
+the frontend's results back into reply messages (``adapter_scale`` and ``adapters`` travel as given: the
+frontend's ``checks.adapter_mix`` checks them), shaped by the request's ``ReturnOptions``. ``grpc_fields``
 renames the domain field of an ``InvalidRequest`` (``service.frontend.request``) to its path in the request
 message (``max_new_tokens`` -> ``stopping.max_new_tokens``; ``inputs[0].text`` -> ``input.text`` in a
 GenerateStream), so clients keep reading protobuf paths in ``ErrorInfo.metadata["field"]``.
@@ -138,6 +139,8 @@ def call_of(message: pb.GenerateRequest | pb.GenerateStreamRequest, *, deadline:
         request_id=message.request_id,
         deadline=deadline,
         constraint=constraint_of(message),
+        adapter_scale=message.adapter_scale if message.HasField("adapter_scale") else None,
+        adapters=tuple((a.id, a.weight) for a in message.adapters),
     )
 
 

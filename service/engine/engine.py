@@ -187,9 +187,12 @@ class Engine:
             return None
         if self.adapters is None:
             raise AdapterNotFound(request.adapter_id)
-        adapter = self.adapters.resolve(request.adapter_id)  # AdapterNotFound
+        if request.mix and request.mix[0][0] != request.adapter_id:
+            raise InvalidRequest("a request's mix must start with its adapter_id", field="adapters")
+        mix = request.mix or ((request.adapter_id, 1.0),)  # AdapterNotFound; a mixture's bounds (InvalidRequest)
+        adapter = self.adapters.resolve_mix(mix, limit=self.settings.max_mixture_adapters)
         if request.speculate and not adapter.drafts():
-            raise InvalidRequest(f"speculate=true, but adapter {request.adapter_id!r} has no Medusa heads")
+            raise InvalidRequest(f"speculate=true, but {' + '.join(map(repr, adapter.components))} has no Medusa heads")
         return adapter
 
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
@@ -206,7 +209,8 @@ class Engine:
                 )
             self._counted.add(handle)
         if adapter is not None and self.adapters is not None:
-            self.adapters.prefetch(adapter.id)  # a cold adapter's read overlaps the step in flight
+            for adapter_id in adapter.components:  # a cold adapter's read overlaps the step in flight
+                self.adapters.prefetch(adapter_id)
         self._inbox.put((handle, sink, adapter))
         return handle
 

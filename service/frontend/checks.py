@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.adapters.common.ids import check_adapter_id
+from service.adapters.handle import check_mix, check_weight
 from service.config import Settings
 from service.constraints.backend import Grammar
 from service.constraints.spec import check_constraint
@@ -139,6 +140,36 @@ def request_id_of(given: str) -> str:
     return given
 
 
+def adapter_mix(call: GenerationCall, settings: Settings) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """The call's adapter id and weighted adapters (the engine's ``adapter_id`` and ``mix``), checked.
+
+    The rule: ``adapter_scale`` goes with ``adapter_id`` alone; ``adapters`` with ``adapter_id`` empty or equal to
+    its first id. One adapter at weight 1 is that adapter alone (``mix`` empty: today's K/V key and batching)."""
+    if call.adapter_scale is not None:
+        if call.adapters:
+            raise InvalidRequest(
+                "adapter_scale and adapters exclude each other: weigh each adapter in adapters", field="adapter_scale"
+            )
+        if not call.adapter_id:
+            raise InvalidRequest("adapter_scale needs an adapter (adapter_id is empty)", field="adapter_scale")
+        check_weight(call.adapter_scale, "adapter_scale")
+        mix: tuple[tuple[str, float], ...] = ((call.adapter_id, call.adapter_scale),)
+    elif call.adapters:
+        for i, (adapter_id, _) in enumerate(call.adapters):
+            check_adapter_id(adapter_id, field=f"adapters[{i}].id")
+        if call.adapter_id not in ("", call.adapters[0][0]):
+            raise InvalidRequest(
+                f"adapter_id {call.adapter_id!r} is not adapters[0].id {call.adapters[0][0]!r}: leave adapter_id "
+                "empty with adapters, or name the first of them",
+                field="adapter_id",
+            )
+        check_mix(call.adapters, settings.max_mixture_adapters)
+        mix = call.adapters
+    else:
+        return call.adapter_id, ()
+    return mix[0][0], () if mix == ((mix[0][0], 1.0),) else mix
+
+
 def check_call(call: GenerationCall, settings: Settings) -> None:
     """Every per-field limit of a call, before any of its work starts."""
     check_ids(call.adapter_id, call.request_id)
@@ -166,16 +197,19 @@ class Checked:
     request_id: str
     max_new_tokens: int
     sampling: tuple[SamplingParams, ...]
+    adapter_id: str = ""  # the call's adapter, or its mixture's first ("": the base model)
+    mix: tuple[tuple[str, float], ...] = ()  # the weighted adapters (empty: adapter_id alone at weight 1)
 
 
 def check(call: GenerationCall, settings: Settings) -> Checked:
     """Everything about ``call`` that can be refused before its prompts are tokenized."""
     check_call(call, settings)
+    adapter_id, mix = adapter_mix(call, settings)
     request_id = request_id_of(call.request_id)
     max_new = settings.max_new_tokens if call.max_new_tokens is None else call.max_new_tokens
     check_max_new_tokens(max_new, settings.max_new_tokens)
     sampling = tuple(call.sampling.params(logprobs=call.logprobs, offset=i) for i in range(len(call.inputs)))
-    return Checked(call, request_id, max_new, sampling)
+    return Checked(call, request_id, max_new, sampling, adapter_id, mix)
 
 
 def engine_request(
@@ -191,7 +225,8 @@ def engine_request(
         prompt_ids=prompt.ids,
         max_new_tokens=checked.max_new_tokens,
         sampling=checked.sampling[index],
-        adapter_id=call.adapter_id or None,
+        adapter_id=checked.adapter_id or None,
+        mix=checked.mix,
         stop_sequences=call.stop_sequences,
         ignore_eos=call.ignore_eos,
         speculate=call.speculate,

@@ -127,6 +127,7 @@ class Frontend:
         """Every input of ``call`` to its end: one completion per input, in order."""
         rt = self.runtime.ready()
         checked = checks.check(call, rt.settings)
+        observer.labelled(checked.adapter_id)
         grammar, prompts = await asyncio.gather(self._grammar(rt, call), self._prompts(rt, call))  # side by side
         requests = [checks.engine_request(checked, prompt, i, grammar) for i, prompt in enumerate(prompts)]
         for request in requests:  # refuse the whole call before any part of it runs
@@ -146,6 +147,7 @@ class Frontend:
         the request (its KV slot is freed at the engine's next step)."""
         rt = self.runtime.ready()
         checked = checks.check(call, rt.settings)
+        observer.labelled(checked.adapter_id)
         grammar, prompt = await asyncio.gather(self._grammar(rt, call), self._prompt(call.inputs[0], rt.tokenizer))
         handle, events = self._submit(rt, checks.engine_request(checked, prompt, 0, grammar))
         try:

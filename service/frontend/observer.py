@@ -118,6 +118,14 @@ def peer_of(host: str, port: int) -> str:
     return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
+def labelled(adapter_id: str) -> None:
+    """The current call's adapter, once checked: a mixture's first adapter (what its metrics and access line name),
+    also where the request left ``adapter_id`` / ``model`` to the base."""
+    call = CURRENT.get()
+    if call is not None and adapter_id:
+        call.adapter = adapter_id
+
+
 def submitted(prompt_tokens: int) -> None:
     """A prompt of the current call went to the engine."""
     call = CURRENT.get()

@@ -7,7 +7,8 @@ checked on construction: ``service.frontend.checks`` checks a call once, in one 
 A domain error's ``field`` names an attribute of a call (each edge maps it to its own vocabulary):
 ``inputs`` (their count), ``inputs[i].text`` / ``inputs[i].messages`` (an input's size), ``input`` /
 ``input.text`` / ``input.messages`` / ``input.messages.role`` (an input's content, found while it is tokenized),
-``adapter_id``, ``request_id``, ``max_new_tokens``, ``stop_sequences`` / ``stop_sequences[i]``,
+``adapter_id``, ``adapter_scale``, ``adapters`` / ``adapters[i].id`` / ``adapters[i].weight``, ``request_id``,
+``max_new_tokens``, ``stop_sequences`` / ``stop_sequences[i]``,
 ``sampling.<name>``, ``constraint`` / ``constraint.<kind>``.
 
 A new request field for both APIs is: an attribute here, its check in ``checks`` (or ``SamplingParams``), its
@@ -93,7 +94,9 @@ class GenerationCall:
 
     ``adapter_id`` "" is the base model; ``max_new_tokens`` None the server's default; ``request_id`` "" a new id;
     ``deadline`` a ``time.monotonic()`` instant or None; ``speculate`` None: when the adapter has Medusa heads;
-    ``constraint`` what every output must match (None: free text)."""
+    ``constraint`` what every output must match (None: free text). ``adapter_scale`` multiplies the adapter's
+    deltas (None: 1); ``adapters`` is a mixture, (id, weight) in request order, with ``adapter_id`` "" or its
+    first id (``checks.adapter_mix`` states the rule)."""
 
     inputs: tuple[Input, ...]
     adapter_id: str = ""
@@ -106,6 +109,8 @@ class GenerationCall:
     request_id: str = ""
     deadline: float | None = None
     constraint: Constraint | None = None
+    adapter_scale: float | None = None
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ BAD_VALUES = [
     ("MAX_CONSTRAINT_DEPTH", "0", "max_constraint_depth must be > 0"),
     ("MAX_CONSTRAINT_COMPILE_SECONDS", "0", "max_constraint_compile_seconds must be > 0"),
     ("CONSTRAINT_CACHE_BYTES", "-1", "constraint_cache_bytes must be >= 0"),
+    ("MAX_MIXTURE_ADAPTERS", "0", r"max_mixture_adapters must be in \[1, 16\]"),
+    ("MAX_MIXTURE_ADAPTERS", "17", r"max_mixture_adapters must be in \[1, 16\], got 17"),
     ("LOG_FORMAT", "xml", "log_format must be one of"),
     ("LOG_LEVEL", "LOUD", "log_level one of"),
 ]

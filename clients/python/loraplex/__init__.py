@@ -55,6 +55,7 @@ from loraplex._types import (
     SamplingParams,
     TokenizeResult,
     Usage,
+    WeightedAdapter,
 )
 
 __version__ = "0.1.0"
@@ -98,6 +99,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "Usage",
+    "WeightedAdapter",
     "error_class",
     "from_rpc_error",
 ]

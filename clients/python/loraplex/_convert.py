@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 from google.protobuf import timestamp_pb2
 
 from loraplex._constraint import constraint_message
+from loraplex._mixture import mixture_fields
 from loraplex._types import (
     AdapterInfo,
     AdapterKind,
@@ -33,6 +34,7 @@ from loraplex._types import (
     SamplingParams,
     TokenizeResult,
     Usage,
+    WeightedAdapter,
 )
 from loraplex.v1 import adapters_pb2, generation_pb2
 
@@ -82,6 +84,10 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos          keep generating past end-of-sequence (benchmarks). Default False.
     chat                apply the model's chat template to text prompts. Default False.
                         Conversations (lists of messages) always get the template.
+    adapter_scale       the adapter's strength: its deltas times this (PEFT's scaling change); None = 1.
+    adapters            a mixture: WeightedAdapter or (id, weight) pairs, the weighted sum of their
+                        deltas (PEFT's add_weighted_adapter "cat"); ``adapter`` then is None or the
+                        first id. Not with adapter_scale. Metrics and the routing header name the first.
     speculate           Medusa speculative decoding; None (default) = on when the adapter has heads.
     return_token_ids    fill ``token_ids``. Default False.
     return_logprobs     fill ``logprobs``. Default False.
@@ -99,6 +105,8 @@ class GenerateOptions(TypedDict, total=False):
     """
 
     adapter: str | None
+    adapter_scale: float | None
+    adapters: Sequence[WeightedAdapter | tuple[str, float]] | None
     sampling: SamplingParams | None
     temperature: float | None
     top_k: int | None
@@ -133,6 +141,7 @@ class GenerationOptions:
     speculate: bool | None
     request_id: str
     constraint: generation_pb2.Constraint | None = None
+    mixture: Mapping[str, Any] | None = None  # adapter_scale / adapters fields, when given
 
 
 # --------------------------------------------------------------------------------------- validation
@@ -228,6 +237,8 @@ def sampling_params(
 def generation_options(
     *,
     adapter: str | None = None,
+    adapter_scale: float | None = None,
+    adapters: Sequence[WeightedAdapter | tuple[str, float]] | None = None,
     sampling: SamplingParams | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -257,8 +268,10 @@ def generation_options(
     )
     if max_new_tokens is not None:
         stopping.max_new_tokens = _int("max_new_tokens", max_new_tokens, 1, _UINT32)
+    adapter_id, mixture = mixture_fields(check_id("adapter", adapter or "", allow_empty=True), adapter_scale, adapters)
     return GenerationOptions(
-        adapter_id=check_id("adapter", adapter or "", allow_empty=True),
+        adapter_id=check_id("adapter", adapter_id, allow_empty=True),
+        mixture=mixture or None,
         chat=_bool("chat", chat),
         sampling=sampling_params(
             sampling,
@@ -362,6 +375,7 @@ def _request_fields(options: GenerationOptions) -> dict[str, Any]:
         fields["speculate"] = options.speculate
     if options.constraint is not None:
         fields["constraint"] = options.constraint
+    fields.update(options.mixture or {})
     return fields
 
 

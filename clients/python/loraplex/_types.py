@@ -69,6 +69,15 @@ Conversation = Sequence[Message]
 
 
 @dataclass(frozen=True)
+class WeightedAdapter:
+    """One adapter of a mixture (``generate(..., adapters=[WeightedAdapter("a", 0.7), ...])``): its deltas are
+    multiplied by ``weight`` and summed with the others' (PEFT's ``add_weighted_adapter``, ``"cat"``)."""
+
+    id: str
+    weight: float
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen; the defaults are greedy decoding.
 

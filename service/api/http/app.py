@@ -178,7 +178,7 @@ class OpenAIRoutes:
         except Exception as exc:
             outcome.finish(errors.status_name(exc))
             exc = structured.rename(exc, None if call is None else call.constraint_param)  # names its parameter
-            return _error(exc, chat=chat, request_id=outcome.request_id)
+            return _error(exc, chat=chat, request_id=outcome.request_id, model=None if call is None else call.model)
         outcome.finish("OK")
         return JSONResponse(replies.completion(response), headers=headers)
 
@@ -329,9 +329,9 @@ def _too_large(limit: int) -> InvalidRequest:
     )
 
 
-def _error(exc: BaseException, *, chat: bool, request_id: str) -> JSONResponse:
+def _error(exc: BaseException, *, chat: bool, request_id: str, model: str | None = None) -> JSONResponse:
     """The error reply, with the call's id in ``x-request-id`` (a valid id: an invalid header's is never echoed)."""
-    body = errors.error_body(exc, chat=chat)
+    body = errors.error_body(exc, chat=chat, model=model)
     headers = {**errors.headers_of(exc), REQUEST_ID_HEADER: request_id}
     return JSONResponse(body, status_code=errors.http_status(exc), headers=headers)
 

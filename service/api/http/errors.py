@@ -88,8 +88,9 @@ def status_name(exc: BaseException) -> str:
     return exc.status if isinstance(exc, LoraplexError) else "INTERNAL"
 
 
-def error_body(exc: BaseException, *, chat: bool, where: str = "http") -> dict[str, Any]:
-    """OpenAI's error object for ``exc`` (a bug is logged here, with its traceback, once)."""
+def error_body(exc: BaseException, *, chat: bool, where: str = "http", model: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for ``exc`` (a bug is logged here, with its traceback, once). ``model``: the call's
+    ``model``, where it was parsed: an unknown adapter other than it is one of ``adapters`` (a mixture)."""
     if not isinstance(exc, LoraplexError):
         log.error("event=bug where=%s error=%s", where, type(exc).__name__, exc_info=exc)
         message = f"internal error ({type(exc).__name__}); see the server log"
@@ -104,6 +105,9 @@ def error_body(exc: BaseException, *, chat: bool, where: str = "http") -> dict[s
     field = getattr(exc, "field", None)
     if isinstance(exc, AdapterNotFound):
         field = "model"
+        if model is not None and exc.adapter_id != model:
+            message = f"adapter {echo(exc.adapter_id)} of adapters does not exist: GET /v1/models lists every one"
+            field = "adapters"
     return {
         "error": {
             "message": message,

@@ -13,6 +13,7 @@ unknown (refused with ``unknown_parameter``). Nothing is ignored silently. Error
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -126,6 +127,7 @@ def parse(
     inputs = _chat_inputs(given, use) if kind == "chat" else _text_inputs(given)
     sampling = _sampling(given)
     max_new_tokens, stops, ignore_eos = _stopping(given)
+    scale, mixture = _adapters(given)
     logprobs = _logprobs(kind, given)
     output = tools.with_structured(use, structured.parse(given), constraint_limits)  # or response_format, guided_*
     request = GenerationCall(
@@ -138,6 +140,8 @@ def parse(
         logprobs=logprobs,
         request_id=request_id,
         constraint=output.constraint,
+        adapter_scale=scale,
+        adapters=mixture,
     )
     stream = _boolean(given, "stream", False)
     options = given.get("stream_options")
@@ -206,6 +210,35 @@ def _sampling(given: Mapping[str, Any]) -> Sampling:
         repetition_penalty=_number(given, "repetition_penalty", 1.0),
         seed=_integer(given, "seed", None, lowest=0, highest=2**64 - 1),
     )
+
+
+def _adapters(given: Mapping[str, Any]) -> tuple[float | None, tuple[tuple[str, float], ...]]:
+    """``adapter_scale`` (None: unset) and ``adapters``, a mixture: ``[{"id": ..., "weight": ...}, ...]`` (``[]``:
+    none). Numbers are rounded to float32, as gRPC's are; ``model`` then names the base model or ``adapters[0]``
+    (the frontend's ``checks.adapter_mix`` checks the rest)."""
+    scale = None if "adapter_scale" not in given else _float32(_number(given, "adapter_scale", 1.0))
+    items = given.get("adapters", [])
+    if not isinstance(items, list):
+        raise InvalidRequest('adapters must be an array of {"id": ..., "weight": ...} objects', field="adapters")
+    mixture = []
+    for i, item in enumerate(items):
+        where = f"adapters[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f'{where} must be an object {{"id": ..., "weight": ...}}', field=where)
+        for name in item:
+            if name not in ("id", "weight"):
+                raise UnknownParameter(f"unknown parameter {where}.{name!r}", field=f"{where}.{name}")
+        adapter_id = item.get("id")
+        if not isinstance(adapter_id, str):
+            raise InvalidRequest(f"{where}.id must be an adapter id (a string)", field=f"{where}.id")
+        if "weight" not in item:
+            raise InvalidRequest(f"{where}.weight is missing: give each adapter a weight", field=f"{where}.weight")
+        mixture.append((adapter_id, _float32(_number(item, "weight", 1.0, field=f"{where}.weight"))))
+    return scale, tuple(mixture)
+
+
+def _float32(x: float) -> float:
+    return float(ctypes.c_float(x).value)
 
 
 def _stopping(given: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...], bool]:
@@ -280,10 +313,10 @@ def _boolean(given: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _number(given: Mapping[str, Any], name: str, default: float) -> float:
+def _number(given: Mapping[str, Any], name: str, default: float, *, field: str | None = None) -> float:
     value = given.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number", field=name)
+        raise InvalidRequest(f"{field or name} must be a finite number", field=field or name)
     return float(value)
 
 
@@ -302,6 +335,8 @@ _COMMON = structured.NAMES | frozenset(
         "logprobs",
         # extensions, named as vLLM names them
         "top_k", "repetition_penalty", "ignore_eos",
+        # loraplex's own: an adapter's strength, a weighted mixture (docs/adapters.md)
+        "adapter_scale", "adapters",
     }
 )  # fmt: skip
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", *tools.PARAMS}

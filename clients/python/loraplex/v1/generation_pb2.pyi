@@ -484,6 +484,34 @@ class Usage(_message.Message):
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
+class WeightedAdapter(_message.Message):
+    """One adapter of a mixture and its weight (see GenerateRequest.adapters)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """A registered adapter id (see Adapters.ListAdapters)."""
+    weight: _builtins.float
+    """What its deltas are multiplied by (PEFT's scaling change): finite, non-zero (an unset weight
+    reads as 0: leave the adapter out instead), |weight| <= 8. Negative subtracts the adapter.
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        weight: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightedAdapter: _TypeAlias = WeightedAdapter  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     """Generate: one or more prompts sharing adapter and parameters."""
 
@@ -497,6 +525,8 @@ class GenerateRequest(_message.Message):
     SPECULATE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
+    ADAPTER_SCALE_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """Registered adapter to apply (see Adapters.ListAdapters); empty = the base model alone."""
     speculate: _builtins.bool
@@ -507,6 +537,11 @@ class GenerateRequest(_message.Message):
     """Caller's id for this request, echoed in server logs (max 128 printable ASCII chars). Empty = the
     `x-request-id` request metadata, else the server makes one. The id used is also returned in the
     `x-request-id` response metadata (initial and trailing, errors included).
+    """
+    adapter_scale: _builtins.float
+    """The strength of `adapter_id`: its deltas are multiplied by this (PEFT's scaling change; 1 = as
+    trained, 0 = the base model's output). Finite, |scale| <= 8. Needs `adapter_id`; not with
+    `adapters`. Unset = 1. Allowed on any adapter (DoRA and modules_to_save included).
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Input]:
@@ -528,6 +563,18 @@ class GenerateRequest(_message.Message):
     def constraint(self) -> Global___Constraint:
         """What every input's output must match (see Constraint). Unset = free text."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightedAdapter]:
+        """A mixture: the exact weighted sum of these adapters' deltas (PEFT's
+        add_weighted_adapter(combination_type="cat")), in this order. 1 to the server's
+        --max-mixture-adapters (default 4) entries, ids distinct and registered (NOT_FOUND naming the
+        first unknown one). `adapter_id` must then be empty or equal adapters[0].id; metrics and logs
+        label the request by adapters[0]. A DoRA adapter, or one with modules_to_save, cannot be part of
+        a mixture of two or more (INVALID_ARGUMENT: PEFT defines no weighted sum of them). With speculate,
+        the heads are those of the first adapter (in this order) that has Medusa heads; verification runs
+        the whole mixture, so greedy output equals plain decoding of it. See docs/adapters.md.
+        """
+
     def __init__(
         self,
         *,
@@ -539,13 +586,20 @@ class GenerateRequest(_message.Message):
         speculate: _builtins.bool | None = ...,
         request_id: _builtins.str = ...,
         constraint: Global___Constraint | None = ...,
+        adapter_scale: _builtins.float | None = ...,
+        adapters: _abc.Iterable[Global___WeightedAdapter] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "constraint", b"constraint", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adapter_scale", b"_adapter_scale", "_speculate", b"_speculate", "adapter_scale", b"adapter_scale", "constraint", b"constraint", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "adapter_id", b"adapter_id", "constraint", b"constraint", "inputs", b"inputs", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adapter_scale", b"_adapter_scale", "_speculate", b"_speculate", "adapter_id", b"adapter_id", "adapter_scale", b"adapter_scale", "adapters", b"adapters", "constraint", b"constraint", "inputs", b"inputs", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__adapter_scale: _TypeAlias = _typing.Literal["adapter_scale"]  # noqa: Y015
+    _WhichOneofArgType__adapter_scale: _TypeAlias = _typing.Literal["_adapter_scale", b"_adapter_scale"]  # noqa: Y015
     _WhichOneofReturnType__speculate: _TypeAlias = _typing.Literal["speculate"]  # noqa: Y015
     _WhichOneofArgType__speculate: _TypeAlias = _typing.Literal["_speculate", b"_speculate"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__adapter_scale) -> _WhichOneofReturnType__adapter_scale | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speculate) -> _WhichOneofReturnType__speculate | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
@@ -642,12 +696,16 @@ class GenerateStreamRequest(_message.Message):
     SPECULATE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
+    ADAPTER_SCALE_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     """Registered adapter to apply; empty = the base model alone."""
     speculate: _builtins.bool
     """As GenerateRequest.speculate."""
     request_id: _builtins.str
     """As GenerateRequest.request_id."""
+    adapter_scale: _builtins.float
+    """As GenerateRequest.adapter_scale."""
     @_builtins.property
     def input(self) -> Global___Input:
         """The prompt."""
@@ -668,6 +726,10 @@ class GenerateStreamRequest(_message.Message):
     def constraint(self) -> Global___Constraint:
         """As GenerateRequest.constraint."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightedAdapter]:
+        """As GenerateRequest.adapters."""
+
     def __init__(
         self,
         *,
@@ -679,13 +741,20 @@ class GenerateStreamRequest(_message.Message):
         speculate: _builtins.bool | None = ...,
         request_id: _builtins.str = ...,
         constraint: Global___Constraint | None = ...,
+        adapter_scale: _builtins.float | None = ...,
+        adapters: _abc.Iterable[Global___WeightedAdapter] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "constraint", b"constraint", "input", b"input", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adapter_scale", b"_adapter_scale", "_speculate", b"_speculate", "adapter_scale", b"adapter_scale", "constraint", b"constraint", "input", b"input", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speculate", b"_speculate", "adapter_id", b"adapter_id", "constraint", b"constraint", "input", b"input", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adapter_scale", b"_adapter_scale", "_speculate", b"_speculate", "adapter_id", b"adapter_id", "adapter_scale", b"adapter_scale", "adapters", b"adapters", "constraint", b"constraint", "input", b"input", "request_id", b"request_id", "return_options", b"return_options", "sampling", b"sampling", "speculate", b"speculate", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__adapter_scale: _TypeAlias = _typing.Literal["adapter_scale"]  # noqa: Y015
+    _WhichOneofArgType__adapter_scale: _TypeAlias = _typing.Literal["_adapter_scale", b"_adapter_scale"]  # noqa: Y015
     _WhichOneofReturnType__speculate: _TypeAlias = _typing.Literal["speculate"]  # noqa: Y015
     _WhichOneofArgType__speculate: _TypeAlias = _typing.Literal["_speculate", b"_speculate"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__adapter_scale) -> _WhichOneofReturnType__adapter_scale | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speculate) -> _WhichOneofReturnType__speculate | None: ...
 
 Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
