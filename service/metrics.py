@@ -247,12 +247,18 @@ ADAPTER_EVICTIONS = _counter(
     "Adapter evictions by adapter and the tier it left (device: to the host tier; host: to disk only).",
     ["adapter", "tier"],
 )
+ADAPTER_TIER_BYTES = _gauge(
+    "loraplex_adapter_tier_bytes",
+    "Bytes of adapter weights held now, by adapter and tier (device, host); 0 on both: on disk only.",
+    ["adapter", "tier"],
+)
 PER_ADAPTER = (
     ADAPTER_REQUESTS,
     ADAPTER_GENERATED_TOKENS,
     ADAPTER_TIME_TO_FIRST_TOKEN,
     ADAPTER_LOAD_SECONDS,
     ADAPTER_EVICTIONS,
+    ADAPTER_TIER_BYTES,
 )
 
 
@@ -315,6 +321,12 @@ class AdapterLabels:
 
     def evicted(self, adapter_id: str, tier: str) -> None:
         ADAPTER_EVICTIONS.labels(self.label(adapter_id), tier).inc()
+
+    def resident(self, adapter_id: str, tier: str, delta: int) -> None:
+        """``delta`` bytes of the adapter joined (or, negative, left) ``tier``: a change, so that adapters sharing
+        the ``other`` series add up."""
+        if delta:
+            ADAPTER_TIER_BYTES.labels(self.label(adapter_id), tier).inc(delta)
 
 
 class LoraRequestsInfo:

@@ -30,6 +30,13 @@ _STATES = {
 }
 
 
+def _tier(device_bytes: int, host_bytes: int) -> pb.AdapterTier.ValueType:
+    """The fastest tier holding a copy: the device, else host memory, else the weights file alone."""
+    if device_bytes:
+        return pb.ADAPTER_TIER_DEVICE
+    return pb.ADAPTER_TIER_HOST if host_bytes else pb.ADAPTER_TIER_DISK
+
+
 def _stamp(seconds: float | None) -> Timestamp | None:
     if seconds is None:
         return None
@@ -64,6 +71,7 @@ def _medusa_only(catalog: AdapterCatalog, medusa: MedusaPart, adapter_id: str) -
         kind=pb.ADAPTER_KIND_MEDUSA,
         medusa_heads=spec.num_heads,
         state=pb.ADAPTER_STATE_DEVICE if usage.resident else pb.ADAPTER_STATE_REGISTERED,
+        tier=_tier(usage.device_bytes, 0),
         total_bytes=spec.raw_nbytes(),
         device_bytes=usage.device_bytes,
         load_latency=pb.LoadLatency(index_seconds=spec.index_seconds),
@@ -99,6 +107,9 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
         error=info.error or "",
         loads=info.loads,
         disk_reads=info.disk_reads,
+        evictions=info.evictions,
+        tier=_tier(info.device_bytes, info.host_bytes),
+        dora=info.dora,
     )
     if (last := _stamp(info.last_used)) is not None:
         message.last_used.CopyFrom(last)
@@ -113,6 +124,7 @@ def unloaded(info: pb.AdapterInfo) -> pb.AdapterInfo:
     gone.CopyFrom(info)
     gone.state = pb.ADAPTER_STATE_UNLOADED
     gone.host_bytes = gone.device_bytes = gone.host_layers = gone.device_layers = 0
+    gone.tier = pb.ADAPTER_TIER_DISK
     return gone
 
 

@@ -329,6 +329,34 @@ def test_tiers_lru_pins_and_eviction_sequence(
     store.unregister("c")
     st = step(("a",), ("d", "a"), 5, {"a": "device", "b": "registered", "d": "host"})
     assert st.device_bytes == ONE and st.host_bytes == 2 * ONE
+    # Evictions from the device tier, per adapter (an unregister is not one): b twice, a once, d once.
+    assert {k: v.evictions for k, v in st.adapters.items()} == {"a": 1, "b": 2, "d": 1}
+
+
+def test_per_adapter_residency_gauge_follows_the_tiers(
+    make_store: Callable[..., AdapterStore], adapters: dict[str, Path]
+) -> None:
+    """loraplex_adapter_tier_bytes{adapter, tier} holds each adapter's copies, load by load and eviction by
+    eviction, and drops to 0 on unregister."""
+    from service import metrics
+
+    metrics.ADAPTERS.reset(8)
+    store = make_store(device_budget=ONE, host_budget=ONE)
+    for name in "ab":
+        store.register(name, adapters[name])
+
+    def shown(adapter: str, tier: str) -> float:
+        return metrics.ADAPTER_TIER_BYTES.labels(adapter, tier)._value.get()
+
+    store.ensure("a")
+    a = store.get("a")
+    assert (shown("a", "device"), shown("a", "host")) == (a.device_bytes, a.host_bytes) and a.host_bytes > 0
+    store.ensure("b")  # a leaves the device; its host copy makes room for b's
+    assert (shown("a", "device"), shown("a", "host")) == (0, 0)
+    b = store.get("b")
+    assert (shown("b", "device"), shown("b", "host")) == (b.device_bytes, b.host_bytes)
+    store.unregister("b")
+    assert (shown("b", "device"), shown("b", "host")) == (0, 0)
 
 
 def test_prefetch_loads_into_free_room_only(make_store: Callable[..., AdapterStore], adapters: dict[str, Path]) -> None:

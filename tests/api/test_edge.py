@@ -196,10 +196,21 @@ def test_adapter_root_keeps_the_adapter_dir_adapters_over_grpc(tmp_path: Path, s
         admin.LoadAdapter(adapters_pb2.LoadAdapterRequest(id="later", source=str(root / "later")), timeout=30)
         listed = admin.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=30).adapters
         assert sorted(a.id for a in listed) == ["caps", "later"]
+        assert {a.tier for a in listed} == {adapters_pb2.ADAPTER_TIER_DISK}
         stub = pb_grpc.GenerationStub(ch)
         for adapter in ("caps", "later"):
             reply = stub.Generate(text_req("hi", 2, adapter_id=adapter), timeout=60)
             assert reply.results[0].usage.generated_tokens == 2
+        listed = admin.ListAdapters(adapters_pb2.ListAdaptersRequest(), timeout=30).adapters
+        for a in listed:  # residency as the store says: on the device after one use, never evicted yet
+            assert (a.kind, a.tier, a.loads, a.evictions, a.dora) == (
+                adapters_pb2.ADAPTER_KIND_LORA,
+                adapters_pb2.ADAPTER_TIER_DEVICE,
+                1,
+                0,
+                False,
+            ), a.id
+            assert a.device_bytes > 0 and a.host_bytes > 0 and a.HasField("last_used")
         with pytest.raises(grpc.RpcError) as err:  # outside every root: still refused
             admin.LoadAdapter(adapters_pb2.LoadAdapterRequest(id="y", source=str(tmp_path)), timeout=30)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED

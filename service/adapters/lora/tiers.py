@@ -41,6 +41,8 @@ class Entry:
     revalidate: bool = False  # re-index the file before the next load (it changed since it was indexed)
     revalidations: int = 0  # re-indexings during the current load (a file that keeps changing gives up)
     pins: int = 0
+    evictions: int = 0  # times it left the device tier to make room for another
+    shown: tuple[int, int] = (0, 0)  # (device, host) bytes last added to its per-adapter residency gauge
     waiters: set[object] = field(default_factory=set)  # requests waiting for its load, a pin to be taken for each
     promised: set[object] = field(default_factory=set)  # waiters a pin was taken for at the load, not claimed yet
     used: bool = True  # False from a load until a request gets it: evicting it then is thrash
@@ -91,6 +93,7 @@ class Entry:
             layout_seconds=self.layout_seconds,
             total_seconds=self.total_seconds,
             error=str(self.error) if self.error is not None else None,
+            evictions=self.evictions,
         )
 
 
@@ -116,6 +119,19 @@ class Tiers:
         if entry.host is not None:
             self.host_lru[adapter_id] = None
             self.host_lru.move_to_end(adapter_id)
+        self.show(adapter_id, entry)  # a load ends with a touch, its copies in place
+
+    @staticmethod
+    def show(adapter_id: str, entry: Entry) -> None:
+        """Bring the adapter's per-adapter residency gauge up to its copies now (by the change since last shown)."""
+        now = (
+            entry.device_nbytes if entry.device is not None else 0,
+            entry.host.nbytes if entry.host is not None else 0,
+        )
+        if now != entry.shown:
+            metrics.ADAPTERS.resident(adapter_id, "device", now[0] - entry.shown[0])
+            metrics.ADAPTERS.resident(adapter_id, "host", now[1] - entry.shown[1])
+            entry.shown = now
 
     def make_device_room(self, need: int, keep: str) -> bool:
         """Evict least recently used unpinned adapters until ``need`` more bytes fit; False if they cannot."""
@@ -126,6 +142,7 @@ class Tiers:
             if not self.entries[victim].used:
                 metrics.ADAPTER_EVICTIONS_UNUSED.labels(tier="device").inc()
                 log.warning("event=adapter_evicted_unused tier=device adapter=%s", victim)
+            self.entries[victim].evictions += 1
             self.drop_device(victim, self.entries[victim])
             metrics.ADAPTER_CACHE_EVENTS.labels(event="eviction", tier="device").inc()
             metrics.ADAPTERS.evicted(victim, "device")
@@ -154,6 +171,7 @@ class Tiers:
             self.device_lru.pop(adapter_id, None)
             self.device_used -= entry.device_nbytes
             entry.device = None
+            self.show(adapter_id, entry)
             self.publish()
 
     def drop_host(self, adapter_id: str, entry: Entry) -> None:
@@ -161,6 +179,7 @@ class Tiers:
             self.host_lru.pop(adapter_id, None)
             self.host_used -= entry.host.nbytes
             entry.host = None
+            self.show(adapter_id, entry)
             self.publish()
 
     def publish(self) -> None:

@@ -31,7 +31,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from service.adapters.catalog import AdapterCatalog
 from service.adapters.common.ids import check_adapter_id
+from service.adapters.lora.part import LoraPart
+from service.adapters.medusa.part import MedusaPart
 from service.api.auth import KeyRing
 from service.api.http import errors, params, structured
 from service.api.http.adapters import AdapterRoutes
@@ -124,7 +127,7 @@ class OpenAIRoutes:
                 root = rt.adapters.source_of(adapter_id) or base  # as vLLM: the adapter's path, as loaded
                 cards.append(
                     {"id": adapter_id, "object": "model", "created": created, "owned_by": "loraplex",
-                     "root": root, "parent": base}
+                     "root": root, "parent": base, "loraplex": _describe(rt.adapters, adapter_id)}
                 )  # fmt: skip
         return cards
 
@@ -327,6 +330,23 @@ def _too_large(limit: int) -> InvalidRequest:
         f"the request body has more than {limit} bytes; this server accepts at most {limit} (--max-message-bytes)",
         limit=limit,
     )
+
+
+def _describe(catalog: AdapterCatalog, adapter_id: str) -> dict[str, Any]:
+    """An adapter card's ``loraplex`` object (an extension field: OpenAI clients keep unknown keys): its kind as
+    ListAdapters names it (``lora``, ``medusa``, ``medusa_lora``), whether its LoRA uses DoRA, and where it is."""
+    lora, medusa = catalog.kind(LoraPart), catalog.kind(MedusaPart)
+    info = lora.store.get(adapter_id) if lora is not None and lora.has(adapter_id) else None
+    heads = medusa is not None and medusa.has(adapter_id)
+    kind = ("medusa_" if heads else "") + ("lora" if info is not None else "")
+    usage = medusa.usage(adapter_id) if medusa is not None and heads else None
+    device = (info.device_bytes if info is not None else 0) + (usage.device_bytes if usage is not None else 0)
+    host = info.host_bytes if info is not None else 0
+    return {
+        "kind": kind.rstrip("_"),
+        "dora": info is not None and info.dora,
+        "tier": "device" if device else "host" if host else "disk",
+    }
 
 
 def _error(exc: BaseException, *, chat: bool, request_id: str, model: str | None = None) -> JSONResponse:

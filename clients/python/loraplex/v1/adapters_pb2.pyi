@@ -106,6 +106,34 @@ freed and the id may be loaded again.
 """
 Global___AdapterState: _TypeAlias = AdapterState  # noqa: Y015
 
+class _AdapterTier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AdapterTierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdapterTier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ADAPTER_TIER_UNSPECIFIED: _AdapterTier.ValueType  # 0
+    """Not set (never returned by the server)."""
+    ADAPTER_TIER_DEVICE: _AdapterTier.ValueType  # 1
+    """On the serving device (on a CPU server: the serving copy in RAM), ready for requests."""
+    ADAPTER_TIER_HOST: _AdapterTier.ValueType  # 2
+    """Raw tensors in host memory only: the next use lays them out again without a disk read."""
+    ADAPTER_TIER_DISK: _AdapterTier.ValueType  # 3
+    """Only in its weights file: the next use reads it."""
+
+class AdapterTier(_AdapterTier, metaclass=_AdapterTierEnumTypeWrapper):
+    """The fastest memory holding an adapter's weights (AdapterInfo.tier)."""
+
+ADAPTER_TIER_UNSPECIFIED: AdapterTier.ValueType  # 0
+"""Not set (never returned by the server)."""
+ADAPTER_TIER_DEVICE: AdapterTier.ValueType  # 1
+"""On the serving device (on a CPU server: the serving copy in RAM), ready for requests."""
+ADAPTER_TIER_HOST: AdapterTier.ValueType  # 2
+"""Raw tensors in host memory only: the next use lays them out again without a disk read."""
+ADAPTER_TIER_DISK: AdapterTier.ValueType  # 3
+"""Only in its weights file: the next use reads it."""
+Global___AdapterTier: _TypeAlias = AdapterTier  # noqa: Y015
+
 @_typing.final
 class LoadLatency(_message.Message):
     """Time spent making an adapter usable, by stage. 0 = that stage has not run yet."""
@@ -170,6 +198,9 @@ class AdapterInfo(_message.Message):
     LOADS_FIELD_NUMBER: _builtins.int
     DISK_READS_FIELD_NUMBER: _builtins.int
     RESOLVED_PATH_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    DORA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Adapter id, as used in GenerateRequest.adapter_id."""
     source: _builtins.str
@@ -214,6 +245,12 @@ class AdapterInfo(_message.Message):
     """The folder its files are read from: source resolved on the server (for an hf:// source, the snapshot
     folder of the commit its revision named at registration).
     """
+    evictions: _builtins.int
+    """Times it left the device tier to make room for another adapter (an unload is not an eviction)."""
+    tier: Global___AdapterTier.ValueType
+    """The fastest tier holding a copy of its weights now (DISK: neither on the device nor in host memory)."""
+    dora: _builtins.bool
+    """True when its LoRA uses DoRA (use_dora: the deltas are rescaled per output channel)."""
     @_builtins.property
     def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Base-model module names the LoRA changes, e.g. "q_proj", "v_proj" (sorted)."""
@@ -257,10 +294,13 @@ class AdapterInfo(_message.Message):
         loads: _builtins.int = ...,
         disk_reads: _builtins.int = ...,
         resolved_path: _builtins.str = ...,
+        evictions: _builtins.int = ...,
+        tier: Global___AdapterTier.ValueType = ...,
+        dora: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_used", b"last_used", "load_latency", b"load_latency", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "error", b"error", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "resolved_path", b"resolved_path", "source", b"source", "state", b"state", "target_modules", b"target_modules", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "dora", b"dora", "error", b"error", "evictions", b"evictions", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "resolved_path", b"resolved_path", "source", b"source", "state", b"state", "target_modules", b"target_modules", "tier", b"tier", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
