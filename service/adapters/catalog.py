@@ -111,7 +111,7 @@ class AdapterCatalog:
         first unknown id is ``AdapterNotFound``; in a mixture of two or more, a DoRA adapter or one with
         modules_to_save is ``InvalidRequest`` (a scale on it alone is fine). One adapter at weight 1 is that
         adapter as ``resolve`` gives it (its K/V key unchanged)."""
-        check_mix(mix, limit)
+        check_mix(mix, limit, zero_ok=True)
         weighted = [(self.resolve(adapter_id), weight) for adapter_id, weight in mix]
         if len(mix) == 1 and mix[0][1] == 1.0:
             return weighted[0][0]

@@ -39,9 +39,12 @@ def check_weight(weight: float, field: str) -> None:
         )
 
 
-def check_mix(mix: Sequence[tuple[str, float]], limit: int, field: str = "adapters") -> None:
-    """A mixture's shape: 1 to ``limit`` adapters (``--max-mixture-adapters``), distinct ids, each weight non-zero
-    and within ``check_weight`` (a zero weight is refused: in protobuf it is what an unset one reads as)."""
+def check_mix(
+    mix: Sequence[tuple[str, float]], limit: int, field: str = "adapters", *, zero_ok: bool = False
+) -> None:
+    """A mixture's shape: 1 to ``limit`` adapters (``--max-mixture-adapters``), distinct ids, each weight within
+    ``check_weight`` and, unless ``zero_ok``, non-zero (on the wire a zero weight is what an unset one reads as; a
+    domain mix, e.g. ``adapter_scale`` 0, may weigh an adapter 0: PEFT's scaling set to 0)."""
     if len(mix) > limit:
         raise InvalidRequest(
             f"{field} has {len(mix)} adapters; this server mixes at most {limit} (--max-mixture-adapters)",
@@ -54,7 +57,7 @@ def check_mix(mix: Sequence[tuple[str, float]], limit: int, field: str = "adapte
             raise InvalidRequest(f"{field}[{i}].id repeats an adapter of the mixture", field=f"{field}[{i}].id")
         seen.add(adapter_id)
         check_weight(weight, f"{field}[{i}].weight")
-        if weight == 0:
+        if weight == 0 and not zero_ok:
             raise InvalidRequest(
                 f"{field}[{i}].weight is 0 (unset?): give each adapter a non-zero weight, or leave it out",
                 field=f"{field}[{i}].weight",

@@ -88,6 +88,20 @@ CASES: dict[str, Mix] = {
 TIED_CASES: dict[str, Mix] = {"lora-x1": (("lora", 1.0),), "embed-head": (("embed-head", 1.0),)}
 QUANTIZED_CASES = {name: CASES[name] for name in ("lora-x1", "dora-all", "dora-x0.5", "mix3", "bias")}
 
+# Variants the server still refuses at registration (issue 23 is open: their formats are not indexed yet). Their
+# alone-cases are strict xfails, so each one fails the suite the day it starts to pass and must move to SERVED.
+NOT_SERVED = frozenset({"dora-all", "dora-qv", "dora-x0.5", "embed-head", "mts-norms", "mts-embed-head", "bias"})
+_REFUSED = pytest.mark.xfail(strict=True, raises=AssertionError, reason="refused at registration: not served yet")
+
+
+def _cases(cases: Mapping[str, Mix]) -> list[Any]:
+    return [pytest.param(c, marks=_REFUSED) if c in NOT_SERVED else c for c in cases]
+
+
+def _served(cases: Mapping[str, Mix]) -> dict[str, Mix]:
+    return {c: mix for c, mix in cases.items() if c not in NOT_SERVED}
+
+
 PROMPTS = [[5, 17, 300, 4000, 42], [7, 7, 7, 1234], [1000, 2000, 3000, 4000, 5000, 6000, 77]]
 NEW_TOKENS = 8
 ATOL = 1e-4  # fp32 logits, as test_adapters_math checks the batched LoRA math against peft
@@ -244,7 +258,7 @@ def test_the_mixture_reference_is_the_weighted_sum(untied: Served) -> None:
 # --- the engine against it --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases(CASES))
 def test_alone_matches_peft(untied: Served, case: str) -> None:
     """One case's rows (three prompts) with base rows beside them: each row is its peft reference."""
     assert_all_exact(run_rows(untied, {case: CASES[case]}, range(len(PROMPTS))))
@@ -252,25 +266,25 @@ def test_alone_matches_peft(untied: Served, case: str) -> None:
 
 def test_all_together_in_one_batch_match_peft(untied: Served) -> None:
     """Every case on two prompts plus base rows, admitted in one step: each row equals its own reference."""
-    assert_all_exact(run_rows(untied, CASES, range(2)))
+    assert_all_exact(run_rows(untied, _served(CASES), range(2)))
 
 
-@pytest.mark.parametrize("case", list(TIED_CASES))
+@pytest.mark.parametrize("case", _cases(TIED_CASES))
 def test_tied_embeddings_alone_match_peft(tied: Served, case: str) -> None:
     assert_all_exact(run_rows(tied, {case: TIED_CASES[case]}, range(len(PROMPTS))))
 
 
 def test_tied_embeddings_together_match_peft(tied: Served) -> None:
-    assert_all_exact(run_rows(tied, TIED_CASES, range(2)))
+    assert_all_exact(run_rows(tied, _served(TIED_CASES), range(2)))
 
 
-@pytest.mark.parametrize("case", list(QUANTIZED_CASES))
+@pytest.mark.parametrize("case", _cases(QUANTIZED_CASES))
 def test_quantized_base_alone_matches_peft(quantized: Served, case: str) -> None:
     assert_all_exact(run_rows(quantized, {case: QUANTIZED_CASES[case]}, range(len(PROMPTS))))
 
 
 def test_quantized_base_together_matches_peft(quantized: Served) -> None:
-    assert_all_exact(run_rows(quantized, QUANTIZED_CASES, range(2)))
+    assert_all_exact(run_rows(quantized, _served(QUANTIZED_CASES), range(2)))
 
 
 def test_quantized_references_differ_from_the_base(quantized: Served) -> None:
