@@ -39,9 +39,7 @@ def check_weight(weight: float, field: str) -> None:
         )
 
 
-def check_mix(
-    mix: Sequence[tuple[str, float]], limit: int, field: str = "adapters", *, zero_ok: bool = False
-) -> None:
+def check_mix(mix: Sequence[tuple[str, float]], limit: int, field: str = "adapters", *, zero_ok: bool = False) -> None:
     """A mixture's shape: 1 to ``limit`` adapters (``--max-mixture-adapters``), distinct ids, each weight within
     ``check_weight`` and, unless ``zero_ok``, non-zero (on the wire a zero weight is what an unset one reads as; a
     domain mix, e.g. ``adapter_scale`` 0, may weigh an adapter 0: PEFT's scaling set to 0)."""
