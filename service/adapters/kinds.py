@@ -55,6 +55,7 @@ def _lora(ctx: KindContext) -> PartKind:
             roots=ctx.roots,
             device_budget_bytes=s.adapter_device_budget_bytes,
             host_budget_bytes=s.adapter_host_budget_bytes,
+            base=ctx.base,
         )
     )
 

@@ -18,6 +18,7 @@ from support.adapter_files import edit_adapter_config, load_peft_model, rewrite_
 from service.adapters.common.ids import check_adapter_id
 from service.adapters.lora.peft import module_key, parse_lora_key, read_lora_config, resolve_targets
 from service.adapters.lora.registry import index_adapter
+from service.adapters.lora.store import AdapterStore
 from service.errors import HeaderError, InvalidAdapter, InvalidRequest, NotFound, PermissionDenied
 from service.model.config import ModelConfig
 
@@ -223,7 +224,7 @@ def test_layers_outside_the_model(base_model: Any, tmp_path: Path, tiny_llama_fa
         ({"target_modules": r"transformer\.h\.\d+\.attn"}, "matches no module of the base model"),
         ({"target_modules": ["q_proj", "v_proj", "lm_head"]}, "cannot adapt: 'lm_head'"),
         ({"target_modules": ["q_proj", "v_proj", "mlp"]}, "cannot adapt: 'model.layers.0.mlp'"),
-        ({"use_dora": True}, "DoRA"),
+        ({"use_dora": True}, "use_dora is set, but the module has no lora_magnitude_vector"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"bias": "all"}, "bias='all'"),
         ({"lora_bias": True}, "lora_bias"),
@@ -252,12 +253,42 @@ def test_config_refusals(good: Path, cfg4: ModelConfig, changes: dict[str, Any],
     )
 
 
-def test_dora_file_written_by_peft_is_refused(base_model: Any, cfg4: ModelConfig, tmp_path: Path) -> None:
+def test_dora_file_written_by_peft_is_indexed_with_its_magnitudes(
+    base_model: Any, cfg4: ModelConfig, tmp_path: Path
+) -> None:
+    """Registration indexes each module's lora_magnitude_vector at the bytes peft wrote (header only)."""
     folder = write_peft_adapter(tmp_path / "d", base_model, r=4, use_dora=True)
-    _refused(folder, cfg4, match="DoRA")
+    spec = index_adapter("d", folder, cfg4)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    assert spec.config.use_dora and spec.layers
+    for layer in spec.layers:
+        for s in spec.layer_records(layer):
+            assert s.m is not None and s.m.name in tensors and s.m.shape == tuple(tensors[s.m.name].shape)
+    assert spec.dora_nbytes(device=True) > 0
+
+
+def test_dora_magnitudes_are_checked_before_any_load(base_model: Any, cfg4: ModelConfig, tmp_path: Path) -> None:
+    folder = write_peft_adapter(tmp_path / "d", base_model, r=4, use_dora=True)
+    q_m = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    rewrite_adapter_tensors(folder, lambda t: {k: v[:-1] if k == q_m else v for k, v in t.items()})
+    e = _refused(folder, cfg4, match="DoRA's magnitude must be")
+    assert isinstance(e, InvalidAdapter) and e.tensor == q_m
     edit_adapter_config(folder, use_dora=False)  # a lying config: the magnitude vectors still give it away
-    e = _refused(folder, cfg4, match="DoRA magnitude vectors")
-    assert isinstance(e, InvalidAdapter) and e.tensor is not None and "lora_magnitude_vector" in (e.tensor or str(e))
+    e = _refused(folder, cfg4, match="does not set use_dora")
+    assert isinstance(e, InvalidAdapter) and "lora_magnitude_vector" in (e.tensor or str(e))
+
+
+def test_dora_needs_the_base_weights(base_model: Any, cfg4: ModelConfig, tmp_path: Path) -> None:
+    """A store built without the base model's weights (``KindContext.base`` None) refuses DoRA by name."""
+    folder = write_peft_adapter(tmp_path / "d", base_model, r=4, use_dora=True)
+    store = AdapterStore(
+        cfg4, device=torch.device("cpu"), dtype=torch.float32, device_budget_bytes=1 << 24, host_budget_bytes=1 << 24
+    )
+    try:
+        with pytest.raises(InvalidAdapter, match="needs the base model's weights"):
+            store.register("d", folder)
+    finally:
+        store.close()
 
 
 Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"

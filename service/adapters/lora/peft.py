@@ -15,7 +15,8 @@ parse time: ``re`` backtracks, and such a pattern can take hours to fail against
 ``fan_in_fan_out`` is accepted and ignored: PEFT resets it to False for ``nn.Linear`` targets (every Llama
 projection), and the flag never changes the stored layout of ``lora_A`` [r, in] / ``lora_B`` [out, r] anyway.
 
-Refused by name: other PEFT types, DoRA, trained biases (``bias`` other than "none", ``lora_bias``),
+DoRA (``use_dora``) is served: each targeted module then carries ``lora_magnitude_vector`` [out_features].
+Refused by name: other PEFT types, trained biases (``bias`` other than "none", ``lora_bias``),
 ``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, ``layer_replication``, aLoRA, QALoRA and
 the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
 """
@@ -62,7 +63,6 @@ Fail = Callable[[str], InvalidAdapter]  # builds the error naming the config fil
 
 # Config fields that turn on a feature loraplex does not serve: field -> what it is.
 _REFUSED_TRUE = {
-    "use_dora": "DoRA (weight-decomposed LoRA)",
     "lora_bias": "a trained LoRA bias (lora_bias)",
     "use_qalora": "QALoRA",
 }
@@ -95,6 +95,7 @@ class LoraAdapterConfig:
     layers_pattern: tuple[str, ...] | None
     fan_in_fan_out: bool
     base_model_name_or_path: str | None
+    use_dora: bool = False  # DoRA: each module's output rescaled per channel by lora_magnitude_vector / ||W + sBA||
 
 
 def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterConfig:
@@ -131,6 +132,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
         layers_pattern=layers_pattern,
         fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
         base_model_name_or_path=base if isinstance(base, str) else None,
+        use_dora=bool(raw.get("use_dora", False)),
     )
     _check_regexes(config, fail)
     return config

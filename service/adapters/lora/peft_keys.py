@@ -37,6 +37,17 @@ LORA_KEY = re.compile(
 )
 
 
+# DoRA's magnitude of one projection, as PEFT (0.12 and later) saves it: no adapter-name infix, no ``.weight``.
+MAGNITUDE_KEY = re.compile(
+    r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
+    r"(?P<module>[A-Za-z0-9_]+)\.lora_magnitude_vector"
+)
+
+
+def magnitude_key_name(prefix: str, layer: int, module: str) -> str:
+    return f"{prefix}layers.{layer}.{GROUP[module]}.{module}.lora_magnitude_vector"
+
+
 def parse_lora_key(name: str) -> LoraKey | None:
     """The parts of a LoRA weight name of a Llama projection, or None for any other name."""
     m = LORA_KEY.fullmatch(name)
@@ -55,7 +66,7 @@ def lora_key_name(key: LoraKey) -> str:
 def explain_foreign_key(name: str) -> str:
     """Why a tensor name that is not a LoRA projection weight cannot be served."""
     if "lora_magnitude_vector" in name:
-        return "DoRA magnitude vectors are not supported"
+        return "a DoRA magnitude vector, but the adapter_config.json does not set use_dora (or its name is not PEFT's)"
     if "lora_embedding_" in name or "embed_tokens" in name:
         return "LoRA on the token embeddings is not supported"
     if "lm_head" in name:
@@ -71,9 +82,11 @@ __all__ = [
     "ATTENTION",
     "GROUP",
     "LORA_KEY",
+    "MAGNITUDE_KEY",
     "LoraKey",
     "explain_foreign_key",
     "lora_key_name",
+    "magnitude_key_name",
     "module_key",
     "parse_lora_key",
 ]

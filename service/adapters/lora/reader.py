@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ import torch
 from service import metrics
 from service.adapters.common.files import check_finite, open_verified
 from service.adapters.lora.spec import AdapterSpec, SlotRecords, buffer_views, plan_buffer
-from service.adapters.lora.types import LoraLayer, LoraModule
+from service.adapters.lora.types import BaseWeights, DoraNorm, LoraLayer, LoraModule
+from service.errors import InvalidAdapter
 from service.loading import load_tensors
 
 HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
@@ -39,10 +40,11 @@ class HostCopy:
 
     buffer: torch.Tensor  # [nbytes] uint8, pinned on CUDA servers
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # raw A [r, in], B [out, r] (file dtype)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # DoRA [out] (file dtype)
 
     @property
     def nbytes(self) -> int:
-        return int(self.buffer.numel())
+        return int(self.buffer.numel()) + sum(m.numel() * m.element_size() for m in self.magnitudes.values())
 
 
 @dataclass
@@ -63,8 +65,11 @@ class AdapterReader:
     ``load(spec, host)`` reads every touched layer from disk into a new host copy (``host`` None), or reuses
     ``host``, and lays it out on the device in the serving dtype, ``lora_B`` scaled."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, roots: Sequence[Path]) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, roots: Sequence[Path], base: BaseWeights | None = None
+    ) -> None:
         self.device = device
+        self.base = base  # the base weights DoRA's norm is computed from (None: DoRA adapters are refused earlier)
         self.dtype = dtype
         self.roots = tuple(roots)
         self._pin_host = device.type == "cuda"
@@ -105,6 +110,8 @@ class AdapterReader:
                     nbytes, read_s, validate_s = nbytes + n, read_s + r, validate_s + v
                 t0 = time.perf_counter()
                 layers[layer] = self._lay_out(layer, slots, host, device_views, stream)
+                if any(s.m is not None for s in slots):
+                    layers[layer] = self._with_dora(layer, slots, host, layers[layer])
                 layout_s += time.perf_counter() - t0
         finally:  # observed on failure too: refusing a bad tensor is what the check costs
             if from_disk:
@@ -138,6 +145,32 @@ class AdapterReader:
                 nbytes += a.nbytes + b.nbytes
         return LoraLayer(modules=modules, nbytes=nbytes)
 
+    def _with_dora(self, layer: int, slots: Sequence[SlotRecords], host: HostCopy, laid: LoraLayer | None) -> LoraLayer:
+        """``laid`` with each DoRA module's norm terms, from the float32 A, scaled B and the base weight."""
+        assert laid is not None
+        if self.base is None:
+            raise InvalidAdapter("a DoRA adapter needs the base weights, which this store was not given")
+        modules = dict(laid.modules)
+        nbytes = laid.nbytes
+        with torch.no_grad():
+            for s in slots:
+                if s.m is None:
+                    continue
+                a_raw, b_raw = host.tensors[(layer, s.module)]
+                a = a_raw.to(self.device, torch.float32)  # [r, in]
+                b = b_raw.to(self.device, torch.float32) * s.scaling  # [out, r]
+                w = self.base.weight(layer, s.module)  # [out, in] float32
+                dora = DoraNorm(
+                    magnitude=host.magnitudes[(layer, s.module)].to(self.device, torch.float32),
+                    base_sq=(w * w).sum(1),
+                    cross=(b * (w @ a.t())).sum(1),
+                    delta_sq=((b @ (a @ a.t())) * b).sum(1),
+                )
+                module = modules[s.module]
+                modules[s.module] = LoraModule(module.a, module.b, module.bias, dora, dora.rescale(1.0))
+                nbytes += 5 * 4 * int(w.shape[0])
+        return LoraLayer(modules=modules, nbytes=nbytes, norms=laid.norms)
+
 
 def _read_layer(
     layer: int, slots: Sequence[SlotRecords], host: HostCopy, opener: Callable[[Path], int]
@@ -149,13 +182,18 @@ def _read_layer(
     for s in slots:
         a, b = host.tensors[(layer, s.module)]
         plan[s.a.name], plan[s.b.name] = a, b
-    records = {r.name: r for s in slots for r in (s.a, s.b)}
+        if s.m is not None:
+            m = host.magnitudes[(layer, s.module)] = torch.empty(s.m.shape, dtype=s.m.torch_dtype)
+            plan[s.m.name] = m
+    records = {r.name: r for s in slots for r in (s.a, s.b, s.m) if r is not None}
     stats = load_tensors(records, plan, mode="stream", threads=1, opener=opener)
     t1 = time.perf_counter()
     try:
         for s in slots:
             for rec, tensor in zip((s.a, s.b), host.tensors[(layer, s.module)], strict=True):
                 check_finite(tensor, rec.name, rec.file)
+            if s.m is not None:
+                check_finite(host.magnitudes[(layer, s.module)], s.m.name, s.m.file)
     finally:
         t2 = time.perf_counter()
     return stats.bytes_read, t1 - t0, t2 - t1

@@ -33,7 +33,7 @@ from service.adapters.lora.peft import (
     read_lora_config,
     resolve_targets,
 )
-from service.adapters.lora.peft_keys import GROUP, LORA_KEY, explain_foreign_key, module_key
+from service.adapters.lora.peft_keys import GROUP, LORA_KEY, MAGNITUDE_KEY, explain_foreign_key, module_key
 from service.adapters.lora.spec import FLOAT_CODES, N_MODULES, AdapterSpec, plan_nbytes
 from service.adapters.lora.types import MODULES
 from service.errors import InvalidAdapter
@@ -75,10 +75,10 @@ def _build_index(
 ) -> AdapterSpec:
     features = module_features(model_config)
     problems: list[tuple[str, str]] = []  # (tensor, message)
-    seen, style = _match_names(records, targets, model_config.num_layers, problems)
+    seen, style = _match_names(records, targets, model_config.num_layers, problems, dora=config.use_dora)
     columns = _zero_columns(model_config.num_layers * N_MODULES)
     for (layer, module), pair in seen.items():
-        bad = _fill_slot(columns, layer, module, pair, targets[(layer, module)], features[module], config.use_rslora)
+        bad = _fill_slot(columns, layer, module, pair, targets[(layer, module)], features[module], config)
         if bad is not None:
             problems.append(bad)
     missing_slots = [k for k in targets if k not in seen]
@@ -112,14 +112,21 @@ def _match_names(
     targets: dict[tuple[int, str], tuple[int, float]],
     n_layers: int,
     problems: list[tuple[str, str]],
+    *,
+    dora: bool = False,
 ) -> tuple[dict[tuple[int, str], dict[str, TensorRecord]], tuple[str, str] | None]:
-    """Each tensor's (layer, module) -> {"A" | "B": record}, and the names' (prefix, infix); a name that is not a
-    LoRA weight of a targeted projection, or whose style differs from the first one's, goes to ``problems``."""
+    """Each tensor's (layer, module) -> {"A" | "B" | "M" (DoRA's magnitude, with ``dora``): record}, and the names'
+    (prefix, infix); a name that is not a LoRA weight of a targeted projection, or whose style differs from the
+    first one's, goes to ``problems``."""
     seen: dict[tuple[int, str], dict[str, TensorRecord]] = {}
     style: tuple[str, str] | None = None
     match_key = LORA_KEY.fullmatch  # inlined parse_lora_key: this loop runs once per tensor of the file
+    magnitudes: list[tuple[str, TensorRecord]] = []
     for name, rec in records.items():
         m = match_key(name)
+        if dora and m is None and MAGNITUDE_KEY.fullmatch(name):
+            magnitudes.append((name, rec))
+            continue
         if m is None or GROUP.get(m[4]) != m[3]:
             problems.append((name, explain_foreign_key(name)))
             continue
@@ -137,6 +144,16 @@ def _match_names(
             problems.append((name, f"{CONFIG_FILE} does not target {module_key(layer, module)}"))
             continue
         seen.setdefault((layer, module), {})[matrix] = rec
+    for name, rec in magnitudes:
+        mm = MAGNITUDE_KEY.fullmatch(name)
+        assert mm is not None
+        key = (int(mm["layer"]), mm["module"])
+        if style is not None and (mm["prefix"] != style[0] or style[1]):
+            problems.append((name, f"key prefix differs from the file's other keys ({style[0]!r}, {style[1]!r})"))
+        elif GROUP.get(key[1]) != mm["group"] or key not in seen:
+            problems.append((name, "a DoRA magnitude of a module with no lora_A / lora_B in the file"))
+        else:
+            seen[key]["M"] = rec
     return seen, style
 
 
@@ -149,6 +166,8 @@ class _Columns(TypedDict):
     a_dtype: array[int]
     b_dtype: array[int]
     scaling: array[float]
+    m_start: array[int]
+    m_dtype: array[int]
 
 
 def _zero_columns(n_slots: int) -> _Columns:
@@ -159,6 +178,8 @@ def _zero_columns(n_slots: int) -> _Columns:
         a_dtype=array("B", bytes(n_slots)),
         b_dtype=array("B", bytes(n_slots)),
         scaling=array("d", bytes(8 * n_slots)),
+        m_start=array("Q", bytes(8 * n_slots)),
+        m_dtype=array("B", bytes(n_slots)),
     )
 
 
@@ -169,7 +190,7 @@ def _fill_slot(
     pair: dict[str, TensorRecord],
     rank_alpha: tuple[int, float],
     features: tuple[int, int],
-    rslora: bool,
+    config: LoraAdapterConfig,
 ) -> tuple[str, str] | None:
     """Check one slot's lora_A / lora_B records and write them into ``columns``; else the (tensor, problem)."""
     a, b = pair.get("A"), pair.get("B")
@@ -182,10 +203,19 @@ def _fill_slot(
     if bad is not None:
         return bad
     slot = layer * N_MODULES + MODULES.index(module)
+    if config.use_dora:
+        m = pair.get("M")
+        if m is None:
+            return a.name, "use_dora is set, but the module has no lora_magnitude_vector"
+        if m.dtype not in FLOAT_CODES:
+            return m.name, f"dtype {m.dtype} is not a float type ({', '.join(FLOAT_CODES)})"
+        if tuple(m.shape) != (features[1],):
+            return m.name, f"shape {m.shape}: DoRA's magnitude must be [out_features] = [{features[1]}]"
+        columns["m_start"][slot], columns["m_dtype"][slot] = m.start, FLOAT_CODES.index(m.dtype)
     columns["ranks"][slot] = rank
     columns["a_start"][slot], columns["b_start"][slot] = a.start, b.start
     columns["a_dtype"][slot], columns["b_dtype"][slot] = FLOAT_CODES.index(a.dtype), FLOAT_CODES.index(b.dtype)
-    columns["scaling"][slot] = lora_scaling(rank, alpha, rslora)
+    columns["scaling"][slot] = lora_scaling(rank, alpha, config.use_rslora)
     return None
 
 

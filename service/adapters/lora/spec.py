@@ -22,7 +22,7 @@ import torch
 
 from service.adapters.common.files import FileStamp
 from service.adapters.lora.peft import LoraAdapterConfig
-from service.adapters.lora.peft_keys import LoraKey, lora_key_name
+from service.adapters.lora.peft_keys import LoraKey, lora_key_name, magnitude_key_name
 from service.adapters.lora.types import MODULES
 from service.loading import DTYPES, TensorRecord
 
@@ -38,6 +38,7 @@ class SlotRecords:
     a: TensorRecord  # lora_A [r, in]
     b: TensorRecord  # lora_B [out, r]
     scaling: float
+    m: TensorRecord | None = None  # DoRA's lora_magnitude_vector [out] (None: plain LoRA)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -58,6 +59,8 @@ class AdapterSpec:
     a_dtype: array[int]  # index into FLOAT_CODES
     b_dtype: array[int]
     scaling: array[float]
+    m_start: array[int]  # DoRA: absolute file offsets of each slot's lora_magnitude_vector (unused without)
+    m_dtype: array[int]
     file_bytes: int  # the size of the weights file when it was indexed
     stamp: FileStamp  # the weights file's identity when its header was read: every later read checks it
     index_seconds: float
@@ -82,6 +85,18 @@ class AdapterSpec:
     @property
     def max_rank(self) -> int:
         return max(self.ranks, default=0)
+
+    def dora_nbytes(self, device: bool) -> int:
+        """DoRA's bytes beside the A/B buffer: the magnitudes as stored (host), or on the device the five float32
+        vectors per module (magnitude, the three norm terms, the factor); 0 for plain LoRA."""
+        if not self.config.use_dora:
+            return 0
+        total = 0
+        for slot, r in enumerate(self.ranks):
+            if r:
+                fout = self.features[slot % N_MODULES][1]
+                total += fout * (5 * 4 if device else _itemsize(self.m_dtype[slot]))
+        return total
 
     def a_itemsize(self, slot: int) -> int:
         return _itemsize(self.a_dtype[slot])
@@ -116,12 +131,18 @@ class AdapterSpec:
             a_name = lora_key_name(LoraKey(self.prefix, layer, module, "A", self.infix))
             b_name = lora_key_name(LoraKey(self.prefix, layer, module, "B", self.infix))
             a_bytes, b_bytes = r * fin * _itemsize(self.a_dtype[slot]), fout * r * _itemsize(self.b_dtype[slot])
+            m = None
+            if self.config.use_dora:
+                m_code, m_bytes = FLOAT_CODES[self.m_dtype[slot]], fout * _itemsize(self.m_dtype[slot])
+                m_name = magnitude_key_name(self.prefix, layer, module)
+                m = TensorRecord(m_name, self.file, m_code, (fout,), self.m_start[slot], m_bytes)
             out.append(
                 SlotRecords(
                     module=module,
                     a=TensorRecord(a_name, self.file, a_code, (r, fin), self.a_start[slot], a_bytes),
                     b=TensorRecord(b_name, self.file, b_code, (fout, r), self.b_start[slot], b_bytes),
                     scaling=self.scaling[slot],
+                    m=m,
                 )
             )
         return out
@@ -152,12 +173,13 @@ def plan_buffer(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> Buf
 
 
 def plan_nbytes(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> int:
-    """``plan_buffer(...).nbytes`` without building the offsets (registration keeps only this number)."""
+    """``plan_buffer(...).nbytes`` without building the offsets, plus DoRA's vectors, allocated beside the buffer
+    (``AdapterSpec.dora_nbytes``): what a tier holds for the adapter (registration keeps only this number)."""
     cursor = 0
     for _, _, (a_bytes, b_bytes) in slot_sizes(spec, dtype):
         cursor = -(-cursor // align) * align + a_bytes
         cursor = -(-cursor // align) * align + b_bytes
-    return -(-cursor // align) * align
+    return -(-cursor // align) * align + spec.dora_nbytes(device=dtype is not None)
 
 
 def slot_sizes(spec: AdapterSpec, dtype: torch.dtype | None) -> Iterator[tuple[int, str, tuple[int, int]]]:

@@ -63,8 +63,15 @@ from service.adapters.lora.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
 from service.adapters.lora.registry import index_adapter
 from service.adapters.lora.spec import plan_nbytes
 from service.adapters.lora.tiers import Entry, Tiers
-from service.adapters.lora.types import AdapterInfo, AdapterState, LoraLayer, LoraTop, StoreState
-from service.errors import AdapterNotFound, AlreadyExists, DeadlineExceeded, FailedPrecondition, LoraplexError
+from service.adapters.lora.types import AdapterInfo, AdapterState, BaseWeights, LoraLayer, LoraTop, StoreState
+from service.errors import (
+    AdapterNotFound,
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidAdapter,
+    LoraplexError,
+)
 from service.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -84,10 +91,12 @@ class AdapterStore:
         device_budget_bytes: int,
         host_budget_bytes: int,
         roots: Sequence[Path] = (),
+        base: BaseWeights | None = None,
     ) -> None:
         if device_budget_bytes < 0 or host_budget_bytes < 0:
             raise ValueError("adapter budgets must be >= 0 bytes")
         self.model_config = model_config
+        self.base = base  # the base weights DoRA's norms are computed from; None: DoRA adapters are refused
         self.device = torch.device(device)
         self.dtype = dtype
         self.device_budget_bytes = device_budget_bytes
@@ -101,7 +110,7 @@ class AdapterStore:
             self._cond,
             self._entries,
             self._tiers,
-            AdapterReader(self.device, dtype, self.roots),
+            AdapterReader(self.device, dtype, self.roots, base),
             model_config=model_config,
             dtype=dtype,
             roots=self.roots,
@@ -121,6 +130,11 @@ class AdapterStore:
             if adapter_id in self._entries:
                 raise AlreadyExists(f"adapter {adapter_id!r} is already registered (unload it first)")
         spec = index_adapter(adapter_id, path, self.model_config, roots=self.roots)
+        if spec.config.use_dora and self.base is None:
+            raise InvalidAdapter(
+                "DoRA (use_dora) needs the base model's weights for its norm; this adapter store has none",
+                file=spec.source / "adapter_config.json",
+            )
         metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
         entry = Entry(
             spec=spec,

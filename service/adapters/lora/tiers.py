@@ -77,6 +77,7 @@ class Entry:
             alpha=spec.config.lora_alpha,
             target_modules=spec.modules,
             rslora=spec.config.use_rslora,
+            dora=spec.config.use_dora,
             layers=spec.layers,
             state=self.state,
             host_bytes=self.host.nbytes if self.host is not None else 0,
