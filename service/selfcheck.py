@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from service.adapters.lora.batch import AdapterBatch, LoraTables, Mode, ModuleSpec, module_layout
-from service.adapters.lora.tables import SITES
+from service.adapters.lora.layouts import SITES
 from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import FailedPrecondition
 from service.model.llama import PROJ_NAMES, Llama, ProjName

@@ -28,7 +28,7 @@ from service.errors import AdapterNotFound, InvalidRequest, LoraplexError
 from service.hf_cache import DEFAULT_HUB_CACHE, AdapterSource, source_folder
 
 if TYPE_CHECKING:
-    from service.adapters.lora.types import LoraLayer, LoraTop
+    from service.adapters.lora.types import LoraLayer
 
 K = TypeVar("K")
 
@@ -139,14 +139,6 @@ class AdapterCatalog:
             deltas = kind.layer(adapter_id, layer)
             if deltas is not None:
                 return cast("LoraLayer", deltas)
-        return None
-
-    def top(self, adapter_id: str) -> LoraTop | None:
-        """The engine's model-level lookup (embeddings, head, final norm; valid while a request holds it ready)."""
-        for kind in self.kinds:
-            top = kind.top(adapter_id)
-            if top is not None:
-                return cast("LoraTop", top)
         return None
 
     def ids(self) -> list[str]:

@@ -89,10 +89,11 @@ class Engine:
         self.adapters = adapters
         eos = frozenset(tokenizer.eos_token_ids) | frozenset(model.cfg.eos_token_ids)
         self.outputs = OutputProcessor(eos, settings.max_total_tokens, self._release)
+        lookup = adapters.layer if adapters is not None else None
         masks = None
         if constraints is not None:
             masks = Masks(constraints, model.cfg.vocab_size, settings.max_batch_size, self.device)
-        self.runner = Runner(model, self.cache, settings, self.outputs, adapters, masks)
+        self.runner = Runner(model, self.cache, settings, self.outputs, lookup, masks)
         limits = SchedulerLimits(
             settings.max_batch_size,
             settings.speculate_max_batch,

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from typing import Protocol
 
 import torch
 
 from service import metrics
 from service.adapters.lora.batch import AdapterBatch, LoraTables
-from service.adapters.lora.mix import Mixer
-from service.adapters.lora.types import LoraLayer, LoraTop
+from service.adapters.lora.mix import AdapterLookup, Mixer
 from service.config import Settings
 from service.constraints.masks import Masks, PendingMasks
 from service.engine.constrained import ConstrainedWalk, trim_draft
@@ -34,14 +32,6 @@ from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 
 
-class DeltaSource(Protocol):
-    """Where the runner finds a ready adapter's deltas (the adapter catalog): per layer, and model-level."""
-
-    def layer(self, adapter_id: str, layer: int) -> LoraLayer | None: ...
-
-    def top(self, adapter_id: str) -> LoraTop | None: ...
-
-
 class Runner:
     def __init__(
         self,
@@ -49,7 +39,7 @@ class Runner:
         cache: KVCache,
         settings: Settings,
         outputs: OutputProcessor,
-        adapters: DeltaSource | None,
+        layer_lookup: AdapterLookup | None,
         masks: Masks | None = None,
     ) -> None:
         self.model = model
@@ -60,11 +50,10 @@ class Runner:
         self.device = param.device
         self.sampler = Sampler(self.device)
         # Rows' weighted adapters composed into the math's layers (plain adapters pass through untouched).
-        self.mixer = (
-            None if adapters is None else Mixer(adapters.layer, adapters.top, capacity=2 * settings.max_batch_size)
-        )
+        mixes = 2 * settings.max_batch_size
+        self.mixer = None if layer_lookup is None else Mixer(layer_lookup, capacity=mixes)
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
-        self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if adapters is not None else None
+        self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if layer_lookup is not None else None
         self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.masks = masks  # token masks of constrained rows (None: this runner serves no constraints)
 
@@ -82,7 +71,7 @@ class Runner:
         if self.mixer is None or self.tables is None:
             return None
         keys = [r.request.deltas_key if r.deltas else None for r in rows]
-        return AdapterBatch.build(keys, self.mixer.layer, self.tables, slot_start=slot_start, top=self.mixer.top)
+        return AdapterBatch.build(keys, self.mixer.layer, self.tables, slot_start=slot_start)
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Row], grants: Sequence[int], start: int, draft: bool) -> None:
@@ -111,7 +100,7 @@ class Runner:
         done = [b for b, (r, e) in enumerate(zip(rows, ends, strict=True)) if e == len(r.request.prompt_ids)]
         masks = self._begin_masks([rows[b] for b in done])  # filled beside the forward pass
         hidden = self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache, start, batch, kv_len=kv_len, parts=batch
+            tokens.to(self.device), positions.to(self.device), self.cache, start, batch, kv_len=kv_len
         )  # [B, T, H]
         last = torch.tensor([ends[b] - rows[b].length - 1 for b in done], dtype=torch.long, device=self.device)
         for r, e in zip(rows, ends, strict=True):
@@ -119,7 +108,7 @@ class Runner:
         if not done:
             return
         final = hidden[torch.tensor(done, device=self.device), last]  # [C, H]: each completed row's last token
-        logits = self.model.logits(final, batch, done)  # [C, V]
+        logits = self.model.logits(final)  # [C, V]
         completed = [rows[b] for b in done]
         for b, r in zip(done, completed, strict=True):
             self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
@@ -170,8 +159,7 @@ class Runner:
                 continue
             tokens = torch.tensor([prompt[have:n]], dtype=torch.long, device=self.device)  # [1, T]
             positions = torch.arange(have, n, dtype=torch.long, device=self.device)[None, :]  # [1, T]
-            batch = self._adapter_batch([row], slot)
-            self.model(tokens, positions, self.cache, slot, batch, kv_len=n, parts=batch)
+            self.model(tokens, positions, self.cache, slot, self._adapter_batch([row], slot), kv_len=n)
             self.prefix.insert(prompt, row.kv_key, slot, n)
 
     # --- decode -----------------------------------------------------------------------------------------------
@@ -188,8 +176,8 @@ class Runner:
         positions = torch.tensor([[r.length] for r in rows], dtype=torch.long)  # [B, 1]
         batch = self._adapter_batch(rows, 0)
         masks = self._begin_masks(rows)  # filled beside the forward pass
-        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch, parts=batch)
-        logits = self.model.logits(hidden[:, -1], batch)  # [B, V]
+        hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
+        logits = self.model.logits(hidden[:, -1])  # [B, V]
         for r in rows:
             r.length += 1
         self._sample(rows, logits, masks)
@@ -215,8 +203,8 @@ class Runner:
         positions = torch.tensor([r.length for r in rows], device=self.device)[:, None] + depths  # [B, T]
         batch = self._adapter_batch(rows, 0)
         kv_len = max(r.length for r in rows) + width
-        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree, parts=batch)
-        logits = self.model.logits(hidden, batch)  # [B, T, V]
+        hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree)
+        logits = self.model.logits(hidden)  # [B, T, V]
         plain = [b for b, r in enumerate(rows) if r.drafter is None]
         if plain:  # sampled rows: one token from node 0, as a plain step
             sub = [rows[b] for b in plain]

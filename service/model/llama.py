@@ -26,15 +26,15 @@ runs them through ``weights.protocol.linear`` with the model's one reusable ``sc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.model.config import ModelConfig
-from service.model.hooks import AdapterHook, NormName, ProjName, RowParts
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
@@ -44,15 +44,26 @@ __all__ = [
     "PROJ_NAMES",
     "AdapterHook",
     "Llama",
-    "NormName",
     "ProjName",
-    "RowParts",
     "proj",
 ]
 
+ProjName = Literal["wqkv", "wo", "w13", "w2"]
 # Logits per row recomputed in float32 after a reduced-precision head (``Llama.logits``).
 EXACT_TOP = 8
 PROJ_NAMES: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")
+
+
+class AdapterHook(Protocol):
+    """What a LoRA batch must provide to the model (implemented in ``service.adapters``)."""
+
+    def add_delta(self, out: Tensor, x: Tensor, layer: int, name: ProjName) -> Tensor:
+        """Return ``out`` plus this batch's adapter delta for projection ``name`` of ``layer``.
+
+        ``x`` is the projection's input ``[B, T, in]``; ``out`` its base output ``[B, T, out]`` whose columns follow
+        the fused layout of ``ModelConfig.fused_rows`` for ``wqkv`` and ``w13``. May update ``out`` in place.
+        """
+        ...
 
 
 def proj(
@@ -121,11 +132,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype, device=device)
 
-    def forward(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
-        """``rows`` [B, 1, dim]: per-row weights in place of ``weight`` (an adapter's trained norm)."""
+    def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if rows is not None:
-            return (F.rms_norm(x, w.shape, None, self.eps) * rows.to(x.dtype)).to(w.dtype)
         if x.dtype == w.dtype:
             return F.rms_norm(x, w.shape, w, self.eps)
         return F.rms_norm(x, w.shape, w.to(x.dtype), self.eps).to(w.dtype)  # one rounding, after the scale
@@ -248,7 +256,6 @@ class Llama(nn.Module):
         *,
         kv_len: int | None = None,
         tree: Tensor | None = None,
-        parts: RowParts | None = None,
     ) -> Tensor:
         """Run rows ``[slot_start, slot_start + B)`` of the cache; return final-normed hidden states [B, T, hidden].
 
@@ -260,8 +267,6 @@ class Llama(nn.Module):
         T tokens of a row are the nodes of a draft tree rooted at ``positions[:, 0]`` = L. Node i's K/V goes to cache
         position ``L + i`` while ``positions`` carries its RoPE position ``L + depth(i)``; it attends to the cache
         below L and to the nodes ``tree[i]`` marks.
-
-        ``parts`` adapts the embeddings and norms per row (``RowParts``); pass the same object to ``logits``.
         """
         b = tokens.shape[0]
         if positions.shape != tokens.shape:
@@ -297,39 +302,28 @@ class Llama(nn.Module):
         # summing 60 sublayer outputs into a bf16 stream rounds away enough to flip near-tied tokens (SmolLM2's
         # answer to "What is the capital of France?"). Matmul inputs and the KV cache stay in the model dtype.
         x = x.float()
-        if parts is None:
-            for i, layer in enumerate(self.blocks):
-                k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
-                x = x + layer.attention(layer.attention_norm(x), step, cache.rows[i], k_cache, v_cache)
-                x = x + layer.feed_forward(layer.ffn_norm(x), adapters, self.scratch)
-            return self.norm(x)  # type: ignore[no-any-return]
-        x = parts.embed(x, tokens)
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
-            pre = parts.norm_weight(i, "input_layernorm", layer.attention_norm.weight)
-            x = x + layer.attention(layer.attention_norm(x, pre), step, cache.rows[i], k_cache, v_cache)
-            post = parts.norm_weight(i, "post_attention_layernorm", layer.ffn_norm.weight)
-            x = x + layer.feed_forward(layer.ffn_norm(x, post), adapters, self.scratch)
-        return self.norm(x, parts.norm_weight(self.cfg.num_layers, "norm", self.norm.weight))  # type: ignore[no-any-return]
+            x = x + layer.attention(layer.attention_norm(x), step, cache.rows[i], k_cache, v_cache)
+            x = x + layer.feed_forward(layer.ffn_norm(x), adapters, self.scratch)
+        return self.norm(x)  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def logits(self, hidden: Tensor, parts: RowParts | None = None, rows: Sequence[int] | None = None) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor:
         """[..., hidden] -> fp32 logits [..., vocab]: the matmul in the model dtype, then, in a reduced precision,
         the ``EXACT_TOP`` largest of each row recomputed in float32 from the head's exact rows. bf16 logits are
         rounded to steps of 1/8 near 25, which ties tokens that differ by less (and greedy took the first); the
-        rescored candidates are the ones every decision is made among. ``parts`` then adapts each row's logits
-        (``rows[i]``: the batch row of ``hidden``'s entry i; None: entry i is row i)."""
+        rescored candidates are the ones every decision is made among."""
         head = self.lm_head
         logits = (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
         if self.dtype == torch.float32:
-            return logits if parts is None else parts.head(logits, hidden, rows)
+            return logits
         top = logits.topk(EXACT_TOP, dim=-1).indices  # [..., k]
         flat = top.reshape(-1)
-        picked = head[flat].float() if isinstance(head, Tensor) else head.rows(flat)  # [N * k, hidden] float32
+        rows = head[flat].float() if isinstance(head, Tensor) else head.rows(flat)  # [N * k, hidden] float32
         exact = torch.einsum("nh,nkh->nk", hidden.reshape(-1, hidden.shape[-1]).float(),
-                             picked.view(-1, EXACT_TOP, hidden.shape[-1]))  # fmt: skip
-        logits.scatter_(-1, top, exact.view(top.shape))
-        return logits if parts is None else parts.head(logits, hidden, rows)
+                             rows.view(-1, EXACT_TOP, hidden.shape[-1]))  # fmt: skip
+        return logits.scatter_(-1, top, exact.view(top.shape))
 
     def draft_head(self) -> Tensor:
         """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32

@@ -100,10 +100,6 @@ class PartKind(Protocol):
         """The part's deltas for one layer of the forward (the batched math's per-layer type), or None. Engine
         thread, hot path: valid while a request holds the part ready."""
 
-    def top(self, adapter_id: str) -> object | None:
-        """The part's model-level deltas (embeddings, head, final norm: the batched math's top type), or None.
-        Engine thread, valid while a request holds the part ready."""
-
     def close(self, timeout: float | None = None) -> None:
         """Stop the kind's loaders (waiting up to ``timeout`` seconds for a load in progress where it can)."""
 

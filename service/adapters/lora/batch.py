@@ -22,14 +22,11 @@ Row isolation is structural in both: a row's input meets only its own adapter's 
 row in a ``bmm``; shared: its own group), so no value of one row (a NaN, an inf) can reach another row's output;
 nothing relies on multiplying other rows' deltas by zero.
 
-DoRA rows and rows with a trained bias carry per-row, per-channel extras on the modules that have them: the
-module's columns become ``scale ⊙ (base + delta) + bias`` in one float32 pass with one rounding (``scale`` ones and
-``bias`` zeros in the other rows, which therefore keep their values exactly); a batch without such a row pays
-nothing. A row's *key* is whatever the caller groups rows by (an adapter id, or a weighted mixture of adapters
-that the caller composes into one ``LoraLayer`` per layer); the math only ever sees the ``LoraLayer`` a key maps to.
-
-The model-level parts (``RowParts``: LoRA on the embeddings and the head, and ``modules_to_save`` of the norms,
-the embeddings and the head) are looked up per key once per batch and applied to each row's own slice only.
+DoRA rows carry a per-row, per-channel ``scale`` on the modules that have one: the module's columns become
+``scale ⊙ (base + delta)`` in one float32 pass with one rounding (ones in the other rows, which therefore keep
+their values exactly); a batch without a DoRA row pays nothing. A row's *key* is whatever the caller groups rows
+by (an adapter id, or a weighted mixture of adapters that the caller composes into one ``LoraLayer`` per layer,
+``service.adapters.lora.mix``); the math only ever sees the ``LoraLayer`` a key maps to.
 
 Which layout wins at which ``N`` is measured by ``bench/adapters_math.py --compare`` (figures in
 ``bench/README.md``): with all seven projections targeted, shared is ahead from one to 32 adapters over 32
@@ -44,11 +41,10 @@ from typing import Final, Literal
 import torch
 from torch import Tensor
 
-from service.adapters.lora.layouts import Segment
-from service.adapters.lora.rows import RowTops, TopLookup
-from service.adapters.lora.tables import SITES, LoraTables, ModuleSpec, SharedTable, SlotTable, module_layout
+from service.adapters.lora.layouts import SITES, ModuleSpec, SharedTable, SlotTable, module_layout
+from service.adapters.lora.tables import LoraTables
 from service.adapters.lora.types import LoraLayer
-from service.model.llama import NormName, ProjName
+from service.model.llama import ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
 # projection").
@@ -71,7 +67,6 @@ class AdapterBatch:
         rows: int,
         slot_start: int,
         mode: Mode,
-        top: TopLookup | None = None,
     ) -> None:
         self.tables = tables
         self.rows = rows  # B: the batch rows the model will pass
@@ -87,14 +82,11 @@ class AdapterBatch:
         self._gather: Tensor | None = None
         self._back: Tensor | None = None
         self._real_rows: Tensor | None = None
-        self._row_group: Tensor | None = None  # per span row with an adapter, its group (shared extras)
+        self._row_group: Tensor | None = None  # per span row with an adapter, its group (shared DoRA scales)
         if self.shared:
             self._plan_groups(span_ids, tables.device)
         self._synced = [False] * tables.num_layers
         self._shared_of: list[dict[str, SharedTable]] = [{} for _ in range(tables.num_layers)]
-        self._norms: list[dict[str, Tensor] | None] = [{} for _ in range(tables.num_layers)]  # per layer, per norm
-        self._found: list[dict[Hashable, LoraLayer | None]] = [{} for _ in range(tables.num_layers)]
-        self.tops = RowTops(top, [None] * lo + span_ids + [None] * (rows - lo - len(span_ids)), tables.device)
 
     @classmethod
     def build(
@@ -106,7 +98,6 @@ class AdapterBatch:
         slot_start: int = 0,
         rows_per_item: int | Sequence[int] = 1,
         mode: Mode = "auto",
-        top: TopLookup | None = None,
     ) -> AdapterBatch | None:
         """The batch for rows ``[slot_start, slot_start + B)`` of the KV cache, or ``None`` if no row has an adapter.
 
@@ -115,8 +106,7 @@ class AdapterBatch:
         ``layer_lookup(adapter_id, layer)`` returns that adapter's ``LoraLayer`` for ``layer`` on the tables'
         device (``None`` if the adapter leaves the layer alone); it is called once per distinct adapter and layer,
         the first time the forward pass reaches the layer. ``mode`` forces the per-slot or shared layout
-        (tests, benchmarks); ``"auto"`` picks by the number of rows per distinct adapter. ``top(key)`` returns a
-        key's model-level parts (``LoraTop``) or None; without it the batch has none.
+        (tests, benchmarks); ``"auto"`` picks by the number of rows per distinct adapter.
         """
         counts = [rows_per_item] * len(row_adapters) if isinstance(rows_per_item, int) else list(rows_per_item)
         if len(counts) != len(row_adapters) or any(c < 0 for c in counts):
@@ -129,14 +119,11 @@ class AdapterBatch:
             return None
         lo, hi = used[0], used[-1] + 1
         span = per_row[lo:hi]
-        return cls(tables, layer_lookup, span, lo=lo, rows=len(per_row), slot_start=slot_start, mode=mode, top=top)
+        return cls(tables, layer_lookup, span, lo=lo, rows=len(per_row), slot_start=slot_start, mode=mode)
 
     def _sync(self, layer: int) -> None:
         """Bring the layer's tables up to date on the first visit of this forward pass."""
         found = {a: self._lookup(a, layer) for a in self._distinct}
-        self._found[layer] = found
-        if not any(lora is not None and lora.norms for lora in found.values()):
-            self._norms[layer] = None
         if self.shared:
             self._shared_of[layer] = self.tables.sync_shared(layer, [found[a] for a in self._distinct])
         else:
@@ -173,11 +160,11 @@ class AdapterBatch:
             off = table.offsets[module]
             c0, c1 = self.tables.modules[module].cols
             d = torch.bmm(h[..., off : off + width], table.bt[module][slots])  # [b, T, out_m]
-            scale, bias = table.scale.get(module), table.bias.get(module)
-            if scale is None and bias is None:
+            scale = table.scale.get(module)
+            if scale is None:
                 out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
             else:
-                _finish(out[..., c0:c1], d, _rows(scale, slots), _rows(bias, slots))
+                _rescaled(out[..., c0:c1], d, scale[slots])
 
     def _plan_groups(self, span_ids: list[Hashable | None], device: torch.device) -> None:
         """The shared math's row moves, once per batch: span rows -> [G, k] groups (padded to the largest group
@@ -217,65 +204,24 @@ class AdapterBatch:
             d = torch.bmm(h[..., seg.start : seg.stop], seg.bt).view(-1, t, c1 - c0)  # [G*k, T, out_m]
             if self._back is not None:
                 d = d.index_select(0, self._back)  # [n, T, out_m]: the span's rows with an adapter, in order
-            if seg.scale is not None or seg.bias is not None:
-                self._finish_shared(out[..., c0:c1], d, seg)
+            if seg.scale is not None:
+                self._rescaled_shared(out[..., c0:c1], d, seg.scale)
             elif self._real_rows is None:
                 out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
             else:
                 out[..., c0:c1].index_add_(0, self._real_rows, d.to(out.dtype))
 
-    def _finish_shared(self, cols: Tensor, d: Tensor, seg: Segment) -> None:
-        """``cols`` of the span's rows with an adapter become ``scale ⊙ (cols + d) + bias`` (their group's)."""
+    def _rescaled_shared(self, cols: Tensor, d: Tensor, scale: Tensor) -> None:
+        """``cols`` of the span's rows with an adapter become ``scale ⊙ (cols + d)`` (their group's ``scale``)."""
         groups = self._row_group
         assert groups is not None
-        scale = None if seg.scale is None else seg.scale.index_select(0, groups)  # [n, out_m]
-        bias = None if seg.bias is None else seg.bias.index_select(0, groups)
+        per_row = scale.index_select(0, groups)  # [n, out_m]
         if self._real_rows is None:
-            _finish(cols, d, scale, bias)
+            _rescaled(cols, d, per_row)
             return
         picked = cols.index_select(0, self._real_rows)  # [n, T, out_m]
-        _finish(picked, d, scale, bias)
+        _rescaled(picked, d, per_row)
         cols.index_copy_(0, self._real_rows, picked)
-
-    # --- the model-level hooks (RowParts) ---------------------------------------------------------------------
-
-    def norm_weight(self, layer: int, name: NormName, base: Tensor) -> Tensor | None:
-        """Per-row weights [B, 1, hidden] of norm ``name`` (``input_layernorm`` / ``post_attention_layernorm`` of
-        ``layer``, or the final ``norm``) where some row's adapter replaces it (``modules_to_save``); else None."""
-        if name == "norm":
-            return self.tops.norm_weight(base)
-        if not self._synced[layer]:
-            self._sync(layer)
-        cached = self._norms[layer]
-        if cached is None:
-            return None
-        if name not in cached:
-            cached[name] = self._layer_norm(layer, name, base)
-        weights = cached[name]
-        return None if weights.numel() == 0 else weights
-
-    def _layer_norm(self, layer: int, name: str, base: Tensor) -> Tensor:
-        found = self._found[layer]
-        lo = self.span[0]
-        weights: Tensor | None = None
-        for i, key in enumerate(self._span_ids):
-            lora = None if key is None else found[key]
-            trained = None if lora is None else lora.norms.get(name)
-            if trained is None:
-                continue
-            if weights is None:
-                weights = base.expand(self.rows, 1, base.shape[-1]).clone()  # [B, 1, hidden]
-            weights[lo + i, 0].copy_(trained)
-        return base.new_empty(0) if weights is None else weights
-
-    def embed(self, x: Tensor, tokens: Tensor) -> Tensor:
-        """The embeddings ``x`` [B, T, hidden] (float32) with each row's LoRA delta added, or its rows replaced."""
-        return self.tops.embed(x, tokens)
-
-    def head(self, logits: Tensor, hidden: Tensor, rows: Sequence[int] | None) -> Tensor:
-        """``logits`` [N, (T,) V] float32 of ``hidden`` [N, (T,) H] with each row's head LoRA added, or its head
-        replaced; ``rows[i]`` is the batch row of entry i (None: entry i is batch row i)."""
-        return self.tops.head(logits, hidden, rows)
 
     def delta(self, layer: int, site: ProjName, x: Tensor) -> Tensor | None:
         """The delta ``[B, T, out_fused]`` to add to projection ``site`` of ``layer``, or ``None`` if it has none.
@@ -292,18 +238,9 @@ class AdapterBatch:
         return self.add_delta(out, x, layer, site)
 
 
-def _rows(table: Tensor | None, slots: slice) -> Tensor | None:
-    return None if table is None else table[slots]
-
-
-def _finish(cols: Tensor, d: Tensor, scale: Tensor | None, bias: Tensor | None) -> None:
-    """``cols`` [n, T, out_m] <- ``scale ⊙ (cols + d) + bias`` (per-row [n, out_m] extras), in float32, rounded once."""
-    acc = cols.float() + d
-    if scale is not None:
-        acc.mul_(scale.unsqueeze(1))
-    if bias is not None:
-        acc.add_(bias.unsqueeze(1))
-    cols.copy_(acc)
+def _rescaled(cols: Tensor, d: Tensor, scale: Tensor) -> None:
+    """``cols`` [n, T, out_m] <- ``scale ⊙ (cols + d)`` (``scale`` [n, out_m] per row), in float32, rounded once."""
+    cols.copy_((cols.float() + d).mul_(scale.unsqueeze(1)))
 
 
 __all__ = ["SITES", "AdapterBatch", "LayerLookup", "LoraTables", "Mode", "ModuleSpec", "module_layout"]

@@ -4,6 +4,7 @@ the fused projections, what a set of rows needs of a (layer, site) table, and th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -49,37 +50,31 @@ def module_layout(cfg: ModelConfig) -> dict[str, ModuleSpec]:
 @dataclass(frozen=True)
 class Need:
     """What a set of rows needs of a (layer, site) table: per module the widest rank, and which modules carry a
-    DoRA scale or a bias in some row."""
+    DoRA scale in some row."""
 
     ranks: dict[str, int]  # module -> rank, in fused column order
     scaled: frozenset[str]
-    biased: frozenset[str]
 
     def covered_by(self, other: Need) -> bool:
-        return (
-            all(r <= other.ranks.get(m, 0) for m, r in self.ranks.items())
-            and self.scaled <= other.scaled
-            and self.biased <= other.biased
-        )
+        return all(r <= other.ranks.get(m, 0) for m, r in self.ranks.items()) and self.scaled <= other.scaled
 
     def grown(self, table: Need) -> Need:
-        """What to reallocate when ``table`` does not cover this need: these modules and extras, each module at
+        """What to reallocate when ``table`` does not cover this need: these modules and scales, each module at
         least as wide as the table had it (so the next few rows with a wider rank fit without another relayout)."""
         ranks = {m: max(r, table.ranks.get(m, 0)) for m, r in self.ranks.items()}
-        return Need(ranks, self.scaled, self.biased)
+        return Need(ranks, self.scaled)
 
 
 @dataclass
 class SlotTable:
     """Per-slot (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m; per
-    module that needs them, ``scale`` [S, out_m] (ones in rows without DoRA) and ``bias`` [S, out_m] (zeros)."""
+    module that needs one, ``scale`` [S, out_m] (ones in rows without DoRA)."""
 
     ranks: dict[str, int]  # module -> padded rank r_m, in fused column order
     offsets: dict[str, int]  # module -> first column of its segment in ``at``'s last dimension
     at: Tensor
     bt: dict[str, Tensor]
     scale: dict[str, Tensor] = field(default_factory=dict)
-    bias: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -87,10 +82,10 @@ class SlotTable:
 
     @property
     def need(self) -> Need:
-        return Need(dict(self.ranks), frozenset(self.scale), frozenset(self.bias))
+        return Need(dict(self.ranks), frozenset(self.scale))
 
     def tensors(self) -> list[Tensor]:
-        return [self.at, *self.bt.values(), *self.scale.values(), *self.bias.values()]
+        return [self.at, *self.bt.values(), *self.scale.values()]
 
     @property
     def nbytes(self) -> int:
@@ -100,14 +95,13 @@ class SlotTable:
 @dataclass
 class Segment:
     """One module's part of a shared table: its columns ``[start, stop)`` of ``h``, ``bt`` [G, r_m, out_m] (the
-    scaled B^T) and, where some adapter of the set has them, ``scale`` / ``bias`` [G, out_m]."""
+    scaled B^T) and, where some adapter of the set is DoRA, ``scale`` [G, out_m]."""
 
     module: str
     start: int
     stop: int
     bt: Tensor
     scale: Tensor | None = None
-    bias: Tensor | None = None
 
 
 @dataclass
@@ -121,7 +115,7 @@ class SharedTable:
 
     @property
     def nbytes(self) -> int:
-        extras = [t for s in self.segs for t in (s.bt, s.scale, s.bias) if t is not None]
+        extras = [t for s in self.segs for t in (s.bt, s.scale) if t is not None]
         return sum(t.numel() * t.element_size() for t in (self.a, *extras))
 
 
@@ -134,11 +128,29 @@ class TableStats:
     shared_builds: int = 0  # layers whose shared tables were rebuilt: the set of adapters changed
 
 
+Refs = tuple[weakref.ReferenceType[LoraLayer] | None, ...]  # the layer objects something was built from
+
+
+def refs_of(layers: Sequence[LoraLayer | None]) -> Refs:
+    """Weak references to ``layers`` (None stays None): what a table or a composed layer was built from, without
+    keeping an evicted adapter's weights alive."""
+    return tuple(None if lora is None else weakref.ref(lora) for lora in layers)
+
+
+def same_objects(refs: Refs, layers: Sequence[LoraLayer | None]) -> bool:
+    """Whether ``refs`` point at exactly ``layers`` (the same objects, in order): nothing was reloaded or evicted."""
+    if len(refs) != len(layers):
+        return False
+    return all(
+        (ref is None) if lora is None else (ref is not None and ref() is lora)
+        for ref, lora in zip(refs, layers, strict=True)
+    )
+
+
 def needs_of(site: str, rows: Sequence[LoraLayer | None]) -> Need:
     """What ``rows`` need of the site's table."""
     ranks: dict[str, int] = {}
     scaled: set[str] = set()
-    biased: set[str] = set()
     for lora in rows:
         if lora is None:
             continue
@@ -149,20 +161,21 @@ def needs_of(site: str, rows: Sequence[LoraLayer | None]) -> Need:
             ranks[name] = max(ranks.get(name, 0), module.rank)
             if module.rescale is not None:
                 scaled.add(name)
-            if module.bias is not None:
-                biased.add(name)
     ordered = {m: ranks[m] for m in MODULES if m in ranks}
-    return Need(ordered, frozenset(scaled), frozenset(biased))
+    return Need(ordered, frozenset(scaled))
 
 
 __all__ = [
     "SITES",
     "ModuleSpec",
     "Need",
+    "Refs",
     "Segment",
     "SharedTable",
     "SlotTable",
     "TableStats",
     "module_layout",
     "needs_of",
+    "refs_of",
+    "same_objects",
 ]

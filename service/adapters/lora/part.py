@@ -13,7 +13,7 @@ from pathlib import Path
 from service.adapters.common.part import Binding, PartUsage
 from service.adapters.lora.peft import CONFIG_FILE
 from service.adapters.lora.store import AdapterStore
-from service.adapters.lora.types import LoraLayer, LoraTop
+from service.adapters.lora.types import LoraLayer
 from service.errors import AdapterNotFound, LoraplexError
 
 _DELTAS = Binding(deltas=True)
@@ -100,9 +100,6 @@ class LoraPart:
 
     def layer(self, adapter_id: str, layer: int) -> LoraLayer | None:
         return self.store.layer(adapter_id, layer)
-
-    def top(self, adapter_id: str) -> LoraTop | None:
-        return self.store.top(adapter_id)
 
     def close(self, timeout: float | None = None) -> None:
         self.store.close(timeout)

@@ -167,9 +167,9 @@ class AdapterReader:
                     delta_sq=((b @ (a @ a.t())) * b).sum(1),
                 )
                 module = modules[s.module]
-                modules[s.module] = LoraModule(module.a, module.b, module.bias, dora, dora.rescale(1.0))
+                modules[s.module] = LoraModule(a=module.a, b=module.b, dora=dora, rescale=dora.rescale(1.0))
                 nbytes += 5 * 4 * int(w.shape[0])
-        return LoraLayer(modules=modules, nbytes=nbytes, norms=laid.norms)
+        return LoraLayer(modules=modules, nbytes=nbytes)
 
 
 def _read_layer(

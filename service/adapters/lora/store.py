@@ -63,7 +63,7 @@ from service.adapters.lora.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
 from service.adapters.lora.registry import index_adapter
 from service.adapters.lora.spec import plan_nbytes
 from service.adapters.lora.tiers import Entry, Tiers
-from service.adapters.lora.types import AdapterInfo, AdapterState, BaseWeights, LoraLayer, LoraTop, StoreState
+from service.adapters.lora.types import AdapterInfo, AdapterState, BaseWeights, LoraLayer, StoreState
 from service.errors import (
     AdapterNotFound,
     AlreadyExists,
@@ -300,11 +300,6 @@ class AdapterStore:
             return self._tiers.device[adapter_id][layer]
         except KeyError:
             raise FailedPrecondition(f"adapter {adapter_id!r} is not resident on the device tier") from None
-
-    def top(self, adapter_id: str) -> LoraTop | None:
-        """The device-tier model-level parts (LoRA on embed_tokens / lm_head, modules_to_save of the embeddings,
-        head and final norm); None when the adapter has none. No lock: valid only while the adapter is pinned."""
-        return None  # interim: no registration indexes model-level parts yet
 
     def ensure(self, adapter_id: str, *, timeout: float | None = None) -> None:
         """Block until the adapter is resident on the device tier; raise its ``failure`` if it cannot load,

@@ -12,9 +12,8 @@ Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (laye
   (each adapter's modules' ``A`` along the rank axis) and per module ``bt`` ``[G, r_m, out_m]``, ranks zero-padded
   to the widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
 
-Two per-row extras ride along where a row needs them, per module: ``scale`` (DoRA's per-channel factor on the
-base output plus the delta, ones elsewhere) and ``bias`` (a trained LoRA bias, zeros elsewhere); a table without
-a DoRA or biased row has neither, and a plain LoRA batch pays nothing for them.
+A per-row ``scale`` rides along per module where a DoRA row needs it (DoRA's per-channel factor on the base output
+plus the delta, ones in the other rows); a table without a DoRA row has none, and a plain LoRA batch pays nothing.
 
 On CPU the tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times slower than
 fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype. The tables hold weak
@@ -33,14 +32,16 @@ import torch
 
 from service.adapters.lora.layouts import (
     SITES,
-    ModuleSpec,
     Need,
+    Refs,
     Segment,
     SharedTable,
     SlotTable,
     TableStats,
     module_layout,
     needs_of,
+    refs_of,
+    same_objects,
 )
 from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
@@ -56,7 +57,6 @@ class _Dirty:
 
 _DIRTY: Final = _Dirty()
 _Owner = weakref.ReferenceType[LoraLayer] | _Dirty | None  # None: the slot's rows are zeros
-_SetKey = tuple[weakref.ReferenceType[LoraLayer] | None, ...]  # the adapters' layers a shared table was built from
 
 
 class LoraTables:
@@ -97,7 +97,7 @@ class LoraTables:
         self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
         # Per layer, the shared tables of the last few adapter sets, most recent first: an engine step's prefill
         # (newcomers' adapters) and decode (everyone's) alternate between two sets without rebuilding either.
-        self._shared: list[list[tuple[_SetKey, dict[str, SharedTable]]]] = [[] for _ in range(self.num_layers)]
+        self._shared: list[list[tuple[Refs, dict[str, SharedTable]]]] = [[] for _ in range(self.num_layers)]
 
     # --- shared tables -------------------------------------------------------------------------------------
 
@@ -105,7 +105,7 @@ class LoraTables:
         """The layer's shared tables for ``distinct`` (in that order): kept from a recent step, or built now."""
         sets = self._shared[layer]
         for i, (key, kept) in enumerate(sets):
-            if _same_layers(key, distinct):
+            if same_objects(key, distinct):
                 sets.insert(0, sets.pop(i))
                 return kept
         tables: dict[str, SharedTable] = {}
@@ -113,7 +113,7 @@ class LoraTables:
             table = self._stack(site, distinct)
             if table is not None:
                 tables[site] = table
-        sets.insert(0, (tuple(None if lora is None else weakref.ref(lora) for lora in distinct), tables))
+        sets.insert(0, (refs_of(distinct), tables))
         del sets[SHARED_SETS_KEPT:]
         self.stats.shared_builds += 1
         return tables
@@ -133,8 +133,6 @@ class LoraTables:
             seg = Segment(name, start, start + r_max, torch.zeros(g, r_max, out_m, dtype=dt, device=dev))
             if name in need.scaled:
                 seg.scale = torch.ones(g, out_m, dtype=torch.float32, device=dev)
-            if name in need.biased:
-                seg.bias = torch.zeros(g, out_m, dtype=torch.float32, device=dev)
             for i, lora in enumerate(distinct):
                 module = None if lora is None else lora.modules.get(name)
                 if module is not None:
@@ -143,8 +141,6 @@ class LoraTables:
                     seg.bt[i, : module.rank].copy_(module.b.t())  # [r, out] <- [out, r]^T
                     if seg.scale is not None and module.rescale is not None:
                         seg.scale[i].copy_(module.rescale)
-                    if seg.bias is not None and module.bias is not None:
-                        seg.bias[i].copy_(module.bias)
             segs.append(seg)
             start += r_max
         return SharedTable(a, segs)
@@ -182,8 +178,6 @@ class LoraTables:
                     table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
                 for name, sc in table.scale.items():
                     table.scale[name] = torch.cat((sc, sc.new_ones(grow, sc.shape[1])))
-                for name, bias in table.bias.items():
-                    table.bias[name] = torch.cat((bias, bias.new_zeros(grow, bias.shape[1])))
             self._owners[layer].extend([None] * grow)
         self._capacity = slots
 
@@ -227,10 +221,8 @@ class LoraTables:
         dt, dev, cap = self.compute_dtype, self.device, self._capacity
         at = torch.zeros(cap, in_features, width, dtype=dt, device=dev)
         bt = {m: torch.zeros(cap, ranks[m], self.modules[m].out_features, dtype=dt, device=dev) for m in modules}
-        f32 = torch.float32
-        scale = {m: torch.ones(cap, self.modules[m].out_features, dtype=f32, device=dev) for m in need.scaled}
-        bias = {m: torch.zeros(cap, self.modules[m].out_features, dtype=f32, device=dev) for m in need.biased}
-        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt, scale=scale, bias=bias)
+        scale = {m: torch.ones(cap, self.modules[m].out_features, dtype=torch.float32, device=dev) for m in need.scaled}
+        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt, scale=scale)
 
     def _write(self, tables: dict[str, SlotTable], slot: int, lora: LoraLayer | None) -> None:
         """Copy one adapter layer (or zeros) into row ``slot`` of every per-slot table of the layer."""
@@ -240,7 +232,7 @@ class LoraTables:
                 off = table.offsets[name]
                 bt = table.bt[name][slot]  # [r_m, out_m]
                 module = None if lora is None else lora.modules.get(name)
-                _write_extras(table, name, slot, module)
+                _write_scale(table, name, slot, module)
                 if module is None:
                     at[:, off : off + width].zero_()
                     bt.zero_()
@@ -263,41 +255,16 @@ class LoraTables:
             )
 
 
-def _write_extras(table: SlotTable, name: str, slot: int, module: LoraModule | None) -> None:
-    """Row ``slot``'s DoRA scale (ones without) and bias (zeros without) of ``name``, where the table has them."""
-    scale, bias = table.scale.get(name), table.bias.get(name)
+def _write_scale(table: SlotTable, name: str, slot: int, module: LoraModule | None) -> None:
+    """Row ``slot``'s DoRA scale of ``name`` (ones without one), where the table has a scale for it."""
+    scale = table.scale.get(name)
+    if scale is None:
+        return
     rescale = None if module is None else module.rescale
-    trained = None if module is None else module.bias
-    if scale is not None:
-        if rescale is None:
-            scale[slot].fill_(1.0)
-        else:
-            scale[slot].copy_(rescale)
-    if bias is not None:
-        if trained is None:
-            bias[slot].zero_()
-        else:
-            bias[slot].copy_(trained)
+    if rescale is None:
+        scale[slot].fill_(1.0)
+    else:
+        scale[slot].copy_(rescale)
 
 
-def _same_layers(key: _SetKey, layers: Sequence[LoraLayer | None]) -> bool:
-    """Whether ``key`` holds weak references to exactly ``layers`` (the same objects, in order)."""
-    if len(key) != len(layers):
-        return False
-    return all(
-        (ref is None) if lora is None else (ref is not None and ref() is lora)
-        for ref, lora in zip(key, layers, strict=True)
-    )
-
-
-__all__ = [
-    "SITES",
-    "LoraTables",
-    "ModuleSpec",
-    "Need",
-    "Segment",
-    "SharedTable",
-    "SlotTable",
-    "TableStats",
-    "module_layout",
-]
+__all__ = ["SHARED_SETS_KEPT", "LoraTables"]

@@ -10,7 +10,7 @@ Module names are the PEFT / Hugging Face names of a Llama layer's projections. `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -44,12 +44,10 @@ class DoraNorm:
 class LoraModule:
     """One target module of one layer, ready for the math, on its device and in the serving dtype.
 
-    The module's output is ``rescale ⊙ (W x + b(a x)) + bias``: ``rescale`` (DoRA) is None for plain LoRA and
-    ``bias`` None without a trained LoRA bias."""
+    The module's output is ``rescale ⊙ (W x + b(a x))``, ``rescale`` (DoRA) None for plain LoRA."""
 
     a: torch.Tensor  # [r, in_features]   lora_A.weight as PEFT stores it (fan_in_fan_out already handled)
     b: torch.Tensor  # [out_features, r]  lora_B.weight with the scaling (alpha/r or alpha/sqrt(r)) multiplied in
-    bias: Tensor | None = None  # [out] lora_B.bias (lora_bias) or a trained base bias's change, scaled like b
     dora: DoraNorm | None = None  # DoRA's terms (to rescale for another weight)
     rescale: Tensor | None = None  # [out] float32 DoRA factor for this module's weights as they are (dora.rescale(1))
 
@@ -60,38 +58,10 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class LoraLayer:
-    """All target modules of one layer of one adapter; a module the adapter does not touch is absent.
-
-    ``norms`` holds the layer's norms the adapter replaces (``modules_to_save``): ``"input_layernorm"`` /
-    ``"post_attention_layernorm"`` -> the trained weight [hidden]."""
+    """All target modules of one layer of one adapter; a module the adapter does not touch is absent."""
 
     modules: Mapping[str, LoraModule]
     nbytes: int
-    norms: Mapping[str, Tensor] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EmbedLora:
-    """LoRA on ``embed_tokens``: token t's delta is ``b @ a_t[t]`` (PEFT's ``lora_embedding_A/B``)."""
-
-    a_t: Tensor  # [vocab, r] lora_embedding_A transposed (rows gathered by token)
-    b: Tensor  # [hidden, r] lora_embedding_B with the scaling multiplied in
-
-    @property
-    def rank(self) -> int:
-        return int(self.a_t.shape[1])
-
-
-@dataclass(frozen=True)
-class LoraTop:
-    """The model-level parts of one adapter (outside the decoder layers); every field may be absent."""
-
-    embed: EmbedLora | None = None  # LoRA on embed_tokens
-    head: LoraModule | None = None  # LoRA on lm_head: a [r, hidden], b [vocab, r] (scaled)
-    embed_tokens: Tensor | None = None  # modules_to_save: the trained embedding [vocab, hidden]
-    lm_head: Tensor | None = None  # modules_to_save: the trained head [vocab, hidden]
-    norm: Tensor | None = None  # modules_to_save: the trained final norm weight [hidden]
-    nbytes: int = 0
 
 
 class BaseWeights(Protocol):
@@ -136,7 +106,6 @@ class AdapterInfo:
     error: str | None
     dora: bool = False  # use_dora: the deltas are rescaled per output channel (DoRA)
     saved_modules: tuple[str, ...] = ()  # modules_to_save the adapter replaces (norms, embed_tokens, lm_head)
-    top_modules: tuple[str, ...] = ()  # LoRA targets outside the layers: "embed_tokens", "lm_head"
     evictions: int = 0  # times it left the device tier to make room for another
 
 

@@ -95,9 +95,6 @@ class MedusaPart:
     def layer(self, adapter_id: str, layer: int) -> None:
         return None  # heads change no layer of the forward
 
-    def top(self, adapter_id: str) -> None:
-        return None  # nor the embeddings or the head
-
     def close(self, timeout: float | None = None) -> None:
         self.registry.close()
 
