@@ -15,10 +15,12 @@ parse time: ``re`` backtracks, and such a pattern can take hours to fail against
 ``fan_in_fan_out`` is accepted and ignored: PEFT resets it to False for ``nn.Linear`` targets (every Llama
 projection), and the flag never changes the stored layout of ``lora_A`` [r, in] / ``lora_B`` [out, r] anyway.
 
-DoRA (``use_dora``) is served: each targeted module then carries ``lora_magnitude_vector`` [out_features].
-Refused by name: other PEFT types, trained biases (``bias`` other than "none", ``lora_bias``),
-``modules_to_save``, ``trainable_token_indices``, ``target_parameters``, ``layer_replication``, aLoRA, QALoRA and
-the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
+DoRA (``use_dora``) is served: each targeted module then carries ``lora_magnitude_vector`` [out_features]; so are
+trained LoRA biases (``lora_bias``: each ``lora_B`` carries a ``.bias`` [out_features]) and ``bias`` "lora_only" /
+"all" (Llama's projections have no base bias, so such a file holds nothing more). Refused by name: other PEFT
+types, DoRA with ``lora_bias`` (PEFT refuses it too), ``modules_to_save``, ``trainable_token_indices``,
+``target_parameters``, ``layer_replication``, aLoRA, QALoRA and the other LoRA variants whose forward differs
+from ``x @ A.T @ B.T * scaling``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from service.adapters.lora.peft_keys import (
     LoraKey,
     explain_foreign_key,
     lora_key_name,
+    module_features,
     module_key,
     parse_lora_key,
 )
@@ -62,10 +65,7 @@ ALL_LINEAR = "all-linear"
 Fail = Callable[[str], InvalidAdapter]  # builds the error naming the config file
 
 # Config fields that turn on a feature loraplex does not serve: field -> what it is.
-_REFUSED_TRUE = {
-    "lora_bias": "a trained LoRA bias (lora_bias)",
-    "use_qalora": "QALoRA",
-}
+_REFUSED_TRUE = {"use_qalora": "QALoRA"}
 _REFUSED_SET = {
     "modules_to_save": "fully trained extra modules (modules_to_save)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
@@ -96,6 +96,7 @@ class LoraAdapterConfig:
     fan_in_fan_out: bool
     base_model_name_or_path: str | None
     use_dora: bool = False  # DoRA: each module's output rescaled per channel by lora_magnitude_vector / ||W + sBA||
+    lora_bias: bool = False  # each lora_B has a trained bias [out], scaled like its weight
 
 
 def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterConfig:
@@ -133,6 +134,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
         fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
         base_model_name_or_path=base if isinstance(base, str) else None,
         use_dora=bool(raw.get("use_dora", False)),
+        lora_bias=bool(raw.get("lora_bias", False)),
     )
     _check_regexes(config, fail)
     return config
@@ -150,8 +152,10 @@ def _check_supported(raw: Mapping[str, Any], fail: Fail) -> None:
         if raw.get(key) not in (None, [], {}, ""):
             raise fail(f"{what} is not supported ({key}={raw[key]!r})")
     bias = raw.get("bias", "none")
-    if bias != "none":
-        raise fail(f"trained biases are not supported (bias={bias!r}); only bias='none' adapters can be served")
+    if bias not in ("none", "lora_only", "all"):
+        raise fail(f"bias must be 'none', 'lora_only' or 'all', got {short_repr(bias)}")
+    if raw.get("lora_bias") and raw.get("use_dora"):
+        raise fail("DoRA with a trained LoRA bias (use_dora and lora_bias) is not supported (peft refuses it too)")
 
 
 def _read_targets(raw: Mapping[str, Any], model_type: str, fail: Fail) -> tuple[str, ...] | str:
@@ -205,23 +209,6 @@ def _check_regexes(config: LoraAdapterConfig, fail: Fail) -> None:
             _compile(rf"(.*\.)?({key})$", f"{name} key {short_repr(key)}", fail)
     for p in config.layers_pattern or ():
         _compile(_layers_regex(p), f"layers_pattern {short_repr(p)}", fail)
-
-
-def module_features(model_config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """``(in_features, out_features)`` of each projection of one layer."""
-    hidden = model_config.hidden_size
-    q = model_config.num_heads * model_config.head_dim
-    kv = model_config.num_kv_heads * model_config.head_dim
-    inter = model_config.intermediate_size
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
 
 
 def base_module_names(model_config: ModelConfig) -> list[str]:

@@ -11,6 +11,7 @@ import re
 from typing import NamedTuple
 
 from service.adapters.lora.types import MODULES
+from service.model.config import ModelConfig
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 GROUP = {m: ("self_attn" if m in ATTENTION else "mlp") for m in MODULES}
@@ -19,6 +20,23 @@ GROUP = {m: ("self_attn" if m in ATTENTION else "mlp") for m in MODULES}
 def module_key(layer: int, module: str) -> str:
     """PEFT's full name of one projection of ``LlamaForCausalLM``."""
     return f"model.layers.{layer}.{GROUP[module]}.{module}"
+
+
+def module_features(model_config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(in_features, out_features)`` of each projection of one layer."""
+    hidden = model_config.hidden_size
+    q = model_config.num_heads * model_config.head_dim
+    kv = model_config.num_kv_heads * model_config.head_dim
+    inter = model_config.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
 
 
 class LoraKey(NamedTuple):
@@ -42,6 +60,17 @@ MAGNITUDE_KEY = re.compile(
     r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
     r"(?P<module>[A-Za-z0-9_]+)\.lora_magnitude_vector"
 )
+
+
+# A trained LoRA bias (``lora_bias``): ``lora_B`` is a biased linear, saved with the weight's own infix.
+BIAS_KEY = re.compile(
+    r"(?P<prefix>(?:base_model\.model\.)?(?:model\.)?)layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\."
+    r"(?P<module>[A-Za-z0-9_]+)\.lora_B(?P<infix>\.[A-Za-z0-9_-]+)?\.bias"
+)
+
+
+def bias_key_name(prefix: str, layer: int, module: str, infix: str) -> str:
+    return f"{prefix}layers.{layer}.{GROUP[module]}.{module}.lora_B{infix}.bias"
 
 
 def magnitude_key_name(prefix: str, layer: int, module: str) -> str:
@@ -73,20 +102,25 @@ def explain_foreign_key(name: str) -> str:
         return "LoRA on lm_head is not supported"
     if "modules_to_save" in name:
         return "fully trained extra modules (modules_to_save) are not supported"
+    if ".lora_B" in name and name.endswith(".bias"):
+        return "a trained LoRA bias, but the adapter_config.json does not set lora_bias"
     if name.endswith(".bias"):
-        return "trained biases are not supported"
+        return "a base-layer bias: Llama's projections have none, so it cannot be served"
     return f"unexpected tensor: not a lora_A/lora_B weight of a Llama projection ({', '.join(MODULES)})"
 
 
 __all__ = [
     "ATTENTION",
+    "BIAS_KEY",
     "GROUP",
     "LORA_KEY",
     "MAGNITUDE_KEY",
     "LoraKey",
+    "bias_key_name",
     "explain_foreign_key",
     "lora_key_name",
     "magnitude_key_name",
+    "module_features",
     "module_key",
     "parse_lora_key",
 ]
