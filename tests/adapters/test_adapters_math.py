@@ -231,6 +231,40 @@ def test_delta_columns_and_none(setup: dict[str, Any], mode: Mode) -> None:
     assert set(SITES) == {"wqkv", "wo", "w13", "w2"}
 
 
+@pytest.mark.parametrize("mode", ["slots", "shared"])
+def test_trained_biases_ride_with_their_rows_only(setup: dict[str, Any], mode: Mode) -> None:
+    """A module's trained bias is added to its own rows' delta, in both layouts, beside rows of the same adapter
+    without one and base rows (whose delta stays exactly zero)."""
+    model, layers = setup["model"], setup["layers"]
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(5)
+
+    def biased(layer: LoraLayer) -> LoraLayer:
+        mods = {
+            n: LoraModule(a=m.a, b=m.b, bias=torch.randn(m.b.shape[0], generator=gen)) for n, m in layer.modules.items()
+        }
+        return LoraLayer(modules=mods, nbytes=layer.nbytes)
+
+    with_bias = {**layers, "qv_b": {i: biased(layer) for i, layer in layers["qv"].items()}}
+    tables = LoraTables(cfg, device="cpu", dtype=torch.float32)
+    batch = AdapterBatch.build([None, "qv_b", "qv", "qv_b"], lookup_for(with_bias), tables, mode=mode)
+    assert batch is not None and batch.shared == (mode == "shared")
+    x = torch.randn(4, 3, cfg.hidden_size, generator=gen)
+    d = batch.delta(0, "wqkv", x)
+    assert d is not None
+    parts = {p.hf_name: (p.start, p.stop) for p in cfg.fused_rows()["wqkv"]}
+    for row, name in ((1, "qv_b"), (2, "qv"), (3, "qv_b")):
+        mods = with_bias[name][0].modules
+        for module, (c0, c1) in parts.items():
+            if module not in mods:
+                assert torch.equal(d[row, :, c0:c1], torch.zeros(3, c1 - c0))
+                continue
+            m = mods[module]
+            want = x[row] @ m.a.T @ m.b.T + (0 if m.bias is None else m.bias)
+            torch.testing.assert_close(d[row, :, c0:c1], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(d[0], torch.zeros_like(d[0]))
+
+
 def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str, Any]) -> None:
     """Walk the shared layout through steps; each result must equal the per-slot one, and count its rebuilds."""
     layers, n_layers = setup["layers"], setup["model"].cfg.num_layers

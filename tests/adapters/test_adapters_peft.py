@@ -226,8 +226,9 @@ def test_layers_outside_the_model(base_model: Any, tmp_path: Path, tiny_llama_fa
         ({"target_modules": ["q_proj", "v_proj", "mlp"]}, "cannot adapt: 'model.layers.0.mlp'"),
         ({"use_dora": True}, "use_dora is set, but the module has no lora_magnitude_vector"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-        ({"bias": "all"}, "bias='all'"),
-        ({"lora_bias": True}, "lora_bias"),
+        ({"bias": "some"}, "bias must be 'none', 'lora_only' or 'all'"),
+        ({"lora_bias": True}, "lora_bias is set, but the module has no lora_B bias"),
+        ({"lora_bias": True, "use_dora": True}, r"use_dora and lora_bias"),
         ({"r": 0}, "r must be a positive integer"),
         ({"r": -2}, "r must be a positive integer"),
         ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\] must be a positive integer"),
@@ -264,7 +265,7 @@ def test_dora_file_written_by_peft_is_indexed_with_its_magnitudes(
     for layer in spec.layers:
         for s in spec.layer_records(layer):
             assert s.m is not None and s.m.name in tensors and s.m.shape == tuple(tensors[s.m.name].shape)
-    assert spec.dora_nbytes(device=True) > 0
+    assert spec.extras_nbytes(torch.float32) > 0
 
 
 def test_dora_magnitudes_are_checked_before_any_load(base_model: Any, cfg4: ModelConfig, tmp_path: Path) -> None:
@@ -294,7 +295,8 @@ def test_dora_needs_the_base_weights(base_model: Any, cfg4: ModelConfig, tmp_pat
 Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 TENSOR_EDITS: list[tuple[Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], str, str | None]] = [
     (lambda t: {k: v for k, v in t.items() if k != Q_B}, "no matching lora_B", "q_proj.lora_A"),
-    (lambda t: {**t, Q_B.replace("lora_B.weight", "bias"): torch.zeros(64)}, "trained biases", ".bias"),
+    (lambda t: {**t, Q_B.replace("lora_B.weight", "bias"): torch.zeros(64)}, "a base-layer bias", ".bias"),
+    (lambda t: {**t, Q_B.replace("weight", "bias"): torch.zeros(64)}, "does not set lora_bias", "lora_B.bias"),
     (lambda t: {**t, "something.else": torch.zeros(3)}, "unexpected tensor", "something.else"),
     (
         lambda t: {k: v[:, :3] if k == Q_B else v for k, v in t.items()},

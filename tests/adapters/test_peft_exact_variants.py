@@ -90,7 +90,7 @@ QUANTIZED_CASES = {name: CASES[name] for name in ("lora-x1", "dora-all", "dora-x
 
 # Variants the server still refuses at registration (issue 23 is open: their formats are not indexed yet). Their
 # alone-cases are strict xfails, so each one fails the suite the day it starts to pass and must move to SERVED.
-NOT_SERVED = frozenset({"embed-head", "mts-norms", "mts-embed-head", "bias"})
+NOT_SERVED = frozenset({"embed-head", "mts-norms", "mts-embed-head"})
 _REFUSED = pytest.mark.xfail(strict=True, raises=AssertionError, reason="refused at registration: not served yet")
 
 

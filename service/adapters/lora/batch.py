@@ -24,9 +24,12 @@ nothing relies on multiplying other rows' deltas by zero.
 
 DoRA rows carry a per-row, per-channel ``scale`` on the modules that have one: the module's columns become
 ``scale ⊙ (base + delta)`` in one float32 pass with one rounding (ones in the other rows, which therefore keep
-their values exactly); a batch without a DoRA row pays nothing. A row's *key* is whatever the caller groups rows
-by (an adapter id, or a weighted mixture of adapters that the caller composes into one ``LoraLayer`` per layer,
-``service.adapters.lora.mix``); the math only ever sees the ``LoraLayer`` a key maps to.
+their values exactly); a batch without a DoRA row pays nothing. A trained LoRA bias is part of the delta
+(``B(Ax) + bias``, scaled), added per row before the delta reaches the output (zeros in other rows).
+
+A row's *key* is whatever the caller groups rows by (an adapter id, or a weighted mixture of adapters that the
+caller composes into one ``LoraLayer`` per layer, ``service.adapters.lora.mix``); the math only ever sees the
+``LoraLayer`` a key maps to.
 
 Which layout wins at which ``N`` is measured by ``bench/adapters_math.py --compare`` (figures in
 ``bench/README.md``): with all seven projections targeted, shared is ahead from one to 32 adapters over 32
@@ -160,6 +163,9 @@ class AdapterBatch:
             off = table.offsets[module]
             c0, c1 = self.tables.modules[module].cols
             d = torch.bmm(h[..., off : off + width], table.bt[module][slots])  # [b, T, out_m]
+            bias = table.bias.get(module)
+            if bias is not None:
+                d += bias[slots].unsqueeze(1)  # zeros in rows without a trained bias
             scale = table.scale.get(module)
             if scale is None:
                 out[..., c0:c1] += d  # type promotion casts back to the model dtype in place
@@ -201,7 +207,10 @@ class AdapterBatch:
         h = torch.bmm(xg, table.a.transpose(1, 2))  # [G, k*T, R]
         for seg in table.segs:
             c0, c1 = self.tables.modules[seg.module].cols
-            d = torch.bmm(h[..., seg.start : seg.stop], seg.bt).view(-1, t, c1 - c0)  # [G*k, T, out_m]
+            d = torch.bmm(h[..., seg.start : seg.stop], seg.bt)  # [G, k*T, out_m]
+            if seg.bias is not None:
+                d += seg.bias.unsqueeze(1)  # each group's own adapter's bias (zeros for one without)
+            d = d.view(-1, t, c1 - c0)  # [G*k, T, out_m]
             if self._back is not None:
                 d = d.index_select(0, self._back)  # [n, T, out_m]: the span's rows with an adapter, in order
             if seg.scale is not None:

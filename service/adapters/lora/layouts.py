@@ -50,31 +50,35 @@ def module_layout(cfg: ModelConfig) -> dict[str, ModuleSpec]:
 @dataclass(frozen=True)
 class Need:
     """What a set of rows needs of a (layer, site) table: per module the widest rank, and which modules carry a
-    DoRA scale in some row."""
+    DoRA scale or a trained bias in some row."""
 
     ranks: dict[str, int]  # module -> rank, in fused column order
     scaled: frozenset[str]
+    biased: frozenset[str] = frozenset()
 
     def covered_by(self, other: Need) -> bool:
-        return all(r <= other.ranks.get(m, 0) for m, r in self.ranks.items()) and self.scaled <= other.scaled
+        ranks_fit = all(r <= other.ranks.get(m, 0) for m, r in self.ranks.items())
+        return ranks_fit and self.scaled <= other.scaled and self.biased <= other.biased
 
     def grown(self, table: Need) -> Need:
         """What to reallocate when ``table`` does not cover this need: these modules and scales, each module at
         least as wide as the table had it (so the next few rows with a wider rank fit without another relayout)."""
         ranks = {m: max(r, table.ranks.get(m, 0)) for m, r in self.ranks.items()}
-        return Need(ranks, self.scaled)
+        return Need(ranks, self.scaled, self.biased)
 
 
 @dataclass
 class SlotTable:
     """Per-slot (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m; per
-    module that needs one, ``scale`` [S, out_m] (ones in rows without DoRA)."""
+    module that needs one, ``scale`` [S, out_m] (ones in rows without DoRA) and ``bias`` [S, out_m] (zeros in rows
+    without a trained bias)."""
 
     ranks: dict[str, int]  # module -> padded rank r_m, in fused column order
     offsets: dict[str, int]  # module -> first column of its segment in ``at``'s last dimension
     at: Tensor
     bt: dict[str, Tensor]
     scale: dict[str, Tensor] = field(default_factory=dict)
+    bias: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -82,10 +86,10 @@ class SlotTable:
 
     @property
     def need(self) -> Need:
-        return Need(dict(self.ranks), frozenset(self.scale))
+        return Need(dict(self.ranks), frozenset(self.scale), frozenset(self.bias))
 
     def tensors(self) -> list[Tensor]:
-        return [self.at, *self.bt.values(), *self.scale.values()]
+        return [self.at, *self.bt.values(), *self.scale.values(), *self.bias.values()]
 
     @property
     def nbytes(self) -> int:
@@ -95,13 +99,15 @@ class SlotTable:
 @dataclass
 class Segment:
     """One module's part of a shared table: its columns ``[start, stop)`` of ``h``, ``bt`` [G, r_m, out_m] (the
-    scaled B^T) and, where some adapter of the set is DoRA, ``scale`` [G, out_m]."""
+    scaled B^T) and, where some adapter of the set is DoRA, ``scale`` [G, out_m]; where one has a trained bias,
+    ``bias`` [G, out_m] (zeros for the others)."""
 
     module: str
     start: int
     stop: int
     bt: Tensor
     scale: Tensor | None = None
+    bias: Tensor | None = None
 
 
 @dataclass
@@ -115,7 +121,7 @@ class SharedTable:
 
     @property
     def nbytes(self) -> int:
-        extras = [t for s in self.segs for t in (s.bt, s.scale) if t is not None]
+        extras = [t for s in self.segs for t in (s.bt, s.scale, s.bias) if t is not None]
         return sum(t.numel() * t.element_size() for t in (self.a, *extras))
 
 
@@ -151,6 +157,7 @@ def needs_of(site: str, rows: Sequence[LoraLayer | None]) -> Need:
     """What ``rows`` need of the site's table."""
     ranks: dict[str, int] = {}
     scaled: set[str] = set()
+    biased: set[str] = set()
     for lora in rows:
         if lora is None:
             continue
@@ -161,8 +168,10 @@ def needs_of(site: str, rows: Sequence[LoraLayer | None]) -> Need:
             ranks[name] = max(ranks.get(name, 0), module.rank)
             if module.rescale is not None:
                 scaled.add(name)
+            if module.bias is not None:
+                biased.add(name)
     ordered = {m: ranks[m] for m in MODULES if m in ranks}
-    return Need(ordered, frozenset(scaled))
+    return Need(ordered, frozenset(scaled), frozenset(biased))
 
 
 __all__ = [

@@ -8,7 +8,8 @@ into one ``LoraLayer`` the batched math reads like any adapter's:
 - one adapter at weight ``w``: ``a`` shared, ``b`` times ``w``; a DoRA module's per-channel factor is recomputed
   for that weight (``DoraNorm.rescale(w)``), as PEFT recomputes the norm with the changed scaling;
 - several adapters: per module, the components' ``a`` stacked along the rank axis and their ``b`` side by side,
-  each times its weight, so ``b_mix @ a_mix = Σ w_i · b_i @ a_i`` — exactly PEFT's ``add_weighted_adapter(...,
+  each times its weight (trained biases summed, each times its weight), so ``b_mix @ a_mix = Σ w_i · b_i @ a_i`` —
+  exactly PEFT's ``add_weighted_adapter(...,
   combination_type="cat")``. A DoRA module has no weighted sum with another: the catalog refuses DoRA adapters in
   a mixture of two or more, and ``compose_layer`` refuses them again.
 
@@ -37,7 +38,8 @@ def _weighted(module: LoraModule, weight: float) -> LoraModule:
     if weight == 1.0:
         return module
     rescale = None if module.dora is None else module.dora.rescale(weight)
-    return LoraModule(a=module.a, b=module.b * weight, rescale=rescale)
+    bias = None if module.bias is None else module.bias * weight
+    return LoraModule(a=module.a, b=module.b * weight, rescale=rescale, bias=bias)
 
 
 def _stacked(present: Sequence[tuple[LoraModule, float]], what: str) -> LoraModule:
@@ -47,7 +49,9 @@ def _stacked(present: Sequence[tuple[LoraModule, float]], what: str) -> LoraModu
         raise InvalidRequest(f"{what}: a DoRA adapter has no weighted sum with another adapter", field="adapters")
     a = torch.cat([m.a for m, _ in present])  # [sum r, in]
     b = torch.cat([m.b * w for m, w in present], dim=1)  # [out, sum r]
-    return LoraModule(a=a, b=b)
+    biases = [m.bias.float() * w for m, w in present if m.bias is not None]  # summed in fp32, rounded once
+    bias = None if not biases else torch.stack(biases).sum(0).to(present[0][0].b.dtype)
+    return LoraModule(a=a, b=b, bias=bias)
 
 
 def compose_layer(parts: Sequence[tuple[LoraLayer, float]]) -> LoraLayer:
@@ -57,7 +61,7 @@ def compose_layer(parts: Sequence[tuple[LoraLayer, float]]) -> LoraLayer:
         present = [(layer.modules[name], w) for layer, w in parts if name in layer.modules]
         if present:
             modules[name] = _stacked(present, name)
-    tensors = [t for m in modules.values() for t in (m.a, m.b, m.rescale) if t is not None]
+    tensors = [t for m in modules.values() for t in (m.a, m.b, m.rescale, m.bias) if t is not None]
     return LoraLayer(modules=modules, nbytes=sum(t.numel() * t.element_size() for t in tensors))
 
 

@@ -41,10 +41,12 @@ class HostCopy:
     buffer: torch.Tensor  # [nbytes] uint8, pinned on CUDA servers
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # raw A [r, in], B [out, r] (file dtype)
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # DoRA [out] (file dtype)
+    biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # lora_B bias [out] (file dtype)
 
     @property
     def nbytes(self) -> int:
-        return int(self.buffer.numel()) + sum(m.numel() * m.element_size() for m in self.magnitudes.values())
+        vectors = (*self.magnitudes.values(), *self.biases.values())
+        return int(self.buffer.numel()) + sum(v.numel() * v.element_size() for v in vectors)
 
 
 @dataclass
@@ -141,7 +143,12 @@ class AdapterReader:
                     b.copy_(b_raw, non_blocking=True).mul_(s.scaling)
                 else:  # scale in fp32, round once
                     b.copy_(b_raw.to(self.device, non_blocking=True).float().mul_(s.scaling))
-                modules[s.module] = LoraModule(a=a, b=b)
+                bias = None
+                if s.bias is not None:  # scaled like B, in fp32, rounded once
+                    raw = host.biases[(layer, s.module)].to(self.device, torch.float32)  # may be the host tensor
+                    bias = (raw * s.scaling).to(self.dtype)
+                    nbytes += bias.nbytes
+                modules[s.module] = LoraModule(a=a, b=b, bias=bias)
                 nbytes += a.nbytes + b.nbytes
         return LoraLayer(modules=modules, nbytes=nbytes)
 
@@ -167,7 +174,9 @@ class AdapterReader:
                     delta_sq=((b @ (a @ a.t())) * b).sum(1),
                 )
                 module = modules[s.module]
-                modules[s.module] = LoraModule(a=module.a, b=module.b, dora=dora, rescale=dora.rescale(1.0))
+                modules[s.module] = LoraModule(
+                    a=module.a, b=module.b, dora=dora, rescale=dora.rescale(1.0), bias=module.bias
+                )
                 nbytes += 5 * 4 * int(w.shape[0])
         return LoraLayer(modules=modules, nbytes=nbytes)
 
@@ -185,7 +194,9 @@ def _read_layer(
         if s.m is not None:
             m = host.magnitudes[(layer, s.module)] = torch.empty(s.m.shape, dtype=s.m.torch_dtype)
             plan[s.m.name] = m
-    records = {r.name: r for s in slots for r in (s.a, s.b, s.m) if r is not None}
+        if s.bias is not None:
+            plan[s.bias.name] = host.biases[(layer, s.module)] = torch.empty(s.bias.shape, dtype=s.bias.torch_dtype)
+    records = {r.name: r for s in slots for r in (s.a, s.b, s.m, s.bias) if r is not None}
     stats = load_tensors(records, plan, mode="stream", threads=1, opener=opener)
     t1 = time.perf_counter()
     try:
@@ -194,6 +205,8 @@ def _read_layer(
                 check_finite(tensor, rec.name, rec.file)
             if s.m is not None:
                 check_finite(host.magnitudes[(layer, s.module)], s.m.name, s.m.file)
+            if s.bias is not None:
+                check_finite(host.biases[(layer, s.module)], s.bias.name, s.bias.file)
     finally:
         t2 = time.perf_counter()
     return stats.bytes_read, t1 - t0, t2 - t1

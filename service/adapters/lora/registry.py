@@ -33,7 +33,7 @@ from service.adapters.lora.peft import (
     read_lora_config,
     resolve_targets,
 )
-from service.adapters.lora.peft_keys import GROUP, LORA_KEY, MAGNITUDE_KEY, explain_foreign_key, module_key
+from service.adapters.lora.peft_keys import BIAS_KEY, GROUP, LORA_KEY, MAGNITUDE_KEY, explain_foreign_key, module_key
 from service.adapters.lora.spec import FLOAT_CODES, N_MODULES, AdapterSpec, plan_nbytes
 from service.adapters.lora.types import MODULES
 from service.errors import InvalidAdapter
@@ -75,7 +75,9 @@ def _build_index(
 ) -> AdapterSpec:
     features = module_features(model_config)
     problems: list[tuple[str, str]] = []  # (tensor, message)
-    seen, style = _match_names(records, targets, model_config.num_layers, problems, dora=config.use_dora)
+    seen, style = _match_names(
+        records, targets, model_config.num_layers, problems, dora=config.use_dora, bias=config.lora_bias
+    )
     columns = _zero_columns(model_config.num_layers * N_MODULES)
     for (layer, module), pair in seen.items():
         bad = _fill_slot(columns, layer, module, pair, targets[(layer, module)], features[module], config)
@@ -114,18 +116,23 @@ def _match_names(
     problems: list[tuple[str, str]],
     *,
     dora: bool = False,
+    bias: bool = False,
 ) -> tuple[dict[tuple[int, str], dict[str, TensorRecord]], tuple[str, str] | None]:
-    """Each tensor's (layer, module) -> {"A" | "B" | "M" (DoRA's magnitude, with ``dora``): record}, and the names'
-    (prefix, infix); a name that is not a LoRA weight of a targeted projection, or whose style differs from the
-    first one's, goes to ``problems``."""
+    """Each tensor's (layer, module) -> {"A" | "B" | "M" (DoRA's magnitude, with ``dora``) | "bias" (lora_B's
+    bias, with ``bias``): record}, and the names' (prefix, infix); a name that is not a LoRA tensor of a targeted
+    projection, or whose style differs from the first one's, goes to ``problems``."""
     seen: dict[tuple[int, str], dict[str, TensorRecord]] = {}
     style: tuple[str, str] | None = None
     match_key = LORA_KEY.fullmatch  # inlined parse_lora_key: this loop runs once per tensor of the file
     magnitudes: list[tuple[str, TensorRecord]] = []
+    biases: list[tuple[str, TensorRecord]] = []
     for name, rec in records.items():
         m = match_key(name)
         if dora and m is None and MAGNITUDE_KEY.fullmatch(name):
             magnitudes.append((name, rec))
+            continue
+        if bias and m is None and BIAS_KEY.fullmatch(name):
+            biases.append((name, rec))
             continue
         if m is None or GROUP.get(m[4]) != m[3]:
             problems.append((name, explain_foreign_key(name)))
@@ -154,6 +161,16 @@ def _match_names(
             problems.append((name, "a DoRA magnitude of a module with no lora_A / lora_B in the file"))
         else:
             seen[key]["M"] = rec
+    for name, rec in biases:
+        mb = BIAS_KEY.fullmatch(name)
+        assert mb is not None
+        key = (int(mb["layer"]), mb["module"])
+        if style is not None and (mb["prefix"], mb["infix"] or "") != style:
+            problems.append((name, f"key prefix/infix differ from the file's other keys ({style[0]!r}, {style[1]!r})"))
+        elif GROUP.get(key[1]) != mb["group"] or key not in seen:
+            problems.append((name, "a LoRA bias of a module with no lora_A / lora_B in the file"))
+        else:
+            seen[key]["bias"] = rec
     return seen, style
 
 
@@ -168,6 +185,8 @@ class _Columns(TypedDict):
     scaling: array[float]
     m_start: array[int]
     m_dtype: array[int]
+    bias_start: array[int]
+    bias_dtype: array[int]
 
 
 def _zero_columns(n_slots: int) -> _Columns:
@@ -180,6 +199,8 @@ def _zero_columns(n_slots: int) -> _Columns:
         scaling=array("d", bytes(8 * n_slots)),
         m_start=array("Q", bytes(8 * n_slots)),
         m_dtype=array("B", bytes(n_slots)),
+        bias_start=array("Q", bytes(8 * n_slots)),
+        bias_dtype=array("B", bytes(n_slots)),
     )
 
 
@@ -212,10 +233,27 @@ def _fill_slot(
         if tuple(m.shape) != (features[1],):
             return m.name, f"shape {m.shape}: DoRA's magnitude must be [out_features] = [{features[1]}]"
         columns["m_start"][slot], columns["m_dtype"][slot] = m.start, FLOAT_CODES.index(m.dtype)
+    if config.lora_bias:
+        bad = _check_vector(pair.get("bias"), a, "lora_bias is set, but the module has no lora_B bias", features[1])
+        if bad is not None:
+            return bad
+        bias = pair["bias"]
+        columns["bias_start"][slot], columns["bias_dtype"][slot] = bias.start, FLOAT_CODES.index(bias.dtype)
     columns["ranks"][slot] = rank
     columns["a_start"][slot], columns["b_start"][slot] = a.start, b.start
     columns["a_dtype"][slot], columns["b_dtype"][slot] = FLOAT_CODES.index(a.dtype), FLOAT_CODES.index(b.dtype)
     columns["scaling"][slot] = lora_scaling(rank, alpha, config.use_rslora)
+    return None
+
+
+def _check_vector(rec: TensorRecord | None, owner: TensorRecord, missing: str, fout: int) -> tuple[str, str] | None:
+    """A per-output-channel vector (a LoRA bias): present, a float type, ``[out_features]``."""
+    if rec is None:
+        return owner.name, missing
+    if rec.dtype not in FLOAT_CODES:
+        return rec.name, f"dtype {rec.dtype} is not a float type ({', '.join(FLOAT_CODES)})"
+    if tuple(rec.shape) != (fout,):
+        return rec.name, f"shape {rec.shape}: a LoRA bias must be [out_features] = [{fout}]"
     return None
 
 

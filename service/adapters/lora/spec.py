@@ -22,7 +22,7 @@ import torch
 
 from service.adapters.common.files import FileStamp
 from service.adapters.lora.peft import LoraAdapterConfig
-from service.adapters.lora.peft_keys import LoraKey, lora_key_name, magnitude_key_name
+from service.adapters.lora.peft_keys import LoraKey, bias_key_name, lora_key_name, magnitude_key_name
 from service.adapters.lora.types import MODULES
 from service.loading import DTYPES, TensorRecord
 
@@ -39,6 +39,7 @@ class SlotRecords:
     b: TensorRecord  # lora_B [out, r]
     scaling: float
     m: TensorRecord | None = None  # DoRA's lora_magnitude_vector [out] (None: plain LoRA)
+    bias: TensorRecord | None = None  # lora_B's trained bias [out] (None: no lora_bias)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -61,6 +62,8 @@ class AdapterSpec:
     scaling: array[float]
     m_start: array[int]  # DoRA: absolute file offsets of each slot's lora_magnitude_vector (unused without)
     m_dtype: array[int]
+    bias_start: array[int]  # lora_bias: absolute file offsets of each slot's lora_B bias (unused without)
+    bias_dtype: array[int]
     file_bytes: int  # the size of the weights file when it was indexed
     stamp: FileStamp  # the weights file's identity when its header was read: every later read checks it
     index_seconds: float
@@ -86,16 +89,21 @@ class AdapterSpec:
     def max_rank(self) -> int:
         return max(self.ranks, default=0)
 
-    def dora_nbytes(self, device: bool) -> int:
-        """DoRA's bytes beside the A/B buffer: the magnitudes as stored (host), or on the device the five float32
-        vectors per module (magnitude, the three norm terms, the factor); 0 for plain LoRA."""
-        if not self.config.use_dora:
+    def extras_nbytes(self, dtype: torch.dtype | None) -> int:
+        """Bytes of the per-channel vectors beside the A/B buffer (``dtype`` None: the host tier, as stored).
+        DoRA: the magnitudes as stored, or on the device five float32 vectors per module (magnitude, the three norm
+        terms, the factor); a LoRA bias: as stored, or in the serving dtype. 0 for plain LoRA."""
+        dora, bias = self.config.use_dora, self.config.lora_bias
+        if not (dora or bias):
             return 0
         total = 0
         for slot, r in enumerate(self.ranks):
             if r:
                 fout = self.features[slot % N_MODULES][1]
-                total += fout * (5 * 4 if device else _itemsize(self.m_dtype[slot]))
+                if dora:
+                    total += fout * (5 * 4 if dtype is not None else _itemsize(self.m_dtype[slot]))
+                if bias:
+                    total += fout * (dtype.itemsize if dtype is not None else _itemsize(self.bias_dtype[slot]))
         return total
 
     def a_itemsize(self, slot: int) -> int:
@@ -136,6 +144,11 @@ class AdapterSpec:
                 m_code, m_bytes = FLOAT_CODES[self.m_dtype[slot]], fout * _itemsize(self.m_dtype[slot])
                 m_name = magnitude_key_name(self.prefix, layer, module)
                 m = TensorRecord(m_name, self.file, m_code, (fout,), self.m_start[slot], m_bytes)
+            bias = None
+            if self.config.lora_bias:
+                code, size = FLOAT_CODES[self.bias_dtype[slot]], fout * _itemsize(self.bias_dtype[slot])
+                name = bias_key_name(self.prefix, layer, module, self.infix)
+                bias = TensorRecord(name, self.file, code, (fout,), self.bias_start[slot], size)
             out.append(
                 SlotRecords(
                     module=module,
@@ -143,6 +156,7 @@ class AdapterSpec:
                     b=TensorRecord(b_name, self.file, b_code, (fout, r), self.b_start[slot], b_bytes),
                     scaling=self.scaling[slot],
                     m=m,
+                    bias=bias,
                 )
             )
         return out
@@ -173,13 +187,13 @@ def plan_buffer(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> Buf
 
 
 def plan_nbytes(spec: AdapterSpec, dtype: torch.dtype | None, align: int) -> int:
-    """``plan_buffer(...).nbytes`` without building the offsets, plus DoRA's vectors, allocated beside the buffer
-    (``AdapterSpec.dora_nbytes``): what a tier holds for the adapter (registration keeps only this number)."""
+    """``plan_buffer(...).nbytes`` without building the offsets, plus the per-channel vectors allocated beside the
+    buffer (``AdapterSpec.extras_nbytes``): what a tier holds for the adapter (registration keeps only this)."""
     cursor = 0
     for _, _, (a_bytes, b_bytes) in slot_sizes(spec, dtype):
         cursor = -(-cursor // align) * align + a_bytes
         cursor = -(-cursor // align) * align + b_bytes
-    return -(-cursor // align) * align + spec.dora_nbytes(device=dtype is not None)
+    return -(-cursor // align) * align + spec.extras_nbytes(dtype)
 
 
 def slot_sizes(spec: AdapterSpec, dtype: torch.dtype | None) -> Iterator[tuple[int, str, tuple[int, int]]]:

@@ -13,7 +13,8 @@ Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (laye
   to the widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
 
 A per-row ``scale`` rides along per module where a DoRA row needs it (DoRA's per-channel factor on the base output
-plus the delta, ones in the other rows); a table without a DoRA row has none, and a plain LoRA batch pays nothing.
+plus the delta, ones in the other rows), and a per-row ``bias`` where a row's adapter has a trained LoRA bias
+(zeros in the other rows); a table without such rows has neither, and a plain LoRA batch pays nothing.
 
 On CPU the tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times slower than
 fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype. The tables hold weak
@@ -133,6 +134,8 @@ class LoraTables:
             seg = Segment(name, start, start + r_max, torch.zeros(g, r_max, out_m, dtype=dt, device=dev))
             if name in need.scaled:
                 seg.scale = torch.ones(g, out_m, dtype=torch.float32, device=dev)
+            if name in need.biased:
+                seg.bias = torch.zeros(g, out_m, dtype=dt, device=dev)
             for i, lora in enumerate(distinct):
                 module = None if lora is None else lora.modules.get(name)
                 if module is not None:
@@ -141,6 +144,8 @@ class LoraTables:
                     seg.bt[i, : module.rank].copy_(module.b.t())  # [r, out] <- [out, r]^T
                     if seg.scale is not None and module.rescale is not None:
                         seg.scale[i].copy_(module.rescale)
+                    if seg.bias is not None and module.bias is not None:
+                        seg.bias[i].copy_(module.bias)
             segs.append(seg)
             start += r_max
         return SharedTable(a, segs)
@@ -178,6 +183,8 @@ class LoraTables:
                     table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
                 for name, sc in table.scale.items():
                     table.scale[name] = torch.cat((sc, sc.new_ones(grow, sc.shape[1])))
+                for name, bias in table.bias.items():
+                    table.bias[name] = torch.cat((bias, bias.new_zeros(grow, bias.shape[1])))
             self._owners[layer].extend([None] * grow)
         self._capacity = slots
 
@@ -222,7 +229,8 @@ class LoraTables:
         at = torch.zeros(cap, in_features, width, dtype=dt, device=dev)
         bt = {m: torch.zeros(cap, ranks[m], self.modules[m].out_features, dtype=dt, device=dev) for m in modules}
         scale = {m: torch.ones(cap, self.modules[m].out_features, dtype=torch.float32, device=dev) for m in need.scaled}
-        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt, scale=scale)
+        bias = {m: torch.zeros(cap, self.modules[m].out_features, dtype=dt, device=dev) for m in need.biased}
+        return SlotTable(ranks=ranks, offsets=offsets, at=at, bt=bt, scale=scale, bias=bias)
 
     def _write(self, tables: dict[str, SlotTable], slot: int, lora: LoraLayer | None) -> None:
         """Copy one adapter layer (or zeros) into row ``slot`` of every per-slot table of the layer."""
@@ -232,7 +240,7 @@ class LoraTables:
                 off = table.offsets[name]
                 bt = table.bt[name][slot]  # [r_m, out_m]
                 module = None if lora is None else lora.modules.get(name)
-                _write_scale(table, name, slot, module)
+                _write_extras(table, name, slot, module)
                 if module is None:
                     at[:, off : off + width].zero_()
                     bt.zero_()
@@ -255,16 +263,23 @@ class LoraTables:
             )
 
 
-def _write_scale(table: SlotTable, name: str, slot: int, module: LoraModule | None) -> None:
-    """Row ``slot``'s DoRA scale of ``name`` (ones without one), where the table has a scale for it."""
+def _write_extras(table: SlotTable, name: str, slot: int, module: LoraModule | None) -> None:
+    """Row ``slot``'s DoRA scale (ones without one) and trained bias (zeros without one) of ``name``, where the
+    table has them."""
     scale = table.scale.get(name)
-    if scale is None:
-        return
-    rescale = None if module is None else module.rescale
-    if rescale is None:
-        scale[slot].fill_(1.0)
-    else:
-        scale[slot].copy_(rescale)
+    if scale is not None:
+        rescale = None if module is None else module.rescale
+        if rescale is None:
+            scale[slot].fill_(1.0)
+        else:
+            scale[slot].copy_(rescale)
+    bias = table.bias.get(name)
+    if bias is not None:
+        value = None if module is None else module.bias
+        if value is None:
+            bias[slot].zero_()
+        else:
+            bias[slot].copy_(value)
 
 
 __all__ = ["SHARED_SETS_KEPT", "LoraTables"]

@@ -44,12 +44,14 @@ class DoraNorm:
 class LoraModule:
     """One target module of one layer, ready for the math, on its device and in the serving dtype.
 
-    The module's output is ``rescale ⊙ (W x + b(a x))``, ``rescale`` (DoRA) None for plain LoRA."""
+    The module's output is ``rescale ⊙ (W x + b(a x)) + bias``; ``rescale`` (DoRA) and ``bias`` (a trained LoRA
+    bias, PEFT's ``lora_bias``) are None when the adapter has none."""
 
     a: torch.Tensor  # [r, in_features]   lora_A.weight as PEFT stores it (fan_in_fan_out already handled)
     b: torch.Tensor  # [out_features, r]  lora_B.weight with the scaling (alpha/r or alpha/sqrt(r)) multiplied in
     dora: DoraNorm | None = None  # DoRA's terms (to rescale for another weight)
     rescale: Tensor | None = None  # [out] float32 DoRA factor for this module's weights as they are (dora.rescale(1))
+    bias: Tensor | None = None  # [out] lora_B.bias with the scaling multiplied in, serving dtype
 
     @property
     def rank(self) -> int:
