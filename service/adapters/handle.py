@@ -62,6 +62,21 @@ def check_mix(mix: Sequence[tuple[str, float]], limit: int, field: str = "adapte
             )
 
 
+class MixtureKey(tuple[tuple[Hashable, float], ...]):
+    """A ``Mixture``'s K/V key: (component key, weight) per component. It compares and hashes as the plain tuple;
+    its own type lets ``involves`` tell it from a kind's key that happens to be a tuple."""
+
+    __slots__ = ()
+
+
+def involves(kv_key: Hashable, component: Hashable) -> bool:
+    """Whether K/V keyed ``kv_key`` was shaped by the registration keyed ``component``: it is that key, or the key
+    of a mixture or scale that lists it (what the engine's caches must drop when the registration goes)."""
+    if kv_key == component:
+        return True
+    return isinstance(kv_key, MixtureKey) and any(key == component for key, _ in kv_key)
+
+
 class Adapter:
     """One request's view of a registered adapter (see the module docstring)."""
 
@@ -145,11 +160,11 @@ class Mixture(Adapter):
     def kv_key(self) -> Hashable | None:
         """(component key, weight) of every component that changes the K/V: no two scales or mixtures share K/V.
         None when no component changes it (heads only)."""
-        keys = tuple((key, w) for adapter, w in self.weighted if (key := adapter.kv_key()) is not None)
+        keys = MixtureKey((key, w) for adapter, w in self.weighted if (key := adapter.kv_key()) is not None)
         return keys or None
 
     def __repr__(self) -> str:
         return f"Mixture({[(a.id, w) for a, w in self.weighted]!r}, ready={self.ready()})"
 
 
-__all__ = ["MAX_ADAPTER_WEIGHT", "Adapter", "Mixture", "check_mix", "check_weight"]
+__all__ = ["MAX_ADAPTER_WEIGHT", "Adapter", "Mixture", "MixtureKey", "check_mix", "check_weight", "involves"]

@@ -25,7 +25,7 @@ import torch
 
 from service import metrics
 from service.adapters.catalog import AdapterCatalog
-from service.adapters.handle import Adapter
+from service.adapters.handle import Adapter, involves
 from service.config import Settings
 from service.constraints.backend import Backend
 from service.constraints.masks import Masks
@@ -306,9 +306,9 @@ class Engine:
         self._publish_state()
 
     def _forget_unloaded(self) -> None:
-        """Drop the prefix blocks of adapter registrations removed since the last step."""
-        while self._forgotten:
-            self.runner.prefix.forget(self._forgotten.popleft())
+        """Drop the prefix blocks of adapter registrations removed since the last step (alone or in a mixture)."""
+        gone = [self._forgotten.popleft() for _ in range(len(self._forgotten))]
+        self.runner.prefix.forget(lambda key: any(involves(key, g) for g in gone))
         metrics.PREFIX_CACHE_BLOCKS.set(self.runner.prefix.blocks_used)
 
     def _execute(self, plan: StepPlan) -> None:

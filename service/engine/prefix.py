@@ -7,7 +7,7 @@ Public API::
     prefix.lookup(tokens, key, limit=None) -> list[int]     pool indices of the longest cached block prefix
     prefix.restore(blocks, slot) -> int                     copies them into a KV slot; returns positions restored
     prefix.insert(tokens, key, slot, length) -> int         stores the slot's full blocks; returns blocks added
-    prefix.forget(key) -> int                               drops every block of a key (an unloaded adapter's)
+    prefix.forget(match) -> int                             drops every block whose key matches (an unloaded adapter's)
     prefix.clear(), .blocks_by_key(), .blocks_used, .touched_rows, .capacity, .nbytes, .block
 
 Chat traffic repeats itself: every request of a deployment carries the same system prompt and chat-template
@@ -30,7 +30,7 @@ can differ from a cold prefill in the last bits, exactly as they can between two
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,7 @@ class _Block:
     index: int  # in the pool
     tokens: tuple[int, ...]  # this block's tokens
     parent: int | None  # the previous block's hash (None: the first block)
-    key: Hashable  # the key its chain was hashed under (``forget`` drops a key's blocks)
+    key: Hashable  # the key its chain was hashed under (``forget`` drops blocks by key)
 
 
 class PrefixCache:
@@ -78,11 +78,12 @@ class PrefixCache:
         self._blocks.clear()
         self._free = list(range(self.capacity - 1, -1, -1))
 
-    def forget(self, key: Hashable) -> int:
-        """Drop every block stored under ``key`` (an adapter registration that is gone: no lookup can reach its
-        blocks again); returns how many. Their pool rows are the next to be reused (the free list is a stack), so
-        under adapter churn the pool's touched memory stays at the working set instead of growing to the budget."""
-        gone = [h for h, block in self._blocks.items() if block.key == key]
+    def forget(self, match: Callable[[Hashable], bool]) -> int:
+        """Drop every block stored under a key ``match`` accepts (those an adapter registration that is gone shaped,
+        alone or in a mixture: no lookup can reach them again); returns how many. Their pool rows are the next to be
+        reused (the free list is a stack), so under adapter churn the pool's touched memory stays at the working set
+        instead of growing to the budget."""
+        gone = [h for h, block in self._blocks.items() if match(block.key)]
         for h in gone:
             self._free.append(self._blocks.pop(h).index)
         return len(gone)

@@ -145,6 +145,40 @@ def test_an_unloaded_adapters_prefix_blocks_are_dropped_and_their_pool_rows_reus
         catalog.close()
 
 
+def test_unloading_one_component_drops_the_prefix_blocks_of_every_mixture_and_scale_of_it(
+    served_tiny_dir: Path, root: Path
+) -> None:
+    engine, catalog = _engine(served_tiny_dir, root)
+    prefix = engine.prefix
+    try:
+        lora = catalog.kind(LoraPart)
+        assert lora is not None
+        for name in ("big", "small"):
+            catalog.register(name, root / name)
+            lora.store.ensure(name, timeout=60)
+        words = prompt(22, 40)  # 5 blocks of 8 tokens
+        mixes = {
+            "mixed": (("big", 0.5), ("small", 0.5)),
+            "scaled": (("small", 0.5),),
+            "big-scaled": (("big", 0.5),),
+        }
+        for rid, mix in mixes.items():
+            _run(engine, req(rid, words, n=2, adapter_id=mix[0][0], mix=mix))
+        _run(engine, req("small", words, n=2, adapter_id="small"))
+        _run(engine, req("big", words, n=2, adapter_id="big"))
+        keys = {rid: catalog.resolve_mix(mix, limit=4).kv_key() for rid, mix in mixes.items()}
+        big, small = catalog.resolve("big").kv_key(), catalog.resolve("small").kv_key()
+        held = prefix.blocks_by_key()
+        n = held[big]
+        assert set(held) == {big, small, *keys.values()} and all(count == n for count in held.values())
+        catalog.unregister("small")
+        engine.step()  # the engine thread's step drops the blocks of every key built from the registration
+        assert prefix.blocks_by_key() == {big: n, keys["big-scaled"]: n}
+    finally:
+        engine.stop()
+        catalog.close()
+
+
 def test_unloading_over_grpc_empties_the_registrations_bookkeeping(served_tiny_dir: Path, root: Path) -> None:
     settings = tiny_settings(served_tiny_dir, adapter_roots=(root,), prefix_block_tokens=8)
     with BackgroundServer(settings) as srv, grpc.insecure_channel(srv.target) as channel:

@@ -16,6 +16,7 @@ from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.servers import as_stream, stream_req, text_req
 
 from service.api.server import BackgroundServer
+from service.config import Settings
 
 
 def test_unary_stream_and_several_prompts_agree(stub: pb_grpc.GenerationStub) -> None:
@@ -154,6 +155,7 @@ def test_tokenize_and_model_info(stub: pb_grpc.GenerationStub, served_tiny_dir: 
     assert chat.rendered_text == tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     info = stub.ModelInfo(pb.ModelInfoRequest())
     assert info.vocab_size == 49152 and info.limits.max_prompt_tokens == 128
+    assert info.limits.max_mixture_adapters == Settings(model=served_tiny_dir).max_mixture_adapters
     assert info.dtype == "float32" and info.device == "cpu" and info.load_mode == "stream"
     assert "chat_template" in info.features and 2 in info.eos_token_ids
 

@@ -14,8 +14,14 @@ from loraplex import AsyncClient, Client, FinishReason, InvalidArgument, NotFoun
 
 from service.api.server import BackgroundServer
 
-# The test defaults (`support.servers.TEST_SETTINGS`) with the server's own queue and longer requests.
-SETTINGS: dict[str, object] = {"max_queue": 256, "max_prompt_tokens": 256, "max_new_tokens": 128}
+# The test defaults (`support.servers.TEST_SETTINGS`) with the server's own queue and longer requests; a mixture
+# limit off its default so `model_info` shows the server's value.
+SETTINGS: dict[str, object] = {
+    "max_queue": 256,
+    "max_prompt_tokens": 256,
+    "max_new_tokens": 128,
+    "max_mixture_adapters": 3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +42,7 @@ def test_client_generate_stream_tokenize_info(server: BackgroundServer) -> None:
         assert client.tokenize("Hello world").token_ids
         info = client.model_info()
         assert info.vocab_size == 49152 and info.limits.max_new_tokens == 128
+        assert info.limits.max_mixture_adapters == 3
         with pytest.raises(NotFound) as err:
             client.generate("x", adapter="missing", max_new_tokens=2)
         assert "missing" in str(err.value)
@@ -83,7 +90,8 @@ def test_cli_generate_json_tokenize_info(server: BackgroundServer) -> None:
     tok = cli("tokenize", "--target", server.target, "Hello world")
     assert json.loads(tok.stdout)["token_ids"]
     info = cli("info", "--target", server.target)
-    assert json.loads(info.stdout)["vocab_size"] == 49152
+    shown = json.loads(info.stdout)
+    assert shown["vocab_size"] == 49152 and shown["limits"]["max_mixture_adapters"] == 3
     bad = cli("generate", "--target", server.target, "--adapter", "nope", "Hello")
     assert bad.returncode != 0 and "nope" in bad.stderr
 

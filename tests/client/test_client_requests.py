@@ -291,13 +291,20 @@ def test_model_info_and_tokenize_conversion() -> None:
         architecture="LlamaForCausalLM",
         vocab_size=49152,
         context_length=8192,
-        limits=pb.Limits(max_batch_size=32, max_prompt_tokens=2048, max_new_tokens=1024, max_total_tokens=4096),
+        limits=pb.Limits(
+            max_batch_size=32,
+            max_prompt_tokens=2048,
+            max_new_tokens=1024,
+            max_total_tokens=4096,
+            max_mixture_adapters=4,
+        ),
         features=["lora", "medusa"],
         load_seconds=1.5,
         eos_token_ids=[2],
     )
     info = _convert.to_model_info(message)
-    assert info.limits.max_total_tokens == 4096 and info.features == ("lora", "medusa")
+    assert info.limits.max_total_tokens == 4096 and info.limits.max_mixture_adapters == 4
+    assert info.features == ("lora", "medusa")
     assert info.eos_token_ids == (2,) and info.load_seconds == 1.5
     tokens = _convert.to_tokenize_result(pb.TokenizeResponse(token_ids=[1, 2], tokens=["a", "b"], rendered_text="ab"))
     assert len(tokens) == 2 and tokens.tokens == ("a", "b")

@@ -10,6 +10,7 @@ from support.engines import generate, idle, prompt, req, run, stepped_engine, to
 from support.tiny_models import TINY_DEFAULTS
 
 from service import metrics
+from service.adapters.handle import MixtureKey, involves
 from service.engine.engine import Engine
 from service.engine.prefix import PrefixCache
 from service.model import KVCache
@@ -63,6 +64,19 @@ def test_least_recently_used_blocks_are_evicted_and_long_chains_stay_consistent(
     assert len(blocks) == 3
     prefix.restore(blocks, 3)
     assert torch.equal(cache.data[:, :, 3, :, :12], cache.data[:, :, 2, :, :12])
+
+
+def test_forget_drops_a_registrations_blocks_alone_scaled_and_in_mixtures() -> None:
+    cache = small_cache()
+    prefix = PrefixCache(cache, 100 * block_bytes(cache, 4), block=4)
+    a, b = ("a", 1.0), ("b", 2.0)  # two registrations' keys
+    keys = [None, a, b, MixtureKey(((a, 0.5),)), MixtureKey(((b, 0.5), (a, 0.5))), MixtureKey(((b, 0.5),))]
+    for key in keys:
+        prefix.insert(list(range(8)), key, slot=0, length=8)
+    assert prefix.blocks_by_key() == dict.fromkeys(keys, 2)
+    assert prefix.forget(lambda key: involves(key, a)) == 6
+    assert prefix.blocks_by_key() == {None: 2, b: 2, MixtureKey(((b, 0.5),)): 2}
+    assert not involves(("a", 1.0, "x"), a) and not involves((a, 0.5), a)  # only a mixture's key lists components
 
 
 def test_zero_budget_turns_caching_off() -> None:

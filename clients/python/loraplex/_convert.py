@@ -466,6 +466,7 @@ def to_model_info(message: generation_pb2.ModelInfoResponse) -> ModelInfo:
             max_new_tokens=limits.max_new_tokens,
             max_total_tokens=limits.max_total_tokens,
             max_queue=limits.max_queue,
+            max_mixture_adapters=limits.max_mixture_adapters,
         ),
         features=tuple(message.features),
         server_version=message.server_version,

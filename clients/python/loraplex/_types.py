@@ -156,6 +156,7 @@ class Limits:
     max_new_tokens: int  # also the default of max_new_tokens
     max_total_tokens: int  # prompt + generated
     max_queue: int  # waiting requests before RESOURCE_EXHAUSTED
+    max_mixture_adapters: int  # adapters one request may mix (``adapters=``)
 
 
 @dataclass(frozen=True)

@@ -906,6 +906,7 @@ class Limits(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_QUEUE_FIELD_NUMBER: _builtins.int
+    MAX_MIXTURE_ADAPTERS_FIELD_NUMBER: _builtins.int
     max_batch_size: _builtins.int
     """Most sequences decoded together; also the most inputs in one GenerateRequest."""
     max_prompt_tokens: _builtins.int
@@ -916,6 +917,8 @@ class Limits(_message.Message):
     """Most prompt + generated tokens per input (the KV cache length of one sequence)."""
     max_queue: _builtins.int
     """Most requests waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED."""
+    max_mixture_adapters: _builtins.int
+    """Most adapters one request may mix (GenerateRequest.adapters); more are INVALID_ARGUMENT."""
     def __init__(
         self,
         *,
@@ -924,10 +927,11 @@ class Limits(_message.Message):
         max_new_tokens: _builtins.int = ...,
         max_total_tokens: _builtins.int = ...,
         max_queue: _builtins.int = ...,
+        max_mixture_adapters: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "max_new_tokens", b"max_new_tokens", "max_prompt_tokens", b"max_prompt_tokens", "max_queue", b"max_queue", "max_total_tokens", b"max_total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "max_mixture_adapters", b"max_mixture_adapters", "max_new_tokens", b"max_new_tokens", "max_prompt_tokens", b"max_prompt_tokens", "max_queue", b"max_queue", "max_total_tokens", b"max_total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
