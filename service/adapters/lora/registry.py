@@ -14,6 +14,7 @@ the stamp are checked again at every read.
 
 from __future__ import annotations
 
+import re
 import time
 from array import array
 from collections.abc import Sequence
@@ -124,15 +125,14 @@ def _match_names(
     seen: dict[tuple[int, str], dict[str, TensorRecord]] = {}
     style: tuple[str, str] | None = None
     match_key = LORA_KEY.fullmatch  # inlined parse_lora_key: this loop runs once per tensor of the file
-    magnitudes: list[tuple[str, TensorRecord]] = []
-    biases: list[tuple[str, TensorRecord]] = []
+    extras: list[tuple[str, re.Match[str], TensorRecord]] = []  # ("M" | "bias", its name's match, record)
     for name, rec in records.items():
         m = match_key(name)
-        if dora and m is None and MAGNITUDE_KEY.fullmatch(name):
-            magnitudes.append((name, rec))
+        if m is None and dora and (e := MAGNITUDE_KEY.fullmatch(name)):
+            extras.append(("M", e, rec))
             continue
-        if bias and m is None and BIAS_KEY.fullmatch(name):
-            biases.append((name, rec))
+        if m is None and bias and (e := BIAS_KEY.fullmatch(name)):
+            extras.append(("bias", e, rec))
             continue
         if m is None or GROUP.get(m[4]) != m[3]:
             problems.append((name, explain_foreign_key(name)))
@@ -151,27 +151,20 @@ def _match_names(
             problems.append((name, f"{CONFIG_FILE} does not target {module_key(layer, module)}"))
             continue
         seen.setdefault((layer, module), {})[matrix] = rec
-    for name, rec in magnitudes:
-        mm = MAGNITUDE_KEY.fullmatch(name)
-        assert mm is not None
-        key = (int(mm["layer"]), mm["module"])
-        if style is not None and (mm["prefix"] != style[0] or style[1]):
-            problems.append((name, f"key prefix differs from the file's other keys ({style[0]!r}, {style[1]!r})"))
-        elif GROUP.get(key[1]) != mm["group"] or key not in seen:
-            problems.append((name, "a DoRA magnitude of a module with no lora_A / lora_B in the file"))
+    for tag, e, rec in extras:  # after the weights: each vector belongs to a module seen with its A and B
+        key = (int(e["layer"]), e["module"])
+        if style is not None and (e["prefix"], e.groupdict().get("infix") or "") != style:
+            problems.append(
+                (rec.name, f"key prefix/infix differ from the file's other keys ({style[0]!r}, {style[1]!r})")
+            )
+        elif GROUP.get(key[1]) != e["group"] or key not in seen:
+            problems.append((rec.name, f"{_EXTRA[tag]} of a module with no lora_A / lora_B in the file"))
         else:
-            seen[key]["M"] = rec
-    for name, rec in biases:
-        mb = BIAS_KEY.fullmatch(name)
-        assert mb is not None
-        key = (int(mb["layer"]), mb["module"])
-        if style is not None and (mb["prefix"], mb["infix"] or "") != style:
-            problems.append((name, f"key prefix/infix differ from the file's other keys ({style[0]!r}, {style[1]!r})"))
-        elif GROUP.get(key[1]) != mb["group"] or key not in seen:
-            problems.append((name, "a LoRA bias of a module with no lora_A / lora_B in the file"))
-        else:
-            seen[key]["bias"] = rec
+            seen[key][tag] = rec
     return seen, style
+
+
+_EXTRA = {"M": "a DoRA magnitude", "bias": "a LoRA bias"}  # the per-channel vectors beside a module's A and B
 
 
 class _Columns(TypedDict):
@@ -225,16 +218,15 @@ def _fill_slot(
         return bad
     slot = layer * N_MODULES + MODULES.index(module)
     if config.use_dora:
-        m = pair.get("M")
-        if m is None:
-            return a.name, "use_dora is set, but the module has no lora_magnitude_vector"
-        if m.dtype not in FLOAT_CODES:
-            return m.name, f"dtype {m.dtype} is not a float type ({', '.join(FLOAT_CODES)})"
-        if tuple(m.shape) != (features[1],):
-            return m.name, f"shape {m.shape}: DoRA's magnitude must be [out_features] = [{features[1]}]"
+        bad = _check_vector(pair.get("M"), a, "use_dora is set, but the module has no lora_magnitude_vector",
+                            "DoRA's magnitude", features[1])  # fmt: skip
+        if bad is not None:
+            return bad
+        m = pair["M"]
         columns["m_start"][slot], columns["m_dtype"][slot] = m.start, FLOAT_CODES.index(m.dtype)
     if config.lora_bias:
-        bad = _check_vector(pair.get("bias"), a, "lora_bias is set, but the module has no lora_B bias", features[1])
+        bad = _check_vector(pair.get("bias"), a, "lora_bias is set, but the module has no lora_B bias",
+                            "a LoRA bias", features[1])  # fmt: skip
         if bad is not None:
             return bad
         bias = pair["bias"]
@@ -246,14 +238,16 @@ def _fill_slot(
     return None
 
 
-def _check_vector(rec: TensorRecord | None, owner: TensorRecord, missing: str, fout: int) -> tuple[str, str] | None:
-    """A per-output-channel vector (a LoRA bias): present, a float type, ``[out_features]``."""
+def _check_vector(
+    rec: TensorRecord | None, owner: TensorRecord, missing: str, what: str, fout: int
+) -> tuple[str, str] | None:
+    """A per-output-channel vector (DoRA's magnitude, a LoRA bias): present, a float type, ``[out_features]``."""
     if rec is None:
         return owner.name, missing
     if rec.dtype not in FLOAT_CODES:
         return rec.name, f"dtype {rec.dtype} is not a float type ({', '.join(FLOAT_CODES)})"
     if tuple(rec.shape) != (fout,):
-        return rec.name, f"shape {rec.shape}: a LoRA bias must be [out_features] = [{fout}]"
+        return rec.name, f"shape {rec.shape}: {what} must be [out_features] = [{fout}]"
     return None
 
 
