@@ -164,7 +164,9 @@ def _match_names(
     return seen, style
 
 
-_EXTRA = {"M": "a DoRA magnitude", "bias": "a LoRA bias"}  # the per-channel vectors beside a module's A and B
+# The per-channel vectors beside a module's A and B: as named when one has no module, and when one is misshapen.
+_EXTRA = {"M": "a DoRA magnitude", "bias": "a LoRA bias"}
+_WHAT = {"M": "DoRA's magnitude", "bias": "a LoRA bias"}
 
 
 class _Columns(TypedDict):
@@ -217,20 +219,15 @@ def _fill_slot(
     if bad is not None:
         return bad
     slot = layer * N_MODULES + MODULES.index(module)
-    if config.use_dora:
-        bad = _check_vector(pair.get("M"), a, "use_dora is set, but the module has no lora_magnitude_vector",
-                            "DoRA's magnitude", features[1])  # fmt: skip
-        if bad is not None:
-            return bad
-        m = pair["M"]
-        columns["m_start"][slot], columns["m_dtype"][slot] = m.start, FLOAT_CODES.index(m.dtype)
-    if config.lora_bias:
-        bad = _check_vector(pair.get("bias"), a, "lora_bias is set, but the module has no lora_B bias",
-                            "a LoRA bias", features[1])  # fmt: skip
-        if bad is not None:
-            return bad
-        bias = pair["bias"]
-        columns["bias_start"][slot], columns["bias_dtype"][slot] = bias.start, FLOAT_CODES.index(bias.dtype)
+    for on, tag, start, dtype, missing in (
+        (config.use_dora, "M", "m_start", "m_dtype", "use_dora is set, but the module has no lora_magnitude_vector"),
+        (config.lora_bias, "bias", "bias_start", "bias_dtype", "lora_bias is set, but the module has no lora_B bias"),
+    ):
+        if on:
+            bad = _check_vector(pair.get(tag), a, missing, _WHAT[tag], features[1])
+            if bad is not None:
+                return bad
+            columns[start][slot], columns[dtype][slot] = pair[tag].start, FLOAT_CODES.index(pair[tag].dtype)  # type: ignore[literal-required]
     columns["ranks"][slot] = rank
     columns["a_start"][slot], columns["b_start"][slot] = a.start, b.start
     columns["a_dtype"][slot], columns["b_dtype"][slot] = FLOAT_CODES.index(a.dtype), FLOAT_CODES.index(b.dtype)
