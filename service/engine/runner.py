@@ -108,7 +108,7 @@ class Runner:
         if not done:
             return
         final = hidden[torch.tensor(done, device=self.device), last]  # [C, H]: each completed row's last token
-        logits = self.model.logits(final)  # [C, V]
+        logits = self.model.logits(final, batch, done)  # [C, V]
         completed = [rows[b] for b in done]
         for b, r in zip(done, completed, strict=True):
             self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
@@ -177,7 +177,7 @@ class Runner:
         batch = self._adapter_batch(rows, 0)
         masks = self._begin_masks(rows)  # filled beside the forward pass
         hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
-        logits = self.model.logits(hidden[:, -1])  # [B, V]
+        logits = self.model.logits(hidden[:, -1], batch)  # [B, V]
         for r in rows:
             r.length += 1
         self._sample(rows, logits, masks)
@@ -204,7 +204,7 @@ class Runner:
         batch = self._adapter_batch(rows, 0)
         kv_len = max(r.length for r in rows) + width
         hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree)
-        logits = self.model.logits(hidden)  # [B, T, V]
+        logits = self.model.logits(hidden, batch)  # [B, T, V]
         plain = [b for b, r in enumerate(rows) if r.drafter is None]
         if plain:  # sampled rows: one token from node 0, as a plain step
             sub = [rows[b] for b in plain]

@@ -14,27 +14,27 @@ Medusa draft tree, written at consecutive cache positions and each attending onl
 verification step). Values the cache stores are finite and bounded (``kv_cache.finite_kv``), so a row never poisons the
 slot's next occupant.
 
-``adapters`` is the seam for LoRA: every projection goes through ``proj``, which hands the adapter hook the input
-and the base output of ``wqkv``/``wo``/``w13``/``w2`` of each layer. With ``quantized=True`` those four weights of
-every layer are compact (``service.model.weights``: int8, int4): they start as shape-only ``meta`` placeholders
-that the loader replaces one by one (``set_projection``), so no dense copy of them is ever allocated; ``proj``
-runs them through ``weights.protocol.linear`` with the model's one reusable ``scratch``. Weights are seen through
-``service.model.weights.protocol`` only: this module knows no kind. Embeddings, norms, biases and the
-``lm_head`` stay dense. Nothing here implements an adapter, reads a file or keeps per-request state.
+``adapters`` is the seam for per-row adapters (``service.model.hooks``): projections go through ``proj``, norms
+through ``normed``; the embedding and ``logits`` call it too. With ``quantized=True`` the four projections of a layer
+are compact (``service.model.weights``: int8, int4): shape-only ``meta`` placeholders that the loader replaces one by
+one (``set_projection``), never a dense copy; ``proj`` runs them through ``weights.protocol.linear`` with the model's
+one reusable ``scratch``. Weights are seen through ``service.model.weights.protocol`` only: this module knows no
+kind. Embeddings, norms, biases and the ``lm_head`` stay dense. Nothing here implements an adapter, reads a file or
+keeps per-request state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.model.config import ModelConfig
+from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, ProjName
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
@@ -48,22 +48,8 @@ __all__ = [
     "proj",
 ]
 
-ProjName = Literal["wqkv", "wo", "w13", "w2"]
 # Logits per row recomputed in float32 after a reduced-precision head (``Llama.logits``).
 EXACT_TOP = 8
-PROJ_NAMES: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")
-
-
-class AdapterHook(Protocol):
-    """What a LoRA batch must provide to the model (implemented in ``service.adapters``)."""
-
-    def add_delta(self, out: Tensor, x: Tensor, layer: int, name: ProjName) -> Tensor:
-        """Return ``out`` plus this batch's adapter delta for projection ``name`` of ``layer``.
-
-        ``x`` is the projection's input ``[B, T, in]``; ``out`` its base output ``[B, T, out]`` whose columns follow
-        the fused layout of ``ModelConfig.fused_rows`` for ``wqkv`` and ``w13``. May update ``out`` in place.
-        """
-        ...
 
 
 def proj(
@@ -127,16 +113,26 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm, accumulated in fp32 (``F.rms_norm`` upcasts reduced precisions internally). Takes the
     float32 residual stream of a reduced-precision model and returns the model dtype (see ``Llama.forward``)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dim: int, eps: float, name: NormName, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
+        self.name: NormName = name  # PEFT's name of the norm (what an adapter's modules_to_save replaces)
         self.weight = _param(dim, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
+        return self.with_weight(x, self.weight)
+
+    def with_weight(self, x: Tensor, w: Tensor) -> Tensor:
+        """This norm with weight ``w`` (the module's own, or an adapter's replacement of it)."""
         if x.dtype == w.dtype:
             return F.rms_norm(x, w.shape, w, self.eps)
         return F.rms_norm(x, w.shape, w.to(x.dtype), self.eps).to(w.dtype)  # one rounding, after the scale
+
+
+def normed(norm: RMSNorm, x: Tensor, layer: int, adapters: AdapterHook | None) -> Tensor:
+    """``norm(x)``, with the rows whose adapter replaces the norm's weight normed with theirs."""
+    out = norm(x)
+    return out if adapters is None else adapters.norm(out, x, layer, norm.name, norm.with_weight)
 
 
 class Attention(nn.Module):
@@ -209,9 +205,10 @@ class Block(nn.Module):
         self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device, quantized: bool = False
     ) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attention_norm = RMSNorm(hidden, eps, "input_layernorm", dtype=dtype, device=device)
         self.attention = Attention(cfg, layer, dtype=dtype, device=device, quantized=quantized)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.ffn_norm = RMSNorm(hidden, eps, "post_attention_layernorm", dtype=dtype, device=device)
         self.feed_forward = FeedForward(cfg, layer, dtype=dtype, device=device, quantized=quantized)
 
 
@@ -231,7 +228,7 @@ class Llama(nn.Module):
         )
         self.layers = nn.ModuleList(blocks)  # registers the parameters
         self.blocks: tuple[Block, ...] = blocks  # the same modules, typed
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=self.device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "norm", dtype=dtype, device=self.device)
         if cfg.tie_word_embeddings:
             self.lm_head: Tensor | EmbeddingTable = self.tok_embeddings
         else:
@@ -301,29 +298,45 @@ class Llama(nn.Module):
         # The residual stream stays float32 in a reduced-precision model (as llama.cpp keeps activations in f32):
         # summing 60 sublayer outputs into a bf16 stream rounds away enough to flip near-tied tokens (SmolLM2's
         # answer to "What is the capital of France?"). Matmul inputs and the KV cache stay in the model dtype.
-        x = x.float()
+        x = x.float() if adapters is None else adapters.embed(x.float(), tokens)
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
-            x = x + layer.attention(layer.attention_norm(x), step, cache.rows[i], k_cache, v_cache)
-            x = x + layer.feed_forward(layer.ffn_norm(x), adapters, self.scratch)
-        return self.norm(x)  # type: ignore[no-any-return]
+            x = x + layer.attention(normed(layer.attention_norm, x, i, adapters), step, cache.rows[i], k_cache, v_cache)
+            x = x + layer.feed_forward(normed(layer.ffn_norm, x, i, adapters), adapters, self.scratch)
+        return normed(self.norm, x, len(self.blocks), adapters)
 
     @torch.inference_mode()
-    def logits(self, hidden: Tensor) -> Tensor:
-        """[..., hidden] -> fp32 logits [..., vocab]: the matmul in the model dtype, then, in a reduced precision,
-        the ``EXACT_TOP`` largest of each row recomputed in float32 from the head's exact rows. bf16 logits are
-        rounded to steps of 1/8 near 25, which ties tokens that differ by less (and greedy took the first); the
-        rescored candidates are the ones every decision is made among."""
-        head = self.lm_head
+    def logits(self, hidden: Tensor, adapters: AdapterHook | None = None, rows: Sequence[int] | None = None) -> Tensor:
+        """[N, ..., hidden] -> fp32 logits [N, ..., vocab]: the matmul in the model dtype, then, in a reduced
+        precision, the ``EXACT_TOP`` largest of each row recomputed in float32 from the head's exact rows (bf16
+        logits near 25 are rounded to steps of 1/8, which ties tokens that differ by less). With ``adapters``, state
+        ``i`` is batch row ``rows[i]`` (None: row ``i``), grouped by head (``AdapterHook.head_parts``)."""
+        parts = adapters.head_parts(rows, hidden.shape[0]) if adapters is not None else None
+        if parts is None:
+            return self._project(hidden, HeadPart(index=hidden.new_empty(0, dtype=torch.long)))
+        out = hidden.new_empty(*hidden.shape[:-1], self.cfg.vocab_size, dtype=torch.float32)
+        for part in parts:
+            out[part.index] = self._project(hidden.index_select(0, part.index), part)
+        return out
+
+    def _project(self, hidden: Tensor, part: HeadPart) -> Tensor:
+        """``logits`` of ``hidden`` through one head part (its ``index`` unused here)."""
+        head = self.lm_head if part.weight is None else part.weight
         logits = (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
+        delta = None
+        if part.a is not None and part.b is not None:
+            delta = F.linear(F.linear(hidden.to(part.a.dtype), part.a), part.b).float()  # [..., vocab]
+            logits += delta
         if self.dtype == torch.float32:
             return logits
         top = logits.topk(EXACT_TOP, dim=-1).indices  # [..., k]
         flat = top.reshape(-1)
         rows = head[flat].float() if isinstance(head, Tensor) else head.rows(flat)  # [N * k, hidden] float32
         exact = torch.einsum("nh,nkh->nk", hidden.reshape(-1, hidden.shape[-1]).float(),
-                             rows.view(-1, EXACT_TOP, hidden.shape[-1]))  # fmt: skip
-        return logits.scatter_(-1, top, exact.view(top.shape))
+                             rows.view(-1, EXACT_TOP, hidden.shape[-1])).view(top.shape)  # fmt: skip
+        if delta is not None:
+            exact += delta.gather(-1, top)
+        return logits.scatter_(-1, top, exact)
 
     def draft_head(self) -> Tensor:
         """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32

@@ -38,16 +38,17 @@ rows; per-slot is kept where each row has its own adapter, since there the set c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Final, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from service.adapters.lora.layouts import SITES, ModuleSpec, SharedTable, SlotTable, module_layout
 from service.adapters.lora.tables import LoraTables
 from service.adapters.lora.types import LoraLayer
-from service.model.llama import ProjName
+from service.model.hooks import HeadPart, NormName, NormWith, ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
 # projection").
@@ -90,6 +91,9 @@ class AdapterBatch:
             self._plan_groups(span_ids, tables.device)
         self._synced = [False] * tables.num_layers
         self._shared_of: list[dict[str, SharedTable]] = [{} for _ in range(tables.num_layers)]
+        self._saved_of: list[dict[Hashable, Mapping[str, Tensor]]] = [{} for _ in range(tables.num_layers)]
+        self._model_of: dict[Hashable, LoraLayer] | None = None  # the pseudo-layer's parts, per key (see _model)
+        self._rows: dict[Hashable, Tensor] = {}
 
     @classmethod
     def build(
@@ -126,7 +130,9 @@ class AdapterBatch:
 
     def _sync(self, layer: int) -> None:
         """Bring the layer's tables up to date on the first visit of this forward pass."""
-        found = {a: self._lookup(a, layer) for a in self._distinct}
+        looked = {a: self._lookup(a, layer) for a in self._distinct}
+        self._saved_of[layer] = {a: lora.saved for a, lora in looked.items() if lora is not None and lora.saved}
+        found = {a: lora if lora is not None and lora.modules else None for a, lora in looked.items()}
         if self.shared:
             self._shared_of[layer] = self.tables.sync_shared(layer, [found[a] for a in self._distinct])
         else:
@@ -231,6 +237,74 @@ class AdapterBatch:
         picked = cols.index_select(0, self._real_rows)  # [n, T, out_m]
         _rescaled(picked, d, per_row)
         cols.index_copy_(0, self._real_rows, picked)
+
+    # --- the embedding, the norms and the head (LoRA on embed_tokens / lm_head, modules_to_save) ------------------
+
+    def _model(self) -> dict[Hashable, LoraLayer]:
+        """Each key's pseudo-layer (index ``num_layers``: the model-level parts), looked up on first use."""
+        if self._model_of is None:
+            top = self.tables.num_layers
+            looked = {a: self._lookup(a, top) for a in self._distinct}
+            self._model_of = {a: lora for a, lora in looked.items() if lora is not None}
+        return self._model_of
+
+    def _rows_of(self, key: Hashable) -> Tensor:
+        """[n] int64: the batch rows whose key is ``key``."""
+        rows = self._rows.get(key)
+        if rows is None:
+            lo = self.span[0]
+            at = [lo + i for i, a in enumerate(self._span_ids) if a == key]
+            rows = self._rows[key] = torch.tensor(at, dtype=torch.int64, device=self.tables.device)
+        return rows
+
+    def embed(self, x: Tensor, tokens: Tensor) -> Tensor:
+        """``AdapterHook.embed``: a row's saved embedding replaces the base one; LoRA on it adds
+        ``A.T[token] @ B.T`` (B scaled), as PEFT's ``Embedding`` does."""
+        for key, part in self._model().items():
+            table, lora = part.saved.get("embed_tokens"), part.modules.get("embed_tokens")
+            if table is None and lora is None:
+                continue
+            idx = self._rows_of(key)
+            tok = tokens.index_select(0, idx)  # [n, T]
+            rows = x.index_select(0, idx) if table is None else F.embedding(tok, table).float()  # [n, T, hidden]
+            if lora is not None:
+                rows += F.embedding(tok, lora.a.t()) @ lora.b.t()  # [n, T, r] @ [r, hidden]
+            x.index_copy_(0, idx, rows)
+        return x
+
+    def norm(self, out: Tensor, x: Tensor, layer: int, name: NormName, norm_with: NormWith) -> Tensor:
+        """``AdapterHook.norm``: the rows of a key with a saved weight for this norm, normed with it."""
+        if layer < self.tables.num_layers:
+            if not self._synced[layer]:
+                self._sync(layer)
+            saved = self._saved_of[layer]
+        else:
+            saved = {a: part.saved for a, part in self._model().items() if part.saved}
+        for key, weights in saved.items():
+            w = weights.get(name)
+            if w is not None:
+                idx = self._rows_of(key)
+                out.index_copy_(0, idx, norm_with(x.index_select(0, idx), w))
+        return out
+
+    def head_parts(self, rows: Sequence[int] | None, n: int) -> list[HeadPart] | None:
+        """``AdapterHook.head_parts``: states grouped by their key's head (saved, LoRA on it, or the base's)."""
+        heads = {a: p for a, p in self._model().items() if "lm_head" in p.saved or "lm_head" in p.modules}
+        if not heads:
+            return None
+        lo, hi = self.span
+        groups: dict[Hashable, list[int]] = {}
+        for i, row in enumerate(range(n) if rows is None else rows):
+            key = self._span_ids[row - lo] if lo <= row < hi else None
+            groups.setdefault(key if key in heads else None, []).append(i)
+        parts = []
+        for key, members in groups.items():
+            idx = torch.tensor(members, dtype=torch.int64, device=self.tables.device)
+            part = heads.get(key) if key is not None else None
+            lora = part.modules.get("lm_head") if part is not None else None
+            weight = part.saved.get("lm_head") if part is not None else None
+            parts.append(HeadPart(idx, weight, None if lora is None else lora.a, None if lora is None else lora.b))
+        return parts
 
     def delta(self, layer: int, site: ProjName, x: Tensor) -> Tensor | None:
         """The delta ``[B, T, out_fused]`` to add to projection ``site`` of ``layer``, or ``None`` if it has none.

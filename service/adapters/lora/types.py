@@ -10,7 +10,7 @@ Module names are the PEFT / Hugging Face names of a Llama layer's projections. `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -18,6 +18,11 @@ import torch
 from torch import Tensor
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT/HF names
+# Model-level LoRA targets: ``LoraModule``s of the pseudo-layer ``num_layers`` (embed_tokens: a [r, vocab],
+# b [hidden, r]; lm_head: a [r, hidden], b [vocab, r]).
+MODEL_MODULES = ("embed_tokens", "lm_head")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")  # a layer's modules_to_save, in ``LoraLayer.saved``
+MODEL_SAVED = ("norm", "embed_tokens", "lm_head")  # the pseudo-layer's modules_to_save
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,15 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class LoraLayer:
-    """All target modules of one layer of one adapter; a module the adapter does not touch is absent."""
+    """All target modules of one layer of one adapter; a module the adapter does not touch is absent.
+
+    Layer index ``num_layers`` is the model-level pseudo-layer (``MODEL_MODULES``, ``MODEL_SAVED``). ``saved`` holds
+    the weights that replace the base's for the adapter's rows (``modules_to_save``: a norm's [hidden], an
+    embedding's or head's [vocab, hidden]), in the serving dtype."""
 
     modules: Mapping[str, LoraModule]
     nbytes: int
+    saved: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 class BaseWeights(Protocol):
