@@ -126,6 +126,8 @@ _ADAPTER_FLAGS = (
     _Flag("--adapter-host-budget-bytes", "host-tier adapter cache budget", type=int),
     _Flag("--max-mixture-adapters", "adapters one request may mix with weights (GenerateRequest.adapters; 1-16, "
           "default 4)", type=int),
+    _Flag("--max-saved-module-bytes", "an adapter's modules_to_save (norms, embed_tokens, lm_head) at most this many "
+          "bytes in the serving dtype; above it registration fails (default 256 MiB; 0 refuses them)", type=int),
     _Flag("--prefix-cache-bytes", "K/V of prompt prefixes kept for reuse (default 256 MiB; 0 = off)", type=int),
     _Flag("--prefix-block-tokens", "prefix cache granularity in tokens (default 16)", type=int),
     _Flag("--draft-threshold",

@@ -35,6 +35,7 @@ PROMPT_BYTES_PER_TOKEN = 128
 
 MAX_DRAFT_NGRAM = 16  # --draft-ngram: the longest suffix prompt lookup matches
 MAX_DRAFT_TOKENS = 32  # --draft-tokens: the most tokens it proposes per step
+MAX_SAVED_MODULE_BYTES = 256 << 20  # an adapter's modules_to_save, serving dtype (default)
 MAX_MIXTURE_ADAPTERS = 16  # --max-mixture-adapters: each adapter of a mixture is one more delta per row per layer
 
 
@@ -89,6 +90,7 @@ class Settings:
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
     max_mixture_adapters: int = 4  # adapters one request may mix (GenerateRequest.adapters)
+    max_saved_module_bytes: int = MAX_SAVED_MODULE_BYTES  # an adapter's modules_to_save, serving dtype; 0 refuses
     # speculative decoding: Medusa heads (per adapter) and the server-wide drafter
     speculate_max_batch: int = 4
     speculate_adaptive: bool = True  # measure plain vs speculative steps per batch size, use the faster
@@ -191,6 +193,8 @@ class Settings:
             raise ValueError(
                 f"max_mixture_adapters must be in [1, {MAX_MIXTURE_ADAPTERS}], got {self.max_mixture_adapters}"
             )
+        if self.max_saved_module_bytes < 0:
+            raise ValueError("max_saved_module_bytes must be >= 0 (0 refuses every adapter with modules_to_save)")
         if self.metrics_adapter_series < 0:
             raise ValueError("metrics_adapter_series must be >= 0")
         from service.logs import LOG_FORMATS, LOG_LEVELS

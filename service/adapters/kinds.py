@@ -56,6 +56,7 @@ def _lora(ctx: KindContext) -> PartKind:
             device_budget_bytes=s.adapter_device_budget_bytes,
             host_budget_bytes=s.adapter_host_budget_bytes,
             base=ctx.base,
+            max_saved_bytes=s.max_saved_module_bytes,
         )
     )
 

@@ -38,6 +38,7 @@ BAD_VALUES = [
     ("CONSTRAINT_CACHE_BYTES", "-1", "constraint_cache_bytes must be >= 0"),
     ("MAX_MIXTURE_ADAPTERS", "0", r"max_mixture_adapters must be in \[1, 16\]"),
     ("MAX_MIXTURE_ADAPTERS", "17", r"max_mixture_adapters must be in \[1, 16\], got 17"),
+    ("MAX_SAVED_MODULE_BYTES", "-1", "max_saved_module_bytes must be >= 0"),
     ("LOG_FORMAT", "xml", "log_format must be one of"),
     ("LOG_LEVEL", "LOUD", "log_level one of"),
 ]

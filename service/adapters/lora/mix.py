@@ -10,8 +10,8 @@ into one ``LoraLayer`` the batched math reads like any adapter's:
 - several adapters: per module, the components' ``a`` stacked along the rank axis and their ``b`` side by side,
   each times its weight (trained biases summed, each times its weight), so ``b_mix @ a_mix = Σ w_i · b_i @ a_i`` —
   exactly PEFT's ``add_weighted_adapter(...,
-  combination_type="cat")``. A DoRA module has no weighted sum with another: the catalog refuses DoRA adapters in
-  a mixture of two or more, and ``compose_layer`` refuses them again.
+  combination_type="cat")`` (LoRA on embed_tokens / lm_head alike). DoRA and modules_to_save have no weighted sum
+  with another adapter: the catalog refuses them in a mixture of two or more, and ``compose_layer`` again.
 
 ``Mixer`` keeps the composed layers of the most recent keys (``capacity`` keys, least recently used out), each
 with weak references to the component layers it was built from, so a reloaded component is composed anew and an
@@ -26,7 +26,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 from service.adapters.lora.layouts import Refs, refs_of, same_objects
-from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
+from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import InvalidRequest
 
 Mix = tuple[tuple[str, float], ...]
@@ -55,14 +55,18 @@ def _stacked(present: Sequence[tuple[LoraModule, float]], what: str) -> LoraModu
 
 
 def compose_layer(parts: Sequence[tuple[LoraLayer, float]]) -> LoraLayer:
-    """The weighted sum of ``parts``' deltas as one layer (see the module docstring)."""
+    """The weighted sum of ``parts``' deltas as one layer (see the module docstring). Saved modules are not
+    weighted (PEFT's scale leaves them as trained): one part keeps its own; several parts cannot have any."""
     modules: dict[str, LoraModule] = {}
-    for name in MODULES:
+    for name in dict.fromkeys(n for layer, _ in parts for n in layer.modules):  # MODULES order, then the head's
         present = [(layer.modules[name], w) for layer, w in parts if name in layer.modules]
-        if present:
-            modules[name] = _stacked(present, name)
+        modules[name] = _stacked(present, name)
+    saved = parts[0][0].saved if len(parts) == 1 else {}
+    if len(parts) > 1 and any(layer.saved for layer, _ in parts):
+        raise InvalidRequest("a modules_to_save adapter has no weighted sum with another adapter", field="adapters")
     tensors = [t for m in modules.values() for t in (m.a, m.b, m.rescale, m.bias) if t is not None]
-    return LoraLayer(modules=modules, nbytes=sum(t.numel() * t.element_size() for t in tensors))
+    nbytes = sum(t.numel() * t.element_size() for t in (*tensors, *saved.values()))
+    return LoraLayer(modules=modules, nbytes=nbytes, saved=saved)
 
 
 class Mixer:

@@ -12,15 +12,12 @@ name; the first that matches wins. Full names are those of ``LlamaForCausalLM`` 
 A regex that repeats a group which itself repeats or alternates (``(.*)*``, ``(a+)+``, ``(ab|a)*``) is refused at
 parse time: ``re`` backtracks, and such a pattern can take hours to fail against one module name.
 
-``fan_in_fan_out`` is accepted and ignored: PEFT resets it to False for ``nn.Linear`` targets (every Llama
-projection), and the flag never changes the stored layout of ``lora_A`` [r, in] / ``lora_B`` [out, r] anyway.
-
-DoRA (``use_dora``) is served: each targeted module then carries ``lora_magnitude_vector`` [out_features]; so are
-trained LoRA biases (``lora_bias``: each ``lora_B`` carries a ``.bias`` [out_features]) and ``bias`` "lora_only" /
-"all" (Llama's projections have no base bias, so such a file holds nothing more). Refused by name: other PEFT
-types, DoRA with ``lora_bias`` (PEFT refuses it too), ``modules_to_save``, ``trainable_token_indices``,
-``target_parameters``, ``layer_replication``, aLoRA, QALoRA and the other LoRA variants whose forward differs
-from ``x @ A.T @ B.T * scaling``.
+``fan_in_fan_out`` is accepted and ignored (PEFT resets it for ``nn.Linear`` targets; it never changes the stored
+layout). Served beside plain LoRA: DoRA (``use_dora``: ``lora_magnitude_vector`` [out] per module), trained biases
+(``lora_bias``; ``bias`` "lora_only" / "all" add nothing to Llama), LoRA on ``embed_tokens`` / ``lm_head`` and
+``modules_to_save`` (``model_parts``). Refused by name: other PEFT types, DoRA with ``lora_bias`` (PEFT refuses it
+too), ``ensure_weight_tying``, ``trainable_token_indices``, ``target_parameters``, ``layer_replication``, aLoRA,
+QALoRA and the other LoRA variants whose forward differs from ``x @ A.T @ B.T * scaling``.
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ Fail = Callable[[str], InvalidAdapter]  # builds the error naming the config fil
 # Config fields that turn on a feature loraplex does not serve: field -> what it is.
 _REFUSED_TRUE = {"use_qalora": "QALoRA"}
 _REFUSED_SET = {
-    "modules_to_save": "fully trained extra modules (modules_to_save)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
     "target_parameters": "LoRA on raw parameters (target_parameters)",
     "layer_replication": "layer replication",
@@ -97,6 +93,7 @@ class LoraAdapterConfig:
     base_model_name_or_path: str | None
     use_dora: bool = False  # DoRA: each module's output rescaled per channel by lora_magnitude_vector / ||W + sBA||
     lora_bias: bool = False  # each lora_B has a trained bias [out], scaled like its weight
+    modules_to_save: tuple[str, ...] = ()  # suffixes of modules saved whole (``model_parts.resolve_saved``)
 
 
 def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterConfig:
@@ -135,6 +132,7 @@ def read_lora_config(path: Path, *, model_type: str = "llama") -> LoraAdapterCon
         base_model_name_or_path=base if isinstance(base, str) else None,
         use_dora=bool(raw.get("use_dora", False)),
         lora_bias=bool(raw.get("lora_bias", False)),
+        modules_to_save=_saved_names(raw.get("modules_to_save"), fail),
     )
     _check_regexes(config, fail)
     return config
@@ -154,6 +152,8 @@ def _check_supported(raw: Mapping[str, Any], fail: Fail) -> None:
     bias = raw.get("bias", "none")
     if bias not in ("none", "lora_only", "all"):
         raise fail(f"bias must be 'none', 'lora_only' or 'all', got {short_repr(bias)}")
+    if raw.get("ensure_weight_tying"):
+        raise fail("ensure_weight_tying (one adapter tensor shared by embed_tokens and lm_head) is not supported")
     if raw.get("lora_bias") and raw.get("use_dora"):
         raise fail("DoRA with a trained LoRA bias (use_dora and lora_bias) is not supported (peft refuses it too)")
 
@@ -232,16 +232,26 @@ def _projections(num_layers: int) -> dict[str, tuple[int, str]]:
     return {module_key(layer, m): (layer, m) for layer in range(num_layers) for m in MODULES}
 
 
+def _saved_names(value: Any, fail: Fail) -> tuple[str, ...]:
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise fail(f"modules_to_save must be a list of module names, got {short_repr(value)}")
+    return tuple(dict.fromkeys(value))
+
+
 def resolve_targets(
     config: LoraAdapterConfig, model_config: ModelConfig, *, file: Path
 ) -> dict[tuple[int, str], tuple[int, float]]:
-    """Which projections the config adapts, each with its ``(rank, alpha)`` after rank/alpha patterns.
+    """Which modules the config adapts, each with its ``(rank, alpha)`` after rank/alpha patterns: the projections
+    as ``(layer, module)``, ``model.embed_tokens`` / ``lm_head`` as ``(num_layers, name)`` (the pseudo-layer).
 
     Refuses (naming the entry) a target that matches no module of the base model, and a target that matches
-    a module loraplex cannot adapt (embeddings, lm_head, norms, whole blocks).
+    a module loraplex cannot adapt (norms, whole blocks).
     """
     names = _module_names(model_config.num_layers)
-    projections = _projections(model_config.num_layers)
+    top = model_config.num_layers  # the pseudo-layer of the model-level targets
+    projections = {**_projections(top), "model.embed_tokens": (top, "embed_tokens"), "lm_head": (top, "lm_head")}
 
     targets = config.target_modules
     if isinstance(targets, str):
@@ -266,7 +276,8 @@ def resolve_targets(
     if unsupported:
         shown = ", ".join(repr(n) for n in unsupported[:5]) + (" ..." if len(unsupported) > 5 else "")
         raise InvalidAdapter(
-            f"target_modules selects module(s) loraplex cannot adapt: {shown}; supported: {', '.join(MODULES)}",
+            f"target_modules selects module(s) loraplex cannot adapt: {shown}; supported: "
+            f"{', '.join(MODULES)}, embed_tokens, lm_head",
             file=file,
         )
 

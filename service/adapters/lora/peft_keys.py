@@ -96,12 +96,13 @@ def explain_foreign_key(name: str) -> str:
     """Why a tensor name that is not a LoRA projection weight cannot be served."""
     if "lora_magnitude_vector" in name:
         return "a DoRA magnitude vector, but the adapter_config.json does not set use_dora (or its name is not PEFT's)"
-    if "lora_embedding_" in name or "embed_tokens" in name:
-        return "LoRA on the token embeddings is not supported"
-    if "lm_head" in name:
-        return "LoRA on lm_head is not supported"
     if "modules_to_save" in name:
-        return "fully trained extra modules (modules_to_save) are not supported"
+        return "a modules_to_save copy under its wrapper's name (peft saves it as '<module>.weight', which is read)"
+    if "lora_embedding_" in name or "embed_tokens" in name or "lm_head" in name:
+        return (
+            "not a name peft gives LoRA on the embeddings or the head (model.embed_tokens.lora_embedding_A / _B, "
+            "lm_head.lora_A.weight / _B.weight) or a saved copy of them (<module>.weight, <module>.base_layer.weight)"
+        )
     if ".lora_B" in name and name.endswith(".bias"):
         return "a trained LoRA bias, but the adapter_config.json does not set lora_bias"
     if name.endswith(".bias"):

@@ -27,7 +27,8 @@ from service import metrics
 from service.adapters.common.files import check_finite, open_verified
 from service.adapters.lora.spec import AdapterSpec, SlotRecords, buffer_views, plan_buffer
 from service.adapters.lora.types import BaseWeights, DoraNorm, LoraLayer, LoraModule
-from service.errors import InvalidAdapter
+from service.config import MAX_SAVED_MODULE_BYTES
+from service.errors import InvalidAdapter, ResourceExhausted
 from service.loading import load_tensors
 
 HOST_ALIGN = 64  # bytes; every tensor view in a host or device buffer starts on this boundary
@@ -42,10 +43,11 @@ class HostCopy:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # raw A [r, in], B [out, r] (file dtype)
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # DoRA [out] (file dtype)
     biases: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)  # lora_B bias [out] (file dtype)
+    parts: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict)  # (layer, name, role): spec.parts
 
     @property
     def nbytes(self) -> int:
-        vectors = (*self.magnitudes.values(), *self.biases.values())
+        vectors = (*self.magnitudes.values(), *self.biases.values(), *self.parts.values())
         return int(self.buffer.numel()) + sum(v.numel() * v.element_size() for v in vectors)
 
 
@@ -68,9 +70,16 @@ class AdapterReader:
     ``host``, and lays it out on the device in the serving dtype, ``lora_B`` scaled."""
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, roots: Sequence[Path], base: BaseWeights | None = None
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        roots: Sequence[Path],
+        base: BaseWeights | None = None,
+        *,
+        max_saved_bytes: int = MAX_SAVED_MODULE_BYTES,
     ) -> None:
         self.device = device
+        self.max_saved_bytes = max_saved_bytes
         self.base = base  # the base weights DoRA's norm is computed from (None: DoRA adapters are refused earlier)
         self.dtype = dtype
         self.roots = tuple(roots)
@@ -80,6 +89,7 @@ class AdapterReader:
     def load(self, spec: AdapterSpec, host: HostCopy | None) -> Loaded:
         """Read (unless a host copy exists) and lay out every touched layer. Raises the typed errors of the
         checks: ``AdapterFileChanged``, ``PermissionDenied``, ``NonFiniteTensor``, ``HeaderError``."""
+        self.check_saved(spec)  # again: a file indexed anew after a change may save more
         from_disk = host is None
         if host is None:
             host_plan = plan_buffer(spec, None, HOST_ALIGN)
@@ -96,7 +106,7 @@ class AdapterReader:
             # it, the allocator must wait for the engine's queued kernels before handing the memory out again.
             device_buffer.record_stream(torch.cuda.default_stream(self.device))
         device_views = buffer_views(spec, device_plan, device_buffer, self.dtype)
-        layers: list[LoraLayer | None] = [None] * spec.num_layers
+        layers: list[LoraLayer | None] = [None] * (spec.num_layers + 1)  # + the model-level pseudo-layer
         read_s = layout_s = validate_s = 0.0
         roots = self.roots
 
@@ -115,6 +125,13 @@ class AdapterReader:
                 if any(s.m is not None for s in slots):
                     layers[layer] = self._with_dora(layer, slots, host, layers[layer])
                 layout_s += time.perf_counter() - t0
+            if spec.parts:
+                if from_disk:
+                    n, r, v = _read_parts(spec, host, opener)
+                    nbytes, read_s, validate_s = nbytes + n, read_s + r, validate_s + v
+                t0 = time.perf_counter()
+                self._lay_out_parts(spec, host, layers, stream)
+                layout_s += time.perf_counter() - t0
         finally:  # observed on failure too: refusing a bad tensor is what the check costs
             if from_disk:
                 metrics.ADAPTER_LOAD_DURATION.labels(stage="validate", tier="disk").observe(validate_s)
@@ -123,6 +140,16 @@ class AdapterReader:
             stream.synchronize()
             layout_s += time.perf_counter() - t0
         return Loaded(tuple(layers), host, from_disk, nbytes, read_s, layout_s)
+
+    def check_saved(self, spec: AdapterSpec) -> None:
+        """Refuse an adapter whose saved modules (modules_to_save, saved base layers) exceed ``max_saved_bytes`` in
+        the serving dtype: ``ResourceExhausted`` naming them."""
+        size = spec.parts_nbytes(self.dtype, saved_only=True)
+        if size > self.max_saved_bytes:
+            raise ResourceExhausted(
+                f"adapter {spec.id!r} saves {', '.join(spec.saved_modules)}: {size} bytes in the serving dtype, over "
+                f"--max-saved-module-bytes {self.max_saved_bytes}"
+            )
 
     def _lay_out(
         self,
@@ -152,6 +179,29 @@ class AdapterReader:
                 nbytes += a.nbytes + b.nbytes
         return LoraLayer(modules=modules, nbytes=nbytes)
 
+    def _lay_out_parts(
+        self, spec: AdapterSpec, host: HostCopy, layers: list[LoraLayer | None], stream: torch.cuda.Stream | None
+    ) -> None:
+        """Attach the parts to their layers: saved weights to ``LoraLayer.saved``, LoRA on embed_tokens / lm_head
+        to the pseudo-layer's modules (``b`` scaled in fp32, rounded once)."""
+        saved: dict[int, dict[str, torch.Tensor]] = {}
+        lora: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for p in spec.parts:
+                raw = host.parts[(p.layer, p.name, p.role)].to(self.device, non_blocking=True)
+                if p.role == "saved":
+                    saved.setdefault(p.layer, {})[p.name] = raw.to(self.dtype)
+                else:
+                    lora.setdefault(p.name, {})[p.role] = (raw.float() * p.scaling).to(self.dtype)
+        for layer in sorted(set(saved) | ({spec.num_layers} if lora else set())):
+            old = layers[layer]
+            modules = dict(old.modules) if old is not None else {}
+            modules |= {name: LoraModule(a=ab["A"], b=ab["B"]) for name, ab in lora.items() if layer == spec.num_layers}
+            kept = saved.get(layer, {})
+            tensors = [t for m in modules.values() for t in (m.a, m.b)] if layer == spec.num_layers else []
+            nbytes = (old.nbytes if old is not None else 0) + sum(t.nbytes for t in (*tensors, *kept.values()))
+            layers[layer] = LoraLayer(modules=modules, nbytes=nbytes, saved=kept)
+
     def _with_dora(self, layer: int, slots: Sequence[SlotRecords], host: HostCopy, laid: LoraLayer | None) -> LoraLayer:
         """``laid`` with each DoRA module's norm terms, from the float32 A, scaled B and the base weight."""
         assert laid is not None
@@ -179,6 +229,24 @@ class AdapterReader:
                 )
                 nbytes += 5 * 4 * int(w.shape[0])
         return LoraLayer(modules=modules, nbytes=nbytes)
+
+
+def _read_parts(spec: AdapterSpec, host: HostCopy, opener: Callable[[Path], int]) -> tuple[int, float, float]:
+    """Read the adapter's ``parts`` into ``host.parts`` and check them finite: (bytes, read s, check s)."""
+    t0 = time.perf_counter()
+    plan = {}
+    for p in spec.parts:
+        plan[p.record.name] = host.parts[(p.layer, p.name, p.role)] = torch.empty(
+            p.record.shape, dtype=p.record.torch_dtype, pin_memory=host.buffer.is_pinned()
+        )
+    stats = load_tensors({p.record.name: p.record for p in spec.parts}, plan, mode="stream", threads=1, opener=opener)
+    t1 = time.perf_counter()
+    try:
+        for p in spec.parts:
+            check_finite(host.parts[(p.layer, p.name, p.role)], p.record.name, p.record.file)
+    finally:
+        t2 = time.perf_counter()
+    return stats.bytes_read, t1 - t0, t2 - t1
 
 
 def _read_layer(
@@ -212,4 +280,4 @@ def _read_layer(
     return stats.bytes_read, t1 - t0, t2 - t1
 
 
-__all__ = ["DEVICE_ALIGN", "HOST_ALIGN", "AdapterReader", "HostCopy", "Loaded"]
+__all__ = ["DEVICE_ALIGN", "HOST_ALIGN", "MAX_SAVED_MODULE_BYTES", "AdapterReader", "HostCopy", "Loaded"]

@@ -23,6 +23,7 @@ from typing import TypedDict
 
 from service.adapters.common.files import FileStamp, check_folder, refuse_pickles, resolve_source, stamp
 from service.adapters.common.ids import check_adapter_id
+from service.adapters.lora.model_parts import index_parts, parse_part_key, resolve_saved
 from service.adapters.lora.peft import (
     CONFIG_FILE,
     CONVERT_HINT,
@@ -76,22 +77,25 @@ def _build_index(
 ) -> AdapterSpec:
     features = module_features(model_config)
     problems: list[tuple[str, str]] = []  # (tensor, message)
-    seen, style = _match_names(
-        records, targets, model_config.num_layers, problems, dora=config.use_dora, bias=config.lora_bias
-    )
+    top = model_config.num_layers
+    found: list[tuple[tuple[int, str, str], TensorRecord]] = []  # model_parts tensors
+    seen, style = _match_names(records, targets, top, problems, found, dora=config.use_dora, bias=config.lora_bias)
+    model_targets = {k: v for k, v in targets.items() if k[0] == top}
+    saved = resolve_saved(config, model_config, file=folder / CONFIG_FILE)
+    parts = index_parts(found, model_targets, saved, config, model_config, problems)
     columns = _zero_columns(model_config.num_layers * N_MODULES)
     for (layer, module), pair in seen.items():
         bad = _fill_slot(columns, layer, module, pair, targets[(layer, module)], features[module], config)
         if bad is not None:
             problems.append(bad)
-    missing_slots = [k for k in targets if k not in seen]
+    missing_slots = [k for k in targets if k not in seen and k[0] < top]
     if missing_slots and not problems:
         missing_slots.sort(key=lambda k: (k[0], MODULES.index(k[1])))
         shown = ", ".join(module_key(*k) for k in missing_slots[:5]) + (" ..." if len(missing_slots) > 5 else "")
         problems.append(("", f"{CONFIG_FILE} targets {len(missing_slots)} module(s) with no tensors in it: {shown}"))
     if problems:
         _raise(problems, weights)
-    if style is None:
+    if style is None and not parts:
         raise InvalidAdapter("the file holds no LoRA tensors", file=weights)
 
     return AdapterSpec(
@@ -101,12 +105,13 @@ def _build_index(
         config=config,
         num_layers=model_config.num_layers,
         features=tuple(features[m] for m in MODULES),
-        prefix=style[0],
-        infix=style[1],
+        prefix=style[0] if style else "",
+        infix=style[1] if style else "",
         **columns,
         file_bytes=file_stamp.size,
         stamp=file_stamp,
         index_seconds=time.perf_counter() - t0,
+        parts=parts,
     )
 
 
@@ -115,13 +120,14 @@ def _match_names(
     targets: dict[tuple[int, str], tuple[int, float]],
     n_layers: int,
     problems: list[tuple[str, str]],
+    found: list[tuple[tuple[int, str, str], TensorRecord]],
     *,
     dora: bool = False,
     bias: bool = False,
 ) -> tuple[dict[tuple[int, str], dict[str, TensorRecord]], tuple[str, str] | None]:
     """Each tensor's (layer, module) -> {"A" | "B" | "M" (DoRA's magnitude, with ``dora``) | "bias" (lora_B's
-    bias, with ``bias``): record}, and the names' (prefix, infix); a name that is not a LoRA tensor of a targeted
-    projection, or whose style differs from the first one's, goes to ``problems``."""
+    bias, with ``bias``): record}, and the names' (prefix, infix); the tensors of ``model_parts`` go to ``found``;
+    a name that is none of these, or a projection's whose style differs from the first one's, to ``problems``."""
     seen: dict[tuple[int, str], dict[str, TensorRecord]] = {}
     style: tuple[str, str] | None = None
     match_key = LORA_KEY.fullmatch  # inlined parse_lora_key: this loop runs once per tensor of the file
@@ -133,6 +139,9 @@ def _match_names(
             continue
         if m is None and bias and (e := BIAS_KEY.fullmatch(name)):
             extras.append(("bias", e, rec))
+            continue
+        if m is None and (part := parse_part_key(name, n_layers)) is not None:
+            found.append((part, rec))
             continue
         if m is None or GROUP.get(m[4]) != m[3]:
             problems.append((name, explain_foreign_key(name)))

@@ -42,6 +42,17 @@ class SlotRecords:
     bias: TensorRecord | None = None  # lora_B's trained bias [out] (None: no lora_bias)
 
 
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    """One tensor beside the projections' LoRA (``model_parts``): LoRA on embed_tokens / lm_head, a saved module."""
+
+    layer: int  # the decoder layer of a layer norm; ``num_layers`` (the pseudo-layer) for the others
+    name: str  # input_layernorm | post_attention_layernorm | norm | embed_tokens | lm_head
+    role: str  # "A" | "B" (LoRA; B gets ``scaling``) | "saved" (replaces the base weight)
+    record: TensorRecord
+    scaling: float = 1.0
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class AdapterSpec:
     """What registration learned about one adapter. Columns are indexed by ``layer * len(MODULES) + module``."""
@@ -67,6 +78,7 @@ class AdapterSpec:
     file_bytes: int  # the size of the weights file when it was indexed
     stamp: FileStamp  # the weights file's identity when its header was read: every later read checks it
     index_seconds: float
+    parts: tuple[PartRecord, ...] = ()  # LoRA on embed_tokens / lm_head, saved modules (loaded beside the buffer)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -76,27 +88,43 @@ class AdapterSpec:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        """Modules with a delta in at least one layer, in MODULES order."""
-        n = N_MODULES
-        return tuple(m for i, m in enumerate(MODULES) if any(self.ranks[i::n]))
+        """Modules with a delta in at least one layer, in MODULES order, then embed_tokens / lm_head."""
+        return tuple(self.module_ranks())
 
     def module_ranks(self) -> dict[str, int]:
         """The largest rank of each adapted module over the layers."""
         n = N_MODULES
-        return {m: max(self.ranks[i::n]) for i, m in enumerate(MODULES) if any(self.ranks[i::n])}
+        ranks = {m: max(self.ranks[i::n]) for i, m in enumerate(MODULES) if any(self.ranks[i::n])}
+        return ranks | {p.name: p.record.shape[0] for p in self.parts if p.role == "A"}
 
     @property
     def max_rank(self) -> int:
-        return max(self.ranks, default=0)
+        return max(self.module_ranks().values(), default=0)
+
+    @property
+    def saved_modules(self) -> tuple[str, ...]:
+        """The modules the adapter replaces (modules_to_save, saved base layers), each once, in forward order."""
+        names = {p.name for p in self.parts if p.role == "saved"}
+        return tuple(
+            n for n in ("embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head") if n in names
+        )
+
+    def parts_nbytes(self, dtype: torch.dtype | None, *, saved_only: bool = False) -> int:
+        """Bytes of the parts as stored (``dtype`` None: the host tier) or in the serving dtype (the device)."""
+        return sum(
+            p.record.nbytes if dtype is None else p.record.numel * dtype.itemsize
+            for p in self.parts
+            if not saved_only or p.role == "saved"
+        )
 
     def extras_nbytes(self, dtype: torch.dtype | None) -> int:
-        """Bytes of the per-channel vectors beside the A/B buffer (``dtype`` None: the host tier, as stored).
+        """Bytes of the tensors beside the A/B buffer (``dtype`` None: the host tier, as stored): the ``parts``;
         DoRA: the magnitudes as stored, or on the device five float32 vectors per module (magnitude, the three norm
-        terms, the factor); a LoRA bias: as stored, or in the serving dtype. 0 for plain LoRA."""
+        terms, the factor); a LoRA bias: as stored, or in the serving dtype."""
         dora, bias = self.config.use_dora, self.config.lora_bias
+        total = self.parts_nbytes(dtype)
         if not (dora or bias):
-            return 0
-        total = 0
+            return total
         for slot, r in enumerate(self.ranks):
             if r:
                 fout = self.features[slot % N_MODULES][1]
@@ -235,6 +263,7 @@ __all__ = [
     "N_MODULES",
     "AdapterSpec",
     "BufferPlan",
+    "PartRecord",
     "SlotRecords",
     "buffer_views",
     "plan_buffer",

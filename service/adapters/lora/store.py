@@ -59,7 +59,7 @@ import torch
 from service import metrics
 from service.adapters.common.files import stamp_or_none
 from service.adapters.lora.loader import Loader
-from service.adapters.lora.reader import DEVICE_ALIGN, HOST_ALIGN, AdapterReader
+from service.adapters.lora.reader import DEVICE_ALIGN, HOST_ALIGN, MAX_SAVED_MODULE_BYTES, AdapterReader
 from service.adapters.lora.registry import index_adapter
 from service.adapters.lora.spec import plan_nbytes
 from service.adapters.lora.tiers import Entry, Tiers
@@ -92,6 +92,7 @@ class AdapterStore:
         host_budget_bytes: int,
         roots: Sequence[Path] = (),
         base: BaseWeights | None = None,
+        max_saved_bytes: int = MAX_SAVED_MODULE_BYTES,
     ) -> None:
         if device_budget_bytes < 0 or host_budget_bytes < 0:
             raise ValueError("adapter budgets must be >= 0 bytes")
@@ -106,11 +107,12 @@ class AdapterStore:
         self._cond = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
         self._tiers = Tiers(self._entries, device_budget_bytes, host_budget_bytes)
+        self._reader = AdapterReader(self.device, dtype, self.roots, base, max_saved_bytes=max_saved_bytes)
         self._loader = Loader(
             self._cond,
             self._entries,
             self._tiers,
-            AdapterReader(self.device, dtype, self.roots, base),
+            self._reader,
             model_config=model_config,
             dtype=dtype,
             roots=self.roots,
@@ -135,6 +137,7 @@ class AdapterStore:
                 "DoRA (use_dora) needs the base model's weights for its norm; this adapter store has none",
                 file=spec.source / "adapter_config.json",
             )
+        self._reader.check_saved(spec)  # stateless: safe beside the loader thread
         metrics.ADAPTER_LOAD_DURATION.labels(stage="index", tier="disk").observe(spec.index_seconds)
         entry = Entry(
             spec=spec,

@@ -78,6 +78,7 @@ class Entry:
             target_modules=spec.modules,
             rslora=spec.config.use_rslora,
             dora=spec.config.use_dora,
+            saved_modules=spec.saved_modules,
             layers=spec.layers,
             state=self.state,
             host_bytes=self.host.nbytes if self.host is not None else 0,
