@@ -51,7 +51,15 @@ ADAPTERS: dict[str, dict[str, Any]] = {
         "use_rslora": True,
         "seed": 16,
     },
-    "embed-head": {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens", "lm_head", "q_proj"], "seed": 17},
+    # saved as peft saves it by default: with copies of the base embedding and head (served as replacements)
+    "embed-head": {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["embed_tokens", "lm_head", "q_proj"],
+        "seed": 17,
+        "save_embedding_layers": "auto",
+    },
+    "mix-eh": {"r": 2, "lora_alpha": 6, "target_modules": ["embed_tokens", "lm_head", "v_proj"], "seed": 21},
     "mts-norms": {
         "r": 4,
         "lora_alpha": 8,
@@ -68,7 +76,7 @@ ADAPTERS: dict[str, dict[str, Any]] = {
     },
     "bias": {"r": 4, "lora_alpha": 8, "target_modules": list(ALL), "lora_bias": True, "seed": 20},
 }
-TIED_ADAPTERS = {name: ADAPTERS[name] for name in ("embed-head", "lora")}
+TIED_ADAPTERS = {name: ADAPTERS[name] for name in ("embed-head", "mts-embed-head", "lora")}
 
 # case -> the row's weighted adapters; () is the base model
 CASES: dict[str, Mix] = {
@@ -81,26 +89,24 @@ CASES: dict[str, Mix] = {
     "dora-x0.5": (("dora-all", 0.5),),
     "mix3": (("mix-a", 0.7), ("mix-b", 0.2), ("mix-c", 1.1)),
     "embed-head": (("embed-head", 1.0),),
+    "mix-embed-head": (("mix-eh", 0.6), ("lora", -0.4)),  # LoRA on embed_tokens / lm_head stacked like the others
     "mts-norms": (("mts-norms", 1.0),),
     "mts-embed-head": (("mts-embed-head", 1.0),),
     "bias": (("bias", 1.0),),
 }
-TIED_CASES: dict[str, Mix] = {"lora-x1": (("lora", 1.0),), "embed-head": (("embed-head", 1.0),)}
-QUANTIZED_CASES = {name: CASES[name] for name in ("lora-x1", "dora-all", "dora-x0.5", "mix3", "bias")}
-
-# Variants the server still refuses at registration (issue 23 is open: their formats are not indexed yet). Their
-# alone-cases are strict xfails, so each one fails the suite the day it starts to pass and must move to SERVED.
-NOT_SERVED = frozenset({"embed-head", "mts-norms", "mts-embed-head"})
-_REFUSED = pytest.mark.xfail(strict=True, raises=AssertionError, reason="refused at registration: not served yet")
-
-
-def _cases(cases: Mapping[str, Mix]) -> list[Any]:
-    return [pytest.param(c, marks=_REFUSED) if c in NOT_SERVED else c for c in cases]
-
-
-def _served(cases: Mapping[str, Mix]) -> dict[str, Mix]:
-    return {c: mix for c, mix in cases.items() if c not in NOT_SERVED}
-
+TIED_CASES: dict[str, Mix] = {name: CASES[name] for name in ("lora-x1", "embed-head", "mts-embed-head")}
+QUANTIZED = (
+    "lora-x1",
+    "dora-all",
+    "dora-x0.5",
+    "mix3",
+    "embed-head",
+    "mix-embed-head",
+    "mts-norms",
+    "mts-embed-head",
+    "bias",
+)
+QUANTIZED_CASES = {name: CASES[name] for name in QUANTIZED}
 
 PROMPTS = [[5, 17, 300, 4000, 42], [7, 7, 7, 1234], [1000, 2000, 3000, 4000, 5000, 6000, 77]]
 NEW_TOKENS = 8
@@ -244,10 +250,11 @@ def test_tied_references_differ_from_the_base(tied: Served) -> None:
         assert _differs(references(tied, mix), base), case
 
 
-def test_the_mixture_reference_is_the_weighted_sum(untied: Served) -> None:
+@pytest.mark.parametrize("case", ["mix3", "mix-embed-head"])
+def test_the_mixture_reference_is_the_weighted_sum(untied: Served, case: str) -> None:
     """add_weighted_adapter("cat") and every part active at once, each scaled by its weight, agree: the reference
     is the weighted sum of the parts' deltas, not an artefact of one peft route."""
-    mix = CASES["mix3"]
+    mix = CASES[case]
     summed = summed_reference_model(untied.reference_folder, untied.adapters, mix)
     for want, prompt in zip(references(untied, mix), PROMPTS, strict=True):
         other = reference_outputs(summed, prompt, NEW_TOKENS)
@@ -258,7 +265,7 @@ def test_the_mixture_reference_is_the_weighted_sum(untied: Served) -> None:
 # --- the engine against it --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", _cases(CASES))
+@pytest.mark.parametrize("case", list(CASES))
 def test_alone_matches_peft(untied: Served, case: str) -> None:
     """One case's rows (three prompts) with base rows beside them: each row is its peft reference."""
     assert_all_exact(run_rows(untied, {case: CASES[case]}, range(len(PROMPTS))))
@@ -266,25 +273,25 @@ def test_alone_matches_peft(untied: Served, case: str) -> None:
 
 def test_all_together_in_one_batch_match_peft(untied: Served) -> None:
     """Every case on two prompts plus base rows, admitted in one step: each row equals its own reference."""
-    assert_all_exact(run_rows(untied, _served(CASES), range(2)))
+    assert_all_exact(run_rows(untied, CASES, range(2)))
 
 
-@pytest.mark.parametrize("case", _cases(TIED_CASES))
+@pytest.mark.parametrize("case", list(TIED_CASES))
 def test_tied_embeddings_alone_match_peft(tied: Served, case: str) -> None:
     assert_all_exact(run_rows(tied, {case: TIED_CASES[case]}, range(len(PROMPTS))))
 
 
 def test_tied_embeddings_together_match_peft(tied: Served) -> None:
-    assert_all_exact(run_rows(tied, _served(TIED_CASES), range(2)))
+    assert_all_exact(run_rows(tied, TIED_CASES, range(2)))
 
 
-@pytest.mark.parametrize("case", _cases(QUANTIZED_CASES))
+@pytest.mark.parametrize("case", list(QUANTIZED_CASES))
 def test_quantized_base_alone_matches_peft(quantized: Served, case: str) -> None:
     assert_all_exact(run_rows(quantized, {case: QUANTIZED_CASES[case]}, range(len(PROMPTS))))
 
 
 def test_quantized_base_together_matches_peft(quantized: Served) -> None:
-    assert_all_exact(run_rows(quantized, _served(QUANTIZED_CASES), range(2)))
+    assert_all_exact(run_rows(quantized, QUANTIZED_CASES, range(2)))
 
 
 def test_quantized_references_differ_from_the_base(quantized: Served) -> None:

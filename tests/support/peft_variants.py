@@ -74,16 +74,25 @@ def _randomise(peft_model: Any, generator: torch.Generator, scale: float) -> Non
                 raise AssertionError(f"an adapter parameter this helper does not fill: {name}")
 
 
-def write_variant(folder: Path, base_model: Any, *, seed: int = 0, scale: float = 0.5, **lora_config: Any) -> Path:
+def write_variant(
+    folder: Path,
+    base_model: Any,
+    *,
+    seed: int = 0,
+    scale: float = 0.5,
+    save_embedding_layers: bool | str = False,
+    **lora_config: Any,
+) -> Path:
     """``get_peft_model(base_model, LoraConfig(**lora_config))``, every adapter tensor randomised (see the module
-    docstring), ``save_pretrained`` (the delta only: no copy of the base embedding), then ``unload()``."""
+    docstring), ``save_pretrained`` (by default the delta only: no copy of the base embedding; peft's own default
+    ``"auto"`` adds the targeted embedding and head layers), then ``unload()``."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **lora_config)
     peft_model = get_peft_model(base_model, config)
     try:
         _randomise(peft_model, torch.Generator().manual_seed(seed), scale)
-        peft_model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
+        peft_model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=save_embedding_layers)
     finally:
         peft_model.unload()
     return Path(folder)
