@@ -39,7 +39,7 @@ from torch import Tensor
 from service.adapters.lora.batch import SITES, AdapterBatch, LoraTables, Mode, module_layout
 from service.adapters.lora.types import LoraLayer, LoraModule
 from service.model import KVCache, Llama, ModelConfig
-from service.model.llama import ProjName
+from service.model.hooks import HeadPart, NormName, NormWith, ProjName
 
 Adapter = dict[int, LoraLayer]
 
@@ -65,7 +65,20 @@ def random_adapters(
     return out
 
 
-class Grouped:
+class ProjectionsOnly:
+    """The parts of ``AdapterHook`` a projections-only contender leaves as the base computes them."""
+
+    def embed(self, x: Tensor, tokens: Tensor) -> Tensor:
+        return x
+
+    def norm(self, out: Tensor, x: Tensor, layer: int, name: NormName, norm_with: NormWith) -> Tensor:
+        return out
+
+    def head_parts(self, rows: Sequence[int] | None, n: int) -> list[HeadPart] | None:
+        return None
+
+
+class Grouped(ProjectionsOnly):
     """Per adapter group: index_select rows, x @ A^T @ B^T, index_add into the fused output columns."""
 
     def __init__(self, cfg: ModelConfig, adapters: list[Adapter], row_adapter: list[int]) -> None:
@@ -88,7 +101,7 @@ class Grouped:
         return out
 
 
-class Gather:
+class Gather(ProjectionsOnly):
     """Rank-padded stacks per (layer, module) of the active adapters (cached); per step gather rows, bmm."""
 
     def __init__(self, cfg: ModelConfig, adapters: list[Adapter], row_adapter: list[int], cdt: torch.dtype) -> None:

@@ -27,6 +27,12 @@ DoRA rows carry a per-row, per-channel ``scale`` on the modules that have one: t
 their values exactly); a batch without a DoRA row pays nothing. A trained LoRA bias is part of the delta
 (``B(Ax) + bias``, scaled), added per row before the delta reaches the output (zeros in other rows).
 
+The model-level parts (``LoraLayer`` at the pseudo-layer ``num_layers``: LoRA on embed_tokens / lm_head, saved
+embedding, final norm and head) and each layer's saved norms (``LoraLayer.saved``) are applied per key: the rows of
+a key are gathered, recomputed with the key's weights (``F.embedding`` with its table, the norm with its weight) or
+given its LoRA delta, and written back; ``head_parts`` groups ``logits``' states by head. A batch whose keys have
+none of these pays a dict lookup per norm.
+
 A row's *key* is whatever the caller groups rows by (an adapter id, or a weighted mixture of adapters that the
 caller composes into one ``LoraLayer`` per layer, ``service.adapters.lora.mix``); the math only ever sees the
 ``LoraLayer`` a key maps to.
