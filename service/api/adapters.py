@@ -110,6 +110,7 @@ def info_to_pb(info: AdapterInfo, *, medusa_heads: int = 0) -> pb.AdapterInfo:
         evictions=info.evictions,
         tier=_tier(info.device_bytes, info.host_bytes),
         dora=info.dora,
+        saved_modules=list(info.saved_modules),
     )
     if (last := _stamp(info.last_used)) is not None:
         message.last_used.CopyFrom(last)

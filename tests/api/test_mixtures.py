@@ -9,7 +9,6 @@ of a mixture against PEFT are the batched math's tests, not these.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from support.adapter_files import write_peft_adapter
 from support.http_api import Reply, base_url, call
 from support.servers import as_stream, outcome, text_req, tiny_settings
 
-from service.adapters.lora.part import LoraPart
 from service.api.server import BackgroundServer
 from service.engine.request import GenerationRequest
 
@@ -35,8 +33,9 @@ def live(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
     base = load_hf_llama(served_tiny_dir)
     root = tmp_path_factory.mktemp("mixtures")
+    kinds: dict[str, dict[str, Any]] = {"d": {"use_dora": True}, "e": {"modules_to_save": ["norm"]}}
     adapters = tuple(
-        (name, write_peft_adapter(root / name, base, r=4, seed=seed, scale=0.5))
+        (name, write_peft_adapter(root / name, base, r=4, seed=seed, scale=0.5, **kinds.get(name, {})))
         for seed, name in enumerate(("a", "b", "c", "d", "e"), start=1)
     )
     settings = tiny_settings(served_tiny_dir, adapters=adapters, http_port=0, max_mixture_adapters=3)
@@ -164,18 +163,20 @@ BAD: dict[str, tuple[dict[str, Any], dict[str, Any], grpc.StatusCode, int, str, 
 }  # fmt: skip
 
 
-@pytest.fixture
-def dora_and_saved(live: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adapter "d" reads as DoRA and "e" as having modules_to_save (``AdapterInfo``, as the store reports it)."""
-    lora = live.server.runtime.loaded.adapters.kind(LoraPart)  # type: ignore[union-attr]
-    assert lora is not None
-    real = lora.store.get
-    marks = {"d": {"dora": True}, "e": {"saved_modules": ("input_layernorm",)}}
+def test_the_dora_and_saved_adapters_are_what_the_refusals_say(stub: pb_grpc.GenerationStub, live: Any) -> None:
+    """ "d" is a real DoRA adapter and "e" a real modules_to_save one, as ListAdapters reports them; each serves alone
+    (at a scale too)."""
+    from loraplex.v1 import adapters_pb2 as apb
+    from loraplex.v1 import adapters_pb2_grpc as apb_grpc
 
-    def get(adapter_id: str) -> Any:
-        return dataclasses.replace(real(adapter_id), **marks.get(adapter_id, {}))
-
-    monkeypatch.setattr(lora.store, "get", get)
+    with grpc.insecure_channel(live.target) as channel:
+        shown = {a.id: a for a in apb_grpc.AdaptersStub(channel).ListAdapters(apb.ListAdaptersRequest()).adapters}
+    assert shown["d"].dora and not shown["d"].saved_modules
+    assert list(shown["e"].saved_modules) == ["input_layernorm", "post_attention_layernorm", "norm"]
+    assert not shown["e"].dora and not shown["a"].saved_modules
+    for adapter in ("d", "e"):
+        assert len(tokens(stub, adapter_id=adapter)) == 8
+        assert len(tokens(stub, adapter_id=adapter, adapter_scale=0.5)) == 8
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -184,7 +185,6 @@ def test_bad_mixtures_are_refused_on_both_apis_and_the_server_keeps_serving(
     live: BackgroundServer,
     stub: pb_grpc.GenerationStub,
     submitted: list[GenerationRequest],
-    dora_and_saved: None,
 ) -> None:
     fields, body, code, status, param, fragment = BAD[case]
     before = tokens(stub, adapter_id="a")

@@ -334,7 +334,8 @@ def _too_large(limit: int) -> InvalidRequest:
 
 def _describe(catalog: AdapterCatalog, adapter_id: str) -> dict[str, Any]:
     """An adapter card's ``loraplex`` object (an extension field: OpenAI clients keep unknown keys): its kind as
-    ListAdapters names it (``lora``, ``medusa``, ``medusa_lora``), whether its LoRA uses DoRA, and where it is."""
+    ListAdapters names it (``lora``, ``medusa``, ``medusa_lora``), whether its LoRA uses DoRA, the modules it
+    replaces (``saved_modules``) and where it is."""
     lora, medusa = catalog.kind(LoraPart), catalog.kind(MedusaPart)
     info = lora.store.get(adapter_id) if lora is not None and lora.has(adapter_id) else None
     heads = medusa is not None and medusa.has(adapter_id)
@@ -345,6 +346,7 @@ def _describe(catalog: AdapterCatalog, adapter_id: str) -> dict[str, Any]:
     return {
         "kind": kind.rstrip("_"),
         "dora": info is not None and info.dora,
+        "saved_modules": list(info.saved_modules) if info is not None else [],
         "tier": "device" if device else "host" if host else "disk",
     }
 

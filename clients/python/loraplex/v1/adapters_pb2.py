@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloraplex/v1/adapters.proto\x12\x0bloraplex.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"t\n\x0bLoadLatency\x12\x15\n\rindex_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cread_seconds\x18\x02 \x01(\x01\x12\x16\n\x0elayout_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01J\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"\xab\x05\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.loraplex.v1.AdapterKind\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x06 \x03(\t\x12\x14\n\x0cmedusa_heads\x18\x07 \x01(\r\x12(\n\x05state\x18\x08 \x01(\x0e\x32\x19.loraplex.v1.AdapterState\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\x12\n\nhost_bytes\x18\n \x01(\x04\x12\x14\n\x0c\x64\x65vice_bytes\x18\x0b \x01(\x04\x12\x12\n\nnum_layers\x18\x0c \x01(\r\x12\x13\n\x0bhost_layers\x18\r \x01(\r\x12\x15\n\rdevice_layers\x18\x0e \x01(\r\x12\x0c\n\x04hits\x18\x0f \x01(\x04\x12-\n\tlast_used\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregistered_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x0cload_latency\x18\x12 \x01(\x0b\x32\x18.loraplex.v1.LoadLatency\x12\x17\n\x0f\x61\x63tive_requests\x18\x13 \x01(\r\x12\x0e\n\x06pinned\x18\x14 \x01(\x08\x12\r\n\x05\x65rror\x18\x15 \x01(\t\x12\r\n\x05loads\x18\x16 \x01(\x04\x12\x12\n\ndisk_reads\x18\x17 \x01(\x04\x12\x15\n\rresolved_path\x18\x18 \x01(\t\x12\x11\n\tevictions\x18\x19 \x01(\x04\x12&\n\x04tier\x18\x1a \x01(\x0e\x32\x18.loraplex.v1.AdapterTier\x12\x0c\n\x04\x64ora\x18\x1b \x01(\x08J\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\";\n\x12LoadAdapterRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"K\n\x13LoadAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"-\n\x14UnloadAdapterRequest\x12\n\n\x02id\x18\x01 \x01(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"M\n\x15UnloadAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\" \n\x13ListAdaptersRequestJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"M\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"*\n\x11GetAdapterRequest\x12\n\n\x02id\x18\x01 \x01(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"J\n\x12GetAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02*y\n\x0b\x41\x64\x61pterKind\x12\x1c\n\x18\x41\x44\x41PTER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44\x41PTER_KIND_LORA\x10\x01\x12\x17\n\x13\x41\x44\x41PTER_KIND_MEDUSA\x10\x02\x12\x1c\n\x18\x41\x44\x41PTER_KIND_MEDUSA_LORA\x10\x03*\xce\x01\n\x0c\x41\x64\x61pterState\x12\x1d\n\x19\x41\x44\x41PTER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x44\x41PTER_STATE_REGISTERED\x10\x01\x12\x16\n\x12\x41\x44\x41PTER_STATE_HOST\x10\x02\x12\x18\n\x14\x41\x44\x41PTER_STATE_DEVICE\x10\x03\x12\x19\n\x15\x41\x44\x41PTER_STATE_LOADING\x10\x04\x12\x18\n\x14\x41\x44\x41PTER_STATE_FAILED\x10\x05\x12\x1a\n\x16\x41\x44\x41PTER_STATE_UNLOADED\x10\x06*r\n\x0b\x41\x64\x61pterTier\x12\x1c\n\x18\x41\x44\x41PTER_TIER_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x44\x41PTER_TIER_DEVICE\x10\x01\x12\x15\n\x11\x41\x44\x41PTER_TIER_HOST\x10\x02\x12\x15\n\x11\x41\x44\x41PTER_TIER_DISK\x10\x03\x32\xd8\x02\n\x08\x41\x64\x61pters\x12P\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a .loraplex.v1.LoadAdapterResponse\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponse\x12S\n\x0cListAdapters\x12 .loraplex.v1.ListAdaptersRequest\x1a!.loraplex.v1.ListAdaptersResponse\x12M\n\nGetAdapter\x12\x1e.loraplex.v1.GetAdapterRequest\x1a\x1f.loraplex.v1.GetAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloraplex/v1/adapters.proto\x12\x0bloraplex.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"t\n\x0bLoadLatency\x12\x15\n\rindex_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cread_seconds\x18\x02 \x01(\x01\x12\x16\n\x0elayout_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01J\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"\xc2\x05\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.loraplex.v1.AdapterKind\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\r\n\x05\x61lpha\x18\x05 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x06 \x03(\t\x12\x14\n\x0cmedusa_heads\x18\x07 \x01(\r\x12(\n\x05state\x18\x08 \x01(\x0e\x32\x19.loraplex.v1.AdapterState\x12\x13\n\x0btotal_bytes\x18\t \x01(\x04\x12\x12\n\nhost_bytes\x18\n \x01(\x04\x12\x14\n\x0c\x64\x65vice_bytes\x18\x0b \x01(\x04\x12\x12\n\nnum_layers\x18\x0c \x01(\r\x12\x13\n\x0bhost_layers\x18\r \x01(\r\x12\x15\n\rdevice_layers\x18\x0e \x01(\r\x12\x0c\n\x04hits\x18\x0f \x01(\x04\x12-\n\tlast_used\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregistered_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x0cload_latency\x18\x12 \x01(\x0b\x32\x18.loraplex.v1.LoadLatency\x12\x17\n\x0f\x61\x63tive_requests\x18\x13 \x01(\r\x12\x0e\n\x06pinned\x18\x14 \x01(\x08\x12\r\n\x05\x65rror\x18\x15 \x01(\t\x12\r\n\x05loads\x18\x16 \x01(\x04\x12\x12\n\ndisk_reads\x18\x17 \x01(\x04\x12\x15\n\rresolved_path\x18\x18 \x01(\t\x12\x11\n\tevictions\x18\x19 \x01(\x04\x12&\n\x04tier\x18\x1a \x01(\x0e\x32\x18.loraplex.v1.AdapterTier\x12\x0c\n\x04\x64ora\x18\x1b \x01(\x08\x12\x15\n\rsaved_modules\x18\x1c \x03(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\";\n\x12LoadAdapterRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"K\n\x13LoadAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"-\n\x14UnloadAdapterRequest\x12\n\n\x02id\x18\x01 \x01(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"M\n\x15UnloadAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\" \n\x13ListAdaptersRequestJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"M\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"*\n\x11GetAdapterRequest\x12\n\n\x02id\x18\x01 \x01(\tJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02\"J\n\x12GetAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfoJ\t\x08\xe8\x07\x10\x80\x80\x80\x80\x02*y\n\x0b\x41\x64\x61pterKind\x12\x1c\n\x18\x41\x44\x41PTER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x41\x44\x41PTER_KIND_LORA\x10\x01\x12\x17\n\x13\x41\x44\x41PTER_KIND_MEDUSA\x10\x02\x12\x1c\n\x18\x41\x44\x41PTER_KIND_MEDUSA_LORA\x10\x03*\xce\x01\n\x0c\x41\x64\x61pterState\x12\x1d\n\x19\x41\x44\x41PTER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x44\x41PTER_STATE_REGISTERED\x10\x01\x12\x16\n\x12\x41\x44\x41PTER_STATE_HOST\x10\x02\x12\x18\n\x14\x41\x44\x41PTER_STATE_DEVICE\x10\x03\x12\x19\n\x15\x41\x44\x41PTER_STATE_LOADING\x10\x04\x12\x18\n\x14\x41\x44\x41PTER_STATE_FAILED\x10\x05\x12\x1a\n\x16\x41\x44\x41PTER_STATE_UNLOADED\x10\x06*r\n\x0b\x41\x64\x61pterTier\x12\x1c\n\x18\x41\x44\x41PTER_TIER_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x44\x41PTER_TIER_DEVICE\x10\x01\x12\x15\n\x11\x41\x44\x41PTER_TIER_HOST\x10\x02\x12\x15\n\x11\x41\x44\x41PTER_TIER_DISK\x10\x03\x32\xd8\x02\n\x08\x41\x64\x61pters\x12P\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a .loraplex.v1.LoadAdapterResponse\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponse\x12S\n\x0cListAdapters\x12 .loraplex.v1.ListAdaptersRequest\x1a!.loraplex.v1.ListAdaptersResponse\x12M\n\nGetAdapter\x12\x1e.loraplex.v1.GetAdapterRequest\x1a\x1f.loraplex.v1.GetAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplex.v1.adapters_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADAPTERKIND']._serialized_start=1377
-  _globals['_ADAPTERKIND']._serialized_end=1498
-  _globals['_ADAPTERSTATE']._serialized_start=1501
-  _globals['_ADAPTERSTATE']._serialized_end=1707
-  _globals['_ADAPTERTIER']._serialized_start=1709
-  _globals['_ADAPTERTIER']._serialized_end=1823
+  _globals['_ADAPTERKIND']._serialized_start=1400
+  _globals['_ADAPTERKIND']._serialized_end=1521
+  _globals['_ADAPTERSTATE']._serialized_start=1524
+  _globals['_ADAPTERSTATE']._serialized_end=1730
+  _globals['_ADAPTERTIER']._serialized_start=1732
+  _globals['_ADAPTERTIER']._serialized_end=1846
   _globals['_LOADLATENCY']._serialized_start=76
   _globals['_LOADLATENCY']._serialized_end=192
   _globals['_ADAPTERINFO']._serialized_start=195
-  _globals['_ADAPTERINFO']._serialized_end=878
-  _globals['_LOADADAPTERREQUEST']._serialized_start=880
-  _globals['_LOADADAPTERREQUEST']._serialized_end=939
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=941
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1016
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1018
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1063
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1065
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1142
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1144
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1176
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1178
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1255
-  _globals['_GETADAPTERREQUEST']._serialized_start=1257
-  _globals['_GETADAPTERREQUEST']._serialized_end=1299
-  _globals['_GETADAPTERRESPONSE']._serialized_start=1301
-  _globals['_GETADAPTERRESPONSE']._serialized_end=1375
-  _globals['_ADAPTERS']._serialized_start=1826
-  _globals['_ADAPTERS']._serialized_end=2170
+  _globals['_ADAPTERINFO']._serialized_end=901
+  _globals['_LOADADAPTERREQUEST']._serialized_start=903
+  _globals['_LOADADAPTERREQUEST']._serialized_end=962
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=964
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1039
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1041
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1086
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1088
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1165
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1167
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1199
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1201
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1278
+  _globals['_GETADAPTERREQUEST']._serialized_start=1280
+  _globals['_GETADAPTERREQUEST']._serialized_end=1322
+  _globals['_GETADAPTERRESPONSE']._serialized_start=1324
+  _globals['_GETADAPTERRESPONSE']._serialized_end=1398
+  _globals['_ADAPTERS']._serialized_start=1849
+  _globals['_ADAPTERS']._serialized_end=2193
 # @@protoc_insertion_point(module_scope)

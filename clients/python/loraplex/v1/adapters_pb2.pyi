@@ -201,6 +201,7 @@ class AdapterInfo(_message.Message):
     EVICTIONS_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     DORA_FIELD_NUMBER: _builtins.int
+    SAVED_MODULES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Adapter id, as used in GenerateRequest.adapter_id."""
     source: _builtins.str
@@ -267,6 +268,13 @@ class AdapterInfo(_message.Message):
     def load_latency(self) -> Global___LoadLatency:
         """Load latency by stage."""
 
+    @_builtins.property
+    def saved_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Modules whose trained weights replace the base's for its requests (PEFT modules_to_save, and the
+        embedding / head copies PEFT saves beside LoRA on them): "embed_tokens", "input_layernorm",
+        "post_attention_layernorm", "norm", "lm_head", in that order; empty when none.
+        """
+
     def __init__(
         self,
         *,
@@ -297,10 +305,11 @@ class AdapterInfo(_message.Message):
         evictions: _builtins.int = ...,
         tier: Global___AdapterTier.ValueType = ...,
         dora: _builtins.bool = ...,
+        saved_modules: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_used", b"last_used", "load_latency", b"load_latency", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "dora", b"dora", "error", b"error", "evictions", b"evictions", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "resolved_path", b"resolved_path", "source", b"source", "state", b"state", "target_modules", b"target_modules", "tier", b"tier", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "alpha", b"alpha", "device_bytes", b"device_bytes", "device_layers", b"device_layers", "disk_reads", b"disk_reads", "dora", b"dora", "error", b"error", "evictions", b"evictions", "hits", b"hits", "host_bytes", b"host_bytes", "host_layers", b"host_layers", "id", b"id", "kind", b"kind", "last_used", b"last_used", "load_latency", b"load_latency", "loads", b"loads", "medusa_heads", b"medusa_heads", "num_layers", b"num_layers", "pinned", b"pinned", "rank", b"rank", "registered_at", b"registered_at", "resolved_path", b"resolved_path", "saved_modules", b"saved_modules", "source", b"source", "state", b"state", "target_modules", b"target_modules", "tier", b"tier", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
