@@ -183,7 +183,7 @@ def _prefill(
     order = list(range(n))  # request index of each slot
     hook = run.adapters(list(order)) if run.adapters is not None else None
     hidden = Llama.gather_last(model(tokens, positions, run.cache, 0, hook, kv_len=longest), lengths)  # [n, H]
-    first = model.logits(hidden).argmax(dim=-1).tolist()  # [n]
+    first = model.logits(hidden, hook).argmax(dim=-1).tolist()  # [n]
     rows = [_Row(i, len(prompts[i]), first[i], [first[i]], per_row[i]) for i in range(n)]
     for b, row in enumerate(rows):
         row.done = row.pending in run.eos or run.max_new_tokens == 1
@@ -205,7 +205,7 @@ def _step(run: _Run, active: list[_Row], order: list[int], stats: GenerationStat
     hook = run.adapters(list(order)) if run.adapters is not None else None
     kv_len = max(r.length for r in active) + k + 1
     hidden = model(tokens, positions, run.cache, 0, hook, kv_len=kv_len)  # [m, k+1, H]
-    logits = model.logits(hidden)  # [m, k+1, V]
+    logits = model.logits(hidden, hook)  # [m, k+1, V]
     verified = verify_greedy(tokens[:, 1:], logits, torch.tensor(ks, device=dev))
     accepted = verified.accepted.tolist()
     emitted = verified.tokens.tolist()
