@@ -141,6 +141,12 @@ class AdapterReader:
             layout_s += time.perf_counter() - t0
         return Loaded(tuple(layers), host, from_disk, nbytes, read_s, layout_s)
 
+    def _engine_reads(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
+        """``tensor``, made on the loader's stream, marked as read by the engine's (as the flat buffer is)."""
+        if stream is not None:
+            tensor.record_stream(torch.cuda.default_stream(self.device))
+        return tensor
+
     def check_saved(self, spec: AdapterSpec) -> None:
         """Refuse an adapter whose saved modules (modules_to_save, saved base layers) exceed ``max_saved_bytes`` in
         the serving dtype: ``ResourceExhausted`` naming them."""
@@ -173,7 +179,7 @@ class AdapterReader:
                 bias = None
                 if s.bias is not None:  # scaled like B, in fp32, rounded once
                     raw = host.biases[(layer, s.module)].to(self.device, torch.float32)  # may be the host tensor
-                    bias = (raw * s.scaling).to(self.dtype)
+                    bias = self._engine_reads((raw * s.scaling).to(self.dtype), stream)
                     nbytes += bias.nbytes
                 modules[s.module] = LoraModule(a=a, b=b, bias=bias)
                 nbytes += a.nbytes + b.nbytes
@@ -190,9 +196,10 @@ class AdapterReader:
             for p in spec.parts:
                 raw = host.parts[(p.layer, p.name, p.role)].to(self.device, non_blocking=True)
                 if p.role == "saved":
-                    saved.setdefault(p.layer, {})[p.name] = raw.to(self.dtype)
+                    saved.setdefault(p.layer, {})[p.name] = self._engine_reads(raw.to(self.dtype), stream)
                 else:
-                    lora.setdefault(p.name, {})[p.role] = (raw.float() * p.scaling).to(self.dtype)
+                    laid = (raw.float() * p.scaling).to(self.dtype)
+                    lora.setdefault(p.name, {})[p.role] = self._engine_reads(laid, stream)
         for layer in sorted(set(saved) | ({spec.num_layers} if lora else set())):
             old = layers[layer]
             modules = dict(old.modules) if old is not None else {}
