@@ -56,6 +56,9 @@ def _lora(ctx: KindContext) -> PartKind:
             device_budget_bytes=s.adapter_device_budget_bytes,
             host_budget_bytes=s.adapter_host_budget_bytes,
             base=ctx.base,
+            # Only where the device tier is host memory: charging an accelerator's copies to the host budget would
+            # let device memory outgrow its budget unbounded by any flag.
+            overflow_adapters=s.adapter_overflow_adapters if ctx.device.type == "cpu" else 0,
         )
     )
 
