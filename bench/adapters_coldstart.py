@@ -10,9 +10,10 @@ registration, load and device copy; only the page cache is shared. Closed loop: 
 sending its next request when the last ends, adapters drawn from Zipf (s = ``--zipf-s``, rank 1 most popular) or
 uniform popularity, seeded per round. Per N and popularity, two servers run side by side, rounds alternating:
 ``tight`` (``--adapter-device-budget-bytes`` = exactly ``--slots`` adapters' device bytes) and ``resident`` (a
-budget holding all N). One warm-up round each, then ``--runs`` measured rounds; reported: client TTFT p50/p99 and
-output tok/s (medians over rounds), tight/resident ratios per round pair (medians), and the loads, evictions and
-disk reads of each round (ListAdapters before/after, summed over adapters).
+budget holding all N; ``--overflow`` sets both servers' ``--adapter-overflow-adapters``, the adapters the tight one
+may lay out past its budget while all of its slots are in use). One warm-up round each, then ``--runs`` measured
+rounds; reported: client TTFT p50/p99 and output tok/s (medians over rounds), tight/resident ratios per round pair
+(medians), and the loads, evictions and disk reads of each round (ListAdapters before/after, summed over adapters).
 Results: bench/results/adapters_coldstart.json; the table in bench/README.md ("Cold-start curve").
 """
 
@@ -120,6 +121,8 @@ def one_point(args: argparse.Namespace, n: int, popularity: str, folder: Path, u
     ids = sorted(p.name for p in folder.iterdir())
     budgets = {"tight": args.slots * unit, "resident": max(n, args.slots) * unit}
     extra = ["--adapter-dir", str(folder), "--adapter-host-budget-bytes", str(args.host_budget)]
+    if args.overflow is not None:
+        extra += ["--adapter-overflow-adapters", str(args.overflow)]
     servers = {
         mode: OurServer(args.model, "float32", args.port + k, args.concurrency,
                         extra=[*extra, "--adapter-device-budget-bytes", str(b)])
@@ -165,6 +168,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--host-budget", type=int, default=2 << 30, help="--adapter-host-budget-bytes, both servers")
     parser.add_argument("--port", type=int, default=50830)
+    parser.add_argument(
+        "--overflow", type=int, help="--adapter-overflow-adapters, both servers (default: the server's)"
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/adapters_coldstart.json")
     args = parser.parse_args()
@@ -182,7 +188,10 @@ def main() -> None:
         "model": args.model.name,
         "adapter_device_bytes": unit,
         "distinct_weight_files": len(names),
-        **{k: getattr(args, k) for k in ("slots", "zipf_s", "concurrency", "requests", "new_tokens", "runs")},
+        **{
+            k: getattr(args, k)
+            for k in ("slots", "zipf_s", "concurrency", "requests", "new_tokens", "runs", "overflow")
+        },
         "points": {},
     }
     for n in active:

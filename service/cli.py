@@ -124,6 +124,9 @@ _ADAPTER_FLAGS = (
           dest="adapter_roots", action="append", type=Path, metavar="DIR"),
     _Flag("--adapter-device-budget-bytes", "device-tier adapter cache budget", type=int),
     _Flag("--adapter-host-budget-bytes", "host-tier adapter cache budget", type=int),
+    _Flag("--adapter-overflow-adapters", "CPU servers: adapters that may be laid out past the device budget while "
+          "every adapter on the device tier is in use, charged to the host budget (default 8; 0 = wait for one to "
+          "be released)", type=int),
     _Flag("--max-mixture-adapters", "adapters one request may mix with weights (GenerateRequest.adapters; 1-16, "
           "default 4)", type=int),
     _Flag("--max-saved-module-bytes", "an adapter's modules_to_save (norms, embed_tokens, lm_head) at most this many "

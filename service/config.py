@@ -89,6 +89,8 @@ class Settings:
     hf_hub_cache: Path = DEFAULT_HUB_CACHE
     adapter_device_budget_bytes: int = 512 << 20
     adapter_host_budget_bytes: int = 2 << 30
+    # CPU servers: adapters laid out past the device budget while every device-tier adapter is held (host budget)
+    adapter_overflow_adapters: int = 8
     max_mixture_adapters: int = 4  # adapters one request may mix (GenerateRequest.adapters)
     max_saved_module_bytes: int = MAX_SAVED_MODULE_BYTES  # an adapter's modules_to_save, serving dtype; 0 refuses
     # speculative decoding: Medusa heads (per adapter) and the server-wide drafter
@@ -189,6 +191,8 @@ class Settings:
             raise ValueError("prefix_cache_bytes must be >= 0 and prefix_block_tokens > 0")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0 = prefill whole prompts)")
+        if self.adapter_overflow_adapters < 0:
+            raise ValueError("adapter_overflow_adapters must be >= 0 (0 = loads wait for an unpin)")
         if not 1 <= self.max_mixture_adapters <= MAX_MIXTURE_ADAPTERS:
             raise ValueError(
                 f"max_mixture_adapters must be in [1, {MAX_MIXTURE_ADAPTERS}], got {self.max_mixture_adapters}"

@@ -159,6 +159,15 @@ ADAPTER_EVICTIONS_UNUSED = _counter(
     "tier (each is a wasted load; stays 0 while loads wait for room).",
     ["tier"],
 )
+ADAPTER_OVERFLOW_LOADS = _counter(
+    "loraplex_adapter_overflow_loads_total",
+    "Adapter loads laid out beyond the device budget because every adapter on the device tier was held "
+    "(--adapter-overflow-adapters; their bytes are charged to the host budget).",
+)
+ADAPTER_OVERFLOW_BYTES = _gauge(
+    "loraplex_adapter_overflow_bytes",
+    "Bytes of adapter copies laid out beyond the device budget now (overflow copies, charged to the host budget).",
+)
 ADAPTER_CACHE_EVENTS = _counter(
     "loraplex_adapter_cache_events_total",
     "Adapter tier events: hit / miss (device: a request found it resident or queued a load; host: a load reused "

@@ -202,8 +202,8 @@ def tiny_cfg(tiny_llama_dir: Path) -> Any:
 
 @pytest.fixture
 def make_store(tiny_cfg: Any) -> Iterator[Callable[..., Any]]:
-    """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=()) -> AdapterStore``: a CPU adapter store
-    for the tiny Llama (`support.stores.new_store`); every store it made is closed at teardown."""
+    """``make(device_budget=1 MiB, host_budget=1 MiB, dtype=fp32, roots=(), overflow=0) -> AdapterStore``: a CPU
+    adapter store for the tiny Llama (`support.stores.new_store`); every store it made is closed at teardown."""
     from support.stores import new_store
 
     with ExitStack() as stack:

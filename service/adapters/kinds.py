@@ -57,6 +57,9 @@ def _lora(ctx: KindContext) -> PartKind:
             host_budget_bytes=s.adapter_host_budget_bytes,
             base=ctx.base,
             max_saved_bytes=s.max_saved_module_bytes,
+            # Only where the device tier is host memory: charging an accelerator's copies to the host budget would
+            # let device memory outgrow its budget unbounded by any flag.
+            overflow_adapters=s.adapter_overflow_adapters if ctx.device.type == "cpu" else 0,
         )
     )
 

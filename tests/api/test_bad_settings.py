@@ -25,6 +25,7 @@ BAD_VALUES = [
     ("WEIGHTS", "fastest", "weights must be one of"),
     ("QUANTIZE_GROUP_SIZE", "16", "quantize_group_size must be 32, 64 or 128"),
     ("PREFILL_CHUNK_TOKENS", "-1", "prefill_chunk_tokens must be >= 0"),
+    ("ADAPTER_OVERFLOW_ADAPTERS", "-1", "adapter_overflow_adapters must be >= 0"),
     ("DENSE_COPIES_MB", "-2", "dense_copies_mb must be -1"),
     ("DENSE_COPIES_MB", "64", "dense_copies_mb applies to a quantized base"),
     ("DRAFT", "medusa", "draft must be none or one of"),
@@ -63,7 +64,13 @@ def test_a_bad_setting_value_is_a_config_error_naming_it(name: str, value: str, 
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--prefill-chunk-tokens", "-1"), ("--quantize-group-size", "16"), ("--dense-copies-mb", "-2")]
+    ("flag", "value"),
+    [
+        ("--prefill-chunk-tokens", "-1"),
+        ("--quantize-group-size", "16"),
+        ("--dense-copies-mb", "-2"),
+        ("--adapter-overflow-adapters", "-1"),
+    ],
 )
 def test_serve_with_a_bad_number_exits_2_before_loading(
     flag: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -72,6 +79,7 @@ def test_serve_with_a_bad_number_exits_2_before_loading(
         "LORAPLEX_PREFILL_CHUNK_TOKENS",
         "LORAPLEX_QUANTIZE_GROUP_SIZE",
         "LORAPLEX_DENSE_COPIES_MB",
+        "LORAPLEX_ADAPTER_OVERFLOW_ADAPTERS",
         *OPENMP_DEFAULTS,
     ):
         monkeypatch.delenv(var, raising=False)  # serve sets its OpenMP defaults in os.environ: undone after

@@ -22,9 +22,10 @@ def new_store(
     host_budget: int = 1 << 20,
     dtype: torch.dtype = torch.float32,
     roots: Sequence[Path] = (),
+    overflow: int = 0,
 ) -> AdapterStore:
-    """An adapter store on CPU for ``cfg`` with these tier budgets (bytes)."""
+    """An adapter store on CPU for ``cfg`` with these tier budgets (bytes) and overflow copies (adapters)."""
     return AdapterStore(
         cfg, device=torch.device("cpu"), dtype=dtype, device_budget_bytes=device_budget,
-        host_budget_bytes=host_budget, roots=roots,
+        host_budget_bytes=host_budget, roots=roots, overflow_adapters=overflow,
     )  # fmt: skip

@@ -3,10 +3,11 @@
 ``Loader`` shares the store's lock (a ``threading.Condition``), its entries and its tiers; every method documented
 "under the lock" expects the caller to hold it, and file reads and tensor work (``AdapterReader.load``,
 re-indexing a changed file) run outside it. One load runs at a time: the loader reserves device room for the head
-of the queue (waiting for an unpin when every resident adapter is pinned), reads it, then commits it to the tiers
-and hands its pins to the rows that waited. A file changed since it was indexed is indexed again (at most
-``MAX_REVALIDATIONS`` times during one load) and its load queued anew at the front; any other error fails the
-adapter. The thread starts with the first queued load and ends at ``close``; it never raises.
+of the queue (an overflow copy's room when every resident adapter is held, ``tiers.Tiers.reserve``; it waits for an
+unpin when the overflow is full too), reads it, then commits it to the tiers and hands its pins to the rows that
+waited. A file changed since it was indexed is indexed again (at most ``MAX_REVALIDATIONS`` times during one load)
+and its load queued anew at the front; any other error fails the adapter. The thread starts with the first queued
+load and ends at ``close``; it never raises.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class Loader:
     def _failed(self, adapter_id: str, entry: Entry, e: Exception) -> None:
         """Outside the lock: a read raised ``e``; release its room, then index the file again or fail the load."""
         with self._cond:
-            self._tiers.device_reserved -= entry.device_nbytes
+            self._tiers.end_load(adapter_id, entry, None)
         if isinstance(e, AdapterFileChanged):  # replaced or rewritten since it was indexed: index it again
             log.info("event=adapter_file_changed adapter=%s detail=%s", adapter_id, e)
             if entry.revalidations < MAX_REVALIDATIONS:
@@ -206,27 +207,24 @@ class Loader:
             if entry.revalidate:  # indexed again first; its load is queued anew with its new size
                 self.queue.popleft()
                 return adapter_id, entry
-            if not self._tiers.make_device_room(entry.device_nbytes, adapter_id):
-                self._cond.wait()  # every resident adapter is pinned: wait for an unpin or unregister
+            if not self._tiers.reserve(adapter_id, entry):
+                self._cond.wait()  # every resident adapter is held, the overflow full: wait for an unpin or unregister
                 continue
             self.queue.popleft()
-            self._tiers.device_reserved += entry.device_nbytes
             return adapter_id, entry
 
     def _commit(self, adapter_id: str, entry: Entry, loaded: Loaded) -> None:
         """Under the lock: publish a finished load (or drop it if the adapter was unregistered meanwhile)."""
-        self._tiers.device_reserved -= entry.device_nbytes
         entry.loading = False
         if self._entries.get(adapter_id) is not entry:
+            self._tiers.end_load(adapter_id, entry, None)
             return
         total = time.perf_counter() - entry.queued_at
         entry.revalidations = 0
         entry.promised |= entry.waiters  # pinned for the requests that waited, before anything can evict it
         entry.waiters.clear()
         entry.used = False  # until a request gets it
-        entry.device = loaded.layers
-        self._tiers.device[adapter_id] = loaded.layers
-        self._tiers.device_used += entry.device_nbytes
+        self._tiers.end_load(adapter_id, entry, loaded.layers)
         entry.loads += 1
         entry.read_seconds, entry.layout_seconds, entry.total_seconds = (
             loaded.read_seconds,

@@ -15,9 +15,11 @@ host copy (the device copy, if any, stays). An adapter that is neither on the de
 
 Loading. ``request`` never blocks: it returns True when every layer of the adapter is resident on the device tier, and
 otherwise queues one load on the loader thread and returns False (single flight: requests for an adapter already
-queued or loading queue nothing). The loader makes room on the device tier first (waiting for an unpin when every
-resident adapter is pinned), then ``reader.AdapterReader`` reads each touched layer's tensors with one
-``service.loading.load_tensors`` call into the host buffer (or reuses the host copy) and lays them out on the device.
+queued or loading queue nothing). The loader makes room on the device tier first (when every resident adapter is
+held: an overflow copy, outside the device budget and charged to the host budget, at most ``overflow_adapters`` of
+them, each dropped when its last pin goes, see ``tiers``; past those it waits for an unpin), then
+``reader.AdapterReader`` reads each touched layer's tensors with one ``service.loading.load_tensors`` call into the
+host buffer (or reuses the host copy) and lays them out on the device.
 The store keeps file *names*, never open handles; each per-layer read opens the adapter's one weights file and closes
 it again, so the store holds at most one descriptor at a time. Every read opens
 the file through ``integrity.open_verified`` (no symlink at the last component, its real path inside the roots,
@@ -34,7 +36,8 @@ adapter in the same critical section, so it cannot be evicted before the row run
 ``failure(id)`` not None means fail the row with that error; ``unpin`` when the row retires, ``forget(id, row)``
 when it gives up waiting (cancel, deadline). A load takes the pins of the rows waiting for it as it completes, so
 an adapter just loaded is never evicted before its rows claim it: when the working set exceeds the device budget,
-loads wait in FIFO order for room (an unpin) instead of evicting each other's fresh adapters
+loads overflow (up to ``overflow_adapters``), then wait in FIFO order for room (an unpin) instead of evicting each
+other's fresh adapters
 (``loraplex_adapter_evictions_unused_total`` counts an eviction of an adapter not used since its load). ``pin``
 also works on an adapter that is not resident (it then cannot be evicted once loaded). ``layer`` takes no lock
 and is only valid for pinned adapters. ``unregister`` of a pinned adapter raises ``FailedPrecondition``
@@ -93,9 +96,12 @@ class AdapterStore:
         roots: Sequence[Path] = (),
         base: BaseWeights | None = None,
         max_saved_bytes: int = MAX_SAVED_MODULE_BYTES,
+        overflow_adapters: int = 0,
     ) -> None:
         if device_budget_bytes < 0 or host_budget_bytes < 0:
             raise ValueError("adapter budgets must be >= 0 bytes")
+        if overflow_adapters < 0:
+            raise ValueError("overflow_adapters must be >= 0")
         self.model_config = model_config
         self.base = base  # the base weights DoRA's norms are computed from; None: DoRA adapters are refused
         self.device = torch.device(device)
@@ -106,7 +112,7 @@ class AdapterStore:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
-        self._tiers = Tiers(self._entries, device_budget_bytes, host_budget_bytes)
+        self._tiers = Tiers(self._entries, device_budget_bytes, host_budget_bytes, overflow_adapters)
         self._reader = AdapterReader(self.device, dtype, self.roots, base, max_saved_bytes=max_saved_bytes)
         self._loader = Loader(
             self._cond,
@@ -191,6 +197,11 @@ class AdapterStore:
                 disk_bytes=self._loader.disk_bytes,
             )
 
+    def overflow(self) -> tuple[tuple[str, ...], int]:
+        """The adapters whose copy (or load in progress) is an overflow copy, sorted, and the bytes of the copies."""
+        with self._lock:
+            return tuple(sorted(self._tiers.overflow)), self._tiers.overflow_used
+
     # --- serving ----------------------------------------------------------------------------------------------
 
     def request(self, adapter_id: str, *, pin: bool = False, waiter: object | None = None) -> bool:
@@ -242,6 +253,7 @@ class AdapterStore:
             entry.waiters.discard(waiter)
             if waiter in entry.promised:
                 entry.promised.discard(waiter)
+                self._tiers.settle(adapter_id, entry)
                 self._cond.notify_all()  # a load waiting for room may proceed
             if not entry.waiters and self._loader.discard(adapter_id):  # queued, not started, nobody waits for it
                 entry.loading = False
@@ -294,6 +306,7 @@ class AdapterStore:
             entry.pins -= 1
             self._tiers.touch(adapter_id, entry)
             if entry.pins == 0:
+                self._tiers.settle(adapter_id, entry)  # an overflow copy lives only while held
                 self._cond.notify_all()  # a load waiting for room may proceed
 
     def layer(self, adapter_id: str, layer: int) -> LoraLayer | None:
