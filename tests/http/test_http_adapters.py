@@ -80,7 +80,8 @@ def test_a_client_written_for_vllm_loads_generates_lists_and_unloads(
     cards = {card["id"]: card for card in json.loads(text)["data"]}
     assert status == 200 and cards[base]["root"] == base and "parent" not in cards[base]
     assert (cards["sql"]["parent"], cards["sql"]["root"], cards["sql"]["object"]) == (base, path, "model")
-    assert cards["sql"]["loraplex"] == {"kind": "lora", "dora": False, "saved_modules": [], "tier": "disk"}  # registered, not loaded
+    card = {"kind": "lora", "dora": False, "saved_modules": [], "tier": "disk"}
+    assert cards["sql"]["loraplex"] == card  # registered, not loaded
     assert "loraplex" not in cards[base]
 
     def complete(model: str) -> tuple[int, dict[str, Any]]:
