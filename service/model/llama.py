@@ -313,18 +313,18 @@ class Llama(nn.Module):
         ``i`` is batch row ``rows[i]`` (None: row ``i``), grouped by head (``AdapterHook.head_parts``)."""
         parts = adapters.head_parts(rows, hidden.shape[0]) if adapters is not None else None
         if parts is None:
-            return self._project(hidden, HeadPart(index=hidden.new_empty(0, dtype=torch.long)))
+            return self._project(hidden, None)
         out = hidden.new_empty(*hidden.shape[:-1], self.cfg.vocab_size, dtype=torch.float32)
         for part in parts:
             out[part.index] = self._project(hidden.index_select(0, part.index), part)
         return out
 
-    def _project(self, hidden: Tensor, part: HeadPart) -> Tensor:
-        """``logits`` of ``hidden`` through one head part (its ``index`` unused here)."""
-        head = self.lm_head if part.weight is None else part.weight
+    def _project(self, hidden: Tensor, part: HeadPart | None) -> Tensor:
+        """``logits`` of ``hidden`` through one head part (its ``index`` unused here; None: the base head)."""
+        head = self.lm_head if part is None or part.weight is None else part.weight
         logits = (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
         delta = None
-        if part.a is not None and part.b is not None:
+        if part is not None and part.a is not None and part.b is not None:
             delta = F.linear(F.linear(hidden.to(part.a.dtype), part.a), part.b).float()  # [..., vocab]
             logits += delta
         if self.dtype == torch.float32:
