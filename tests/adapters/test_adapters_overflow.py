@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from support.engines import run_together
+from support.stores import three_adapters_served
 from support.wait import wait_until
 
 from service import metrics
@@ -28,7 +29,6 @@ from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest
 from service.model.config import ModelConfig
-from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -130,14 +130,7 @@ def test_a_negative_overflow_is_refused(tiny_cfg: ModelConfig) -> None:
 
 @pytest.fixture(scope="module")
 def served(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from support.adapter_files import write_peft_adapter
-
-    root = tmp_path_factory.mktemp("overflow_served")
-    names = ("x", "y", "z")
-    for i, n in enumerate(names):
-        write_peft_adapter(root / n, served_tiny_dir, r=8, target_modules="all-linear", seed=20 + i, scale=0.5)
-    model, cfg, _ = load_model(served_tiny_dir, dtype=torch.float32, device=CPU)
-    return {"root": root, "names": names, "model": model, "cfg": cfg, "dir": served_tiny_dir}
+    return three_adapters_served(served_tiny_dir, tmp_path_factory.mktemp("overflow_served"), seed=20)
 
 
 def _engine(served: dict[str, Any], budget_adapters: int, overflow: int) -> tuple[Engine, AdapterStore]:

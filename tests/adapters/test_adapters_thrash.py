@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from support.adapter_files import write_peft_adapter
 from support.engines import run_together
+from support.stores import three_adapters_served
 from support.wait import wait_until
 
 from service import metrics
@@ -27,7 +27,6 @@ from service.config import Settings
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest
 from service.model.config import ModelConfig
-from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -105,12 +104,7 @@ def test_fresh_loads_are_pinned_for_their_waiters_and_loads_queue_for_room(store
 
 @pytest.fixture(scope="module")
 def served(served_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("thrash_served")
-    names = ("x", "y", "z")
-    for i, n in enumerate(names):
-        write_peft_adapter(root / n, served_tiny_dir, r=8, target_modules="all-linear", seed=10 + i, scale=0.5)
-    model, cfg, _ = load_model(served_tiny_dir, dtype=torch.float32, device=CPU)
-    return {"root": root, "names": names, "model": model, "cfg": cfg, "dir": served_tiny_dir}
+    return three_adapters_served(served_tiny_dir, tmp_path_factory.mktemp("thrash_served"), seed=10)
 
 
 def _engine(served: dict[str, Any], budget_adapters: int) -> tuple[Engine, AdapterStore]:
