@@ -23,7 +23,7 @@ import torch
 from service.adapters.common.files import FileStamp
 from service.adapters.lora.peft import LoraAdapterConfig
 from service.adapters.lora.peft_keys import LoraKey, bias_key_name, lora_key_name, magnitude_key_name
-from service.adapters.lora.types import MODULES
+from service.adapters.lora.types import LAYER_NORMS, MODULES
 from service.loading import DTYPES, TensorRecord
 
 FLOAT_CODES = ("F32", "F16", "BF16", "F64")  # dtypes a LoRA weight may be stored in; index = code in the columns
@@ -105,9 +105,7 @@ class AdapterSpec:
     def saved_modules(self) -> tuple[str, ...]:
         """The modules the adapter replaces (modules_to_save, saved base layers), each once, in forward order."""
         names = {p.name for p in self.parts if p.role == "saved"}
-        return tuple(
-            n for n in ("embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head") if n in names
-        )
+        return tuple(n for n in ("embed_tokens", *LAYER_NORMS, "norm", "lm_head") if n in names)
 
     def parts_nbytes(self, dtype: torch.dtype | None, *, saved_only: bool = False) -> int:
         """Bytes of the parts as stored (``dtype`` None: the host tier) or in the serving dtype (the device)."""
