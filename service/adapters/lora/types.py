@@ -22,7 +22,6 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # b [hidden, r]; lm_head: a [r, hidden], b [vocab, r]).
 MODEL_MODULES = ("embed_tokens", "lm_head")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")  # a layer's modules_to_save, in ``LoraLayer.saved``
-MODEL_SAVED = ("norm", "embed_tokens", "lm_head")  # the pseudo-layer's modules_to_save
 
 
 @dataclass(frozen=True)
@@ -67,9 +66,9 @@ class LoraModule:
 class LoraLayer:
     """All target modules of one layer of one adapter; a module the adapter does not touch is absent.
 
-    Layer index ``num_layers`` is the model-level pseudo-layer (``MODEL_MODULES``, ``MODEL_SAVED``). ``saved`` holds
-    the weights that replace the base's for the adapter's rows (``modules_to_save``: a norm's [hidden], an
-    embedding's or head's [vocab, hidden]), in the serving dtype."""
+    Layer index ``num_layers`` is the model-level pseudo-layer (``MODEL_MODULES``; a saved final norm, embed_tokens,
+    lm_head). ``saved`` holds the weights that replace the base's for the adapter's rows (``modules_to_save``: a
+    norm's [hidden], an embedding's or head's [vocab, hidden]), in the serving dtype."""
 
     modules: Mapping[str, LoraModule]
     nbytes: int
