@@ -1,0 +1,256 @@
+"""loraplex's own CPU kernels (``src/blocks.cpp``): built for this CPU's instruction set at first use, cached on disk.
+
+    configure(mode="auto", cache_dir=None)      the process's choice (``--kernels``, ``--kernel-cache``)
+    kernels() -> NativeKernels | None           the loaded library, or None: eager torch paths (see ``status``)
+    build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
+
+The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
+or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
+anything else (older x86, aarch64, POWER) -> ``generic``, plain C++ built without instruction-set flags. Never
+``-march=native``: an image built on one CPU runs on every other.
+
+Built with ``$CXX`` (default ``g++``) into ``<cache>/blocks-<isa>-<hash>.so``, the hash over the source and the
+flags, so a changed source builds anew and a cached library needs no compiler (the image ships all three, built by
+``loraplex kernels``); written to a temporary name and renamed, so concurrent servers never load a half-written
+file; building one removes the variant's older libraries. Linked ``--as-needed`` against the C runtime and OpenMP
+only.
+
+``mode="auto"``: a machine without a compiler, or a build that fails, serves on the eager torch paths with one
+warning; ``"native"``: that is an error; ``"eager"``: never built.
+
+The library shares torch's OpenMP runtime (one ``libgomp.so.1`` per process), so ``torch.set_num_threads`` sets its
+threads too. ctypes releases the GIL for each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from service.errors import FailedPrecondition
+from service.platform import cpu_capability, cpu_flags
+
+__all__ = [
+    "ABI_VERSION",
+    "ISA_FLAGS",
+    "KERNEL_MODES",
+    "NativeKernels",
+    "build",
+    "configure",
+    "default_cache_dir",
+    "isa_for",
+    "kernels",
+    "status",
+]
+
+log = logging.getLogger(__name__)
+
+ABI_VERSION = 1  # lp_abi_version() of the source this wrapper speaks to
+KERNEL_MODES = ("auto", "native", "eager")
+SOURCE = Path(__file__).with_name("src") / "blocks.cpp"
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "generic": (),
+}
+BASE_FLAGS = (
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-exceptions", "-fno-rtti",
+    "-Wl,--as-needed",
+)  # fmt: skip
+BUILD_TIMEOUT_S = 120
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "loraplex" / "kernels"
+
+
+def isa_for(capability: str, flags: frozenset[str] | None) -> str:
+    """The variant for torch's ``capability`` on a CPU with ``flags`` (cpuinfo; None when unreadable)."""
+    if capability == "AVX512":
+        return "avx512"
+    if capability == "AVX2" and flags is not None and "f16c" in flags:
+        return "avx2"
+    return "generic"
+
+
+class NativeKernels:
+    """The loaded library of one variant. Every method takes contiguous CPU tensors and checks what it passes."""
+
+    def __init__(self, path: Path, isa: str) -> None:
+        self.path = path
+        self.isa = isa
+        lib = ctypes.CDLL(str(path))
+        lib.lp_abi_version.restype = ctypes.c_int
+        lib.lp_isa.restype = ctypes.c_char_p
+        abi, built = lib.lp_abi_version(), lib.lp_isa().decode()
+        if abi != ABI_VERSION or built != isa:
+            raise FailedPrecondition(f"kernel library {path}: ABI {abi} for {built}, expected {ABI_VERSION} for {isa}")
+        lib.lp_q4_matmul.argtypes = [_P, _I, _P, _P, _P, _L, _L, _L, _P, _I, _L]
+        lib.lp_q4_matmul.restype = ctypes.c_int
+        lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
+        lib.lp_q8_matmul.restype = ctypes.c_int
+        self._lib = lib
+
+    @property
+    def name(self) -> str:
+        return f"loraplex {self.isa}"
+
+    def q4_matmul(self, x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """x2 [M, K] -> [M, N] in ``out_dtype``: ``x2 @ W^T`` with ``W[n, 32 g + j] = d[n, g] q + m[n, g]``; qs
+        [N, K / 2] uint8 (group g of row n: bytes 16 g .. 16 g + 15, byte j holding q[j] low and q[j + 16] high),
+        d and m [N, K / 32] float32."""
+        mrows, k = x2.shape
+        n = qs.shape[0]
+        _check(x2, qs, d, m, k=k, groups=(n, k // 32), packed=(n, k // 2))
+        out = torch.empty(mrows, n, dtype=out_dtype)
+        rc = self._lib.lp_q4_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], qs.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                    mrows, n, k, out.data_ptr(), _DTYPE_CODES[out_dtype], n)  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_q4_matmul refused x {tuple(x2.shape)} and weight [{n}, {k}]")
+        return out
+
+    def q8_matmul(self, x2: Tensor, q: Tensor, d: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """x2 [M, K] -> [M, V]: ``x2 @ T^T`` for a group-major Q8_0 table, q [K / 32, V, 32] int8, d [K / 32, V]
+        (float32, bfloat16 or float16): ``T[v, 32 g + j] = d[g, v] q[g, v, j]``."""
+        mrows, k = x2.shape
+        groups, vocab, group = q.shape
+        if group != 32 or groups * 32 != k or q.dtype != torch.int8 or tuple(d.shape) != (groups, vocab):
+            raise ValueError(f"q8 table q {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)} do not fit x {list(x2.shape)}")
+        for t in (x2, q, d):
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("native kernels take contiguous CPU tensors")
+        out = torch.empty(mrows, vocab, dtype=out_dtype)
+        rc = self._lib.lp_q8_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], q.data_ptr(), d.data_ptr(),
+                                    _DTYPE_CODES[d.dtype], mrows, vocab, k, out.data_ptr(), _DTYPE_CODES[out_dtype],
+                                    vocab)  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_q8_matmul refused x {tuple(x2.shape)} and table [{vocab}, {k}]")
+        return out
+
+
+def _raise(rc: int, what: str) -> None:
+    if rc == -2:
+        raise MemoryError(f"{what}: no memory for its float32 copy of x")
+    raise ValueError(what)
+
+
+def _check(
+    x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, groups: tuple[int, int], packed: tuple[int, int]
+) -> None:
+    if k % 32 or x2.dtype not in _DTYPE_CODES:
+        raise ValueError(f"x must be [M, K] with K % 32 == 0 in {tuple(_DTYPE_CODES)}, got {x2.dtype} {list(x2.shape)}")
+    if tuple(qs.shape) != packed or qs.dtype != torch.uint8:
+        raise ValueError(f"packed values must be uint8 {list(packed)}, got {qs.dtype} {tuple(qs.shape)}")
+    for t in (d, m):
+        if tuple(t.shape) != groups or t.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {list(groups)}, got {t.dtype} {tuple(t.shape)}")
+    for t in (x2, qs, d, m):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("native kernels take contiguous CPU tensors")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _library_name(isa: str) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
+    return f"blocks-{isa}-{h.hexdigest()[:16]}.so"
+
+
+def build(isa: str, cache_dir: Path) -> Path:
+    """The library of variant ``isa`` in ``cache_dir``, compiled unless cached; raises FailedPrecondition."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown kernel variant {isa!r}; known: {sorted(ISA_FLAGS)}")
+    path = cache_dir / _library_name(isa)
+    if path.is_file():
+        return path
+    cxx = _compiler()
+    if cxx is None:
+        raise FailedPrecondition(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) to build the native kernels")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=cache_dir)
+    os.close(fd)
+    cmd = [cxx, *BASE_FLAGS, *ISA_FLAGS[isa], f'-DLP_ISA="{isa}"', str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+        if done.returncode:
+            raise FailedPrecondition(f"building the {isa} kernels failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+        for stale in cache_dir.glob(f"blocks-{isa}-*.so"):  # an older source's: a loaded copy stays mapped
+            if stale != path:
+                stale.unlink(missing_ok=True)
+    except subprocess.TimeoutExpired:
+        raise FailedPrecondition(f"building the {isa} kernels took over {BUILD_TIMEOUT_S} s") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@dataclass
+class _State:
+    mode: str = "auto"
+    cache_dir: Path | None = None
+    loaded: NativeKernels | None = None
+    status: str = "not loaded yet"
+    tried: bool = False
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def configure(mode: str = "auto", cache_dir: Path | None = None) -> None:
+    """Set the process's kernel choice; the library is (re)loaded at the next ``kernels()``."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+    with _lock:
+        _state.mode, _state.cache_dir = mode, cache_dir
+        _state.loaded, _state.tried, _state.status = None, False, "not loaded yet"
+
+
+def kernels() -> NativeKernels | None:
+    """The native kernels for this CPU, built on first call; None when off or unavailable (``status`` says why)."""
+    with _lock:
+        if _state.tried:
+            return _state.loaded
+        _state.tried = True
+        if _state.mode == "eager":
+            _state.status = "off (--kernels eager)"
+            return None
+        isa = isa_for(cpu_capability(), cpu_flags())
+        try:
+            path = build(isa, _state.cache_dir or default_cache_dir())
+            _state.loaded = NativeKernels(path, isa)
+        except (FailedPrecondition, OSError, subprocess.SubprocessError) as exc:
+            if _state.mode == "native":
+                raise FailedPrecondition(f"--kernels native: {exc}") from exc
+            _state.status = f"unavailable, serving on torch's kernels: {exc}"
+            log.warning("event=native_kernels_unavailable reason=%r", str(exc))
+            return None
+        _state.status = f"{isa} ({path})"
+        log.info("event=native_kernels_loaded isa=%s path=%s", isa, path)
+        return _state.loaded
+
+
+def status() -> str:
+    """What ``kernels()`` did: the variant and file, or why there is none."""
+    with _lock:
+        return _state.status
