@@ -153,7 +153,7 @@ class _Checker:
         x = self.randn(3, k)
         ref = F.linear(x.float(), truth)
         del truth
-        kernel = self.record(f"{label}: kernel", f"torch {kind} kernel", probe.matmul(x), ref)
+        kernel = self.record(f"{label}: kernel", w.kernel_name, probe.matmul(x), ref)
         dense = self.record(
             f"{label}: dequantized dense",
             f"{probe.dequantize_kernel} + dense matmul",
@@ -163,7 +163,7 @@ class _Checker:
         own = w.dequantize()  # the model's weight: the two paths must agree on it as well
         own_ref = torch.cat([F.linear(x.float(), rows.float()) for rows in torch.split(own, REF_ROWS)], dim=-1)
         del own
-        mine = self.record(f"{label}: model weight, kernel vs dequantized", f"torch {kind} kernel", w.matmul(x),
+        mine = self.record(f"{label}: model weight, kernel vs dequantized", w.kernel_name, w.matmul(x),
                            own_ref)  # fmt: skip
         if w.dense is not None:
             self.record(f"{label}: dense copy", "dense matmul over the kept copy", F.linear(x, w.dense), own_ref)

@@ -4,9 +4,11 @@ The header and tensor table are parsed and checked against the folder's config (
 a data byte is read. Then each :class:`~service.model.gguf_plan.Target` is filled from the open file through one
 bounded reused buffer (``RowReader``), never the whole file and never a dense copy of a packed weight:
 
-- projections whose parts are all Q4_0 / Q4_1 become an ``Int4Weight`` (exact: see ``gguf_blocks``), group 32;
+- projections whose parts are all Q4_0 / Q4_1 become an ``Int4Weight`` (exact: see ``gguf_blocks``), group 32, or
+  in float32 with the native kernels (``service.kernels.native``) a ``Q4Native``, the blocks as Q4_1 stores them;
 - any other projection (F32 / F16 / BF16, Q8_0, or a mix) is dequantized into a dense weight of the model dtype;
-- an embedding or output head in Q8_0 stays Q8_0 (``Q8Table``, exact both ways; a tied one is one table);
+- an embedding or output head in Q8_0 stays Q8_0 (``Q8Table``, exact both ways; a tied one is one table), projected
+  by the native kernels for a few rows where they are loaded;
   stored unquantized, it is dense;
 - norms are dense (F32 in llama.cpp's files).
 
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from service.errors import FailedPrecondition
+from service.kernels.native import NativeKernels, kernels
 from service.loading import LoadStats
 from service.loading.gguf import GGUFHeader, read_gguf_header
 from service.loading.gguf_blocks import GROUP, INT4_TYPES, Int4Rows, Int8Rows, RowReader
@@ -30,6 +33,7 @@ from service.model.config import ModelConfig
 from service.model.gguf_plan import Target, check_gguf, gguf_targets, unpermute_rows
 from service.model.llama import PROJ_NAMES, Llama, ProjName
 from service.model.weights.int4 import Int4Weight
+from service.model.weights.q4_native import Q4Native
 from service.model.weights.q8_table import Q8Table
 
 __all__ = ["load_gguf_model"]
@@ -90,7 +94,12 @@ class _Int4Staging:
 
 
 def _load_target(
-    reader: RowReader, header: GGUFHeader, model: Llama, target: Target, staging: _Int4Staging | None
+    reader: RowReader,
+    header: GGUFHeader,
+    model: Llama,
+    target: Target,
+    staging: _Int4Staging | None,
+    native: NativeKernels | None,
 ) -> None:
     types = _types(header, target)
     if staging is not None and target.is_projection:
@@ -98,9 +107,12 @@ def _load_target(
         if types <= INT4_TYPES:
             rows = staging.take(*target.shape)
             _fill(reader, header, target, rows)
-            model.set_projection(
-                layer, name, Int4Weight.from_q_scale_zero(rows.q, rows.scale, rows.zero, GROUP, dtype=model.dtype)
-            )
+            if native is not None and model.dtype == torch.float32:
+                w: Int4Weight | Q4Native = Q4Native.from_q_scale_zero(rows.q, rows.scale, rows.zero, native,
+                                                                      dtype=model.dtype)  # fmt: skip
+            else:
+                w = Int4Weight.from_q_scale_zero(rows.q, rows.scale, rows.zero, GROUP, dtype=model.dtype)
+            model.set_projection(layer, name, w)
         else:  # a quantized model's placeholder becomes a dense weight: F16/BF16/F32 or Q8_0 kept exact
             dense = torch.empty(target.shape, dtype=model.dtype)
             _fill(reader, header, target, dense)
@@ -108,7 +120,7 @@ def _load_target(
     elif staging is not None and target.attr in ("tok_embeddings", "lm_head") and types == {"Q8_0"}:
         rows8 = Int8Rows.group_major(*target.shape)
         _fill(reader, header, target, rows8)
-        table = Q8Table(rows8, model.dtype)
+        table = Q8Table(rows8, model.dtype, native)
         if target.attr == "lm_head" or model.cfg.tie_word_embeddings:
             table.pair_for_head()
         if target.attr == "lm_head":
@@ -140,8 +152,9 @@ def load_gguf_model(
         reader = RowReader(fd)
         t1 = time.perf_counter()
         staging = _Int4Staging(targets) if packed else None
+        native = kernels() if packed else None  # built or loaded from the cache; None: torch's kernels
         for target in targets:
-            _load_target(reader, header, model, target, staging)
+            _load_target(reader, header, model, target, staging, native)
         model.eval()
         read_seconds = time.perf_counter() - t1
     finally:

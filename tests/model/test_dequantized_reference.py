@@ -2,9 +2,9 @@
 
 The kinds: int8 and int4 quantized bases (``quant_reference.VARIANTS``: GQA, and MHA with biases and a tied head;
 the reference written back by ``quant_reference.write_dequantized``) and GGUF blocks (``gguf_files.VARIANTS``; the
-reference dequantized by the ``gguf`` package alone). Each kind: prefill logits within ``ATOL`` of the reference,
-and greedy tokens identical on at least 90 % of the prompts (the kernels accumulate in another order, nothing
-else differs). A new weight kind is one more entry here.
+reference dequantized by the ``gguf`` package alone), on the native kernels and on torch's eager ones. Each kind:
+prefill logits within ``ATOL`` of the reference, and greedy tokens identical on at least 90 % of the prompts (the
+kernels accumulate in another order, nothing else differs). A new weight kind is one more entry here.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.numerics
 
 ATOL = 1e-4
 QUANTIZED = [f"{kind}-{variant}" for kind in ("int8", "int4") for variant in quant_reference.VARIANTS]
-GGUF = [f"gguf-{variant}" for variant in gguf_files.VARIANTS]
-PROMPT_SEED = {"int8": 5, "int4": 5, "gguf": 9}  # each kind keeps the prompts it was first checked on
+# gguf: the native kernels where they build (service.kernels.native), gguf_eager: torch's, on the same files
+GGUF = [f"{kind}-{variant}" for kind in ("gguf", "gguf_eager") for variant in gguf_files.VARIANTS]
+PROMPT_SEED = {"int8": 5, "int4": 5, "gguf": 9, "gguf_eager": 9}  # each kind keeps the prompts it was first checked on
 
 
 @pytest.fixture(scope="module", params=QUANTIZED + GGUF)
@@ -32,8 +33,9 @@ def pair(
     """(kind, our model, transformers on its dequantized weights) for one ``kind-variant``."""
     kind, variant = request.param.split("-", 1)
     tmp = tmp_path_factory.mktemp(f"dq_{request.param}")
-    if kind == "gguf":
-        return kind, *gguf_files.variant_and_reference(variant, tiny_llama_factory, tmp)
+    if kind.startswith("gguf"):
+        kernels = "eager" if kind == "gguf_eager" else "auto"
+        return kind, *gguf_files.variant_and_reference(variant, tiny_llama_factory, tmp, kernels)
     return kind, *quant_reference.quantized_and_reference(kind, variant, tiny_llama_factory, tmp)
 
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,11 +20,14 @@ import torch
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.gguf_files import write_tiny_gguf
+from support.native import kernels_mode
 from support.servers import text_req, tiny_settings
 from support.tiny_models import load_ours
 
 from service import metrics
 from service.api.server import BackgroundServer
+from service.kernels import native
+from service.model import KVCache
 from service.model.load_gguf import load_gguf_model
 from service.model.weights import NEVER, Int4Weight, int4, int4_layout, protocol
 from service.platform import cpu_capability
@@ -60,8 +64,40 @@ def test_a_gguf_models_head_embedding_and_blocks_pass(
     assert all(c.status == "ok" for c in report.checks), report.checks
     heads = [c for c in report.checks if c.path.startswith("output head")]
     assert len(heads) == 4 and any(c.path == "embedding gather" for c in report.checks)
-    if dtype == torch.bfloat16:
+    loaded = native.kernels()
+    if loaded is not None:  # one row: the native kernel in either dtype
+        assert heads[0].kernel == f"{loaded.name} q8 kernel"
+    elif dtype == torch.bfloat16:
         assert heads[0].kernel.startswith("int4 pair")
+    if dtype == torch.bfloat16:
+        assert heads[1].kernel.startswith("int4 pair")
+
+
+def test_a_wrong_native_kernel_falls_back_to_torchs_and_answers_right(
+    served_tiny_dir: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled kernels are proved like torch's: one computing wrong on this CPU is dropped at start-up."""
+    if native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
+    model = load_gguf_model(served_tiny_dir, tiny_gguf, dtype=torch.float32)[0]
+
+    def zeros(self: native.NativeKernels, x2: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return torch.zeros(x2.shape[0], w.shape[0] if w.dim() == 2 else w.shape[1], dtype=rest[-1])
+
+    monkeypatch.setattr(native.NativeKernels, "q4_matmul", zeros)
+    monkeypatch.setattr(native.NativeKernels, "q8_matmul", zeros)
+    report = run_self_check(model)
+    fallbacks = [c.path for c in report.checks if c.status.startswith("fallback")]
+    assert any(p.startswith("q4 projection") for p in fallbacks) and "output head, 1 row" in fallbacks, fallbacks
+    reference = load_gguf_model(served_tiny_dir, tiny_gguf, dtype=torch.float32, packed=False)[0]
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    got, want = (_prefill_logits(m, ids) for m in (model, reference))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def _prefill_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    cache = KVCache(model.cfg, 1, ids.shape[1], dtype=torch.float32, device=model.device)
+    return model.logits(model(ids, torch.arange(ids.shape[1])[None, :], cache, 0))
 
 
 def _rotating_packer(q32: torch.Tensor) -> torch.Tensor:
@@ -98,7 +134,9 @@ def test_a_wrong_int4_layout_falls_back_to_the_kernel(tiny_llama_dir: Path, monk
 def test_a_wrong_int4_layout_served_falls_back_and_answers_right(
     served_tiny_dir: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = tiny_settings(served_tiny_dir, gguf=tiny_gguf, dtype="float32", http_port=-1, metrics_port=-1)
+    """torch's int4 kernel serving the blocks (``--kernels eager``: float32 would run the native kernel)."""
+    settings = tiny_settings(served_tiny_dir, gguf=tiny_gguf, dtype="float32", http_port=-1, metrics_port=-1,
+                             kernels="eager")  # fmt: skip
     prompt = text_req("The capital of France is", n=12)
 
     def serve() -> tuple[list[int], list[str]]:
@@ -108,12 +146,14 @@ def test_a_wrong_int4_layout_served_falls_back_and_answers_right(
             out = stub.Generate(prompt, timeout=60)
         return list(out.results[0].token_ids), [p.status for p in info.compute_paths]
 
-    want, statuses = serve()
+    with kernels_mode("eager"):  # the servers set it; the default again for the tests after this one
+        want, statuses = serve()
     assert all(s == "ok" for s in statuses)
     labels = {"capability": cpu_capability(), "dtype": "float32", "weights": "gguf"}
     assert metrics.REGISTRY.get_sample_value("loraplex_compute_info", {**labels, "self_check": "ok"}) == 1
     _wrong_layout(monkeypatch)
-    got, statuses = serve()
+    with kernels_mode("eager"):
+        got, statuses = serve()
     assert got == want  # the same greedy tokens: the prefill ran the kernel instead of the wrong unpack
     assert any(s.startswith("fallback: the int4 kernel at every batch size") for s in statuses)
     assert metrics.REGISTRY.get_sample_value("loraplex_compute_info", {**labels, "self_check": "fallback"}) == 1

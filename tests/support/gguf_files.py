@@ -172,20 +172,25 @@ def write_variant(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Pa
     return folder, write_tiny_gguf(folder, tmp / "model.gguf", types=types)
 
 
-def load_variant(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path) -> Any:
-    """`VARIANTS` ``variant`` written to a GGUF in ``tmp`` and served from its blocks (float32, CPU): the ``Llama``."""
-    return _served(*write_variant(variant, tiny_llama_factory, tmp))
+def load_variant(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path, kernels: str = "auto") -> Any:
+    """`VARIANTS` ``variant`` written to a GGUF in ``tmp`` and served from its blocks (float32, CPU): the ``Llama``;
+    ``kernels``: ``--kernels`` (``auto``: the native kernels where they build, ``eager``: torch's)."""
+    return _served(*write_variant(variant, tiny_llama_factory, tmp), kernels)
 
 
-def variant_and_reference(variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path) -> tuple[Any, Any]:
+def variant_and_reference(
+    variant: str, tiny_llama_factory: Callable[..., Path], tmp: Path, kernels: str = "auto"
+) -> tuple[Any, Any]:
     """`load_variant` and transformers on the same file dequantized by ``gguf`` (the reference folder in ``tmp``)."""
     from support.tiny_models import load_hf_llama
 
     folder, gguf = write_variant(variant, tiny_llama_factory, tmp)
-    return _served(folder, gguf), load_hf_llama(write_reference_folder(folder, gguf, tmp / "reference"))
+    return _served(folder, gguf, kernels), load_hf_llama(write_reference_folder(folder, gguf, tmp / "reference"))
 
 
-def _served(folder: Path, gguf: Path) -> Any:
+def _served(folder: Path, gguf: Path, kernels: str) -> Any:
     from service.model.load_gguf import load_gguf_model
+    from support.native import kernels_mode
 
-    return load_gguf_model(folder, gguf, dtype=torch.float32)[0]
+    with kernels_mode(kernels):
+        return load_gguf_model(folder, gguf, dtype=torch.float32)[0]

@@ -3,6 +3,8 @@
 - dense: a plain ``Tensor`` [N, K] (``protocol.linear`` runs ``F.linear``);
 - ``Int8Weight`` (``int8``) and ``Int4Weight`` (``int4``, its packed layout derived by ``int4_layout``): weight-only
   quantized projections, made by ``kinds.quantize`` (the table of quantizers) or from stored blocks (GGUF);
+- ``Q4Native`` (``q4``, ``q4_native``): a GGUF's 4-bit blocks as stored, multiplied in float32 by loraplex's
+  compiled kernel (``service.kernels.native``);
 - ``Q8Table`` (``q8_table``): a GGUF Q8_0 embedding / output head, an ``EmbeddingTable``;
 - dense copies: any kind's ``with_dense_copy``, and ``dense_copies.keep_dense_copies`` (a model's, within a
   budget).
@@ -19,6 +21,7 @@ from service.model.weights.int4 import Int4Weight
 from service.model.weights.int8 import Int8Weight
 from service.model.weights.kinds import QUANTIZERS, QuantKind, quantize, with_dense_copy
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
+from service.model.weights.q4_native import Q4Native
 from service.model.weights.q8_table import Q8Table
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "Int4Weight",
     "Int8Weight",
     "ProjWeight",
+    "Q4Native",
     "Q8Table",
     "QuantKind",
     "Scratch",

@@ -45,6 +45,7 @@ class Int4Weight:
     dense_from_rows: int  # M from which ``linear`` runs dense (DENSE_FROM_ROWS; DENSE_COPY_FROM_ROWS with a copy)
     dense: Tensor | None = None  # the dequantized weight [N, K], kept by ``with_dense_copy``
     kind: ClassVar[str] = "int4"
+    kernel_name: ClassVar[str] = "torch int4 kernel"
 
     @classmethod
     def from_q_scale_zero(

@@ -31,6 +31,7 @@ class Int8Weight:
     dense_from_rows: int  # M from which ``linear`` runs dense (DENSE_FROM_ROWS; DENSE_COPY_FROM_ROWS with a copy)
     dense: Tensor | None = None  # the dequantized weight [N, K], kept by ``with_dense_copy``
     kind: ClassVar[str] = "int8"
+    kernel_name: ClassVar[str] = "torch int8 kernel"
     dequantize_kernel: ClassVar[str] = "dequantize"
 
     @classmethod

@@ -25,7 +25,7 @@ class Weight(Protocol):
 
     @property
     def kind(self) -> str:
-        """``"int8"``, ``"int4"``: how the self-check and the logs name the kind."""
+        """``"int8"``, ``"int4"``, ``"q4"``: how the self-check and the logs name the kind."""
         ...
 
     @property
@@ -55,6 +55,11 @@ class Weight(Protocol):
     @property
     def dequantize_kernel(self) -> str:
         """How ``dequantize`` reads the compact form (reported by the self-check)."""
+        ...
+
+    @property
+    def kernel_name(self) -> str:
+        """Which kernel ``matmul`` runs, e.g. ``"torch int4 kernel"`` (reported by the self-check)."""
         ...
 
     def matmul(self, x2: Tensor) -> Tensor:

@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from service.kernels.native import NativeKernels
 from service.loading.gguf_blocks import GROUP, Int8Rows
 from service.model.weights.dispatch import dense_from_rows
 from service.model.weights.int4 import Int4Weight
 from service.model.weights.int4_layout import chunks_concatenate, pack_cpu
 from service.model.weights.protocol import tensor_nbytes
 
-__all__ = ["HEAD_CHUNK_ROWS", "PAIR_CHUNK_ROWS", "PAIR_MAX_ROWS", "Q8Table"]
+__all__ = ["HEAD_CHUNK_ROWS", "NATIVE_MAX_ROWS", "PAIR_CHUNK_ROWS", "PAIR_MAX_ROWS", "Q8Table"]
 
 # Vocabulary rows the head dequantizes at a time when it projects several hidden states (``Q8Table.project``).
 HEAD_CHUNK_ROWS = 4096
@@ -25,6 +26,10 @@ PAIR_CHUNK_ROWS = 1024
 # Up to this many hidden states, a head with its int4 pair (``Q8Table.pair_for_head``) projects through the pair:
 # 2 kernel calls over all columns; beyond, chunks win (bench/README.md, "GGUF served directly").
 PAIR_MAX_ROWS = 8
+# Up to this many hidden states, per compute dtype, a head given the native kernels (``service.kernels.native``)
+# projects through ``lp_q8_matmul``: 12x the per-group kernel at one row in float32, 1.5x the int4 pair in bfloat16;
+# beyond, the pair and dense matmuls win (bench/README.md, "Native kernels").
+NATIVE_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.float16: 1}
 
 
 class Q8Table:
@@ -44,10 +49,13 @@ class Q8Table:
     half the per-group kernel's time at one row and closer to the float32 reference. float32 keeps the per-group
     kernel (torch's int4 kernel is slow with float32 activations).
 
-    Layout: ``q`` [G, vocab, 32] int8 and ``d`` [G, vocab] in the compute dtype, G = hidden / 32: each group's
-    slice is contiguous, as the kernel needs."""
+    With the native kernels (``native``), up to ``NATIVE_MAX_ROWS`` rows project through ``lp_q8_matmul`` instead:
+    the table as stored, float32 products and sums, one rounding to the compute dtype.
 
-    def __init__(self, rows: Int8Rows, dtype: torch.dtype) -> None:
+    Layout: ``q`` [G, vocab, 32] int8 and ``d`` [G, vocab] in the compute dtype, G = hidden / 32: each group's
+    slice is contiguous, as the kernels need."""
+
+    def __init__(self, rows: Int8Rows, dtype: torch.dtype, native: NativeKernels | None = None) -> None:
         """``rows`` from ``Int8Rows.group_major`` (its storage becomes the table's, no copy)."""
         self.q = rows.q.transpose(0, 1)  # [G, V, 32]
         if not self.q.is_contiguous():
@@ -56,6 +64,7 @@ class Q8Table:
         self.dtype = dtype
         self.dense: Tensor | None = None  # [V, hidden] in the compute dtype, see keep_dense
         self.pair: tuple[Int4Weight, Int4Weight] | None = None  # (lo, hi), see pair_for_head
+        self.native = native
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,6 +85,9 @@ class Q8Table:
     def project(self, hidden: Tensor) -> Tensor:
         """hidden [..., hidden] -> [..., vocab] in the compute dtype."""
         x2 = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)  # [M, K]
+        if self.native is not None and x2.shape[0] <= NATIVE_MAX_ROWS[self.dtype]:
+            out = self.native.q8_matmul(x2.contiguous(), self.q, self.d, self.dtype)
+            return out.view(*hidden.shape[:-1], -1)
         if self.pair is not None and x2.shape[0] <= PAIR_MAX_ROWS:
             x2 = x2.contiguous()
             lo, hi = self.pair
@@ -111,6 +123,8 @@ class Q8Table:
         return w.transpose(0, 1).reshape(index.numel(), -1)
 
     def kernel_for(self, rows: int) -> str:
+        if self.native is not None and rows <= NATIVE_MAX_ROWS[self.dtype]:
+            return f"{self.native.name} q8 kernel"
         if self.pair is not None and rows <= PAIR_MAX_ROWS:
             return "int4 pair: two torch int4 kernel calls"
         if rows > 1 and self.dense is not None:
@@ -120,6 +134,9 @@ class Q8Table:
         return "torch int8 kernel per 32-column group"
 
     def drop_fast_path(self, rows: int) -> bool:
+        if self.native is not None and rows <= NATIVE_MAX_ROWS[self.dtype]:
+            self.native = None
+            return True
         if self.pair is not None and rows <= PAIR_MAX_ROWS:
             self.pair = None
             return True

@@ -1,0 +1,161 @@
+"""loraplex's compiled kernels (``service.kernels.native``) against float64 references, and how they are built.
+
+The variant under test follows torch's capability, so the numerics rerun under ``ATEN_CPU_CAPABILITY=default`` /
+``avx2`` proves the generic and AVX2 builds as the default run proves the machine's best. The references are
+computed from the raw numbers (q, d, m) in float64, never through the weights' own unpack.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from support.native import kernels_mode
+
+from service.errors import FailedPrecondition
+from service.kernels import native
+from service.model.weights import Scratch, linear
+from service.model.weights.q4_native import Q4Native
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROWS = [1, 2, 3, 4, 5, 9]  # every register-block width (1..4) and the passes beyond
+
+
+def _kernels() -> native.NativeKernels:
+    k = native.kernels()
+    if k is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
+    return k
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+def _q4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.005
+    m = torch.randn(n, k // 32, generator=gen) * 0.05
+    return q, d, m
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]  # one output rounding
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_kernel_matches_a_float64_reference(dtype: torch.dtype, rows: int) -> None:
+    kern = _kernels()
+    q, d, m = _q4(80, 96, seed=rows)  # 80 output rows: five OpenMP work items of 16
+    w = Q4Native.from_q_d_m(q, d, m, kern, dtype=dtype)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7)).to(dtype)
+    truth = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    y = w.matmul(x)
+    assert y.dtype == dtype and y.shape == (rows, 80)
+    assert _rel(y, x.double() @ truth.t()) < _tolerance(dtype)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(("x_dtype", "d_dtype"), [(t, t) for t in DTYPES] + [(torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_q8_kernel_matches_a_float64_reference(x_dtype: torch.dtype, d_dtype: torch.dtype, rows: int) -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(rows)
+    vocab, k = 523, 64  # not a multiple of the 8-row register block nor the 256-row work item
+    q = torch.randint(-128, 128, (k // 32, vocab, 32), generator=gen, dtype=torch.int8)
+    d = (torch.rand(k // 32, vocab, generator=gen) * 0.01).to(d_dtype)
+    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+    table = (q.double() * d.double()[..., None]).transpose(0, 1).reshape(vocab, k)
+    y = kern.q8_matmul(x, q, d, x_dtype)
+    assert y.shape == (rows, vocab)
+    assert _rel(y, x.double() @ table.t()) < _tolerance(x_dtype)
+
+
+@pytest.mark.numerics
+def test_q4_weight_dequantizes_its_values_and_every_linear_path_agrees() -> None:
+    kern = _kernels()
+    q, d, m = _q4(48, 64, seed=3)
+    w = Q4Native.from_q_d_m(q, d, m, kern, dtype=torch.float32)
+    assert torch.equal(w.unpack(), q.to(torch.uint8))
+    truth = q.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    torch.testing.assert_close(w.dequantize(), truth, rtol=0, atol=1e-7)
+    x = torch.randn(6, 64)
+    kernel = linear(x, w)  # 6 rows: the kernel
+    scratch = linear(x, w.with_dispatch(1), scratch=Scratch())  # dequantized into the scratch buffer
+    copy = w.with_dense_copy()
+    assert copy.dense is not None and copy.nbytes == w.nbytes + 48 * 64 * 4
+    torch.testing.assert_close(kernel, scratch, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(linear(x, copy.with_dispatch(1)), scratch, rtol=1e-5, atol=1e-6)
+    same = Q4Native.from_q_scale_zero(q, d, m + 8 * d, kern, dtype=torch.float32)  # Int4Rows' terms
+    torch.testing.assert_close(same.dequantize(), w.dequantize(), rtol=0, atol=1e-6)
+
+
+def test_bad_blocks_are_refused_by_name() -> None:
+    kern = _kernels()
+    q, d, m = _q4(16, 64, seed=1)
+    with pytest.raises(ValueError, match=r"q values must be in 0\.\.15"):
+        Q4Native.from_q_d_m(q + 1, d, m, kern, dtype=torch.float32)
+    with pytest.raises(ValueError, match="d and m must be"):
+        Q4Native.from_q_d_m(q, d[:, :1], m, kern, dtype=torch.float32)
+    w = Q4Native.from_q_d_m(q, d, m, kern, dtype=torch.float32)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        w.matmul(torch.randn(64, 3).t())
+
+
+def test_a_built_library_is_reused_and_replaces_an_older_sources(tmp_path: Path) -> None:
+    _kernels()  # a compiler is here
+    isa = native.isa_for("DEFAULT", None)
+    (tmp_path / f"blocks-{isa}-0000000000000000.so").write_bytes(b"an older source's build")
+    first = native.build(isa, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(isa, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    with kernels_mode("native", tmp_path):
+        loaded = native.kernels()
+        assert loaded is not None and loaded.path.parent == tmp_path
+        assert str(tmp_path) in native.status()
+
+
+def test_no_compiler_serves_eager_with_a_warning_and_native_mode_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with kernels_mode("auto", tmp_path), caplog.at_level(logging.WARNING, logger="service.kernels.native"):
+        assert native.kernels() is None
+        assert "no C++ compiler" in native.status()
+        assert any("native_kernels_unavailable" in r.getMessage() for r in caplog.records)
+    with kernels_mode("native", tmp_path), pytest.raises(FailedPrecondition, match="--kernels native: no C"):
+        native.kernels()
+    with kernels_mode("eager", tmp_path):
+        assert native.kernels() is None and native.status() == "off (--kernels eager)"
+    assert not list(tmp_path.iterdir())  # nothing was built
+
+
+def test_variants_follow_torchs_capability() -> None:
+    assert native.isa_for("AVX512", frozenset({"avx512f"})) == "avx512"
+    assert native.isa_for("AVX2", frozenset({"avx2", "f16c"})) == "avx2"
+    assert native.isa_for("AVX2", None) == "generic"  # flags unreadable: no assumption
+    assert native.isa_for("DEFAULT", frozenset({"avx2", "f16c"})) == "generic"
+    assert native.isa_for("ZVECTOR", None) == "generic"
+
+
+def test_the_kernels_command_builds_every_variant_for_an_image(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loraplex kernels --cache DIR` (the image's build step): each variant, then loaded there with no compiler."""
+    from service.cli import main
+
+    _kernels()
+    assert main(["kernels", "--cache", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == list(native.ISA_FLAGS)
+    assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == sorted(native.ISA_FLAGS)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # a runtime image has none
+    with kernels_mode("native", tmp_path):
+        loaded = native.kernels()
+        assert loaded is not None and loaded.path.parent == tmp_path
