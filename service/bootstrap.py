@@ -28,6 +28,7 @@ from service.constraints.llg import LLGuidanceBackend
 from service.engine.engine import Engine
 from service.errors import LoraplexError, Unavailable
 from service.hf_cache import AdapterSource, HubRef
+from service.kernels import native
 from service.loading import LoadStats
 from service.model.base_weights import ModelBaseWeights
 from service.model.config import ModelConfig
@@ -98,7 +99,10 @@ def load_weights(s: Settings, choice: ServingChoice, device: torch.device) -> tu
 
 
 def _choose(s: Settings, device: torch.device) -> ServingChoice:
-    choice = choose_serving(s.dtype, s.weights, s.gguf is not None, device)
+    native.configure(s.kernels, s.kernel_cache)
+    fp32_blocks = s.gguf is not None and device.type == "cpu" and native.kernels() is not None
+    log.info("event=native_kernels mode=%s status=%r", s.kernels, native.status())
+    choice = choose_serving(s.dtype, s.weights, s.gguf is not None, device, native_q4=fp32_blocks)
     log.info("event=dtype_chosen requested=%s dtype=%s device=%s reason=%r", s.dtype, choice.dtype.name, device,
              choice.dtype.reason)  # fmt: skip
     log.info("event=weights_chosen requested=%s weights=%s reason=%r", s.weights, choice.weights,

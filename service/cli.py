@@ -1,4 +1,4 @@
-"""The `loraplex` command: serve, fetch-model, generate, tokenize, info, health, adapters.
+"""The `loraplex` command: serve, fetch-model, kernels, generate, tokenize, info, health, adapters.
 
 Settings are built here, once, from flags and ``LORAPLEX_*`` variables (flags win), and passed down.
 The client subcommands (generate, tokenize, info, health, adapters) live in ``service.cli_client``; every
@@ -17,7 +17,7 @@ from typing import Any
 from service.api.signals import StopRequested, log_early_stop, raise_on_stop, restore
 from service.cli_client import CLIENT_COMMANDS, add_client_commands
 from service.cli_convert import add_convert_command, run_convert
-from service.config import DTYPES, LOAD_MODES, QUANTIZE, WEIGHTS, ConfigError, Settings
+from service.config import DTYPES, KERNELS, LOAD_MODES, QUANTIZE, WEIGHTS, ConfigError, Settings
 from service.errors import LoraplexError
 from service.hf_cache import AdapterSource, parse_source
 from service.logs import LOG_FORMATS, LOG_LEVELS
@@ -68,11 +68,17 @@ _MODEL_FLAGS = (
           "instead of --model's safetensors; config and tokenizer still come from --model", type=Path,
           metavar="PATH"),
     _Flag("--weights", "given (default): serve what --gguf / --model name; auto: serve --gguf's blocks or the "
-          "folder, whichever this CPU runs best (bf16 GGUF where bf16 is native, else the float32 folder)",
+          "folder, whichever this CPU runs best (bf16 GGUF where bf16 is native, else float32: the GGUF through the "
+          "native kernels, the folder without them)",
           choices=WEIGHTS),
     _Flag("--dense-copies-mb", "with --quantize or --gguf: keep dense copies of the compact weights, up to this many "
           "MiB (-1 = all, default 0 = none), and use them for large batches: the 4-bit kernel's speed at small "
           "batches, dense speed at large ones, for the memory of both", type=int, metavar="MIB"),
+    _Flag("--kernels", "auto (default): loraplex's compiled CPU kernels for 4-bit / Q8_0 weights, built for this "
+          "CPU at first start (cached), torch's eager kernels with a warning where no compiler is; native: refuse to "
+          "start without them; eager: never", choices=KERNELS),
+    _Flag("--kernel-cache", "folder for the compiled kernels (default $XDG_CACHE_HOME/loraplex/kernels)", type=Path,
+          metavar="DIR"),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),
     _Flag("--port", "gRPC port (default 50051)", type=int),
     _Flag("--http-port", "OpenAI-compatible HTTP API port on --host (default 8000; 0 = any free port, -1 = off)",
@@ -192,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
         for flag in flags:
             group.add_argument(flag.name, help=flag.help, **flag.options)
     _fetch_command(sub)
+    kernels = sub.add_parser("kernels", help="build the native CPU kernels of every instruction set into a cache")
+    kernels.add_argument(
+        "--cache", type=Path, help="the --kernel-cache folder (default $XDG_CACHE_HOME/loraplex/kernels)"
+    )
     add_client_commands(sub)
     add_convert_command(sub)
     return parser
@@ -248,7 +258,18 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": _serve, "convert": run_convert, "fetch-model": _fetch, **CLIENT_COMMANDS}
+def _kernels(args: argparse.Namespace) -> int:
+    """`loraplex kernels`: every variant built (or found) in the cache, so a server started on any CPU finds its
+    own without a compiler (the image runs this at build time)."""
+    from service.kernels import native
+
+    cache = args.cache or native.default_cache_dir()
+    for isa in native.ISA_FLAGS:
+        print(f"{isa}: {native.build(isa, cache)}")
+    return 0
+
+
+COMMANDS = {"serve": _serve, "convert": run_convert, "fetch-model": _fetch, "kernels": _kernels, **CLIENT_COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # "given": what --gguf / --model name; "auto": the machine picks between --gguf's blocks and the folder (dtypes)
 WEIGHTS = ("given", "auto")
 QUANTIZE = ("none", "int8", "int4")  # weight-only quantization of the projections (service.model.weights.kinds)
+# --kernels: loraplex's compiled CPU kernels (service.kernels.native). "auto": built for this CPU at start-up when a
+# C++ compiler is there, else torch's eager kernels with a warning; "native": refuse to start without them.
+KERNELS = ("auto", "native", "eager")
 # The default prompt byte limit per allowed prompt token: above the longest token of common BPE vocabularies
 # (SmolLM2's is 81 bytes, a run of spaces), so a prompt over the byte limit would be over the token limit too.
 PROMPT_BYTES_PER_TOKEN = 128
@@ -54,6 +57,8 @@ class Settings:
     gguf: Path | None = None  # serve this llama.cpp GGUF's weights packed as stored (config, tokenizer: `model`)
     weights: str = "given"  # "auto": serve ``gguf`` or the folder, whichever this machine runs best
     dense_copies_mb: int = 0  # quantized / GGUF: MiB of dense weight copies kept for large batches; -1 = all
+    kernels: str = "auto"  # KERNELS
+    kernel_cache: Path | None = None  # where compiled kernels are kept; None: $XDG_CACHE_HOME/loraplex/kernels
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_host: str = "127.0.0.1"
@@ -158,6 +163,8 @@ class Settings:
             raise ValueError(f"quantize must be one of {QUANTIZE}, got {self.quantize!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.quantize_group_size not in (32, 64, 128):
             raise ValueError(f"quantize_group_size must be 32, 64 or 128, got {self.quantize_group_size}")
         if self.dense_copies_mb < -1:
@@ -236,7 +243,7 @@ class Settings:
             raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (server TLS) too")
 
 
-OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file", "gguf"})
+OPTIONAL_PATHS = frozenset({"tls_cert", "tls_key", "tls_client_ca", "api_key_file", "gguf", "kernel_cache"})
 
 
 def _parse(name: str, default: Any, raw: str) -> Any:

@@ -53,12 +53,14 @@ def choose_dtype(
     device: torch.device,
     *,
     gguf: bool = False,
+    native_q4: bool = False,
     cpuinfo: Path = CPUINFO,
     capability: str | None = None,
     cpu: Machine | None = None,
 ) -> DtypeChoice:
     """The dtype to serve in on ``device`` for ``--dtype requested`` (``auto`` or a torch dtype name); ``gguf``:
-    the weights are a GGUF's 4-bit blocks. ``cpu``: the machine when the caller has read it already."""
+    the weights are a GGUF's 4-bit blocks; ``native_q4``: loraplex's native kernels multiply them in float32
+    (``service.kernels.native``). ``cpu``: the machine when the caller has read it already."""
     if requested != "auto":
         return DtypeChoice(getattr(torch, requested), "given")
     if device.type == "cuda":
@@ -70,6 +72,8 @@ def choose_dtype(
     m = machine(cpuinfo, capability=capability) if cpu is None else cpu
     if m.native_bf16:
         return DtypeChoice(torch.bfloat16, f"auto: {m.describe_bf16(cpuinfo)}")
+    if gguf and native_q4:
+        return DtypeChoice(torch.float32, f"auto: GGUF blocks run the native kernels in float32 ({_why(m)})")
     if gguf:
         return DtypeChoice(torch.bfloat16, f"auto: GGUF blocks run torch's int4 kernel, fast only in bf16 ({_why(m)})")
     return DtypeChoice(torch.float32, f"auto: {m.describe_bf16(cpuinfo)}")
@@ -81,16 +85,21 @@ def choose_serving(
     has_gguf: bool,
     device: torch.device,
     *,
+    native_q4: bool = False,
     cpuinfo: Path = CPUINFO,
     capability: str | None = None,
 ) -> ServingChoice:
-    """dtype and weight source for ``--dtype dtype --weights weights`` (``given`` | ``auto``) on this machine."""
+    """dtype and weight source for ``--dtype dtype --weights weights`` (``given`` | ``auto``) on this machine;
+    ``native_q4``: the native kernels are loaded, so GGUF blocks run fast in float32 too."""
     m = machine(cpuinfo, capability=capability) if device.type == "cpu" else None
     if weights == "given" or not has_gguf or m is None:
         gguf = has_gguf and weights == "given"
         reason = "given" if weights == "given" else "auto: no --gguf file, or not on a CPU: the folder"
-        return ServingChoice(choose_dtype(dtype, device, gguf=gguf, cpuinfo=cpuinfo, cpu=m), gguf, reason)
+        chosen = choose_dtype(dtype, device, gguf=gguf, native_q4=native_q4, cpuinfo=cpuinfo, cpu=m)
+        return ServingChoice(chosen, gguf, reason)
     wanted = choose_dtype(dtype, device, cpuinfo=cpuinfo, cpu=m)  # the folder's dtype
+    if wanted.dtype == torch.float32 and native_q4:
+        return ServingChoice(wanted, True, f"auto: the GGUF's 4-bit blocks in float32, native kernels ({_why(m)})")
     if wanted.dtype == torch.float32:
         return ServingChoice(
             wanted, False, f"auto: float32 serves the folder (the int4 kernel is slow in fp32; {_why(m)})"

@@ -16,6 +16,7 @@ BAD_CHOICES = [
     ("--dtype", "float8"),
     ("--quantize", "int3"),
     ("--weights", "fastest"),
+    ("--kernels", "fast"),
     ("--log-format", "xml"),
     ("--log-level", "LOUD"),
 ]
@@ -23,6 +24,7 @@ BAD_VALUES = [
     ("DTYPE", "float8", "dtype must be one of"),
     ("QUANTIZE", "int3", "quantize must be one of"),
     ("WEIGHTS", "fastest", "weights must be one of"),
+    ("KERNELS", "fast", "kernels must be one of"),
     ("QUANTIZE_GROUP_SIZE", "16", "quantize_group_size must be 32, 64 or 128"),
     ("PREFILL_CHUNK_TOKENS", "-1", "prefill_chunk_tokens must be >= 0"),
     ("ADAPTER_OVERFLOW_ADAPTERS", "-1", "adapter_overflow_adapters must be >= 0"),

@@ -87,16 +87,22 @@ def test_unreadable_cpuinfo_means_float32(tmp_path: Path) -> None:
         ("amx_bf16", "AVX512", "given", ("gguf", torch.bfloat16)),
     ],
 )
+@pytest.mark.parametrize("native_q4", [False, True], ids=["eager", "native"])
 def test_weights_auto_chooses_by_the_machine(
-    tmp_path: Path, flags: str, capability: str, weights: str, want: tuple[str, torch.dtype]
+    tmp_path: Path, flags: str, capability: str, weights: str, want: tuple[str, torch.dtype], native_q4: bool
 ) -> None:
+    """With the native kernels loaded (``native_q4``) the GGUF's blocks serve in float32 where bf16 is not native:
+    the default-correct dtype at 4-bit speed; bf16 machines keep bf16 (torch's int4 kernel is faster there)."""
     info = fake_cpuinfo(tmp_path, flags)
-    choice = choose_serving("auto", weights, True, CPU, cpuinfo=info, capability=capability)
+    if native_q4 and (want[0] == "folder" or "amx_bf16" not in flags):
+        want = ("gguf", torch.float32)
+    choice = choose_serving("auto", weights, True, CPU, cpuinfo=info, capability=capability, native_q4=native_q4)
     assert (choice.weights, choice.dtype.dtype) == want
     assert choice.weights_reason == "given" if weights == "given" else choice.weights_reason.startswith("auto: ")
     assert choose_serving("auto", weights, False, CPU, cpuinfo=info, capability=capability).weights == "folder"
-    explicit = choose_serving("float32", "auto", True, CPU, cpuinfo=info, capability=capability)
-    assert (explicit.weights, explicit.dtype.dtype) == ("folder", torch.float32)  # fp32 asked: the folder serves it
+    explicit = choose_serving("float32", "auto", True, CPU, cpuinfo=info, capability=capability, native_q4=native_q4)
+    # fp32 asked: the folder serves it, or the blocks through the native kernels
+    assert (explicit.weights, explicit.dtype.dtype) == ("gguf" if native_q4 else "folder", torch.float32)
 
 
 def test_auto_is_the_default_and_a_valid_flag() -> None:
