@@ -5,8 +5,10 @@
 #   model    + the `convert` extra (transformers, gguf) and the fetch code: converts SmolLM2-135M-Instruct into
 #            /opt/models once, at build time; only that folder leaves this stage
 #   app      + the server and client packages (--no-deps) into /opt/venv
+#   kernels  app + g++: `loraplex kernels` builds the native CPU kernels of every instruction set (avx512, avx2,
+#            generic) into /opt/kernels, so the runtime serves them on any CPU without a compiler
 #   convert  app + the convert extra: `loraplex fetch-model` for filling a model volume (built only on request)
-#   runtime  python + /opt/venv from app + the model + the demo adapters, run as uid 10001. No HEALTHCHECK:
+#   runtime  python + /opt/venv from app + the model + the kernels + the demo adapters, run as uid 10001. No HEALTHCHECK:
 #            Kubernetes' gRPC probes do that. Nothing is downloaded when a container starts.
 # Build:
 #   CPU:  docker build -t loraplex:0.1.0-cpu .
@@ -73,12 +75,23 @@ ENV PATH=/opt/venv/bin:$PATH
 USER 10001:10001
 ENTRYPOINT ["loraplex", "fetch-model"]
 
+FROM app AS kernels
+ARG DEBIAN_FRONTEND=noninteractive
+# The distribution's compiler, whatever its version: the libraries need only the C runtime and OpenMP (torch's).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && /opt/venv/bin/loraplex kernels --cache /opt/kernels
+
 FROM python AS runtime
 WORKDIR /app
 COPY --from=app /opt/venv /opt/venv
 COPY --from=model /opt/models /app/models
+COPY --from=kernels /opt/kernels /opt/kernels
 COPY adapters/demo /app/adapters/demo
-ENV PATH=/opt/venv/bin:$PATH
+ENV PATH=/opt/venv/bin:$PATH \
+    LORAPLEX_KERNEL_CACHE=/opt/kernels
 USER 10001:10001
 # gRPC, the OpenAI-compatible HTTP API, then Prometheus /metrics (service.config.Settings defaults).
 EXPOSE 50051 8000 9400

@@ -73,7 +73,7 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
 
 def test_stages_and_the_runtime_is_last() -> None:
     stages = dockerfile_stages()
-    assert [s.name for s in stages] == ["python", "deps", "model", "app", "convert", "runtime"]
+    assert [s.name for s in stages] == ["python", "deps", "model", "app", "convert", "kernels", "runtime"]
     assert stages[0].base == "${BASE}" and stages[-1].base == "python"
     assert not [word for word, _ in stages[-1].steps if word == "HEALTHCHECK"]  # Kubernetes probes do that
 
@@ -104,6 +104,9 @@ def test_runtime_venv_comes_from_stages_without_tools() -> None:
             sources[dest] = (origin.removeprefix("--from="), src)
     assert sources["/opt/venv"] == ("app", "/opt/venv")
     assert sources["/app/models"] == ("model", "/opt/models")  # the model stage's venv stays behind
+    assert sources["/opt/kernels"] == ("kernels", "/opt/kernels")  # the libraries, not the compiler
+    assert any("loraplex kernels --cache /opt/kernels" in r for r in runs([stage("kernels")]))
+    assert "LORAPLEX_KERNEL_CACHE=/opt/kernels" in " ".join(a for w, a in runtime.steps if w == "ENV")
     assert not runs([runtime]), "the runtime stage runs nothing: no install, no download"
     installs = runs(chain("app"))
     text = " ".join(installs)
