@@ -11,7 +11,8 @@ HTTP_PORT ?= 8000
 SERVE_ARGS ?=
 # What `make serve` serves is chosen by the machine (--weights auto, --dtype auto; service/model/dtypes.py): the
 # GGUF's 4-bit blocks in bfloat16 where bf16 is native (Sapphire Rapids, bench/README.md: 2.1x the bf16 folder's
-# batch-1 tok/s, 0.56x the fp32 server's peak RSS), the float32 folder elsewhere (no emulated bf16); the start-up
+# batch-1 tok/s, 0.56x the fp32 server's peak RSS), elsewhere the GGUF in float32 through loraplex's compiled
+# kernels (docs/kernels.md), or the float32 folder where they cannot be built (no emulated bf16); the start-up
 # self-check proves the chosen paths on this CPU. WEIGHTS= serves the folder; SERVE_ARGS=--dense-copies-mb=-1 adds
 # dense copies to a GGUF base (the bf16 folder's speed at 32 streams, for its memory).
 WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --weights auto
