@@ -42,6 +42,8 @@ CONFIGS: dict[str, list[str]] = {
     "folder-bf16": ["--dtype", "bfloat16"],
     "gguf-fp32": ["--dtype", "float32", "--gguf", str(GGUF)],
     "gguf-bf16": ["--dtype", "bfloat16", "--gguf", str(GGUF)],
+    "gguf-fp32-eager": ["--dtype", "float32", "--gguf", str(GGUF), "--kernels", "eager"],
+    "gguf-bf16-eager": ["--dtype", "bfloat16", "--gguf", str(GGUF), "--kernels", "eager"],
 }
 
 

@@ -1,0 +1,90 @@
+"""loraplex's compiled kernels vs torch's eager paths on the default model's shapes, per row count, same run.
+
+    .venv/bin/python bench/native_kernels.py [--rows 1 2 4 8 16 32 64] [--dtype float32] [--repeats 50]
+
+Q4 projection 3072x576 (SmolLM2's ``w13``): ``Q4Native.matmul`` (the compiled kernel) vs torch's int4 kernel
+(``Int4Weight.matmul``), vs dequantizing into a scratch buffer + dense matmul, vs a dense matmul over a kept copy.
+Q8_0 head 49152x576: ``lp_q8_matmul`` vs the per-group int8 kernel (float32) / the int4 pair (bf16) and
+dequantized chunks. Each cell: median of ``--repeats`` calls after warm-up, in µs, the forms interleaved per row
+count so that other load hits all alike. The variant is torch's capability's (``ATEN_CPU_CAPABILITY`` forces it).
+The thresholds in ``service/model/weights/q4_native.py`` and ``q8_table.py`` come from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from service.kernels import native
+from service.loading.gguf_blocks import Int8Rows
+from service.model.weights import Int4Weight, Q8Table, Scratch, linear
+from service.model.weights.q4_native import Q4Native
+from service.platform import cpu_capability
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def q4_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
+    gen = torch.Generator().manual_seed(0)
+    n, k = 3072, 576
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()  # float16 values, as a GGUF stores them
+    m = (torch.randn(n, k // 32, generator=gen) * 0.02).half().float()
+    ours = Q4Native.from_q_d_m(q, d, m, kern, dtype=dtype)
+    torch_int4 = Int4Weight.from_q_scale_zero(q, d, m + 8 * d, 32, dtype=dtype)
+    copy = ours.dequantize(dtype)
+    scratch = Scratch()
+    return {
+        "native": ours.matmul,
+        "torch int4": torch_int4.matmul,
+        "dequant+dense": lambda x: linear(x, ours.with_dispatch(1), scratch=scratch),
+        "dense copy": lambda x: torch.nn.functional.linear(x, copy),
+    }
+
+
+def head_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
+    gen = torch.Generator().manual_seed(1)
+    vocab, k = 49152, 576
+    rows = Int8Rows.group_major(vocab, k)
+    rows.q.copy_(torch.randint(-127, 128, rows.q.shape, generator=gen, dtype=torch.int8))
+    rows.scale.copy_(torch.rand(vocab, k // 32, generator=gen) * 0.01)
+    ours, eager = Q8Table(rows, dtype, kern), Q8Table(rows, dtype)
+    eager.pair_for_head()
+    return {"native": ours.project, eager.kernel_for(1).split(":")[0]: eager.project}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=50)
+    args = p.parse_args()
+    kern = native.kernels()
+    if kern is None:
+        raise SystemExit(f"no native kernels: {native.status()}")
+    dtype = getattr(torch, args.dtype)
+    print(f"capability {cpu_capability()}, variant {kern.isa}, {torch.get_num_threads()} threads, {args.dtype}")
+    tables = {"q4 projection 3072x576": q4_forms(dtype, kern), "Q8_0 head 49152x576": head_forms(dtype, kern)}
+    for title, forms in tables.items():
+        print(f"\n{title} (µs per call)\n{'rows':>5} " + " ".join(f"{name:>14}" for name in forms))
+        for m in args.rows:
+            x = torch.randn(m, 576).to(dtype)
+            repeats = args.repeats if m <= 8 else max(5, args.repeats // 5)
+            cells = [timed(lambda f=f, x=x: f(x), repeats) for f in forms.values()]
+            print(f"{m:>5} " + " ".join(f"{c:>14.1f}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
