@@ -5,6 +5,7 @@ engine serves a working set over the device budget with one overflow copy."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -167,13 +168,23 @@ def test_rows_on_an_overflow_copy_match_the_all_resident_tokens(
         big.stop()
         big_store.close()
 
-    real = reader_mod.load_tensors
+    real, logits, third = reader_mod.load_tensors, served["model"].logits, served["names"][-1]
+    loading, third_loading = threading.Event(), threading.Event()
 
-    def slow(*args: Any, **kwargs: Any) -> Any:  # a read that takes a while: the first rows still run meanwhile
+    def slow(records: dict[str, Any], *args: Any, **kwargs: Any) -> Any:  # the first rows still run meanwhile
+        loading.set()
+        if any(r.file.parent.name == third for r in records.values()):
+            third_loading.set()
         time.sleep(0.05)
-        return real(*args, **kwargs)
+        return real(records, *args, **kwargs)
+
+    def held(*args: Any, **kwargs: Any) -> Any:  # no adapter row retires (unpins) before the third load is laid out
+        if loading.is_set() and not third_loading.wait(10):  # (the gate request of run_together runs before loads)
+            third_loading.set()  # waited in vain: once, not on every step
+        return logits(*args, **kwargs)
 
     monkeypatch.setattr(reader_mod, "load_tensors", slow)
+    monkeypatch.setattr(served["model"], "logits", held)
     engine, store = _engine(served, budget_adapters=2, overflow=1)  # three adapters wanted at once, room for two
     before = _loads()
     try:
