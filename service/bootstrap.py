@@ -115,9 +115,8 @@ def _self_check(model: Llama, choice: ServingChoice) -> SelfCheckReport:
     fallbacks = sum(c.status.startswith("fallback") for c in checked.checks)
     metrics.SELF_CHECK_FALLBACKS.set(fallbacks)
     outcome = "fallback" if fallbacks else "ok"
-    metrics.COMPUTE_INFO.info(
-        {"capability": checked.capability, "dtype": checked.dtype, "weights": choice.weights, "self_check": outcome}
-    )
+    labels = {"capability": checked.capability, "dtype": checked.dtype, "weights": choice.weights}
+    metrics.COMPUTE_INFO.info({**labels, "kernels": native.variant(), "self_check": outcome})
     return checked
 
 

@@ -69,7 +69,8 @@ MODEL_LOADED = _gauge("loraplex_model_loaded", "1 once the base model is loaded 
 COMPUTE_INFO = Info(
     "loraplex_compute",
     "What this replica computes with: torch's CPU capability (or the GPU), serving dtype, weight source "
-    "(folder / gguf), and the start-up self-check's outcome (ok / fallback).",
+    "(folder / gguf), loraplex's compiled kernels (avx512 / avx2 / generic, or eager), and the start-up "
+    "self-check's outcome (ok / fallback).",
     registry=REGISTRY,
 )
 SELF_CHECK_FALLBACKS = _gauge(

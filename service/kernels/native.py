@@ -52,6 +52,7 @@ __all__ = [
     "isa_for",
     "kernels",
     "status",
+    "variant",
 ]
 
 log = logging.getLogger(__name__)
@@ -254,3 +255,10 @@ def status() -> str:
     """What ``kernels()`` did: the variant and file, or why there is none."""
     with _lock:
         return _state.status
+
+
+def variant() -> str:
+    """The variant ``kernels()`` loaded (``avx512``, ``avx2``, ``generic``), or ``eager`` when none was (not asked
+    for, off or unavailable): the ``kernels`` label of ``loraplex_compute_info``."""
+    with _lock:
+        return "eager" if _state.loaded is None else _state.loaded.isa

@@ -118,7 +118,7 @@ def test_a_built_library_is_reused_and_replaces_an_older_sources(tmp_path: Path)
     with kernels_mode("native", tmp_path):
         loaded = native.kernels()
         assert loaded is not None and loaded.path.parent == tmp_path
-        assert str(tmp_path) in native.status()
+        assert str(tmp_path) in native.status() and native.variant() == loaded.isa
 
 
 def test_no_compiler_serves_eager_with_a_warning_and_native_mode_refuses(
@@ -133,6 +133,7 @@ def test_no_compiler_serves_eager_with_a_warning_and_native_mode_refuses(
         native.kernels()
     with kernels_mode("eager", tmp_path):
         assert native.kernels() is None and native.status() == "off (--kernels eager)"
+        assert native.variant() == "eager"
     assert not list(tmp_path.iterdir())  # nothing was built
 
 

@@ -149,7 +149,7 @@ def test_a_wrong_int4_layout_served_falls_back_and_answers_right(
     with kernels_mode("eager"):  # the servers set it; the default again for the tests after this one
         want, statuses = serve()
     assert all(s == "ok" for s in statuses)
-    labels = {"capability": cpu_capability(), "dtype": "float32", "weights": "gguf"}
+    labels = {"capability": cpu_capability(), "dtype": "float32", "weights": "gguf", "kernels": "eager"}
     assert metrics.REGISTRY.get_sample_value("loraplex_compute_info", {**labels, "self_check": "ok"}) == 1
     _wrong_layout(monkeypatch)
     with kernels_mode("eager"):
