@@ -1,4 +1,4 @@
-"""loraplex's own CPU kernels (``src/blocks.cpp``): built for this CPU's instruction set at first use, cached on disk.
+"""loraplex's own CPU kernels (``src/*.cpp``): built for this CPU's instruction set at first use, cached on disk.
 
     configure(mode="auto", cache_dir=None)      the process's choice (``--kernels``, ``--kernel-cache``)
     kernels() -> NativeKernels | None           the loaded library, or None: eager torch paths (see ``status``)
@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -57,17 +58,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 1  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 2  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
-SOURCE = Path(__file__).with_name("src") / "blocks.cpp"
+SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp"))
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "generic": (),
 }
 BASE_FLAGS = (
-    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-exceptions", "-fno-rtti",
-    "-Wl,--as-needed",
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fno-exceptions",
+    "-fno-rtti", "-Wl,--as-needed",
 )  # fmt: skip
 BUILD_TIMEOUT_S = 120
 
@@ -105,6 +106,11 @@ class NativeKernels:
         lib.lp_q4_matmul.restype = ctypes.c_int
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
         lib.lp_q8_matmul.restype = ctypes.c_int
+        lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P]
+        lib.lp_silu_mul.argtypes = [_P, _L, _L, _P]
+        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P]
+        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention):
+            fn.restype = ctypes.c_int
         self._lib = lib
 
     @property
@@ -143,6 +149,57 @@ class NativeKernels:
             _raise(rc, f"lp_q8_matmul refused x {tuple(x2.shape)} and table [{vocab}, {k}]")
         return out
 
+    # --- the small float32 ops of a decode step (src/step.cpp) ---------------------------------------------
+
+    def add_rmsnorm(self, x: Tensor, y: Tensor | None, w: Tensor, eps: float) -> Tensor:
+        """``x += y`` in place (y None: no add), then RMSNorm of x with weight w: x [..., N], w [N], float32."""
+        n = w.shape[0]
+        _check_f32(x, *(() if y is None else (y,)), w)
+        if x.shape[-1] != n or (y is not None and y.shape != x.shape):
+            raise ValueError(f"add_rmsnorm: x {tuple(x.shape)}, y {None if y is None else tuple(y.shape)}, w [{n}]")
+        out = torch.empty_like(x)
+        rc = self._lib.lp_add_rmsnorm(x.data_ptr(), None if y is None else y.data_ptr(), w.data_ptr(),
+                                      x.numel() // n, n, eps, out.data_ptr())  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_add_rmsnorm refused x {tuple(x.shape)} with eps {eps}")
+        return out
+
+    def silu_mul(self, gu: Tensor) -> Tensor:
+        """gu [..., 2 I] float32 ([gate; up]) -> [..., I]: ``silu(gate) * up``."""
+        _check_f32(gu)
+        inter = gu.shape[-1] // 2
+        out = gu.new_empty(*gu.shape[:-1], inter)
+        rc = self._lib.lp_silu_mul(gu.data_ptr(), gu.numel() // max(2 * inter, 1), inter, out.data_ptr())
+        if rc or 2 * inter != gu.shape[-1]:
+            raise ValueError(f"lp_silu_mul refused gu {tuple(gu.shape)}")
+        return out
+
+    def decode_attention(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, heads: int
+    ) -> Tensor:
+        """One query token per row: qkv [B, H + 2 KV, D], cos / sin [B, D] at ``pos`` [B] int64; k_cache, v_cache
+        [B, KV, max_len, D] (the rows' slots, written at ``pos``) -> [B, H * D]. See ``lp_decode_attention``."""
+        b, width, d = qkv.shape
+        kv, max_len = k_cache.shape[1], k_cache.shape[2]
+        _check_f32(qkv, cos, sin)
+        if width != heads + 2 * kv or tuple(cos.shape) != (b, d) or tuple(sin.shape) != (b, d):
+            raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {heads} heads, cos {tuple(cos.shape)}")
+        if pos.dtype != torch.int64 or tuple(pos.shape) != (b,) or not pos.is_contiguous():
+            raise ValueError(f"decode_attention: positions must be int64 [{b}], got {pos.dtype} {tuple(pos.shape)}")
+        for c in (k_cache, v_cache):
+            if c.dtype != torch.float32 or c.shape != (b, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
+                raise ValueError(f"decode_attention: a cache of {c.dtype} {tuple(c.shape)} {c.stride()}")
+        if k_cache.stride(0) != v_cache.stride(0):
+            raise ValueError("decode_attention: K and V caches of different strides")
+        out = qkv.new_empty(b, heads * d)
+        rc = self._lib.lp_decode_attention(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, heads, kv, d, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d), out.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
+        return out
+
 
 def _raise(rc: int, what: str) -> None:
     if rc == -2:
@@ -165,12 +222,18 @@ def _check(
             raise ValueError("native kernels take contiguous CPU tensors")
 
 
+def _check_f32(*tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"native step ops take contiguous float32 CPU tensors, got {t.dtype} {tuple(t.shape)}")
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
 def _library_name(isa: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
     return f"blocks-{isa}-{h.hexdigest()[:16]}.so"
 
@@ -188,7 +251,7 @@ def build(isa: str, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=cache_dir)
     os.close(fd)
-    cmd = [cxx, *BASE_FLAGS, *ISA_FLAGS[isa], f'-DLP_ISA="{isa}"', str(SOURCE), "-o", tmp]
+    cmd = [cxx, *BASE_FLAGS, *ISA_FLAGS[isa], f'-DLP_ISA="{isa}"', *map(str, SOURCES), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode:

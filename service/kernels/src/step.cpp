@@ -1,0 +1,171 @@
+// loraplex native kernels: the small float32 ops of a decode step, fused so that a layer pays a few calls instead of
+// thirty (service/model/llama.py uses them on a float32 CPU model when the library is loaded).
+//
+//   lp_add_rmsnorm       residual add + RMSNorm: x += y, out = x * rsqrt(mean(x^2) + eps) * w
+//   lp_silu_mul          SwiGLU's middle: out = silu(gate) * up over the fused [gate; up] projection
+//   lp_decode_attention  one query token per row: RoPE on q and k, K/V bounded (finite_kv) and written into the slot
+//                        cache at the row's position, then softmax(q k^T / sqrt(D)) v over positions 0..pos
+//
+// Plain C++ in lanes of 16 that the compiler vectorizes for each variant's instruction set (the same -m flags as
+// blocks.cpp; built with -ffp-contract=off, so a * b + c * d rounds as torch's separate ops do: RoPE and the cache
+// writes are bit-identical to the eager path's). Reductions (norm, scores, softmax) are float32 in another order
+// than torch's, and exp is a Cephes-style polynomial (about 2 ulp): the results agree with eager within rounding.
+// Non-finite inputs stay non-finite in the outputs, so a row that blew up fails on its own logits.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kMaxHeadDim = 512;
+constexpr float kKvLimit = 65504.0f;  // service.model.kv_cache.KV_LIMIT
+
+inline float bounded(float v) {  // finite_kv: NaN -> 0, everything else clamped to +-KV_LIMIT
+  if (v != v) return 0.0f;
+  return v < -kKvLimit ? -kKvLimit : (v > kKvLimit ? kKvLimit : v);
+}
+
+inline float exp_poly(float x) {
+  // exp(x) = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2 (ln 2 split in two for an exact r).
+  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3333519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  float y = e * scale;
+  y = x < -87.0f ? 0.0f : y;
+  y = x > 88.0f ? INFINITY : y;
+  return x != x ? x : y;
+}
+
+inline float lane_sum(float* acc) {  // pairwise over the lanes
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return lane_sum(acc) + tail;
+}
+
+// One head rotated (the HF rotate-half convention, as service.model.rope.apply_rope): with the signed sin table,
+// out[i] = x[i] cos[i] + x[(i + D/2) mod D] sin[i].
+inline void rope(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+constexpr int64_t kParallelElems = 1 << 15;  // below this many elements one thread does an elementwise op
+
+}  // namespace
+
+extern "C" {
+
+// x [R, N] (in place) += y [R, N] unless y is null; out [R, N] = x * rsqrt(mean(x^2) + eps) * w [N].
+int lp_add_rmsnorm(float* x, const float* y, const float* w, int64_t rows, int64_t n, float eps, float* out) {
+  if (rows < 0 || n <= 0 || !(eps >= 0.0f)) return -1;
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * n;
+    if (y != nullptr) {
+      const float* yr = y + r * n;
+      for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
+    }
+    const float rstd = 1.0f / std::sqrt(dot(xr, xr, n) / (float)n + eps);
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * rstd) * w[i];
+  }
+  return 0;
+}
+
+// gu [R, 2 I] (gate columns, then up): out [R, I] = gate / (1 + exp(-gate)) * up.
+int lp_silu_mul(const float* gu, int64_t rows, int64_t inter, float* out) {
+  if (rows < 0 || inter <= 0) return -1;
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+  }
+  return 0;
+}
+
+// One decode token per row b < B: qkv [B, H + 2 KV, D] (q heads, k heads, v heads: the fused projection's output),
+// cos and sin [B, D] (the rope tables at pos[b]); the slot cache of these B rows holds element (b, j, p, i) of K
+// at k_cache[b * slot_stride + j * head_stride + p * D + i] (V likewise), positions 0..max_len-1.
+// Writes K (rotated) and V at p = pos[b], both bounded; then out [B, H * D] = per query head h (KV head h / (H/KV))
+// softmax over p <= pos[b] of scale * q_h . K[p], times V. Returns 0, -1 on a bad argument, -2 out of memory.
+int lp_decode_attention(const float* qkv, const float* cos, const float* sin, const int64_t* pos, int64_t b,
+                        int64_t h, int64_t kv, int64_t d, float* k_cache, float* v_cache, int64_t slot_stride,
+                        int64_t head_stride, int64_t max_len, float scale, float* out) {
+  if (b < 0 || h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
+  if (head_stride < max_len * d || slot_stride < kv * head_stride) return -1;
+  for (int64_t r = 0; r < b; ++r)
+    if (pos[r] < 0 || pos[r] >= max_len) return -1;
+  const int64_t width = (h + 2 * kv) * d, group = h / kv;
+  int failed = 0;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < b * kv; ++t) {
+      const int64_t r = t / kv, j = t % kv, at = r * slot_stride + j * head_stride + pos[r] * d;
+      float rotated[kMaxHeadDim];
+      rope(qkv + r * width + (h + j) * d, cos + r * d, sin + r * d, d, rotated);
+      const float* v = qkv + r * width + (h + kv + j) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        k_cache[at + i] = bounded(rotated[i]);
+        v_cache[at + i] = bounded(v[i]);
+      }
+    }  // the implicit barrier: every row's new K/V is in place before any query reads it
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < b * h; ++t) {
+      const int64_t r = t / h, head = t % h, n = pos[r] + 1;
+      const int64_t base = r * slot_stride + (head / group) * head_stride;
+      float q[kMaxHeadDim];
+      rope(qkv + r * width + head * d, cos + r * d, sin + r * d, d, q);
+      float* s = (float*)std::malloc((size_t)n * sizeof(float));
+      if (s == nullptr) {
+#pragma omp atomic write
+        failed = 1;
+        continue;
+      }
+      float top = -INFINITY;
+      for (int64_t p = 0; p < n; ++p) {
+        s[p] = dot(q, k_cache + base + p * d, d) * scale;
+        top = s[p] > top ? s[p] : top;
+      }
+      float total = 0.0f;
+      for (int64_t p = 0; p < n; ++p) total += (s[p] = exp_poly(s[p] - top));
+      float acc[kMaxHeadDim] = {};
+      for (int64_t p = 0; p < n; ++p) {
+        const float* v = v_cache + base + p * d;
+        for (int64_t i = 0; i < d; ++i) acc[i] += s[p] * v[i];
+      }
+      std::free(s);
+      float* o = out + r * h * d + head * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = acc[i] / total;
+    }
+  }
+  return failed ? -2 : 0;
+}
+
+}  // extern "C"

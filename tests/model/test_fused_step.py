@@ -1,0 +1,155 @@
+"""The fused float32 step ops (``src/step.cpp`` through ``service.model.step``) against float64 references and
+against the eager path they replace.
+
+Kernel by kernel: RoPE and the K/V write are bit-identical to ``apply_rope`` + ``finite_kv``; attention, RMSNorm
+and SiLU·mul agree with float64 within float32 rounding; a row's non-finite values stay in its own output and its
+cache slot keeps only bounded values; what lies past a row's position is never read. Then a tiny Llama loaded
+twice, fused and eager (``--kernels eager``), decodes the same batch to the same tokens and near-equal hidden
+states. The transformers and PEFT exactness suites run on the fused path, the default wherever the kernels build.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.native import kernels_mode
+from support.tiny_models import load_ours
+
+from service.kernels import native
+from service.model import KVCache
+from service.model.kv_cache import KV_LIMIT, finite_kv
+from service.model.rope import apply_rope, rope_table
+
+pytestmark = pytest.mark.numerics
+
+H, KV, D, MAX_LEN = 9, 3, 64, 40
+
+
+def _kernels() -> native.NativeKernels:
+    k = native.kernels()
+    if k is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
+    return k
+
+
+def _tables() -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    return rope_table(inv_freq, MAX_LEN, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _attend64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [H, D], k / v [KV, n, D] -> [H * D] in float64, GQA by repeating each KV head H / KV times."""
+    k, v = k.double().repeat_interleave(H // KV, 0), v.double().repeat_interleave(H // KV, 0)
+    scores = (q.double()[:, None, :] * k).sum(-1) / math.sqrt(D)  # [H, n]
+    return (scores.softmax(-1)[:, :, None] * v).sum(1).reshape(-1)
+
+
+def test_decode_attention_writes_the_eager_kv_and_attends_up_to_each_row_position() -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    pos = torch.tensor([7, 30, 0, 39])  # the first position, a middle one, the cache's last
+    b = len(pos)
+    qkv = torch.randn(b, H + 2 * KV, D, generator=gen)
+    qkv[1, H] = qkv[1, H] * 1e6  # a huge K head: bounded in the cache
+    data = torch.randn(2, b + 2, KV, MAX_LEN, D, generator=gen)  # slots 1..b run; the others must stay untouched
+    for r, p in enumerate(pos.tolist()):
+        data[:, 1 + r, :, p + 1 :] = math.nan  # past each row's position: never read
+    want = data.clone()
+    cos_t, sin_t = _tables()
+    cos, sin = cos_t[pos], sin_t[pos]  # [B, D]
+    qk = apply_rope(qkv[:, None, : H + KV], cos[:, None, None], sin[:, None, None])[:, 0]  # [B, H + KV, D]
+    for r, p in enumerate(pos.tolist()):
+        want[0, 1 + r, :, p] = finite_kv(qk[r, H:])
+        want[1, 1 + r, :, p] = finite_kv(qkv[r, H + KV :])
+    out = kern.decode_attention(qkv, cos, sin, pos, data[0].narrow(0, 1, b), data[1].narrow(0, 1, b), H)
+    assert torch.equal(data.nan_to_num(7.0), want.nan_to_num(7.0))  # bit-identical writes, nothing else touched
+    assert data[0, 2, 0, 30].abs().max() == KV_LIMIT  # the huge K head, clamped
+    for r, p in enumerate(pos.tolist()):
+        ref = _attend64(qk[r, :H], want[0, 1 + r, :, : p + 1], want[1, 1 + r, :, : p + 1])
+        assert float((out[r].double() - ref).abs().max()) < 2e-6 * max(1.0, float(ref.abs().max())), r
+
+
+def test_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(2, H + 2 * KV, D, generator=gen)
+    qkv[0] = math.nan
+    cache = torch.zeros(2, 2, KV, MAX_LEN, D)
+    cos_t, sin_t = _tables()
+    pos = torch.tensor([5, 5])
+    out = kern.decode_attention(qkv, cos_t[pos], sin_t[pos], pos, cache[0], cache[1], H)
+    assert out[0].isnan().all() and out[1].isfinite().all()
+    assert cache.isfinite().all() and cache[:, 0, :, 5].eq(0).all()  # NaN is stored as 0
+
+
+def test_decode_attention_refuses_what_does_not_fit() -> None:
+    kern = _kernels()
+    qkv = torch.zeros(1, H + 2 * KV, D)
+    cos_t, sin_t = _tables()
+    cache = torch.zeros(2, 1, KV, MAX_LEN, D)
+    with pytest.raises(ValueError, match="refused"):
+        kern.decode_attention(qkv, cos_t[:1], sin_t[:1], torch.tensor([MAX_LEN]), cache[0], cache[1], H)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        kern.decode_attention(qkv, cos_t[:1], sin_t[:1], torch.tensor([1], dtype=torch.int32), cache[0], cache[1], H)
+    with pytest.raises(ValueError, match="for 8 heads"):
+        kern.decode_attention(qkv, cos_t[:1], sin_t[:1], torch.tensor([1]), cache[0], cache[1], 8)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm_matches_float64(with_residual: bool) -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(5)
+    x, y, w = torch.randn(3, 4, 576, generator=gen), torch.randn(3, 4, 576, generator=gen), torch.randn(576)
+    s = (x.double() + y.double()) if with_residual else x.double()
+    ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    out = kern.add_rmsnorm(x, y if with_residual else None, w, 1e-5)
+    assert torch.allclose(x.double(), s, rtol=0, atol=1e-6)  # the residual stream, updated in place
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
+def test_silu_mul_matches_float64_at_the_edges_of_exp() -> None:
+    kern = _kernels()
+    gate = torch.cat((torch.linspace(-100.0, 100.0, 1001), torch.tensor([0.0, -0.0, 1e-30, -88.5, 88.5])))
+    up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(6))
+    out = kern.silu_mul(torch.cat((gate, up))[None])[0]
+    ref = F.silu(gate.double()) * up.double()
+    assert float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max()) < 1e-6
+    assert kern.silu_mul(torch.tensor([[math.nan, 1.0]]))[0].isnan().all()
+
+
+def test_a_tiny_llama_decodes_the_same_fused_and_eager(tiny_llama_factory: Callable[..., Path]) -> None:
+    _kernels()
+    folder = tiny_llama_factory()
+    fused = load_ours(folder)
+    with kernels_mode("eager"):
+        eager = load_ours(folder)
+    assert fused.native is not None and eager.native is None
+    gen = torch.Generator().manual_seed(8)
+    prompts = torch.randint(3, fused.cfg.vocab_size, (3, 6), generator=gen)
+    lengths = torch.tensor([6, 2, 4])  # right-padded rows: each decodes from its own length
+    caches, tokens, states = [], [], []
+    for model in (fused, eager):
+        cache = KVCache(model.cfg, slots=4, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
+        positions = torch.arange(6).expand(3, 6)
+        hidden = model(prompts, positions, cache, 1)
+        nxt = model.logits(model.gather_last(hidden, lengths)).argmax(-1)
+        seq, step_states = [nxt], [hidden]
+        pos = lengths.clone()
+        for _ in range(8):
+            h = model(nxt[:, None], pos[:, None], cache, 1)  # one token a row: the fused decode attention
+            nxt = model.logits(h[:, -1]).argmax(-1)
+            seq.append(nxt)
+            step_states.append(h)
+            pos += 1
+        caches.append(cache.data)
+        tokens.append(torch.stack(seq))
+        states.append(step_states)
+    assert torch.equal(tokens[0], tokens[1])
+    for a, b in zip(*states, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(caches[0], caches[1], rtol=1e-4, atol=1e-5)
