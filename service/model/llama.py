@@ -25,18 +25,18 @@ keeps per-request state.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
 from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, ProjName
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
+from service.model.step import Step, make_step, native_step_ops
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.platform import draft_dtype
 
@@ -68,31 +68,6 @@ def proj(
     if adapters is not None:
         out = adapters.add_delta(out, x, layer, name)
     return out
-
-
-@dataclass(frozen=True)
-class Step:
-    """What every layer of one forward pass shares, computed once per pass."""
-
-    cos: Tensor  # [B, T, 1, D] rope cos at each token's position
-    sin: Tensor  # [B, T, 1, D] signed rope sin
-    mask: Tensor  # [B, 1, T*G, L] additive (0 / -inf), rows ordered t*G + g (see Attention)
-    write_index: Tensor  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V
-    adapters: AdapterHook | None
-    scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
-
-
-def _visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:
-    """[B, T, L] bool: which of the ``length`` cache positions each query attends to (see ``Llama.forward``)."""
-    b, t = positions.shape
-    key_pos = torch.arange(length, device=positions.device)  # [L]
-    if tree is None:
-        return key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
-    # The cache below the root, then the query's own ancestors among the nodes.
-    rel = key_pos[None, :] - positions[:, :1]  # [B, L]: key position relative to the root
-    in_tree = tree.to(positions.device).expand(b, t, t)  # [B, T, T]: one tree for every row, or one per row
-    node = rel.clamp(0, t - 1)[:, None, :].expand(b, t, length)  # [B, T, L]
-    return (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree.gather(2, node))
 
 
 # --- modules --------------------------------------------------------------------------------------------
@@ -135,6 +110,17 @@ def normed(norm: RMSNorm, x: Tensor, layer: int, adapters: AdapterHook | None) -
     return out if adapters is None else adapters.norm(out, x, layer, norm.name, norm.with_weight)
 
 
+def add_normed(
+    norm: RMSNorm, x: Tensor, y: Tensor | None, layer: int, adapters: AdapterHook | None, native: NativeKernels | None
+) -> tuple[Tensor, Tensor]:
+    """The residual stream ``x + y`` (y None: x) and ``normed`` of it; the native ops fuse both, updating x in place."""
+    if native is None or norm.weight.dtype != x.dtype:
+        x = x if y is None else x + y
+        return x, normed(norm, x, layer, adapters)
+    out = native.add_rmsnorm(x, y, norm.weight, norm.eps)
+    return x, out if adapters is None else adapters.norm(out, x, layer, norm.name, norm.with_weight)
+
+
 class Attention(nn.Module):
     def __init__(
         self, cfg: ModelConfig, layer: int, *, dtype: torch.dtype, device: torch.device, quantized: bool = False
@@ -161,6 +147,11 @@ class Attention(nn.Module):
         h, kv, d = self.n_head, self.n_kv, self.head_dim
         g = h // kv
         qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters, scratch=step.scratch)
+        if step.native is not None and step.pos is not None:  # one token a row: RoPE, K/V write, attention fused
+            cos, sin = step.cos.view(b, d), step.sin.view(b, d)
+            y = step.native.decode_attention(qkv.reshape(b, h + 2 * kv, d), cos, sin, step.pos, k_cache, v_cache, h)
+            return proj(y.view(b, 1, h * d), self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch)
+        assert step.mask is not None and step.write_index is not None  # an eager step has both
         qkv = qkv.view(b, t, h + 2 * kv, d)
         qk = apply_rope(qkv.narrow(2, 0, h + kv), step.cos, step.sin)  # [B, T, H + KV, D]
         # This step's K and V go to their positions first; then the slot range is read back as a plain slice.
@@ -194,10 +185,20 @@ class FeedForward(nn.Module):
             self.b13 = _param(2 * i, dtype=dtype, device=device)
             self.b2 = _param(cfg.hidden_size, dtype=dtype, device=device)
 
-    def forward(self, x: Tensor, adapters: AdapterHook | None, scratch: Scratch | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        adapters: AdapterHook | None,
+        scratch: Scratch | None = None,
+        native: NativeKernels | None = None,
+    ) -> Tensor:
         gu = proj(x, self.w13, self.b13, self.layer, "w13", adapters, scratch=scratch)
-        gate, up = gu.chunk(2, dim=-1)  # [B, T, I] each
-        return proj(F.silu(gate).mul_(up), self.w2, self.b2, self.layer, "w2", adapters, scratch=scratch)
+        if native is not None:
+            act = native.silu_mul(gu.contiguous())
+        else:
+            gate, up = gu.chunk(2, dim=-1)  # [B, T, I] each
+            act = F.silu(gate).mul_(up)
+        return proj(act, self.w2, self.b2, self.layer, "w2", adapters, scratch=scratch)
 
 
 class Block(nn.Module):
@@ -237,6 +238,7 @@ class Llama(nn.Module):
         self._cos = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)  # [P, D], grown on demand
         self._sin = self._cos
         self._draft_head: Tensor | None = None  # see draft_head()
+        self.native = native_step_ops(dtype, self.device)  # fused float32 CPU step ops (service.model.step) or None
 
     def _rope_for(self, length: int) -> None:
         if self._cos.shape[0] < length:
@@ -281,17 +283,10 @@ class Llama(nn.Module):
         if length > cache.max_len:
             raise ValueError(f"position {length - 1} is beyond the cache's max_len {cache.max_len}")
         self._rope_for(cache.max_len)
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        visible = _visible(positions, length, tree)  # [B, T, L]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device).masked_fill_(~visible, -math.inf)
-        step = Step(
-            cos=self._cos[positions].unsqueeze(2),  # [B, T, 1, D]
-            sin=self._sin[positions].unsqueeze(2),
-            mask=mask.repeat_interleave(g, dim=1).unsqueeze(1),  # [B, 1, T*G, L]
-            write_index=cache.write_index(slot_start, slots_at),
-            adapters=adapters,
-            scratch=self.scratch,
-        )
+        native = self.native
+        step = make_step((self._cos, self._sin), positions, slots_at, length, cache=cache, slot_start=slot_start,
+                         heads_per_kv=self.cfg.num_heads // self.cfg.num_kv_heads, tree=tree, adapters=adapters,
+                         scratch=self.scratch, native=native)  # fmt: skip
 
         emb = self.tok_embeddings
         x = F.embedding(tokens, emb) if isinstance(emb, Tensor) else emb.gather(tokens)  # [B, T, hidden]
@@ -299,11 +294,14 @@ class Llama(nn.Module):
         # summing 60 sublayer outputs into a bf16 stream rounds away enough to flip near-tied tokens (SmolLM2's
         # answer to "What is the capital of France?"). Matmul inputs and the KV cache stay in the model dtype.
         x = x.float() if adapters is None else adapters.embed(x.float(), tokens)
+        y: Tensor | None = None  # the last sublayer's output, added to x by the next norm
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
-            x = x + layer.attention(normed(layer.attention_norm, x, i, adapters), step, cache.rows[i], k_cache, v_cache)
-            x = x + layer.feed_forward(normed(layer.ffn_norm, x, i, adapters), adapters, self.scratch)
-        return normed(self.norm, x, len(self.blocks), adapters)
+            x, h = add_normed(layer.attention_norm, x, y, i, adapters, native)
+            y = layer.attention(h, step, cache.rows[i], k_cache, v_cache)
+            x, h = add_normed(layer.ffn_norm, x, y, i, adapters, native)
+            y = layer.feed_forward(h, adapters, self.scratch, native)
+        return add_normed(self.norm, x, y, len(self.blocks), adapters, native)[1]
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor, adapters: AdapterHook | None = None, rows: Sequence[int] | None = None) -> Tensor:

@@ -1,0 +1,87 @@
+"""What every layer of one forward pass shares (``Step``), built once per pass, and the choice of the fused step ops.
+
+A float32 model on the CPU runs its small per-layer ops on loraplex's compiled kernels when they are loaded
+(``service.kernels.native``; ``--kernels``): residual add + RMSNorm and SiLU·mul in one call each, and for a decode
+pass (one token per row, no draft tree) RoPE, the K/V cache write and attention in one call per layer. Everything
+else, and every other dtype or device, is the eager path; both agree within rounding (``tests/model``), and the
+start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from service.kernels.native import NativeKernels, kernels
+from service.model.hooks import AdapterHook
+from service.model.kv_cache import KVCache
+from service.model.weights.protocol import Scratch
+
+__all__ = ["Step", "make_step", "native_step_ops", "visible"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer of one forward pass shares, computed once per pass."""
+
+    cos: Tensor  # [B, T, 1, D] rope cos at each token's position
+    sin: Tensor  # [B, T, 1, D] signed rope sin
+    mask: Tensor | None  # [B, 1, T*G, L] additive (0 / -inf), rows ordered t*G + g (see Attention); None: decode
+    write_index: Tensor | None  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V; None: decode
+    adapters: AdapterHook | None
+    scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
+    native: NativeKernels | None = None  # fused decode attention over ``pos`` (the mask and index unused)
+    pos: Tensor | None = None  # [B] int64: each row's one position, with ``native``
+
+
+def native_step_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
+    """The compiled step ops for a model of ``dtype`` on ``device``: float32 on the CPU only; None: eager."""
+    return kernels() if dtype == torch.float32 and device.type == "cpu" else None
+
+
+def visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:
+    """[B, T, L] bool: which of the ``length`` cache positions each query attends to (see ``Llama.forward``)."""
+    b, t = positions.shape
+    key_pos = torch.arange(length, device=positions.device)  # [L]
+    if tree is None:
+        return key_pos <= positions[:, :, None]  # [B, T, L]: key position <= query position
+    # The cache below the root, then the query's own ancestors among the nodes.
+    rel = key_pos[None, :] - positions[:, :1]  # [B, L]: key position relative to the root
+    in_tree = tree.to(positions.device).expand(b, t, t)  # [B, T, T]: one tree for every row, or one per row
+    node = rel.clamp(0, t - 1)[:, None, :].expand(b, t, length)  # [B, T, L]
+    return (rel < 0)[:, None, :] | ((rel < t)[:, None, :] & in_tree.gather(2, node))
+
+
+def make_step(
+    tables: tuple[Tensor, Tensor],
+    positions: Tensor,
+    slots_at: Tensor,
+    length: int,
+    *,
+    cache: KVCache,
+    slot_start: int,
+    heads_per_kv: int,
+    tree: Tensor | None,
+    adapters: AdapterHook | None,
+    scratch: Scratch,
+    native: NativeKernels | None,
+) -> Step:
+    """The ``Step`` of a pass over ``positions`` [B, T] whose K/V go to cache positions ``slots_at``, attending to
+    ``length`` keys; ``tables`` are the model's rope cos / sin [P, D]."""
+    cos, sin = tables[0][positions].unsqueeze(2), tables[1][positions].unsqueeze(2)  # [B, T, 1, D]
+    if native is not None and tree is None and positions.shape[1] == 1:
+        pos = positions[:, 0].to(torch.int64).contiguous()
+        return Step(cos, sin, None, None, adapters, scratch, native=native, pos=pos)
+    seen = visible(positions, length, tree)  # [B, T, L]
+    mask = torch.zeros(seen.shape, dtype=cos.dtype, device=positions.device).masked_fill_(~seen, -math.inf)
+    return Step(
+        cos=cos,
+        sin=sin,
+        mask=mask.repeat_interleave(heads_per_kv, dim=1).unsqueeze(1),  # [B, 1, T*G, L]
+        write_index=cache.write_index(slot_start, slots_at),
+        adapters=adapters,
+        scratch=scratch,
+    )
