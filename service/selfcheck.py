@@ -11,6 +11,8 @@ the server says SERVING, ``run_self_check`` runs, for the loaded model in its se
   embedding's gather, on a sample of vocabulary rows;
 - the batched LoRA math, per-slot and shared, on random adapters (a base-only row must stay bit-identical);
 - attention (``scaled_dot_product_attention`` with the model's mask shapes), decode and prefill;
+- the fused float32 step ops when the compiled kernels run them (residual + RMSNorm, SiLU·mul, RoPE with the K/V
+  write, decode attention): a wrong one sends the model back to the eager ops;
 - the dtype Medusa heads draft in.
 
 A path off by more than its dtype's tolerance either falls back to a path that passed (a quantized kind whose
@@ -35,14 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from service.adapters.lora.batch import AdapterBatch, LoraTables, Mode, ModuleSpec, module_layout
-from service.adapters.lora.layouts import SITES
-from service.adapters.lora.types import LoraLayer, LoraModule
+from service.adapters.lora.batch import AdapterBatch, LoraTables, Mode, module_layout
 from service.errors import FailedPrecondition
+from service.model.kv_cache import finite_kv
 from service.model.llama import PROJ_NAMES, Llama, ProjName
+from service.model.rope import apply_rope
 from service.model.weights.dispatch import NEVER
 from service.model.weights.protocol import Weight
 from service.platform import cpu_capability, draft_dtype
+from service.selfcheck_lora import in_features, out_features, random_lora, reference_delta
 
 __all__ = ["TOLERANCE", "PathCheck", "SelfCheckFailed", "SelfCheckReport", "run_self_check"]
 
@@ -220,9 +223,9 @@ class _Checker:
         cfg = self.model.cfg
         layout = module_layout(cfg)
         adapters = {
-            aid: _random_lora(layout, rank, self.gen, self.device, self.dtype) for aid, rank in (("a", 8), ("b", 4))
+            aid: random_lora(layout, rank, self.gen, self.device, self.dtype) for aid, rank in (("a", 8), ("b", 4))
         }
-        x_of = {site: self.randn(3, 2, _in_features(layout, site)) for site in PROJ_NAMES}
+        x_of = {site: self.randn(3, 2, in_features(layout, site)) for site in PROJ_NAMES}
         modes: tuple[Mode, ...] = ("slots", "shared")
         for mode in modes:
             tables = LoraTables(cfg, device=self.device, dtype=self.dtype)
@@ -231,11 +234,11 @@ class _Checker:
                 raise RuntimeError("an adapter batch with adapters was built as None")
             for site in PROJ_NAMES:
                 x = x_of[site]
-                base = self.randn(3, 2, _out_features(layout, site))
+                base = self.randn(3, 2, out_features(layout, site))
                 out = batch.add_delta(base.clone(), x, 0, site)
                 ref = base.float().clone()
                 for row, aid in ((0, "a"), (2, "b")):
-                    ref[row] += _delta(adapters[aid], layout, site, x[row].float())
+                    ref[row] += reference_delta(adapters[aid], layout, site, x[row].float())
                 path = f"LoRA {mode} {site}"
                 self.record(path, f"batched LoRA ({mode}) in {_name(tables.compute_dtype)}", out, ref)
                 if not torch.equal(out[1], base[1]):
@@ -261,6 +264,44 @@ class _Checker:
                 f"attention, {t} quer{'y' if t == 1 else 'ies'} per row", "scaled_dot_product_attention", y, ref
             )
         self._fail_any("attention")
+
+    def step_ops(self) -> None:
+        """The fused float32 step ops (``service.model.step``); any wrong one sends the model to the eager ops."""
+        ops = self.model.native
+        if ops is None:
+            return
+        cfg = self.model.cfg
+        h, kv, d, length, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 24, cfg.rms_norm_eps
+        kernel = f"{ops.name} fused step ops"
+        x, y, w = self.randn(3, cfg.hidden_size), self.randn(3, cfg.hidden_size), self.randn(cfg.hidden_size)
+        ref = F.rms_norm(x + y, w.shape, w, eps)
+        checks = [self.record("fused residual add + RMSNorm", kernel, ops.add_rmsnorm(x, y, w, eps), ref)]
+        gate, up = (gu := self.randn(3, 2 * cfg.intermediate_size) * 4).chunk(2, dim=-1)
+        checks.append(self.record("fused SiLU*mul", kernel, ops.silu_mul(gu), F.silu(gate) * up))
+        qkv, cos, sin, cache = (
+            self.randn(2, h + 2 * kv, d),
+            self.randn(2, d),
+            self.randn(2, d),
+            self.randn(2, 2, kv, length, d),
+        )
+        pos = torch.tensor([length - 1, length - 10])  # the second row is shorter: keys past it unread
+        out = ops.decode_attention(qkv, cos, sin, pos, cache[0], cache[1], h)
+        qk = apply_rope(qkv[:, None, : h + kv], cos[:, None, None], sin[:, None, None])[:, 0]  # [2, H + KV, D]
+        rows = torch.arange(2)
+        written = torch.cat((cache[0][rows, :, pos], cache[1][rows, :, pos]), dim=1)  # [2, 2 KV, D]
+        want = finite_kv(torch.cat((qk[:, h:], qkv[:, h + kv :]), dim=1))
+        checks.append(self.record("fused RoPE + K/V write", kernel, written, want))
+        q = qk[:, :h].reshape(2, kv, h // kv, d)
+        scores = q @ cache[0].transpose(-1, -2) / math.sqrt(d)  # [2, KV, G, L]
+        scores.masked_fill_(torch.arange(length)[None, None, None, :] > pos[:, None, None, None], -math.inf)
+        ref = (scores.softmax(-1) @ cache[1]).reshape(2, h * d)
+        checks.append(self.record("fused decode attention", kernel, out, ref))
+        if all(c.ok for c in checks):
+            return
+        self.model.native = None
+        for c in checks:
+            if not c.ok:
+                self.fallback(c, "the eager step ops (torch)")
 
     def drafting(self) -> None:
         dtype = draft_dtype(self.model.dtype, self.device)
@@ -300,6 +341,7 @@ def run_self_check(model: Llama) -> SelfCheckReport:
         checker.head()
         checker.lora()
         checker.attention()
+        checker.step_ops()
         checker.drafting()
     report = SelfCheckReport(
         _capability(model.device), _name(model.dtype), tuple(checker.checks), time.perf_counter() - start
@@ -318,42 +360,6 @@ def _sample_rows(vocab: int, gen: torch.Generator) -> Tensor:
     edges = torch.cat((torch.arange(min(64, vocab)), torch.arange(max(0, vocab - 64), vocab)))
     rows: Tensor = torch.unique(torch.cat((edges, torch.randint(0, vocab, (384,), generator=gen))))
     return rows
-
-
-Layout = dict[str, ModuleSpec]
-
-
-def _random_lora(
-    layout: Layout, rank: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype
-) -> LoraLayer:
-    modules = {}
-    for name, spec in layout.items():
-        a = torch.randn(rank, spec.in_features, generator=gen) / math.sqrt(spec.in_features)
-        b = torch.randn(spec.out_features, rank, generator=gen) / math.sqrt(rank)
-        modules[name] = LoraModule(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
-    nbytes = sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in modules.values())
-    return LoraLayer(modules, nbytes)
-
-
-def _site_modules(layout: Layout, site: ProjName) -> list[ModuleSpec]:
-    return [layout[m] for m in SITES[site]]
-
-
-def _in_features(layout: Layout, site: ProjName) -> int:
-    return _site_modules(layout, site)[0].in_features
-
-
-def _out_features(layout: Layout, site: ProjName) -> int:
-    return max(spec.cols[1] for spec in _site_modules(layout, site))
-
-
-def _delta(lora: LoraLayer, layout: Layout, site: ProjName, x: Tensor) -> Tensor:
-    """float32 x [T, in] -> the site's fused delta [T, out]."""
-    out = torch.zeros(x.shape[0], _out_features(layout, site), device=x.device)
-    for spec in _site_modules(layout, site):
-        m = lora.modules[spec.name]
-        out[:, spec.cols[0] : spec.cols[1]] += x @ m.a.float().t() @ m.b.float().t()
-    return out
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -50,6 +50,8 @@ def test_every_path_of_a_healthy_model_passes(tiny_llama_dir: Path, quantize: st
     assert all(c.status == "ok" and c.error <= c.tolerance for c in report.checks), report.checks
     kinds = {c.path.split(" ")[0] for c in report.checks}
     assert {quantize or "dense", "output", "LoRA", "attention,", "Medusa"} <= kinds
+    if dtype == torch.float32 and native.kernels() is not None:  # the fused step ops too
+        assert "fused" in kinds
     if quantize is not None:  # both of a quantized kind's paths, on a probe and on the model's own weights
         paths = {c.path.split(": ", 1)[-1] for c in report.checks if c.path.startswith(quantize)}
         assert {"kernel", "dequantized dense", "model weight, kernel vs dequantized"} <= paths
@@ -93,6 +95,31 @@ def test_a_wrong_native_kernel_falls_back_to_torchs_and_answers_right(
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     got, want = (_prefill_logits(m, ids) for m in (model, reference))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_wrong_fused_step_ops_fall_back_to_the_eager_ones_and_answer_right(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
+    model = load_ours(tiny_llama_dir)
+    with kernels_mode("eager"):
+        reference = load_ours(tiny_llama_dir)
+
+    def zeros(self: native.NativeKernels, qkv: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return qkv.new_zeros(qkv.shape[0], rest[-1] * qkv.shape[2])
+
+    monkeypatch.setattr(native.NativeKernels, "decode_attention", zeros)
+    assert model.native is not None
+    report = run_self_check(model)
+    fallbacks = [c.path for c in report.checks if c.status.startswith("fallback")]
+    assert fallbacks == ["fused RoPE + K/V write", "fused decode attention"] and model.native is None
+    ids, got = torch.tensor([[1, 5, 9, 2, 7]]), []
+    for m in (model, reference):  # a decode step after the prompt: where the fused attention would run
+        cache = KVCache(m.cfg, 1, 8, dtype=torch.float32, device=m.device)
+        m(ids, torch.arange(5)[None, :], cache, 0)
+        got.append(m.logits(m(torch.tensor([[3]]), torch.tensor([[5]]), cache, 0)))
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-4)
 
 
 def _prefill_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
