@@ -244,10 +244,10 @@ inline Vec vadd(Vec a, Vec b) {
   for (int j = 0; j < 32; ++j) a.f[j] += b.f[j];
   return a;
 }
-inline float hsum(Vec v) {
-  float s = 0.f;
-  for (float f : v.f) s += f;
-  return s;
+inline float hsum(Vec v) {  // pairwise, as the vector variants reduce their lanes
+  for (int w = 16; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) v.f[j] += v.f[j + w];
+  return v.f[0];
 }
 struct Group {
   Vec v[1];
@@ -332,12 +332,28 @@ inline void q8_block(const int8_t* q, const void* d, int d_dtype, int64_t groups
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* qg = q + (g * vocab + v0) * kGroup;
     const float* xg = x + g * kGroup;
+    if (v0 + 3 * kVocabBlock <= vocab)  // this group's rows two blocks on: every group is a stream of its own
+      for (int b = 0; b < kVocabBlock * kGroup; b += 64) __builtin_prefetch(qg + 2 * kVocabBlock * kGroup + b);
     for (int v = 0; v < n; ++v) {
       const Vec dv = vset(load_scalar(d, g * vocab + v0 + v, d_dtype));
       vacc[v] = vfma(group_dot(q8_group(qg + v * kGroup), xg), dv, vacc[v]);
     }
   }
   for (int v = 0; v < n; ++v) acc[v] = hsum(vacc[v]);
+}
+
+// Rows ahead whose bytes are requested while this one computes: the kernel alternates conversion work and loads,
+// and on its own the hardware prefetcher keeps too few lines in flight to stream at the memory's bandwidth.
+constexpr int64_t kPrefetchRows = 16;
+
+inline void prefetch_row(const uint8_t* qs, const float* d, const float* mn, int64_t groups, int64_t row, int64_t n) {
+  if (row >= n) return;
+  const char* q = reinterpret_cast<const char*>(qs + row * groups * 16);
+  for (int64_t b = 0; b < groups * 16; b += 64) __builtin_prefetch(q + b);
+  for (int64_t b = 0; b < groups * 4; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(d + row * groups) + b);
+    __builtin_prefetch(reinterpret_cast<const char*>(mn + row * groups) + b);
+  }
 }
 
 constexpr int64_t kRowsPerTask = 16;    // Q4_1 output rows per OpenMP work item
@@ -365,6 +381,7 @@ int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, 
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int64_t rows = m - r0 < kMaxRows ? m - r0 : kMaxRows;
       for (int64_t row = t * kRowsPerTask; row < n1; ++row) {
+        prefetch_row(qs, d, mn, groups, row + kPrefetchRows, n);
         q41_rows(qs + row * groups * 16, d + row * groups, mn + row * groups, groups, w.xf + r0 * k,
                  w.xsum + r0 * groups, k, rows, acc);
         for (int64_t r = 0; r < rows; ++r) store_scalar(out, (r0 + r) * ldo + row, acc[r], out_dtype);
