@@ -111,6 +111,10 @@ QUANTIZED_CASES = {name: CASES[name] for name in QUANTIZED}
 PROMPTS = [[5, 17, 300, 4000, 42], [7, 7, 7, 1234], [1000, 2000, 3000, 4000, 5000, 6000, 77]]
 NEW_TOKENS = 8
 ATOL = 1e-4  # fp32 logits, as test_adapters_math checks the batched LoRA math against peft
+# On a quantized base peft runs the dequantized weights densely while the server runs the kernel (torch's int4, the
+# compiled Q4): sums in another order. The three-adapter mixture's largest gap measured 1.3e-4 under
+# ATEN_CPU_CAPABILITY=default (7e-5 under AVX512), rounding that grows with the delta's size; a wrong delta is ~1.
+QUANTIZED_ATOL = 2e-4
 
 
 # --- bases, adapters, engines ----------------------------------------------------------------------------------
@@ -181,7 +185,7 @@ def references(served: Served, mix: Mix) -> list[Outputs]:
 # --- checks ----------------------------------------------------------------------------------------------------
 
 
-def mismatch(got: Any, want: Outputs) -> str | None:
+def mismatch(got: Any, want: Outputs, atol: float = ATOL) -> str | None:
     """Why a served row is not peft's (None: it is)."""
     if isinstance(got, BaseException):
         return f"refused: {type(got).__name__}: {got}"
@@ -191,11 +195,11 @@ def mismatch(got: Any, want: Outputs) -> str | None:
     if got.first_logits is None:
         return "no first-step logits recorded"
     gap = float((got.first_logits - want.first_logits).abs().max())
-    if gap > ATOL:
-        return f"first-step logits differ by up to {gap:.3g} (> {ATOL})"
+    if gap > atol:
+        return f"first-step logits differ by up to {gap:.3g} (> {atol})"
     lp_gap = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
-    if lp_gap > ATOL:
-        return f"log-probabilities differ by up to {lp_gap:.3g} (> {ATOL})"
+    if lp_gap > atol:
+        return f"log-probabilities differ by up to {lp_gap:.3g} (> {atol})"
     return None
 
 
@@ -209,7 +213,8 @@ def run_rows(served: Served, cases: Mapping[str, Mix], prompts: range) -> dict[s
     }
     got = engine_outputs(served, rows)
     wanted = {case: references(served, mix) for case, mix in {**cases, "base": ()}.items()}
-    return {rid: mismatch(got[rid], wanted[rid.split("/")[0]][int(rid[-1])]) for rid in rows}
+    atol = QUANTIZED_ATOL if served.engine.model.quantized else ATOL
+    return {rid: mismatch(got[rid], wanted[rid.split("/")[0]][int(rid[-1])], atol) for rid in rows}
 
 
 def assert_all_exact(results: Mapping[str, str | None]) -> None:
