@@ -9,7 +9,8 @@
 // Plain C++ in lanes of 16 that the compiler vectorizes for each variant's instruction set (the same -m flags as
 // blocks.cpp; built with -ffp-contract=off, so a * b + c * d rounds as torch's separate ops do: RoPE and the cache
 // writes are bit-identical to the eager path's). Reductions (norm, scores, softmax) are float32 in another order
-// than torch's, and exp is a Cephes-style polynomial (about 2 ulp): the results agree with eager within rounding.
+// than torch's; SiLU uses the C library's exp, softmax a Cephes-style polynomial (about 2 ulp, on values <= 0): the
+// results agree with eager within rounding.
 // Non-finite inputs stay non-finite in the outputs, so a row that blew up fails on its own logits.
 
 #include <cmath>
@@ -104,7 +105,7 @@ int lp_silu_mul(const float* gu, int64_t rows, int64_t inter, float* out) {
     const float* g = gu + r * 2 * inter;
     const float* u = g + inter;
     float* o = out + r * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
   return 0;
 }
