@@ -25,7 +25,9 @@ from service.model.weights import Q8Table
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"Write a short story about a robot number {i}." for i in range(10)]
-LOGIT_ATOL = 1e-3  # fp32 int4 kernel vs fp32 dense matmul on the same weights, 30 layers deep
+# fp32 Q4 kernel vs fp32 dense matmul on the same weights, 30 layers deep: measured up to 1.03e-3 under
+# ATEN_CPU_CAPABILITY=avx2 (logits ~25: a relative 4e-5, summation order); a wrong weight or layout is off by ~1.
+LOGIT_ATOL = 2e-3
 LAUNCHER = """
 import os, signal, subprocess, sys
 child = subprocess.Popen(sys.argv[1:])

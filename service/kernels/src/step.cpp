@@ -90,7 +90,9 @@ int lp_add_rmsnorm(float* x, const float* y, const float* w, int64_t rows, int64
       const float* yr = y + r * n;
       for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
     }
-    const float rstd = 1.0f / std::sqrt(dot(xr, xr, n) / (float)n + eps);
+    double squares = 0.0;  // in double: the mean is then float32's best, whatever order torch sums in
+    for (int64_t i = 0; i < n; ++i) squares += (double)xr[i] * xr[i];
+    const float rstd = 1.0f / std::sqrt((float)(squares / (double)n) + eps);
     float* o = out + r * n;
     for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * rstd) * w[i];
   }
