@@ -26,6 +26,12 @@ imports what ``stream`` imports and allocates nothing.
 
     .venv/bin/python bench/load.py            # full: SmolLM2 + a 2.2 GB synthetic checkpoint, ~10 min
     .venv/bin/python bench/load.py --quick    # tiny synthetic checkpoint, 1 run each, asserts sanity
+    python3 bench/load.py --device cuda --only synthetic --runs 3   # into GPU memory (scripts/gpu_check.sh)
+
+``--device cuda``: every method ends with the parameters on the GPU (``stream`` through its reused pinned staging
+buffers, the others by copying what they loaded; ``transformers`` with ``.to(device)``), timed until the device
+has finished its copies; the bound still reads into host memory, and the peak of GPU memory is recorded. Results go
+to ``bench/results/load-cuda.json`` and their own section of ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -224,6 +230,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from service.model.load_folder import build_load_plan
 
     dtype = getattr(torch, spec["dtype"])
+    device = torch.device(spec.get("device", "cpu"))
+    if device.type == "cuda":
+        torch.cuda.init()  # the CUDA context before the timer, as a server has it before it loads
     if method == "baseline":
         return {"seconds": 0.0, "rss": _peak_rss()}
     if method == "transformers":
@@ -245,6 +254,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
         model.eval()
         out["stats"] = {"from_pretrained_seconds": time.perf_counter() - t0}
+        if device.type != "cpu":
+            model.to(device)
         with torch.no_grad():
             for p in model.parameters():
                 flat = p.detach().reshape(-1)  # [numel]
@@ -252,7 +263,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         cfg = ModelConfig.from_hf(folder)
         index = CheckpointIndex.open(folder)
-        model = Llama(cfg, dtype=dtype, device=torch.device("cpu"))
+        model = Llama(cfg, dtype=dtype, device=device)
         plan, ignore = build_load_plan(model)
         if method in ("stream", "ours-mmap", "ours-eager"):
             mode = "stream" if method == "stream" else method.removeprefix("ours-")
@@ -271,6 +282,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                             plan[name].copy_(tensor)
                     del state
         out["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies are done, not just queued
+        out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     out["seconds"] = time.perf_counter() - t0
     out["rss"] = _peak_rss()
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -328,6 +342,14 @@ def _bound(files: list[Path], dest: Any) -> None:
         os.close(fd)
 
 
+def _gpu_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+
+    return f", {torch.cuda.get_device_name(torch.device(device))}"
+
+
 def _peak_rss() -> int:
     """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec."""
     with open("/proc/self/status") as f:
@@ -338,6 +360,7 @@ def _peak_rss() -> int:
 
 
 CHILD_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+DEVICE = ["cpu"]  # where the children load to (--device); the bound always reads into host memory
 
 
 def run_child(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
@@ -368,7 +391,7 @@ def measure_case(
         for m in order if r % 2 == 0 else reversed(order):  # A B C ... then C B A: no method always first
             if not cold:
                 warm_up(files)
-            res = run_child({"method": m, "folder": str(folder), "dtype": dtype, "cold": cold})
+            res = run_child({"method": m, "folder": str(folder), "dtype": dtype, "cold": cold, "device": DEVICE[0]})
             if r >= 0:
                 samples[m].append(res)
         print(f"  {name}: round {r + 1}/{runs} done ({time.perf_counter() - t_case:.0f} s)", flush=True)
@@ -403,6 +426,8 @@ def summarize(
             out["weights_bytes"] = ss[0]["weights_bytes"]
         if "stats" in ss[0]:
             entry["stages"] = {k: statistics.median(s["stats"][k] for s in ss) for k in ss[0]["stats"]}
+        if "device_peak_bytes" in ss[0]:
+            entry["device_peak_bytes"] = stats([s["device_peak_bytes"] for s in ss])
         if cold and "resident_before" in ss[0]:
             entry["resident_before_max"] = max(s["resident_before"] for s in ss)
         out["methods"][m] = entry
@@ -530,6 +555,7 @@ def main() -> None:
     ap.add_argument("--omp-threads", type=int, help="OMP_NUM_THREADS for every child (default: torch's own)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/load.json)")
     ap.add_argument("--work", type=Path, default=WORK, help="where checkpoints are written (git-ignored)")
+    ap.add_argument("--device", default="cpu", help="load into this device: cpu (default) or cuda[:N]")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -537,6 +563,7 @@ def main() -> None:
         return
 
     t_all = time.perf_counter()
+    DEVICE[0] = args.device
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     cases: list[tuple[str, Path, str, bool, tuple[str, ...]]] = []
@@ -576,7 +603,8 @@ def main() -> None:
         "command": " ".join([".venv/bin/python bench/load.py", *sys.argv[1:]]),
         "omp_threads": args.omp_threads,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Linux {platform.release()}",
+        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Linux {platform.release()}" + _gpu_name(args.device),
+        "device": args.device,
         "load_average_start": os.getloadavg(),
         "cases": [],
     }
@@ -601,7 +629,7 @@ def main() -> None:
         out.write_text(json.dumps(results, indent=1))
         print(f"quick benchmark OK -> {out}")
         return
-    out = args.out or RESULTS / "load.json"
+    out = args.out or RESULTS / ("load.json" if args.device == "cpu" else "load-cuda.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     write_readme(
