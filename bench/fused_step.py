@@ -1,14 +1,15 @@
-"""The fused float32 step ops (``service/kernels/src/step.cpp``) vs the eager ops they replace: one decode step of
-the default model, same process, same weights, same run.
+"""The fused step ops (``service/kernels/src/step.cpp``) vs the eager ops they replace: one decode step of the
+default model, same process, same weights, same run.
 
-    .venv/bin/python bench/fused_step.py [--weights gguf folder] [--batch 1 8 32] [--context 128] [--repeats 30]
+    .venv/bin/python bench/fused_step.py [--weights gguf folder] [--dtype float32 bfloat16] [--batch 1 8 32]
+                                         [--context 128] [--repeats 30]
 
-Per weight source (``gguf``: the Q4_1 GGUF on the compiled Q4 kernels; ``folder``: the dense safetensors) and batch
-size, one model in float32 decodes ``--batch`` rows whose caches hold ``--context`` positions: a step is the forward
-pass of one token a row plus the logits. Each cell is the median of ``--repeats`` steps (ms) with ``Llama.native``
-on (fused) and off (eager), the two interleaved step by step so other load hits both alike; the speed-up is their
-ratio. Threads: torch's default (``--threads`` to set). The variant follows torch's capability
-(``ATEN_CPU_CAPABILITY`` forces it). Figures: bench/README.md, "Native kernels".
+Per weight source (``gguf``: the Q4_1 GGUF, on the compiled Q4 kernels in float32 and torch's int4 kernel in
+bfloat16; ``folder``: the dense safetensors), dtype and batch size, one model decodes ``--batch`` rows whose caches
+hold ``--context`` positions: a step is the forward pass of one token a row plus the logits. Each cell is the median
+of ``--repeats`` steps (ms) with ``Llama.native`` on (fused) and off (eager), the two interleaved step by step so
+other load hits both alike; the speed-up is their ratio. Threads: torch's default (``--threads`` to set). The
+variant follows torch's capability (``ATEN_CPU_CAPABILITY`` forces it). Figures: bench/README.md, "Native kernels".
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load(weights: str) -> Llama:
+def load(weights: str, dtype: torch.dtype) -> Llama:
     if weights == "gguf":
-        return load_gguf_model(MODEL, GGUF, dtype=torch.float32)[0]
-    return load_model(MODEL, dtype=torch.float32, device="cpu")[0]
+        return load_gguf_model(MODEL, GGUF, dtype=dtype)[0]
+    return load_model(MODEL, dtype=dtype, device="cpu")[0]
 
 
 def step_times(model: Llama, batch: int, context: int, repeats: int) -> dict[str, float]:
     """Median ms of a decode step with the fused ops and without, one step of each in turn."""
     ops = model.native
-    cache = KVCache(model.cfg, batch, context + repeats + 1, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(model.cfg, batch, context + repeats + 1, dtype=model.dtype, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     cache.data.normal_(generator=gen)  # a context's worth of K/V (values do not change the cost of a step)
     nxt = torch.randint(0, model.cfg.vocab_size, (batch, 1), generator=gen)
@@ -67,6 +68,7 @@ def step_times(model: Llama, batch: int, context: int, repeats: int) -> dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", nargs="+", default=["gguf", "folder"], choices=("gguf", "folder"))
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeats", type=int, default=30)
@@ -78,16 +80,17 @@ def main() -> None:
         raise SystemExit(f"no native kernels: {native.status()}")
     print(f"{line()}; kernels {native.status()}; threads {torch.get_num_threads()}; context {args.context}; "
           f"median of {args.repeats} steps")  # fmt: skip
-    print("| weights | batch | eager ms | fused ms | speed-up | fused tok/s |")
-    print("|---|---|---|---|---|---|")
+    print("| weights | dtype | batch | eager ms | fused ms | speed-up | fused tok/s |")
+    print("|---|---|---|---|---|---|---|")
     for weights in args.weights:
-        model = load(weights)
-        if model.native is None:
-            raise SystemExit("the model did not take the fused ops")
-        for batch in args.batch:
-            t = step_times(model, batch, args.context, args.repeats)
-            print(f"| {weights} | {batch} | {t['eager']:.2f} | {t['fused']:.2f} | {t['eager'] / t['fused']:.2f}x | "
-                  f"{batch * 1e3 / t['fused']:.1f} |")  # fmt: skip
+        for dtype in args.dtype:
+            model = load(weights, getattr(torch, dtype))
+            if model.native is None:
+                raise SystemExit("the model did not take the fused ops")
+            for batch in args.batch:
+                t = step_times(model, batch, args.context, args.repeats)
+                print(f"| {weights} | {dtype} | {batch} | {t['eager']:.2f} | {t['fused']:.2f} | "
+                      f"{t['eager'] / t['fused']:.2f}x | {batch * 1e3 / t['fused']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

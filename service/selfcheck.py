@@ -11,8 +11,8 @@ the server says SERVING, ``run_self_check`` runs, for the loaded model in its se
   embedding's gather, on a sample of vocabulary rows;
 - the batched LoRA math, per-slot and shared, on random adapters (a base-only row must stay bit-identical);
 - attention (``scaled_dot_product_attention`` with the model's mask shapes), decode and prefill;
-- the fused float32 step ops when the compiled kernels run them (residual + RMSNorm, SiLU·mul, RoPE with the K/V
-  write, decode attention): a wrong one sends the model back to the eager ops;
+- the fused step ops (float32, bfloat16) when the compiled kernels run them (residual + RMSNorm, SiLU·mul, RoPE
+  with the K/V write, decode attention): a wrong one sends the model back to the eager ops;
 - the dtype Medusa heads draft in.
 
 A path off by more than its dtype's tolerance either falls back to a path that passed (a quantized kind whose
@@ -266,17 +266,23 @@ class _Checker:
         self._fail_any("attention")
 
     def step_ops(self) -> None:
-        """The fused float32 step ops (``service.model.step``); any wrong one sends the model to the eager ops."""
+        """The fused step ops (``service.model.step``) on probes in the model's dtype against float32 computed from
+        the same values; any wrong one sends the model to the eager ops."""
         ops = self.model.native
         if ops is None:
             return
         cfg = self.model.cfg
         h, kv, d, length, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 24, cfg.rms_norm_eps
         kernel = f"{ops.name} fused step ops"
-        x, y, w = self.randn(3, cfg.hidden_size), self.randn(3, cfg.hidden_size), self.randn(cfg.hidden_size)
-        ref = F.rms_norm(x + y, w.shape, w, eps)
-        checks = [self.record("fused residual add + RMSNorm", kernel, ops.add_rmsnorm(x, y, w, eps), ref)]
-        gate, up = (gu := self.randn(3, 2 * cfg.intermediate_size) * 4).chunk(2, dim=-1)
+        x, y, w = (
+            self.randn(3, cfg.hidden_size, dtype=torch.float32),
+            self.randn(3, cfg.hidden_size),
+            self.randn(cfg.hidden_size),
+        )
+        ref = F.rms_norm(x + y.float(), w.shape, w.float(), eps)
+        checks = [self.record("fused residual add + RMSNorm", kernel, ops.add_rmsnorm(x.clone(), y, w, eps), ref)]
+        gu = self.randn(3, 2 * cfg.intermediate_size) * 4
+        gate, up = gu.float().chunk(2, dim=-1)
         checks.append(self.record("fused SiLU*mul", kernel, ops.silu_mul(gu), F.silu(gate) * up))
         qkv, cos, sin, cache = (
             self.randn(2, h + 2 * kv, d),
@@ -286,15 +292,15 @@ class _Checker:
         )
         pos = torch.tensor([length - 1, length - 10])  # the second row is shorter: keys past it unread
         out = ops.decode_attention(qkv, cos, sin, pos, cache[0], cache[1], h)
-        qk = apply_rope(qkv[:, None, : h + kv], cos[:, None, None], sin[:, None, None])[:, 0]  # [2, H + KV, D]
+        qk = apply_rope(qkv.float()[:, None, : h + kv], cos.float()[:, None, None], sin.float()[:, None, None])[:, 0]
         rows = torch.arange(2)
         written = torch.cat((cache[0][rows, :, pos], cache[1][rows, :, pos]), dim=1)  # [2, 2 KV, D]
-        want = finite_kv(torch.cat((qk[:, h:], qkv[:, h + kv :]), dim=1))
+        want = finite_kv(torch.cat((qk[:, h:], qkv.float()[:, h + kv :]), dim=1))
         checks.append(self.record("fused RoPE + K/V write", kernel, written, want))
-        q = qk[:, :h].reshape(2, kv, h // kv, d)
-        scores = q @ cache[0].transpose(-1, -2) / math.sqrt(d)  # [2, KV, G, L]
+        q, k, v = qk[:, :h].reshape(2, kv, h // kv, d), cache[0].float(), cache[1].float()
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)  # [2, KV, G, L]
         scores.masked_fill_(torch.arange(length)[None, None, None, :] > pos[:, None, None, None], -math.inf)
-        ref = (scores.softmax(-1) @ cache[1]).reshape(2, h * d)
+        ref = (scores.softmax(-1) @ v).reshape(2, h * d)
         checks.append(self.record("fused decode attention", kernel, out, ref))
         if all(c.ok for c in checks):
             return

@@ -46,6 +46,7 @@ __all__ = [
     "ABI_VERSION",
     "ISA_FLAGS",
     "KERNEL_MODES",
+    "STEP_DTYPES",
     "NativeKernels",
     "build",
     "configure",
@@ -58,7 +59,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 3  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp"))
 ISA_FLAGS = {
@@ -106,9 +107,9 @@ class NativeKernels:
         lib.lp_q4_matmul.restype = ctypes.c_int
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
         lib.lp_q8_matmul.restype = ctypes.c_int
-        lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P]
-        lib.lp_silu_mul.argtypes = [_P, _L, _L, _P]
-        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P]
+        lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
+        lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
+        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P, _I]
         for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention):
             fn.restype = ctypes.c_int
         self._lib = lib
@@ -149,27 +150,31 @@ class NativeKernels:
             _raise(rc, f"lp_q8_matmul refused x {tuple(x2.shape)} and table [{vocab}, {k}]")
         return out
 
-    # --- the small float32 ops of a decode step (src/step.cpp) ---------------------------------------------
+    # --- the small ops of a decode step, float32 or bfloat16 (src/step.cpp) --------------------------------
 
     def add_rmsnorm(self, x: Tensor, y: Tensor | None, w: Tensor, eps: float) -> Tensor:
-        """``x += y`` in place (y None: no add), then RMSNorm of x with weight w: x [..., N], w [N], float32."""
+        """``x += y`` in place (y None: no add), then RMSNorm of x with weight w: x [..., N] float32 (the residual
+        stream), w [N] and y float32 or bfloat16 alike; the output [..., N] in w's dtype."""
         n = w.shape[0]
-        _check_f32(x, *(() if y is None else (y,)), w)
+        _check_step(x)
+        code = _check_step(w, *(() if y is None else (y,)))
         if x.shape[-1] != n or (y is not None and y.shape != x.shape):
             raise ValueError(f"add_rmsnorm: x {tuple(x.shape)}, y {None if y is None else tuple(y.shape)}, w [{n}]")
-        out = torch.empty_like(x)
+        if x.dtype != torch.float32:
+            raise ValueError(f"add_rmsnorm: the residual stream x must be float32, got {x.dtype}")
+        out = torch.empty_like(x, dtype=w.dtype)
         rc = self._lib.lp_add_rmsnorm(x.data_ptr(), None if y is None else y.data_ptr(), w.data_ptr(),
-                                      x.numel() // n, n, eps, out.data_ptr())  # fmt: skip
+                                      x.numel() // n, n, eps, out.data_ptr(), code)  # fmt: skip
         if rc:
             _raise(rc, f"lp_add_rmsnorm refused x {tuple(x.shape)} with eps {eps}")
         return out
 
     def silu_mul(self, gu: Tensor) -> Tensor:
-        """gu [..., 2 I] float32 ([gate; up]) -> [..., I]: ``silu(gate) * up``."""
-        _check_f32(gu)
+        """gu [..., 2 I] float32 or bfloat16 ([gate; up]) -> [..., I] alike: ``silu(gate) * up``."""
+        code = _check_step(gu)
         inter = gu.shape[-1] // 2
         out = gu.new_empty(*gu.shape[:-1], inter)
-        rc = self._lib.lp_silu_mul(gu.data_ptr(), gu.numel() // max(2 * inter, 1), inter, out.data_ptr())
+        rc = self._lib.lp_silu_mul(gu.data_ptr(), gu.numel() // max(2 * inter, 1), inter, out.data_ptr(), code)
         if rc or 2 * inter != gu.shape[-1]:
             raise ValueError(f"lp_silu_mul refused gu {tuple(gu.shape)}")
         return out
@@ -178,23 +183,24 @@ class NativeKernels:
         self, qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, heads: int
     ) -> Tensor:
         """One query token per row: qkv [B, H + 2 KV, D], cos / sin [B, D] at ``pos`` [B] int64; k_cache, v_cache
-        [B, KV, max_len, D] (the rows' slots, written at ``pos``) -> [B, H * D]. See ``lp_decode_attention``."""
+        [B, KV, max_len, D] (the rows' slots, written at ``pos``) -> [B, H * D]; all float32 or all bfloat16. See
+        ``lp_decode_attention``."""
         b, width, d = qkv.shape
         kv, max_len = k_cache.shape[1], k_cache.shape[2]
-        _check_f32(qkv, cos, sin)
+        code = _check_step(qkv, cos, sin)
         if width != heads + 2 * kv or tuple(cos.shape) != (b, d) or tuple(sin.shape) != (b, d):
             raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {heads} heads, cos {tuple(cos.shape)}")
         if pos.dtype != torch.int64 or tuple(pos.shape) != (b,) or not pos.is_contiguous():
             raise ValueError(f"decode_attention: positions must be int64 [{b}], got {pos.dtype} {tuple(pos.shape)}")
         for c in (k_cache, v_cache):
-            if c.dtype != torch.float32 or c.shape != (b, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
+            if c.dtype != qkv.dtype or c.shape != (b, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
                 raise ValueError(f"decode_attention: a cache of {c.dtype} {tuple(c.shape)} {c.stride()}")
         if k_cache.stride(0) != v_cache.stride(0):
             raise ValueError("decode_attention: K and V caches of different strides")
         out = qkv.new_empty(b, heads * d)
         rc = self._lib.lp_decode_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, heads, kv, d, k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d), out.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d), out.data_ptr(), code,
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
@@ -222,10 +228,18 @@ def _check(
             raise ValueError("native kernels take contiguous CPU tensors")
 
 
-def _check_f32(*tensors: Tensor) -> None:
+STEP_DTYPES = (torch.float32, torch.bfloat16)  # what the step ops take (src/step.cpp's dtype codes 0 and 1)
+
+
+def _check_step(*tensors: Tensor) -> int:
+    """The step ops' dtype code of ``tensors``, which must be contiguous CPU tensors of one of ``STEP_DTYPES``."""
     for t in tensors:
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"native step ops take contiguous float32 CPU tensors, got {t.dtype} {tuple(t.shape)}")
+        if t.dtype not in STEP_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"native step ops take contiguous float32 / bfloat16 CPU tensors, got {t.dtype} "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        if t.dtype != tensors[0].dtype:
+            raise ValueError(f"native step ops take one dtype, got {tensors[0].dtype} and {t.dtype}")
+    return _DTYPE_CODES[tensors[0].dtype]
 
 
 def _compiler() -> str | None:

@@ -114,7 +114,7 @@ def add_normed(
     norm: RMSNorm, x: Tensor, y: Tensor | None, layer: int, adapters: AdapterHook | None, native: NativeKernels | None
 ) -> tuple[Tensor, Tensor]:
     """The residual stream ``x + y`` (y None: x) and ``normed`` of it; the native ops fuse both, updating x in place."""
-    if native is None or norm.weight.dtype != x.dtype:
+    if native is None or (y is not None and y.dtype != norm.weight.dtype):
         x = x if y is None else x + y
         return x, normed(norm, x, layer, adapters)
     out = native.add_rmsnorm(x, y, norm.weight, norm.eps)
@@ -238,7 +238,7 @@ class Llama(nn.Module):
         self._cos = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)  # [P, D], grown on demand
         self._sin = self._cos
         self._draft_head: Tensor | None = None  # see draft_head()
-        self.native = native_step_ops(dtype, self.device)  # fused float32 CPU step ops (service.model.step) or None
+        self.native = native_step_ops(dtype, self.device)  # fused CPU step ops (service.model.step) or None
 
     def _rope_for(self, length: int) -> None:
         if self._cos.shape[0] < length:

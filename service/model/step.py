@@ -1,6 +1,6 @@
 """What every layer of one forward pass shares (``Step``), built once per pass, and the choice of the fused step ops.
 
-A float32 model on the CPU runs its small per-layer ops on loraplex's compiled kernels when they are loaded
+A float32 or bfloat16 model on the CPU runs its small per-layer ops on loraplex's compiled kernels when they are loaded
 (``service.kernels.native``; ``--kernels``): residual add + RMSNorm and SiLU·mul in one call each, and for a decode
 pass (one token per row, no draft tree) RoPE, the K/V cache write and attention in one call per layer. Everything
 else, and every other dtype or device, is the eager path; both agree within rounding (``tests/model``), and the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from service.kernels.native import NativeKernels, kernels
+from service.kernels.native import STEP_DTYPES, NativeKernels, kernels
 from service.model.hooks import AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.weights.protocol import Scratch
@@ -38,8 +38,9 @@ class Step:
 
 
 def native_step_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
-    """The compiled step ops for a model of ``dtype`` on ``device``: float32 on the CPU only; None: eager."""
-    return kernels() if dtype == torch.float32 and device.type == "cpu" else None
+    """The compiled step ops for a model of ``dtype`` on ``device``: float32 or bfloat16 on the CPU; None: eager (on
+    CUDA torch's own GPU kernels)."""
+    return kernels() if dtype in STEP_DTYPES and device.type == "cpu" else None
 
 
 def visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:

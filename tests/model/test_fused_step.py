@@ -1,11 +1,13 @@
-"""The fused float32 step ops (``src/step.cpp`` through ``service.model.step``) against float64 references and
-against the eager path they replace.
+"""The fused step ops (``src/step.cpp`` through ``service.model.step``) against float64 references and against the
+eager path they replace, in float32 and in bfloat16.
 
-Kernel by kernel: RoPE and the K/V write are bit-identical to ``apply_rope`` + ``finite_kv``; attention, RMSNorm
-and SiLU·mul agree with float64 within float32 rounding; a row's non-finite values stay in its own output and its
-cache slot keeps only bounded values; what lies past a row's position is never read. Then a tiny Llama loaded
-twice, fused and eager (``--kernels eager``), decodes the same batch to the same tokens and near-equal hidden
-states. The transformers and PEFT exactness suites run on the fused path, the default wherever the kernels build.
+Kernel by kernel: RoPE and the K/V write are bit-identical to ``apply_rope`` + ``finite_kv``; attention, RMSNorm and
+SiLU·mul agree with float64 within float32 rounding; a row's non-finite values stay in its own output and its cache
+slot keeps only bounded values; what lies past a row's position is never read. Then a tiny Llama loaded twice, fused
+and eager (``--kernels eager``), decodes the same batch to the same tokens and near-equal hidden states. In bfloat16
+the K/V written are bit-identical to eager bf16 RoPE + ``finite_kv`` (every product and sum rounded to bf16 where
+torch rounds), and each op's output is within one bf16 rounding of float64. The transformers and PEFT exactness
+suites run on the fused path, the default wherever the kernels build.
 """
 
 from __future__ import annotations
@@ -153,3 +155,113 @@ def test_a_tiny_llama_decodes_the_same_fused_and_eager(tiny_llama_factory: Calla
     for a, b in zip(*states, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     assert torch.allclose(caches[0], caches[1], rtol=1e-4, atol=1e-5)
+
+
+# --- bfloat16 ---------------------------------------------------------------------------------------------------
+
+BF16_ULP = 2.0**-8  # a bf16 rounding is at most half of this, relative
+
+
+def _bf16_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    return rope_table(inv_freq, MAX_LEN, dtype=torch.bfloat16, device=torch.device("cpu"))
+
+
+def test_bf16_decode_attention_writes_eagers_bf16_kv_and_attends_in_float32() -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(13)
+    pos = torch.tensor([7, 30, 0, 39])
+    b = len(pos)
+    qkv = (torch.randn(b, H + 2 * KV, D, generator=gen) * 3).bfloat16()
+    qkv[1, H] = qkv[1, H] * 1e6  # a huge K head: bounded in the cache
+    data = torch.randn(2, b + 2, KV, MAX_LEN, D, generator=gen).bfloat16()
+    for r, p in enumerate(pos.tolist()):
+        data[:, 1 + r, :, p + 1 :] = math.nan  # past each row's position: never read
+    want = data.clone()
+    cos_t, sin_t = _bf16_tables()
+    cos, sin = cos_t[pos], sin_t[pos]  # [B, D] bf16
+    qk = apply_rope(qkv[:, None, : H + KV], cos[:, None, None], sin[:, None, None])[:, 0]  # eager, in bf16
+    for r, p in enumerate(pos.tolist()):
+        want[0, 1 + r, :, p] = finite_kv(qk[r, H:])
+        want[1, 1 + r, :, p] = finite_kv(qkv[r, H + KV :])
+    out = kern.decode_attention(qkv, cos, sin, pos, data[0].narrow(0, 1, b), data[1].narrow(0, 1, b), H)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(data.float().nan_to_num(7.0), want.float().nan_to_num(7.0))  # bit-identical writes
+    for r, p in enumerate(pos.tolist()):
+        ref = _attend64(qk[r, :H], want[0, 1 + r, :, : p + 1], want[1, 1 + r, :, : p + 1])
+        err = (out[r].double() - ref).abs() / ref.abs().clamp_min(1e-3)
+        assert float(err.max()) <= BF16_ULP, r  # one rounding of a float32 result
+
+
+def test_bf16_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
+    kern = _kernels()
+    qkv = torch.randn(2, H + 2 * KV, D, generator=torch.Generator().manual_seed(14)).bfloat16()
+    qkv[0] = math.nan
+    cache = torch.zeros(2, 2, KV, MAX_LEN, D, dtype=torch.bfloat16)
+    cos_t, sin_t = _bf16_tables()
+    pos = torch.tensor([5, 5])
+    out = kern.decode_attention(qkv, cos_t[pos], sin_t[pos], pos, cache[0], cache[1], H)
+    assert out[0].isnan().all() and out[1].isfinite().all()
+    assert cache.isfinite().all() and cache[:, 0, :, 5].eq(0).all()
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_bf16_add_rmsnorm_keeps_a_float32_stream_and_rounds_once(with_residual: bool) -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 4, 576, generator=gen)
+    y, w = torch.randn(3, 4, 576, generator=gen).bfloat16(), torch.randn(576, generator=gen).bfloat16()
+    s = (x + y.float()) if with_residual else x.clone()  # float32 + widened bf16: exact as eager's promotion
+    ref = s.double() * torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    out = kern.add_rmsnorm(x, y if with_residual else None, w, 1e-5)
+    assert out.dtype == torch.bfloat16 and torch.equal(x, s)  # the float32 stream, updated in place
+    assert float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max()) <= BF16_ULP
+    eager = F.rms_norm(s, w.shape, w.float(), 1e-5).to(torch.bfloat16)  # the eager bf16 model's norm
+    assert float((out.float() - eager.float()).abs().max()) <= BF16_ULP * float(eager.float().abs().max())
+
+
+def test_bf16_silu_mul_matches_eager_within_one_rounding() -> None:
+    kern = _kernels()
+    gen = torch.Generator().manual_seed(16)
+    gu = (torch.randn(5, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    out = kern.silu_mul(gu)
+    eager = F.silu(gate).mul_(up)  # what a bf16 model's eager FeedForward computes
+    ref = F.silu(gate.double()).to(torch.bfloat16).double() * up.double()  # silu held in bf16, then the product
+    assert out.dtype == torch.bfloat16
+    assert float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max()) <= BF16_ULP
+    assert float((out.float() - eager.float()).abs().max()) <= 2 * BF16_ULP * float(eager.float().abs().max())
+
+
+def test_the_step_ops_take_one_dtype_and_a_float32_stream() -> None:
+    kern = _kernels()
+    w = torch.zeros(576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one dtype"):
+        kern.add_rmsnorm(torch.zeros(1, 576), torch.zeros(1, 576), w, 1e-5)
+    with pytest.raises(ValueError, match="residual stream x must be float32"):
+        kern.add_rmsnorm(torch.zeros(1, 576, dtype=torch.bfloat16), None, w, 1e-5)
+    with pytest.raises(ValueError, match="float32 / bfloat16"):
+        kern.silu_mul(torch.zeros(1, 8, dtype=torch.float16))
+
+
+def test_a_tiny_bf16_llama_decodes_near_the_eager_path(tiny_llama_factory: Callable[..., Path]) -> None:
+    _kernels()
+    folder = tiny_llama_factory()
+    fused = load_ours(folder, dtype=torch.bfloat16)
+    with kernels_mode("eager"):
+        eager = load_ours(folder, dtype=torch.bfloat16)
+    assert fused.native is not None and eager.native is None
+    prompts = torch.randint(3, fused.cfg.vocab_size, (3, 6), generator=torch.Generator().manual_seed(18))
+    logits = []
+    for model in (fused, eager):
+        cache = KVCache(model.cfg, slots=4, max_len=32, dtype=torch.bfloat16, device=torch.device("cpu"))
+        model(prompts, torch.arange(6).expand(3, 6), cache, 1)
+        tokens, steps = prompts[:, -1], []  # the same tokens fed to both: compare the logits step by step
+        for t in range(6, 14):
+            h = model(tokens[:, None], torch.full((3, 1), t), cache, 1)  # the fused decode attention in bf16
+            steps.append(model.logits(h[:, -1]))
+            tokens = (tokens * 7 + t) % model.cfg.vocab_size
+        logits.append(torch.stack(steps))
+    scale = float(logits[1].abs().max())
+    assert float((logits[0] - logits[1]).abs().max()) < 0.05 * scale  # bf16 rounding, not a wrong op
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9

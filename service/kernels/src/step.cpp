@@ -1,5 +1,5 @@
-// loraplex native kernels: the small float32 ops of a decode step, fused so that a layer pays a few calls instead of
-// thirty (service/model/llama.py uses them on a float32 CPU model when the library is loaded).
+// loraplex native kernels: the small ops of a decode step, fused so that a layer pays a few calls instead of thirty
+// (service/model/llama.py uses them on a float32 or bfloat16 CPU model when the library is loaded).
 //
 //   lp_add_rmsnorm       residual add + RMSNorm: x += y, out = x * rsqrt(mean(x^2) + eps) * w
 //   lp_silu_mul          SwiGLU's middle: out = silu(gate) * up over the fused [gate; up] projection
@@ -12,6 +12,12 @@
 // than torch's; SiLU uses the C library's exp, softmax a Cephes-style polynomial (about 2 ulp, on values <= 0): the
 // results agree with eager within rounding.
 // Non-finite inputs stay non-finite in the outputs, so a row that blew up fails on its own logits.
+//
+// bfloat16 (dtype code 1; 0 is float32): tensors the eager path holds in bf16 are bf16 here too, and every value
+// eager torch rounds to bf16 is rounded here at the same point (round to nearest even): RoPE's two products and
+// their sum, the K/V written, SiLU before its product, each op's output. Everything else is float32: the residual
+// stream (float32 in every model, see Llama.forward), the norm, the scores, the softmax and the sum over V (eager's
+// attention rounds its probabilities to bf16 before that sum; this does not).
 
 #include <cmath>
 #include <cstdint>
@@ -19,6 +25,35 @@
 #include <cstring>
 
 namespace {
+
+enum Dtype : int { F32 = 0, BF16 = 1 };
+using bf16 = uint16_t;
+
+inline float widen(float v) { return v; }
+inline float widen(bf16 h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline bf16 to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1);
+  return (bf16)(bits >> 16);
+}
+
+// A value as the element type T holds it: float32 unchanged, bf16 rounded (still a float).
+template <typename T>
+inline float held(float v) {
+  if constexpr (sizeof(T) == sizeof(bf16)) return widen(to_bf16(v));
+  return v;
+}
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(bf16* p, int64_t i, float v) { p[i] = to_bf16(v); }
 
 constexpr int kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;
@@ -56,70 +91,69 @@ inline float lane_sum(float* acc) {  // pairwise over the lanes
   return acc[0];
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * widen(b[i + l]);
   float tail = 0.0f;
-  for (; i < n; ++i) tail += a[i] * b[i];
+  for (; i < n; ++i) tail += a[i] * widen(b[i]);
   return lane_sum(acc) + tail;
 }
 
 // One head rotated (the HF rotate-half convention, as service.model.rope.apply_rope): with the signed sin table,
-// out[i] = x[i] cos[i] + x[(i + D/2) mod D] sin[i].
-inline void rope(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+// out[i] = x[i] cos[i] + x[(i + D/2) mod D] sin[i], each product and the sum held in T as eager torch holds them.
+template <typename T>
+inline void rope(const T* x, const T* cos, const T* sin, int64_t d, float* out) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
-  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t j = i < half ? i + half : i - half;
+    out[i] = held<T>(held<T>(widen(x[i]) * widen(cos[i])) + held<T>(widen(x[j]) * widen(sin[i])));
+  }
 }
 
 constexpr int64_t kParallelElems = 1 << 15;  // below this many elements one thread does an elementwise op
 
-}  // namespace
-
-extern "C" {
-
-// x [R, N] (in place) += y [R, N] unless y is null; out [R, N] = x * rsqrt(mean(x^2) + eps) * w [N].
-int lp_add_rmsnorm(float* x, const float* y, const float* w, int64_t rows, int64_t n, float eps, float* out) {
+// x [R, N] float32 (in place) += y [R, N] (Y) unless y is null; out [R, N] (O) = x * rsqrt(mean(x^2) + eps) * w [N] (O).
+template <typename Y, typename O>
+int add_rmsnorm(float* x, const Y* y, const O* w, int64_t rows, int64_t n, float eps, O* out) {
   if (rows < 0 || n <= 0 || !(eps >= 0.0f)) return -1;
 #pragma omp parallel for schedule(static) if (rows * n >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * n;
     if (y != nullptr) {
-      const float* yr = y + r * n;
-      for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
+      const Y* yr = y + r * n;
+      for (int64_t i = 0; i < n; ++i) xr[i] += widen(yr[i]);
     }
     double squares = 0.0;  // in double: the mean is then float32's best, whatever order torch sums in
     for (int64_t i = 0; i < n; ++i) squares += (double)xr[i] * xr[i];
     const float rstd = 1.0f / std::sqrt((float)(squares / (double)n) + eps);
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * rstd) * w[i];
+    for (int64_t i = 0; i < n; ++i) store(out + r * n, i, (xr[i] * rstd) * widen(w[i]));
   }
   return 0;
 }
 
-// gu [R, 2 I] (gate columns, then up): out [R, I] = gate / (1 + exp(-gate)) * up.
-int lp_silu_mul(const float* gu, int64_t rows, int64_t inter, float* out) {
+// gu [R, 2 I] (gate columns, then up): out [R, I] = silu(gate) * up, silu held in T before the product.
+template <typename T>
+int silu_mul(const T* gu, int64_t rows, int64_t inter, T* out) {
   if (rows < 0 || inter <= 0) return -1;
 #pragma omp parallel for schedule(static) if (rows * inter >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gu + r * 2 * inter;
-    const float* u = g + inter;
-    float* o = out + r * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    const T* g = gu + r * 2 * inter;
+    const T* u = g + inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gi = widen(g[i]);
+      store(out + r * inter, i, held<T>(gi / (1.0f + std::exp(-gi))) * widen(u[i]));
+    }
   }
   return 0;
 }
 
-// One decode token per row b < B: qkv [B, H + 2 KV, D] (q heads, k heads, v heads: the fused projection's output),
-// cos and sin [B, D] (the rope tables at pos[b]); the slot cache of these B rows holds element (b, j, p, i) of K
-// at k_cache[b * slot_stride + j * head_stride + p * D + i] (V likewise), positions 0..max_len-1.
-// Writes K (rotated) and V at p = pos[b], both bounded; then out [B, H * D] = per query head h (KV head h / (H/KV))
-// softmax over p <= pos[b] of scale * q_h . K[p], times V. Returns 0, -1 on a bad argument, -2 out of memory.
-int lp_decode_attention(const float* qkv, const float* cos, const float* sin, const int64_t* pos, int64_t b,
-                        int64_t h, int64_t kv, int64_t d, float* k_cache, float* v_cache, int64_t slot_stride,
-                        int64_t head_stride, int64_t max_len, float scale, float* out) {
+template <typename T>
+int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, int64_t b, int64_t h, int64_t kv,
+                     int64_t d, T* k_cache, T* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
+                     float scale, T* out) {
   if (b < 0 || h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
   if (head_stride < max_len * d || slot_stride < kv * head_stride) return -1;
   for (int64_t r = 0; r < b; ++r)
@@ -133,10 +167,10 @@ int lp_decode_attention(const float* qkv, const float* cos, const float* sin, co
       const int64_t r = t / kv, j = t % kv, at = r * slot_stride + j * head_stride + pos[r] * d;
       float rotated[kMaxHeadDim];
       rope(qkv + r * width + (h + j) * d, cos + r * d, sin + r * d, d, rotated);
-      const float* v = qkv + r * width + (h + kv + j) * d;
+      const T* v = qkv + r * width + (h + kv + j) * d;
       for (int64_t i = 0; i < d; ++i) {
-        k_cache[at + i] = bounded(rotated[i]);
-        v_cache[at + i] = bounded(v[i]);
+        store(k_cache, at + i, bounded(rotated[i]));
+        store(v_cache, at + i, bounded(widen(v[i])));
       }
     }  // the implicit barrier: every row's new K/V is in place before any query reads it
 #pragma omp for schedule(static)
@@ -160,15 +194,53 @@ int lp_decode_attention(const float* qkv, const float* cos, const float* sin, co
       for (int64_t p = 0; p < n; ++p) total += (s[p] = exp_poly(s[p] - top));
       float acc[kMaxHeadDim] = {};
       for (int64_t p = 0; p < n; ++p) {
-        const float* v = v_cache + base + p * d;
-        for (int64_t i = 0; i < d; ++i) acc[i] += s[p] * v[i];
+        const T* v = v_cache + base + p * d;
+        for (int64_t i = 0; i < d; ++i) acc[i] += s[p] * widen(v[i]);
       }
       std::free(s);
-      float* o = out + r * h * d + head * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = acc[i] / total;
+      for (int64_t i = 0; i < d; ++i) store(out + r * h * d + head * d, i, acc[i] / total);
     }
   }
   return failed ? -2 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [R, N] float32 (in place) += y [R, N] unless y is null; out [R, N] = x * rsqrt(mean(x^2) + eps) * w [N]. y, w and
+// out are all float32 (dtype 0) or all bfloat16 (dtype 1).
+int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype) {
+  if (dtype == F32)
+    return add_rmsnorm(x, (const float*)y, (const float*)w, rows, n, eps, (float*)out);
+  if (dtype == BF16)
+    return add_rmsnorm(x, (const bf16*)y, (const bf16*)w, rows, n, eps, (bf16*)out);
+  return -1;
+}
+
+// gu [R, 2 I] (gate columns, then up): out [R, I] = gate / (1 + exp(-gate)) * up, both in ``dtype``.
+int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype) {
+  if (dtype == F32) return silu_mul((const float*)gu, rows, inter, (float*)out);
+  if (dtype == BF16) return silu_mul((const bf16*)gu, rows, inter, (bf16*)out);
+  return -1;
+}
+
+// One decode token per row b < B: qkv [B, H + 2 KV, D] (q heads, k heads, v heads: the fused projection's output),
+// cos and sin [B, D] (the rope tables at pos[b]); the slot cache of these B rows holds element (b, j, p, i) of K
+// at k_cache[b * slot_stride + j * head_stride + p * D + i] (V likewise), positions 0..max_len-1; every tensor but
+// pos in ``dtype``. Writes K (rotated) and V at p = pos[b], both bounded; then out [B, H * D] = per query head h (KV
+// head h / (H/KV)) softmax over p <= pos[b] of scale * q_h . K[p], times V. Returns 0, -1 on a bad argument, -2 out
+// of memory.
+int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b, int64_t h,
+                        int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
+                        int64_t max_len, float scale, void* out, int dtype) {
+  if (dtype == F32)
+    return decode_attention((const float*)qkv, (const float*)cos, (const float*)sin, pos, b, h, kv, d,
+                            (float*)k_cache, (float*)v_cache, slot_stride, head_stride, max_len, scale, (float*)out);
+  if (dtype == BF16)
+    return decode_attention((const bf16*)qkv, (const bf16*)cos, (const bf16*)sin, pos, b, h, kv, d, (bf16*)k_cache,
+                            (bf16*)v_cache, slot_stride, head_stride, max_len, scale, (bf16*)out);
+  return -1;
 }
 
 }  // extern "C"
