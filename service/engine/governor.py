@@ -2,19 +2,30 @@
 
 Public API::
 
-    SpeculationGovernor(min_samples=8, probe_every=64, alpha=0.2)
+    SpeculationGovernor(min_samples=4, probe_every=64, max_probe_every=1024, alpha=0.2, margin=0.2)
     governor.choose(batch) -> bool                 speculate in the next decode step of a batch this size?
     governor.record(batch, speculative, seconds, tokens)
     governor.rates(batch) -> (plain tok/s | None, speculative tok/s | None)
+    governor.probe_interval(batch) -> int          steps between two probes of the losing kind, now
 
-Whether verifying drafts is faster than one token per step depends on the hardware, the dtype and the heads: on
-a GPU a 4-position verification costs about one plain step; on a 2-core CPU in float32 small-M matrix products
-are relatively slow, so a verification step costs 1.5-2x a plain one and heads that gain 1.2-1.4 tokens per step
-lose. A fixed batch-size switch (``--speculate-max-batch``) cannot know that. The governor measures instead:
-output tokens per second of decode steps of each kind, per batch size, as exponential moving averages. It first
-takes ``min_samples`` steps of each kind, then picks the faster, and every ``probe_every`` steps takes one step of
-the other kind so that a change (longer contexts, other heads, other rows) is noticed. Greedy output is the same
-either way; only speed depends on the choice.
+Whether verifying drafts is faster than one token per step depends on the hardware, the dtype, the drafter and the
+text: on a GPU a 4-position verification costs about one plain step; on a 2-core CPU in float32 small-M matrix
+products are relatively slow, so a verification step costs 1.5-2x a plain one and heads that gain 1.2-1.4 tokens
+per step lose, while prompt lookup on text that copies its prompt gains 2-3x. A fixed batch-size switch
+(``--speculate-max-batch``) cannot know that. The governor measures instead: output tokens per second of decode
+steps of each kind, per batch size, as exponential moving averages, and keeps the faster kind.
+
+Measuring costs steps of the losing kind, so it is kept small:
+
+- a batch size first takes ``min_samples`` speculative steps, then as many plain ones, unless a *neighbour* has
+  decided already: a verification's extra positions cost more the more rows a step has, so a size where
+  speculation lost says it loses at every larger size, and a size where it won says it wins at every smaller one.
+  A size with such a neighbour starts with the neighbour's choice and measures the other kind by probes only;
+- once decided, one step in ``probe_every`` probes the other kind, so that a change (longer contexts, other rows,
+  other heads) is noticed; each probe that confirms the choice by more than ``margin`` doubles the interval, up to
+  ``max_probe_every``, and a change of choice brings it back to ``probe_every``.
+
+Greedy output is the same either way; only speed depends on the choice.
 """
 
 from __future__ import annotations
@@ -29,27 +40,63 @@ class _Rates:
     plain_n: int = 0
     spec_n: int = 0
     since_probe: int = 0
+    interval: int = 0  # steps between probes now (0: not set yet, probe_every)
 
 
 class SpeculationGovernor:
-    def __init__(self, min_samples: int = 8, probe_every: int = 64, alpha: float = 0.2) -> None:
-        if min_samples < 1 or probe_every < 2 or not 0 < alpha <= 1:
-            raise ValueError("min_samples >= 1, probe_every >= 2 and 0 < alpha <= 1 are required")
+    def __init__(
+        self,
+        min_samples: int = 4,
+        probe_every: int = 64,
+        max_probe_every: int = 1024,
+        alpha: float = 0.2,
+        margin: float = 0.2,
+    ) -> None:
+        if min_samples < 1 or probe_every < 2 or max_probe_every < probe_every or not 0 < alpha <= 1:
+            raise ValueError("min_samples >= 1, 2 <= probe_every <= max_probe_every and 0 < alpha <= 1 are required")
+        if not 0 <= margin < 1:
+            raise ValueError("0 <= margin < 1 is required")
         self.min_samples = min_samples
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self.alpha = alpha
+        self.margin = margin
         self._by_batch: dict[int, _Rates] = {}
 
+    def _rates(self, batch: int) -> _Rates:
+        r = self._by_batch.get(batch)
+        if r is None:
+            r = self._by_batch[batch] = _Rates(interval=self.probe_every)
+        return r
+
+    def _measured(self, r: _Rates) -> bool:
+        return r.spec_n >= self.min_samples and r.plain_n >= self.min_samples
+
+    def _decided(self, batch: int) -> bool | None:
+        """This size's choice (True: speculate) from its own measurements, else from a neighbour's, else None."""
+        r = self._by_batch.get(batch)
+        if r is not None and self._measured(r):
+            assert r.plain is not None and r.spec is not None
+            return r.spec >= r.plain
+        lost_below = won_above = False
+        for b, other in self._by_batch.items():
+            if b == batch or not self._measured(other):
+                continue
+            assert other.plain is not None and other.spec is not None
+            wins = other.spec >= other.plain
+            lost_below |= b < batch and not wins
+            won_above |= b > batch and wins
+        if lost_below == won_above:  # no neighbour, or neighbours that disagree: measure this size
+            return None
+        return won_above
+
     def choose(self, batch: int) -> bool:
-        r = self._by_batch.setdefault(batch, _Rates())
-        if r.spec_n < self.min_samples:
-            return True
-        if r.plain_n < self.min_samples:
-            return False
-        assert r.plain is not None and r.spec is not None
-        better = r.spec >= r.plain
+        r = self._rates(batch)
+        better = self._decided(batch)
+        if better is None:
+            return r.spec_n < self.min_samples  # speculative steps first, then plain ones
         r.since_probe += 1
-        if r.since_probe >= self.probe_every:
+        if r.since_probe >= r.interval:
             r.since_probe = 0
             return not better
         return better
@@ -57,7 +104,8 @@ class SpeculationGovernor:
     def record(self, batch: int, speculative: bool, seconds: float, tokens: int) -> None:
         if seconds <= 0:
             return
-        r = self._by_batch.setdefault(batch, _Rates())
+        r = self._rates(batch)
+        before = self._decided(batch)
         rate = tokens / seconds
         if speculative:
             r.spec = rate if r.spec is None else r.spec + self.alpha * (rate - r.spec)
@@ -65,7 +113,17 @@ class SpeculationGovernor:
         else:
             r.plain = rate if r.plain is None else r.plain + self.alpha * (rate - r.plain)
             r.plain_n += 1
+        after = self._decided(batch)
+        if before is None or after is None or r.plain is None or r.spec is None:
+            return
+        if after != before:
+            r.interval, r.since_probe = self.probe_every, 0
+        elif speculative != after and min(r.plain, r.spec) < (1 - self.margin) * max(r.plain, r.spec):
+            r.interval = min(2 * r.interval, self.max_probe_every)  # a probe confirmed the choice, clearly
 
     def rates(self, batch: int) -> tuple[float | None, float | None]:
         r = self._by_batch.get(batch, _Rates())
         return r.plain, r.spec
+
+    def probe_interval(self, batch: int) -> int:
+        return self._rates(batch).interval

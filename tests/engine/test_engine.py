@@ -276,3 +276,68 @@ def test_speculation_governor_measures_then_picks_the_faster_and_probes() -> Non
     gov.record(1, True, 0.1, 10)
     assert gov.choose(1) is True
     assert gov.choose(4) is True  # another batch size is measured on its own
+
+
+def _decide(gov: object, batch: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
+    """``steps`` steps of ``batch`` rows where speculative steps run at ``spec_rate`` tok/s and plain ones at
+    ``plain_rate``: the governor's choices."""
+    from service.engine.governor import SpeculationGovernor
+
+    assert isinstance(gov, SpeculationGovernor)
+    picks = []
+    for _ in range(steps):
+        spec = gov.choose(batch)
+        picks.append(spec)
+        gov.record(batch, spec, 1.0, int(spec_rate if spec else plain_rate))
+    return picks
+
+
+def test_probes_that_confirm_the_choice_come_ever_rarer_and_a_change_resets_them() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
+    picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 60)
+    assert picks[:4] == [True, True, False, False]  # measuring: speculative first
+    probes = [i - 4 for i, p in enumerate(picks) if p and i >= 4]
+    assert probes == [3, 11, 27, 43, 59]  # the 4th decided step, then 8 later, then 16 (the cap), 16, 16
+    assert gov.probe_interval(1) == 16
+    gov.record(1, True, 1.0, 100)  # speculation became much faster: the choice changes, probes come often again
+    gov.record(1, True, 1.0, 100)
+    assert gov.rates(1)[1] > 30 and gov.choose(1) is True and gov.probe_interval(1) == 4
+
+
+def test_a_probe_within_the_margin_keeps_the_interval() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, margin=0.2)
+    picks = _decide(gov, 1, spec_rate=27, plain_rate=30, steps=4 + 12)  # speculation 10 % slower: not clear
+    assert [i - 4 for i, p in enumerate(picks) if p and i >= 4] == [3, 7, 11]
+    assert gov.probe_interval(1) == 4
+
+
+def test_a_new_batch_size_starts_from_its_decided_neighbours() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4)
+    _decide(gov, 2, spec_rate=10, plain_rate=30, steps=4)  # batch 2: plain wins
+    assert _decide(gov, 8, spec_rate=10, plain_rate=30, steps=3) == [False, False, False]  # larger: plain at once
+    assert gov.choose(1) is True  # smaller: no neighbour says anything, measured from speculation
+    _decide(gov, 1, spec_rate=50, plain_rate=30, steps=4)  # batch 1: speculation wins
+    assert gov.rates(1) == (30.0, 50.0)
+    fresh = SpeculationGovernor(min_samples=2, probe_every=4)
+    _decide(fresh, 16, spec_rate=50, plain_rate=30, steps=4)  # speculation wins at 16: it wins below
+    assert _decide(fresh, 4, spec_rate=50, plain_rate=30, steps=3) == [True, True, True]
+    assert gov.choose(4) is False  # batch 1 won, batch 2 lost: for 4 only batch 2's loss speaks
+    disagree = SpeculationGovernor(min_samples=2, probe_every=4)
+    for batch, spec_rate in ((2, 10), (8, 50)):  # speculation lost at 2 but won at 8 (noise, another drafter)
+        for spec in (True, True, False, False):
+            disagree.record(batch, spec, 1.0, spec_rate if spec else 30)
+    assert _decide(disagree, 4, spec_rate=50, plain_rate=30, steps=3) == [True, True, False]  # measured itself
+
+
+def test_the_governor_refuses_settings_that_cannot_work() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    for kwargs in ({"min_samples": 0}, {"probe_every": 1}, {"probe_every": 64, "max_probe_every": 32}, {"margin": 1}):
+        with pytest.raises(ValueError):
+            SpeculationGovernor(**kwargs)  # type: ignore[arg-type]
