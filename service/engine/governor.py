@@ -22,8 +22,14 @@ Measuring costs steps of the losing kind, so it is kept small:
   speculation lost says it loses at every larger size, and a size where it won says it wins at every smaller one.
   A size with such a neighbour starts with the neighbour's choice and measures the other kind by probes only;
 - once decided, one step in ``probe_every`` probes the other kind, so that a change (longer contexts, other rows,
-  other heads) is noticed; each probe that confirms the choice by more than ``margin`` doubles the interval, up to
-  ``max_probe_every``, and a change of choice brings it back to ``probe_every``.
+  other heads, text that starts or stops copying its prompt) is noticed. While speculating, each plain probe that
+  confirms the choice by more than ``margin`` doubles the interval, up to ``max_probe_every`` (a change of choice
+  brings it back to ``probe_every``); while decoding plainly the interval stays: a drafter's worth can change
+  within one answer (prompt lookup pays only where the text copies), and a late switch to speculation loses more
+  than a probe costs;
+- a probe faster than the chosen kind's average starts a trial: ``min_samples`` steps of the probed kind, so one
+  probe's news moves its average far enough to change the choice where it should (a single sample moves it by
+  ``alpha`` only, and the next probe is ``probe_every`` steps away).
 
 Greedy output is the same either way; only speed depends on the choice.
 """
@@ -41,6 +47,8 @@ class _Rates:
     spec_n: int = 0
     since_probe: int = 0
     interval: int = 0  # steps between probes now (0: not set yet, probe_every)
+    trial: int = 0  # steps of ``trial_kind`` still to take after a surprising probe
+    trial_kind: bool = False
 
 
 class SpeculationGovernor:
@@ -92,6 +100,9 @@ class SpeculationGovernor:
 
     def choose(self, batch: int) -> bool:
         r = self._rates(batch)
+        if r.trial > 0:
+            r.trial -= 1
+            return r.trial_kind
         better = self._decided(batch)
         if better is None:
             return r.spec_n < self.min_samples  # speculative steps first, then plain ones
@@ -116,10 +127,13 @@ class SpeculationGovernor:
         after = self._decided(batch)
         if before is None or after is None or r.plain is None or r.spec is None:
             return
+        chosen = r.spec if before else r.plain
+        if speculative != before and r.trial == 0 and rate > chosen:  # a probe beat the choice: try that kind
+            r.trial, r.trial_kind = self.min_samples, speculative
         if after != before:
             r.interval, r.since_probe = self.probe_every, 0
-        elif speculative != after and min(r.plain, r.spec) < (1 - self.margin) * max(r.plain, r.spec):
-            r.interval = min(2 * r.interval, self.max_probe_every)  # a probe confirmed the choice, clearly
+        elif after and not speculative and r.plain < (1 - self.margin) * r.spec:
+            r.interval = min(2 * r.interval, self.max_probe_every)  # a plain probe confirmed speculation, clearly
 
     def rates(self, batch: int) -> tuple[float | None, float | None]:
         r = self._by_batch.get(batch, _Rates())

@@ -292,26 +292,48 @@ def _decide(gov: object, batch: int, spec_rate: float, plain_rate: float, steps:
     return picks
 
 
-def test_probes_that_confirm_the_choice_come_ever_rarer_and_a_change_resets_them() -> None:
+def test_plain_probes_that_confirm_speculation_come_ever_rarer_and_a_change_resets_them() -> None:
     from service.engine.governor import SpeculationGovernor
 
     gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
-    picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 60)
+    picks = _decide(gov, 1, spec_rate=90, plain_rate=30, steps=4 + 60)
     assert picks[:4] == [True, True, False, False]  # measuring: speculative first
-    probes = [i - 4 for i, p in enumerate(picks) if p and i >= 4]
+    probes = [i - 4 for i, p in enumerate(picks) if not p and i >= 4]
     assert probes == [3, 11, 27, 43, 59]  # the 4th decided step, then 8 later, then 16 (the cap), 16, 16
     assert gov.probe_interval(1) == 16
-    gov.record(1, True, 1.0, 100)  # speculation became much faster: the choice changes, probes come often again
-    gov.record(1, True, 1.0, 100)
-    assert gov.rates(1)[1] > 30 and gov.choose(1) is True and gov.probe_interval(1) == 4
+    for _ in range(8):
+        gov.record(1, True, 1.0, 10)  # speculation became much slower: the choice changes, probes come often again
+    assert gov.rates(1)[1] < 30 and gov.choose(1) is False and gov.probe_interval(1) == 4
+
+
+def test_speculative_probes_keep_their_interval_while_plain_wins() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
+    picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 16)
+    assert [i - 4 for i, p in enumerate(picks) if p and i >= 4] == [3, 7, 11, 15]  # a drafter's worth can change
+    assert gov.probe_interval(1) == 4
+
+
+def test_a_probe_that_beats_the_choice_starts_a_trial_that_can_change_it() -> None:
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4)
+    picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 4)  # plain wins; one speculative probe
+    assert picks == [True, True, False, False, False, False, False, True]
+    # The text starts copying the prompt: drafts pay. The next probe is faster than plain: a trial of 2 speculative
+    # steps follows it, and speculation wins from there.
+    picks = _decide(gov, 1, spec_rate=90, plain_rate=30, steps=4 + 2 + 3)
+    assert picks == [False, False, False, True, True, True, True, True, True]
+    assert gov.rates(1)[1] > 30
 
 
 def test_a_probe_within_the_margin_keeps_the_interval() -> None:
     from service.engine.governor import SpeculationGovernor
 
     gov = SpeculationGovernor(min_samples=2, probe_every=4, margin=0.2)
-    picks = _decide(gov, 1, spec_rate=27, plain_rate=30, steps=4 + 12)  # speculation 10 % slower: not clear
-    assert [i - 4 for i, p in enumerate(picks) if p and i >= 4] == [3, 7, 11]
+    picks = _decide(gov, 1, spec_rate=33, plain_rate=30, steps=4 + 12)  # speculation 10 % faster: not clear
+    assert [i - 4 for i, p in enumerate(picks) if not p and i >= 4] == [3, 7, 11]
     assert gov.probe_interval(1) == 4
 
 
