@@ -4,6 +4,10 @@
     kernels() -> NativeKernels | None           the loaded library, or None: eager torch paths (see ``status``)
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
+``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``), the fused float32 step
+ops (``step.cpp``) and the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``: ``lora_site`` prepares a
+table once, ``lora_delta`` runs it over a step's rows).
+
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
 anything else (older x86, aarch64, POWER) -> ``generic``, plain C++ built without instruction-set flags. Never
@@ -33,8 +37,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,6 +52,8 @@ __all__ = [
     "ABI_VERSION",
     "ISA_FLAGS",
     "KERNEL_MODES",
+    "LoraSegment",
+    "LoraSite",
     "NativeKernels",
     "build",
     "configure",
@@ -58,9 +66,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 3  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
-SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp"))
+SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp"))
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -109,7 +117,8 @@ class NativeKernels:
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P]
-        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention):
+        lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
+        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta):
             fn.restype = ctypes.c_int
         self._lib = lib
 
@@ -200,10 +209,91 @@ class NativeKernels:
             _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
         return out
 
+    # --- the batched LoRA math of one (layer, site) (src/lora.cpp) ------------------------------------------
+
+    def lora_site(self, a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
+        """One (layer, site) table prepared for ``lora_delta``, checked once: ``a`` [G, R, in] (any strided view: the
+        per-slot tables pass their [S, in, R] transposed) and per module a ``LoraSegment`` (``bt`` [G, r, out_m],
+        bias [G, out_m] in ``a``'s dtype, scale float32 [G, out_m]); float32 or bfloat16 tables."""
+        g, width, k = a.shape
+        if a.dtype not in _LORA_DTYPES or a.device.type != "cpu" or not segments:
+            raise ValueError(f"lora_site: tables {a.dtype} on {a.device} with {len(segments)} modules")
+        n = len(segments)
+        seg, bts = (ctypes.c_int64 * (4 * n))(), (ctypes.c_void_p * n)()
+        scales, biases = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+        for i, s in enumerate(segments):
+            r, out_m = s.bt.shape[1], s.bt.shape[2]
+            seg[4 * i : 4 * i + 4] = [s.start, r, s.col, out_m]
+            if s.bt.dtype != a.dtype or s.bt.shape[0] != g or not s.bt.is_contiguous() or s.start + r > width:
+                raise ValueError(f"lora_site: module {i}: bt {s.bt.dtype} {tuple(s.bt.shape)} for a {tuple(a.shape)}")
+            for extra, dtype in ((s.scale, torch.float32), (s.bias, a.dtype)):
+                wrong = extra is not None and (extra.dtype != dtype or extra.shape != (g, out_m))
+                if extra is not None and (wrong or not extra.is_contiguous()):
+                    raise ValueError(f"lora_site: module {i}: scale / bias {extra.dtype} {tuple(extra.shape)}")
+            bts[i] = s.bt.data_ptr()
+            scales[i] = None if s.scale is None else s.scale.data_ptr()
+            biases[i] = None if s.bias is None else s.bias.data_ptr()
+        cols = max(s.col + s.bt.shape[2] for s in segments)
+        keep = (a, *(t for s in segments for t in (s.bt, s.scale, s.bias) if t is not None))
+        return LoraSite(keep, g, width, k, cols, a.dtype, a.stride(), (seg, bts, scales, biases))
+
+    def lora_delta(self, site: LoraSite, out: Tensor, x: Tensor, group: Tensor) -> None:
+        """Add each row's LoRA delta to ``out`` [B, T, N] in place: row b's group ``g = group[b]`` (int64 [B]; -1:
+        the row is left alone) gives ``h = x[b] @ a[g]^T`` over x [B, T, in] and, per module,
+        ``out[b, :, col:col + out_m] += h[:, start:start + r] @ bt[g] (+ bias[g])``, or with a scale
+        ``= scale[g] * (out + delta)``. x and out: float32 or bfloat16, one dtype, contiguous CPU tensors."""
+        b, t, k = x.shape
+        if x.dtype not in _LORA_DTYPES or out.dtype != x.dtype or k != site.in_features:
+            raise ValueError(f"lora_delta: x {x.dtype} {tuple(x.shape)}, out {out.dtype} for tables of {k} inputs")
+        if out.shape[:2] != x.shape[:2] or out.shape[2] < site.cols or group.shape != (b,) or group.dtype != _I64:
+            raise ValueError(f"lora_delta: x {tuple(x.shape)}, out {tuple(out.shape)}, group {group.dtype} "
+                             f"{tuple(group.shape)}")  # fmt: skip
+        if not (x.is_contiguous() and out.is_contiguous() and group.is_contiguous()) or x.device.type != "cpu":
+            raise ValueError("lora_delta takes contiguous CPU x, out and group")
+        seg, bts, scales, biases = site.args
+        rc = self._lib.lp_lora_delta(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, k, group.data_ptr(), site.groups, site.tensors[0].data_ptr(),
+            _DTYPE_CODES[site.dtype], *site.strides, site.width, len(bts), seg, bts, scales, biases, out.data_ptr(),
+            out.shape[2],
+        )  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_lora_delta refused x {tuple(x.shape)}, out {tuple(out.shape)} for groups {group.tolist()}")
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """One module of a LoRA site for ``NativeKernels.lora_delta``: columns ``[start, start + r)`` of ``h``, output
+    columns from ``col``, ``bt`` [G, r, out_m], optional ``scale`` / ``bias`` [G, out_m]."""
+
+    start: int
+    col: int
+    bt: Tensor
+    scale: Tensor | None = None
+    bias: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LoraSite:
+    """A (layer, site) table prepared for ``NativeKernels.lora_delta`` (``lora_site``): its shapes and the ctypes
+    arguments pointing into ``tensors`` (A first), which it keeps alive."""
+
+    tensors: tuple[Tensor, ...]
+    groups: int  # G: the tables' leading axis
+    width: int  # R: the site's ranks summed
+    in_features: int
+    cols: int  # the output columns the modules reach
+    dtype: torch.dtype
+    strides: tuple[int, ...]  # A's, in elements
+    args: tuple[Any, Any, Any, Any]  # the modules' (start, rank, col, out_m), Bt, scale and bias pointers
+
+
+_LORA_DTYPES = (torch.float32, torch.bfloat16)
+_I64 = torch.int64
+
 
 def _raise(rc: int, what: str) -> None:
     if rc == -2:
-        raise MemoryError(f"{what}: no memory for its float32 copy of x")
+        raise MemoryError(f"{what}: no memory for its float32 scratch")
     raise ValueError(what)
 
 

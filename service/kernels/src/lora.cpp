@@ -1,0 +1,285 @@
+// loraplex native kernels: the batched LoRA math of one (layer, site) in one call (service/adapters/lora/batch.py
+// uses it on the CPU when the library is loaded).
+//
+//   lp_lora_delta  rows grouped by adapter (SGMV-style): per group g, h = x[rows] A_g^T (all the site's modules
+//                  side by side along the rank), then per module m out[rows, cols_m] op= h[:, seg_m] Bt_m,g
+//                  (+ bias), where op is += or, with a DoRA scale, out = scale * (out + delta)
+//
+// The tables are the batch's, read where they lie: A [G, R, in] (the shared layout) or its per-slot transpose
+// [S, in, R], given by strides; per module Bt [G, r_m, out_m] (the scaled B^T), an optional bias [G, out_m] in the
+// tables' dtype and an optional float32 scale [G, out_m]. Each group's weights are read once per call however many
+// rows it has; x and out rows are read and written in place, rows of group -1 are not touched.
+//
+// Isolation: a row's input meets only its own group's weights, so a NaN in one adapter stays in its own rows.
+// Batch invariance: each row's sums run in a fixed order (its dot products in lanes of 16 then pairwise, the expand
+// over the rank in order) whichever rows share its group, its call or its thread, and whichever layout holds A.
+// Numerics: float32 products and sums over the values as stored (bf16 widened by a shift); the delta is added in
+// float32 and rounded once to the output dtype (bf16: to nearest even), as torch's `out += delta` does.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kCols = 64;     // output columns of one expand work item
+constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
+
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t bits = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a quiet NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_f32(v); }
+inline void narrow(float v, float* to) { *to = v; }
+inline void narrow(float v, uint16_t* to) { *to = f32_to_bf16(v); }
+
+inline float lane_sum(float* acc) {  // pairwise over the lanes
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return lane_sum(acc) + tail;
+}
+
+// dot(x, a[i], n) for kRows rows a[i] at once: the same sums as dot() (independent chains, so the adds overlap).
+constexpr int kRows = 4;
+inline void dot_rows(const float* x, const float* const* a, int64_t n, float* out) {
+  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
+  float c0[kLanes] = {}, c1[kLanes] = {}, c2[kLanes] = {}, c3[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float xv = x[i + l];
+      c0[l] += xv * a0[i + l];
+      c1[l] += xv * a1[i + l];
+      c2[l] += xv * a2[i + l];
+      c3[l] += xv * a3[i + l];
+    }
+  float* acc[kRows] = {c0, c1, c2, c3};
+  for (int q = 0; q < kRows; ++q) {
+    float tail = 0.0f;
+    for (int64_t k = i; k < n; ++k) tail += x[k] * a[q][k];
+    out[q] = lane_sum(acc[q]) + tail;
+  }
+}
+
+// h[0 .. width) = x . A[:, k] over k < in, with A's element (r, k) at a[k * a_sk + r]: the same sums, in the same
+// order, as dot() over rows of A (lane l adds k = l, l + 16, ... in turn, then the lanes pairwise and the tail),
+// but reading A along its contiguous rank axis. acc: 16 * width floats of scratch.
+template <typename W>
+void dot_columns(const float* x, const W* a, int64_t a_sk, int64_t in, int64_t width, float* acc, float* h) {
+  std::fill(acc, acc + kLanes * width, 0.0f);
+  int64_t k = 0;
+  for (; k + kLanes <= in; k += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float xv = x[k + l];
+      const W* ak = a + (k + l) * a_sk;
+      float* al = acc + l * width;
+      for (int64_t r = 0; r < width; ++r) al[r] += xv * widen(ak[r]);
+    }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l)
+      for (int64_t r = 0; r < width; ++r) acc[l * width + r] += acc[(l + w) * width + r];
+  for (int64_t r = 0; r < width; ++r) {
+    float tail = 0.0f;
+    for (int64_t i = k; i < in; ++i) tail += x[i] * widen(a[i * a_sk + r]);
+    h[r] = acc[r] + tail;
+  }
+}
+
+struct Span {  // one group's token rows: order[first .. first + count)
+  int64_t group, first, count;
+};
+
+template <typename X, typename W>
+int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* group, const W* a, int64_t a_sg,
+               int64_t a_sr, int64_t a_sk, int64_t width, int64_t nseg, const int64_t* seg, const void* const* bt_,
+               const float* const* scale, const void* const* bias_, X* out, int64_t out_cols) {
+  // The rows with a group, ordered by group (then row): each group's weights are then read once.
+  int64_t active = 0;
+  for (int64_t r = 0; r < b; ++r) active += group[r] >= 0;
+  if (active == 0) return 0;
+  const int64_t tokens = active * t;
+  int64_t* order = (int64_t*)std::malloc((size_t)active * sizeof(int64_t));
+  Span* spans = (Span*)std::malloc((size_t)active * sizeof(Span));
+  float* h = (float*)std::malloc((size_t)tokens * width * sizeof(float));  // [tokens, width] in span order
+  const bool widen_x = !std::is_same<X, float>::value;
+  float* xf = widen_x ? (float*)std::malloc((size_t)tokens * in * sizeof(float)) : nullptr;
+  if (order == nullptr || spans == nullptr || h == nullptr || (widen_x && xf == nullptr)) {
+    std::free(order), std::free(spans), std::free(h), std::free(xf);
+    return -2;
+  }
+  active = 0;
+  for (int64_t r = 0; r < b; ++r)
+    if (group[r] >= 0) order[active++] = r;
+  std::stable_sort(order, order + active, [group](int64_t p, int64_t q) { return group[p] < group[q]; });
+  int64_t nspans = 0;
+  for (int64_t i = 0; i < active; ++i) {
+    if (i == 0 || group[order[i]] != group[order[i - 1]]) spans[nspans++] = Span{group[order[i]], i, 0};
+    spans[nspans - 1].count += 1;
+  }
+  // Token row j (span order) is element (order[j / t], j % t) of x and out.
+  auto at = [&](int64_t j) { return order[j / t] * t + j % t; };
+  int64_t rank_sum = 0, blocks = 0;  // blocks: expand work items per group
+  for (int64_t m = 0; m < nseg; ++m) rank_sum += seg[4 * m + 1], blocks += (seg[4 * m + 3] + kCols - 1) / kCols;
+  const int64_t macs = tokens * (in * width + rank_sum * out_cols / nseg);
+  const bool direct = a_sk == 1 && std::is_same<W, float>::value;  // A's rows read in place, else widened to buf
+  int failed = 0;
+
+#pragma omp parallel if (macs >= kParallelMacs)
+  {
+    float* buf = (float*)std::malloc((size_t)std::max(kRows * in, width * kCols + kLanes * width) * sizeof(float));
+    if (buf == nullptr) {
+#pragma omp atomic write
+      failed = 1;
+    }
+    if (widen_x) {
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < tokens; ++j) {
+        const X* src = x + at(j) * in;
+        for (int64_t k = 0; k < in; ++k) xf[j * in + k] = widen(src[k]);
+      }
+    }
+    // Shrink: one work item per (group, rank row): that row of A once, dotted with each of the group's tokens; A
+    // stored rank-minor (the per-slot tables' [S, in, R]): one per group, along the rank.
+    if (a_sr == 1 && a_sk != 1) {
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < nspans; ++item) {
+        if (buf == nullptr) continue;
+        const Span& s = spans[item];
+        for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
+          const float* xj = widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
+          dot_columns(xj, a + s.group * a_sg, a_sk, in, width, buf, h + j * width);
+        }
+      }
+    } else {
+      // One work item per (group, kRows rows of A): those rows once (widened where needed), for each token.
+      const int64_t quads = (width + kRows - 1) / kRows;
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < nspans * quads; ++item) {
+        if (buf == nullptr) continue;
+        const Span& s = spans[item / quads];
+        const int64_t r0 = (item % quads) * kRows, nr = std::min<int64_t>(kRows, width - r0);
+        const float* rows[kRows];
+        for (int q = 0; q < kRows; ++q) {
+          const W* src = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;  // a short last quad repeats
+          if (direct) {
+            rows[q] = (const float*)(const void*)src;
+          } else {
+            for (int64_t k = 0; k < in; ++k) buf[q * in + k] = widen(src[k * a_sk]);
+            rows[q] = buf + q * in;
+          }
+        }
+        for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
+          const float* xj = widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
+          float hq[kRows];
+          dot_rows(xj, rows, in, hq);
+          for (int64_t q = 0; q < nr; ++q) h[j * width + r0 + q] = hq[q];
+        }
+      }
+    }
+    // Expand: one work item per (group, module, block of kCols columns): that block of Bt once for all tokens.
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < nspans * blocks; ++item) {
+      if (buf == nullptr) continue;
+      const Span& s = spans[item / blocks];
+      int64_t m = 0, blk = item % blocks;
+      while (blk >= (seg[4 * m + 3] + kCols - 1) / kCols) blk -= (seg[4 * m + 3] + kCols - 1) / kCols, ++m;
+      const int64_t start = seg[4 * m], rank = seg[4 * m + 1], col = seg[4 * m + 2], n = seg[4 * m + 3];
+      const int64_t c0 = blk * kCols, nc = std::min(kCols, n - c0);
+      const W* bt = (const W*)bt_[m] + s.group * rank * n + c0;  // Bt[g, j, c0 + c] at bt[j * n + c]
+      // The block as float32 rows of kCols: Bt itself, or widened into buf with zeros past the last column.
+      const bool in_place = std::is_same<W, float>::value && nc == kCols;
+      const float* w0 = in_place ? (const float*)(const void*)bt : buf;
+      const int64_t ws = in_place ? n : kCols;
+      for (int64_t j = 0; j < rank && !in_place; ++j) {
+        for (int64_t c = 0; c < nc; ++c) buf[j * kCols + c] = widen(bt[j * n + c]);
+        for (int64_t c = nc; c < kCols; ++c) buf[j * kCols + c] = 0.0f;
+      }
+      const W* bias = bias_[m] == nullptr ? nullptr : (const W*)bias_[m] + s.group * n + c0;
+      const float* sc = scale[m] == nullptr ? nullptr : scale[m] + s.group * n + c0;
+      for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
+        const float* hj = h + j * width + start;
+        float acc[kCols] = {};
+        for (int64_t q = 0; q < rank; ++q) {
+          const float hv = hj[q];
+          const float* w = w0 + q * ws;
+          for (int64_t c = 0; c < kCols; ++c) acc[c] += hv * w[c];
+        }
+        if (bias != nullptr)
+          for (int64_t c = 0; c < nc; ++c) acc[c] += widen(bias[c]);
+        X* o = out + at(j) * out_cols + col + c0;
+        if (sc == nullptr) {
+          for (int64_t c = 0; c < nc; ++c) narrow(widen(o[c]) + acc[c], o + c);
+        } else {
+          for (int64_t c = 0; c < nc; ++c) narrow((widen(o[c]) + acc[c]) * sc[c], o + c);
+        }
+      }
+    }
+    std::free(buf);
+  }
+  std::free(order), std::free(spans), std::free(h), std::free(xf);
+  return failed ? -2 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [B, T, in] and out [B, T, out_cols] (dtype x_dtype: 0 float32, 1 bfloat16; contiguous); group [B] int64: the
+// row's index into the tables' leading axis (< groups), or -1 for a row left alone. A: element (g, r, k) at
+// a[g * a_sg + r * a_sr + k * a_sk], r < width; w_dtype (0 / 1) for A, every Bt and bias. Module m < nseg:
+// seg[4 m ..] = {start in h, rank r_m, first column in out, out_m}, bt[m] [G, r_m, out_m] contiguous, scale[m]
+// (float32 [G, out_m]) and bias[m] ([G, out_m]) or null. Returns 0, -1 on a bad argument, -2 out of memory.
+int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, const int64_t* group, int64_t groups,
+                  const void* a, int w_dtype, int64_t a_sg, int64_t a_sr, int64_t a_sk, int64_t width, int64_t nseg,
+                  const int64_t* seg, const void* const* bt, const float* const* scale, const void* const* bias,
+                  void* out, int64_t out_cols) {
+  if (b < 0 || t <= 0 || in <= 0 || width <= 0 || nseg <= 0 || groups <= 0) return -1;
+  if ((x_dtype != 0 && x_dtype != 1) || (w_dtype != 0 && w_dtype != 1)) return -1;
+  for (int64_t m = 0; m < nseg; ++m) {
+    const int64_t start = seg[4 * m], rank = seg[4 * m + 1], col = seg[4 * m + 2], n = seg[4 * m + 3];
+    if (start < 0 || rank <= 0 || start + rank > width || col < 0 || n <= 0 || col + n > out_cols) return -1;
+    if (bt[m] == nullptr) return -1;
+  }
+  for (int64_t r = 0; r < b; ++r)
+    if (group[r] < -1 || group[r] >= groups) return -1;
+  using B16 = uint16_t;
+  if (x_dtype == 0 && w_dtype == 0)
+    return lora_delta((const float*)x, b, t, in, group, (const float*)a, a_sg, a_sr, a_sk, width, nseg, seg, bt,
+                      scale, bias, (float*)out, out_cols);
+  if (x_dtype == 0)
+    return lora_delta((const float*)x, b, t, in, group, (const B16*)a, a_sg, a_sr, a_sk, width, nseg, seg, bt, scale,
+                      bias, (float*)out, out_cols);
+  if (w_dtype == 0)
+    return lora_delta((const B16*)x, b, t, in, group, (const float*)a, a_sg, a_sr, a_sk, width, nseg, seg, bt, scale,
+                      bias, (B16*)out, out_cols);
+  return lora_delta((const B16*)x, b, t, in, group, (const B16*)a, a_sg, a_sr, a_sk, width, nseg, seg, bt, scale,
+                    bias, (B16*)out, out_cols);
+}
+
+}  // extern "C"
