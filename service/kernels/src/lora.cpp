@@ -13,8 +13,9 @@
 // Isolation: a row's input meets only its own group's weights, so a NaN in one adapter stays in its own rows.
 // Batch invariance: each row's sums run in a fixed order (its dot products in lanes of 16 then pairwise, the expand
 // over the rank in order) whichever rows share its group, its call or its thread, and whichever layout holds A.
-// Numerics: float32 products and sums over the values as stored (bf16 widened by a shift); the delta is added in
-// float32 and rounded once to the output dtype (bf16: to nearest even), as torch's `out += delta` does.
+// Numerics: the values as stored (bf16 widened by a shift); the shrink sums in double and rounds h once to float32,
+// the expand sums float32 over the rank; the delta is added in float32 and rounded once to the output dtype (bf16:
+// to nearest even), as torch's `out += delta` does.
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +27,7 @@
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int64_t kCols = 64;     // output columns of one expand work item
+constexpr int64_t kCols = 256;    // output columns of one expand work item
 constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
 
 inline float bf16_to_f32(uint16_t v) {
@@ -49,65 +50,57 @@ inline float widen(uint16_t v) { return bf16_to_f32(v); }
 inline void narrow(float v, float* to) { *to = v; }
 inline void narrow(float v, uint16_t* to) { *to = f32_to_bf16(v); }
 
-inline float lane_sum(float* acc) {  // pairwise over the lanes
+// The shrink's sums are in double (products of float32 values are exact there): h = x A^T is its float32 value
+// rounded once, however long the input, and the same on every instruction set.
+inline double lane_sum(double* acc) {  // pairwise over the lanes
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
   return acc[0];
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return lane_sum(acc) + tail;
-}
-
-// dot(x, a[i], n) for kRows rows a[i] at once: the same sums as dot() (independent chains, so the adds overlap).
+// dot(x, a[q]) over n for kRows rows a[q] at once: lane l adds k = l, l + 16, ... in turn, then the lanes pairwise,
+// then the tail; each row's sum is the same whatever rows it is computed with.
 constexpr int kRows = 4;
 inline void dot_rows(const float* x, const float* const* a, int64_t n, float* out) {
   const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
-  float c0[kLanes] = {}, c1[kLanes] = {}, c2[kLanes] = {}, c3[kLanes] = {};
+  double c0[kLanes] = {}, c1[kLanes] = {}, c2[kLanes] = {}, c3[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const float xv = x[i + l];
+      const double xv = x[i + l];
       c0[l] += xv * a0[i + l];
       c1[l] += xv * a1[i + l];
       c2[l] += xv * a2[i + l];
       c3[l] += xv * a3[i + l];
     }
-  float* acc[kRows] = {c0, c1, c2, c3};
+  double* acc[kRows] = {c0, c1, c2, c3};
   for (int q = 0; q < kRows; ++q) {
-    float tail = 0.0f;
-    for (int64_t k = i; k < n; ++k) tail += x[k] * a[q][k];
-    out[q] = lane_sum(acc[q]) + tail;
+    double tail = 0.0;
+    for (int64_t k = i; k < n; ++k) tail += (double)x[k] * a[q][k];
+    out[q] = (float)(lane_sum(acc[q]) + tail);
   }
 }
 
 // h[0 .. width) = x . A[:, k] over k < in, with A's element (r, k) at a[k * a_sk + r]: the same sums, in the same
-// order, as dot() over rows of A (lane l adds k = l, l + 16, ... in turn, then the lanes pairwise and the tail),
-// but reading A along its contiguous rank axis. acc: 16 * width floats of scratch.
+// order, as dot_rows() over rows of A, but reading A along its contiguous rank axis. acc: 16 * width doubles.
 template <typename W>
-void dot_columns(const float* x, const W* a, int64_t a_sk, int64_t in, int64_t width, float* acc, float* h) {
-  std::fill(acc, acc + kLanes * width, 0.0f);
+void dot_columns(const float* x, const W* a, int64_t a_sk, int64_t in, int64_t width, double* acc, float* h) {
+  std::fill(acc, acc + kLanes * width, 0.0);
   int64_t k = 0;
   for (; k + kLanes <= in; k += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const float xv = x[k + l];
+      const double xv = x[k + l];
       const W* ak = a + (k + l) * a_sk;
-      float* al = acc + l * width;
+      double* al = acc + l * width;
       for (int64_t r = 0; r < width; ++r) al[r] += xv * widen(ak[r]);
     }
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l)
       for (int64_t r = 0; r < width; ++r) acc[l * width + r] += acc[(l + w) * width + r];
   for (int64_t r = 0; r < width; ++r) {
-    float tail = 0.0f;
-    for (int64_t i = k; i < in; ++i) tail += x[i] * widen(a[i * a_sk + r]);
-    h[r] = acc[r] + tail;
+    double tail = 0.0;
+    for (int64_t i = k; i < in; ++i) tail += (double)x[i] * widen(a[i * a_sk + r]);
+    h[r] = (float)(acc[r] + tail);
   }
 }
 
@@ -152,8 +145,9 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
 
 #pragma omp parallel if (macs >= kParallelMacs)
   {
-    float* buf = (float*)std::malloc((size_t)std::max(kRows * in, width * kCols + kLanes * width) * sizeof(float));
-    if (buf == nullptr) {
+    float* buf = (float*)std::malloc((size_t)std::max(kRows * in, width * kCols) * sizeof(float));
+    double* sums = (double*)std::malloc((size_t)kLanes * width * sizeof(double));  // dot_columns' lanes
+    if (buf == nullptr || sums == nullptr) {
 #pragma omp atomic write
       failed = 1;
     }
@@ -169,11 +163,11 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
     if (a_sr == 1 && a_sk != 1) {
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < nspans; ++item) {
-        if (buf == nullptr) continue;
+        if (buf == nullptr || sums == nullptr) continue;
         const Span& s = spans[item];
         for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
           const float* xj = widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
-          dot_columns(xj, a + s.group * a_sg, a_sk, in, width, buf, h + j * width);
+          dot_columns(xj, a + s.group * a_sg, a_sk, in, width, sums, h + j * width);
         }
       }
     } else {
@@ -181,7 +175,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       const int64_t quads = (width + kRows - 1) / kRows;
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < nspans * quads; ++item) {
-        if (buf == nullptr) continue;
+        if (buf == nullptr || sums == nullptr) continue;
         const Span& s = spans[item / quads];
         const int64_t r0 = (item % quads) * kRows, nr = std::min<int64_t>(kRows, width - r0);
         const float* rows[kRows];
@@ -205,7 +199,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
     // Expand: one work item per (group, module, block of kCols columns): that block of Bt once for all tokens.
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < nspans * blocks; ++item) {
-      if (buf == nullptr) continue;
+      if (buf == nullptr || sums == nullptr) continue;
       const Span& s = spans[item / blocks];
       int64_t m = 0, blk = item % blocks;
       while (blk >= (seg[4 * m + 3] + kCols - 1) / kCols) blk -= (seg[4 * m + 3] + kCols - 1) / kCols, ++m;
@@ -241,6 +235,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       }
     }
     std::free(buf);
+    std::free(sums);
   }
   std::free(order), std::free(spans), std::free(h), std::free(xf);
   return failed ? -2 : 0;
