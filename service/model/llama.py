@@ -36,7 +36,7 @@ from service.model.config import ModelConfig
 from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, ProjName
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
-from service.model.step import Step, make_step, native_step_ops
+from service.model.step import Step, make_step, native_lora_ops, native_step_ops
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.platform import draft_dtype
 
@@ -239,6 +239,7 @@ class Llama(nn.Module):
         self._sin = self._cos
         self._draft_head: Tensor | None = None  # see draft_head()
         self.native = native_step_ops(dtype, self.device)  # fused float32 CPU step ops (service.model.step) or None
+        self.lora_native = native_lora_ops(dtype, self.device)  # the LoRA tables' kernel (LoraTables) or None
 
     def _rope_for(self, length: int) -> None:
         if self._cos.shape[0] < length:

@@ -5,6 +5,8 @@ A float32 model on the CPU runs its small per-layer ops on loraplex's compiled k
 pass (one token per row, no draft tree) RoPE, the K/V cache write and attention in one call per layer. Everything
 else, and every other dtype or device, is the eager path; both agree within rounding (``tests/model``), and the
 start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
+``native_lora_ops`` chooses likewise the batched LoRA kernel of a float32 or bfloat16 CPU model's adapter tables
+(``Llama.lora_native``, ``service.adapters.lora.batch``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from service.model.hooks import AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.weights.protocol import Scratch
 
-__all__ = ["Step", "make_step", "native_step_ops", "visible"]
+__all__ = ["Step", "make_step", "native_lora_ops", "native_step_ops", "visible"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ class Step:
 def native_step_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
     """The compiled step ops for a model of ``dtype`` on ``device``: float32 on the CPU only; None: eager."""
     return kernels() if dtype == torch.float32 and device.type == "cpu" else None
+
+
+def native_lora_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
+    """The compiled batched-LoRA kernel for a model of ``dtype`` on ``device`` (``LoraTables(native=...)``):
+    float32 or bfloat16 on the CPU; None: eager torch."""
+    return kernels() if dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" else None
 
 
 def visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:

@@ -12,6 +12,7 @@ from typing import Final
 from torch import Tensor
 
 from service.adapters.lora.types import MODULES, LoraLayer
+from service.kernels.native import LoraSite
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
 
@@ -79,6 +80,7 @@ class SlotTable:
     bt: dict[str, Tensor]
     scale: dict[str, Tensor] = field(default_factory=dict)
     bias: dict[str, Tensor] = field(default_factory=dict)
+    kernel: LoraSite | None = None  # prepared for the compiled kernel on first use; reset when a tensor is replaced
 
     @property
     def width(self) -> int:
@@ -118,6 +120,7 @@ class SharedTable:
 
     a: Tensor
     segs: list[Segment]
+    kernel: LoraSite | None = None  # prepared for the compiled kernel on first use
 
     @property
     def nbytes(self) -> int:

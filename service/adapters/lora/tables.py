@@ -16,8 +16,10 @@ A per-row ``scale`` rides along per module where a DoRA row needs it (DoRA's per
 plus the delta, ones in the other rows), and a per-row ``bias`` where a row's adapter has a trained LoRA bias
 (zeros in the other rows); a table without such rows has neither, and a plain LoRA batch pays nothing.
 
-On CPU the tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times slower than
-fp32 at LoRA shapes, and the weights are small. On CUDA the tables use the model dtype. The tables hold weak
+On CPU the eager math's tables are fp32 even when the model runs in bf16/fp16: CPU bmm in bf16 is several times
+slower than fp32 at LoRA shapes. The compiled kernel (``native``, ``NativeKernels.lora_delta``) reads the tables of
+the model's dtype, float32 or bfloat16 (widened by a shift, half the bytes a step reads), with float32 sums; a
+float32 model's tables stay float32. On CUDA the tables use the model dtype. The tables hold weak
 references to the ``LoraLayer`` objects they copied, so they never keep evicted adapter weights alive and notice
 when the store hands out a new object (reload, another adapter in a slot). Every weight copied in is checked
 against the base layer's shape (``InvalidAdapter`` otherwise).
@@ -46,6 +48,7 @@ from service.adapters.lora.layouts import (
 )
 from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
+from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
 
@@ -66,12 +69,17 @@ class LoraTables:
     A batch brings a layer up to date with ``sync_slots`` (per-slot) or ``sync_shared`` (shared) on its first
     visit, then reads ``slot_tables[layer][site]`` or the shared tables ``sync_shared`` returned."""
 
-    def __init__(self, cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype, native: NativeKernels | None = None
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        # The compiled kernel the batches compute with (``NativeKernels.lora_delta``), or None: eager torch.
+        self.native = native if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
         half = dtype in (torch.bfloat16, torch.float16)
-        self.compute_dtype = torch.float32 if self.device.type == "cpu" and half else dtype
+        eager_cpu_half = self.device.type == "cpu" and half and self.native is None
+        self.compute_dtype = torch.float32 if eager_cpu_half else dtype  # the tables' dtype
         self.modules = module_layout(cfg)
         self.stats = TableStats()
         self.clear()
@@ -178,6 +186,7 @@ class LoraTables:
         grow = slots - self._capacity
         for layer, tables in enumerate(self.slot_tables):
             for table in tables.values():
+                table.kernel = None
                 table.at = torch.cat((table.at, table.at.new_zeros(grow, *table.at.shape[1:])))
                 for name, bt in table.bt.items():
                     table.bt[name] = torch.cat((bt, bt.new_zeros(grow, *bt.shape[1:])))
