@@ -13,9 +13,12 @@
 // Isolation: a row's input meets only its own group's weights, so a NaN in one adapter stays in its own rows.
 // Batch invariance: each row's sums run in a fixed order (its dot products in lanes of 16 then pairwise, the expand
 // over the rank in order) whichever rows share its group, its call or its thread, and whichever layout holds A.
-// Numerics: the values as stored (bf16 widened by a shift); the shrink sums in double and rounds h once to float32,
-// the expand sums float32 over the rank; the delta is added in float32 and rounded once to the output dtype (bf16:
-// to nearest even), as torch's `out += delta` does.
+// Numerics: the values as stored (bf16 widened by a shift); the shrink sums in double (products of float32 values
+// are exact there, so fused and separate multiply-adds agree and every instruction set gets the same h) and rounds h
+// once to float32, the expand sums float32 over the rank; the delta is added in float32 and rounded once to the
+// output dtype (bf16: to nearest even), as torch's `out += delta` does.
+// Threads: OpenMP (torch's runtime) over work items, the shrink's (group, 4 rows of A) then the expand's (group,
+// module, 256 columns), each prefetching the next item's weights; scratch stays allocated per thread between calls.
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +31,7 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int64_t kCols = 256;    // output columns of one expand work item
+constexpr int64_t kSub = 64;      // of which one pass over the rank accumulates
 constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
 
 inline float bf16_to_f32(uint16_t v) {
@@ -58,27 +62,39 @@ inline double lane_sum(double* acc) {  // pairwise over the lanes
   return acc[0];
 }
 
-// dot(x, a[q]) over n for kRows rows a[q] at once: lane l adds k = l, l + 16, ... in turn, then the lanes pairwise,
-// then the tail; each row's sum is the same whatever rows it is computed with.
+// acc + x * y for doubles holding float32 values: the product is exact in double (24 + 24 bits), so the fused and
+// the separate multiply-add round alike and every instruction set gets the same sums.
+inline double madd(double acc, double x, double y) {
+#if defined(__FMA__)
+  return __builtin_fma(x, y, acc);
+#else
+  return acc + x * y;
+#endif
+}
+
+// dot(x[t], a[q]) over n for kRows rows a[q] and NT tokens x[t] at once (each conversion of a row feeds every
+// token), summed in double: lane l adds k = l, l + 16, ... in turn, then the lanes pairwise, then the tail; each
+// token's sum is the same whatever rows and tokens it is computed with.
 constexpr int kRows = 4;
-inline void dot_rows(const float* x, const float* const* a, int64_t n, float* out) {
-  const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3];
-  double c0[kLanes] = {}, c1[kLanes] = {}, c2[kLanes] = {}, c3[kLanes] = {};
+template <int NT>
+inline void dot_rows(const float* const* x, const float* const* a, int64_t n, float (*out)[kRows]) {
+  double acc[NT][kRows][kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const double xv = x[i + l];
-      c0[l] += xv * a0[i + l];
-      c1[l] += xv * a1[i + l];
-      c2[l] += xv * a2[i + l];
-      c3[l] += xv * a3[i + l];
+      double av[kRows];
+      for (int q = 0; q < kRows; ++q) av[q] = a[q][i + l];
+      for (int t = 0; t < NT; ++t) {
+        const double xv = x[t][i + l];
+        for (int q = 0; q < kRows; ++q) acc[t][q][l] = madd(acc[t][q][l], xv, av[q]);
+      }
     }
-  double* acc[kRows] = {c0, c1, c2, c3};
-  for (int q = 0; q < kRows; ++q) {
-    double tail = 0.0;
-    for (int64_t k = i; k < n; ++k) tail += (double)x[k] * a[q][k];
-    out[q] = (float)(lane_sum(acc[q]) + tail);
-  }
+  for (int t = 0; t < NT; ++t)
+    for (int q = 0; q < kRows; ++q) {
+      double tail = 0.0;
+      for (int64_t k = i; k < n; ++k) tail = madd(tail, x[t][k], a[q][k]);
+      out[t][q] = (float)(lane_sum(acc[t][q]) + tail);
+    }
 }
 
 // h[0 .. width) = x . A[:, k] over k < in, with A's element (r, k) at a[k * a_sk + r]: the same sums, in the same
@@ -92,17 +108,61 @@ void dot_columns(const float* x, const W* a, int64_t a_sk, int64_t in, int64_t w
       const double xv = x[k + l];
       const W* ak = a + (k + l) * a_sk;
       double* al = acc + l * width;
-      for (int64_t r = 0; r < width; ++r) al[r] += xv * widen(ak[r]);
+      for (int64_t r = 0; r < width; ++r) al[r] = madd(al[r], xv, widen(ak[r]));
     }
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l)
       for (int64_t r = 0; r < width; ++r) acc[l * width + r] += acc[(l + w) * width + r];
   for (int64_t r = 0; r < width; ++r) {
     double tail = 0.0;
-    for (int64_t i = k; i < in; ++i) tail += (double)x[i] * widen(a[i * a_sk + r]);
+    for (int64_t i = k; i < in; ++i) tail = madd(tail, x[i], widen(a[i * a_sk + r]));
     h[r] = (float)(acc[r] + tail);
   }
 }
+
+// Asks for [p, p + bytes) ahead of its use: the next work item's weights load while this one computes.
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char*)p + off);
+}
+
+// Scratch memory: up to kKeptBytes stays allocated per thread and slot between calls (a decode step's calls then
+// allocate nothing: a fresh large malloc is an mmap whose pages fault in on every call); larger requests (long
+// prefills) are allocated for the call.
+constexpr size_t kKeptBytes = size_t(1) << 22;
+struct Kept {
+  void* p = nullptr;
+  size_t n = 0;
+  ~Kept() { std::free(p); }
+};
+thread_local Kept kept[6];
+
+class Scratch {
+ public:
+  Scratch(int slot, size_t bytes) {
+    if (bytes > kKeptBytes) {
+      p_ = owned_ = std::malloc(bytes);
+      return;
+    }
+    Kept& k = kept[slot];
+    if (k.n < bytes) {
+      std::free(k.p);
+      k.p = std::malloc(bytes);
+      k.n = k.p == nullptr ? 0 : bytes;
+    }
+    p_ = k.p;
+  }
+  ~Scratch() { std::free(owned_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename T>
+  T* as() const {
+    return (T*)p_;
+  }
+
+ private:
+  void* p_ = nullptr;
+  void* owned_ = nullptr;
+};
 
 struct Span {  // one group's token rows: order[first .. first + count)
   int64_t group, first, count;
@@ -117,15 +177,14 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
   for (int64_t r = 0; r < b; ++r) active += group[r] >= 0;
   if (active == 0) return 0;
   const int64_t tokens = active * t;
-  int64_t* order = (int64_t*)std::malloc((size_t)active * sizeof(int64_t));
-  Span* spans = (Span*)std::malloc((size_t)active * sizeof(Span));
-  float* h = (float*)std::malloc((size_t)tokens * width * sizeof(float));  // [tokens, width] in span order
-  const bool widen_x = !std::is_same<X, float>::value;
-  float* xf = widen_x ? (float*)std::malloc((size_t)tokens * in * sizeof(float)) : nullptr;
-  if (order == nullptr || spans == nullptr || h == nullptr || (widen_x && xf == nullptr)) {
-    std::free(order), std::free(spans), std::free(h), std::free(xf);
-    return -2;
-  }
+  const bool widen_x = !std::is_same<X, float>::value;  // float32 x is read in place
+  const Scratch order_(0, (size_t)active * sizeof(int64_t)), spans_(1, (size_t)active * sizeof(Span));
+  const Scratch h_(2, (size_t)tokens * width * sizeof(float)), xf_(3, widen_x ? (size_t)tokens * in * sizeof(float) : 1);
+  int64_t* order = order_.as<int64_t>();
+  Span* spans = spans_.as<Span>();
+  float* h = h_.as<float>();  // [tokens, width] in span order
+  float* xf = xf_.as<float>();  // bfloat16 x widened, in span order
+  if (order == nullptr || spans == nullptr || h == nullptr || xf == nullptr) return -2;
   active = 0;
   for (int64_t r = 0; r < b; ++r)
     if (group[r] >= 0) order[active++] = r;
@@ -145,8 +204,10 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
 
 #pragma omp parallel if (macs >= kParallelMacs)
   {
-    float* buf = (float*)std::malloc((size_t)std::max(kRows * in, width * kCols) * sizeof(float));
-    double* sums = (double*)std::malloc((size_t)kLanes * width * sizeof(double));  // dot_columns' lanes
+    const Scratch buf_(4, (size_t)std::max(kRows * in, width * kCols) * sizeof(float));
+    const Scratch sums_(5, (size_t)kLanes * width * sizeof(double));
+    float* buf = buf_.as<float>();  // rows of A or a block of Bt, widened
+    double* sums = sums_.as<double>();  // dot_columns' lanes
     if (buf == nullptr || sums == nullptr) {
 #pragma omp atomic write
       failed = 1;
@@ -158,6 +219,9 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         for (int64_t k = 0; k < in; ++k) xf[j * in + k] = widen(src[k]);
       }
     }
+    auto x_row = [&](int64_t j) -> const float* {
+      return widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
+    };
     // Shrink: one work item per (group, rank row): that row of A once, dotted with each of the group's tokens; A
     // stored rank-minor (the per-slot tables' [S, in, R]): one per group, along the rank.
     if (a_sr == 1 && a_sk != 1) {
@@ -165,10 +229,8 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       for (int64_t item = 0; item < nspans; ++item) {
         if (buf == nullptr || sums == nullptr) continue;
         const Span& s = spans[item];
-        for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
-          const float* xj = widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
-          dot_columns(xj, a + s.group * a_sg, a_sk, in, width, sums, h + j * width);
-        }
+        for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j)
+          dot_columns(x_row(j), a + s.group * a_sg, a_sk, in, width, sums, h + j * width);
       }
     } else {
       // One work item per (group, kRows rows of A): those rows once (widened where needed), for each token.
@@ -178,9 +240,13 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         if (buf == nullptr || sums == nullptr) continue;
         const Span& s = spans[item / quads];
         const int64_t r0 = (item % quads) * kRows, nr = std::min<int64_t>(kRows, width - r0);
+        if (a_sk == 1 && item + 1 < nspans * quads) {  // the next item's rows (within this thread's chunk)
+          const int64_t next_r0 = ((item + 1) % quads) * kRows, rows = std::min<int64_t>(kRows, width - next_r0);
+          prefetch(a + spans[(item + 1) / quads].group * a_sg + next_r0 * a_sr, rows * a_sr * (int64_t)sizeof(W));
+        }
         const float* rows[kRows];
-        for (int q = 0; q < kRows; ++q) {
-          const W* src = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;  // a short last quad repeats
+        for (int q = 0; q < kRows; ++q) {  // a short last quad repeats its last row
+          const W* src = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;
           if (direct) {
             rows[q] = (const float*)(const void*)src;
           } else {
@@ -188,11 +254,17 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
             rows[q] = buf + q * in;
           }
         }
-        for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
-          const float* xj = widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
-          float hq[kRows];
-          dot_rows(xj, rows, in, hq);
-          for (int64_t q = 0; q < nr; ++q) h[j * width + r0 + q] = hq[q];
+        const int64_t j1 = (s.first + s.count) * t;
+        for (int64_t j = s.first * t; j < j1; j += 2) {  // tokens in pairs
+          const float* xs[2] = {x_row(j), j + 1 < j1 ? x_row(j + 1) : nullptr};
+          float hq[2][kRows];
+          if (j + 1 < j1) {
+            dot_rows<2>(xs, rows, in, hq);
+          } else {
+            dot_rows<1>(xs, rows, in, hq);
+          }
+          for (int64_t u = 0; u < 2 && j + u < j1; ++u)
+            for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
         }
       }
     }
@@ -214,15 +286,26 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         for (int64_t c = 0; c < nc; ++c) buf[j * kCols + c] = widen(bt[j * n + c]);
         for (int64_t c = nc; c < kCols; ++c) buf[j * kCols + c] = 0.0f;
       }
+      if (item + 1 < nspans * blocks) {  // the next item's block of Bt
+        int64_t nm = 0, nblk = (item + 1) % blocks;
+        while (nblk >= (seg[4 * nm + 3] + kCols - 1) / kCols) nblk -= (seg[4 * nm + 3] + kCols - 1) / kCols, ++nm;
+        const int64_t nn = seg[4 * nm + 3], nrank = seg[4 * nm + 1], nc0 = nblk * kCols;
+        const W* next = (const W*)bt_[nm] + spans[(item + 1) / blocks].group * nrank * nn + nc0;
+        for (int64_t j = 0; j < nrank; ++j) prefetch(next + j * nn, std::min(kCols, nn - nc0) * (int64_t)sizeof(W));
+      }
       const W* bias = bias_[m] == nullptr ? nullptr : (const W*)bias_[m] + s.group * n + c0;
       const float* sc = scale[m] == nullptr ? nullptr : scale[m] + s.group * n + c0;
       for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
         const float* hj = h + j * width + start;
-        float acc[kCols] = {};
-        for (int64_t q = 0; q < rank; ++q) {
-          const float hv = hj[q];
-          const float* w = w0 + q * ws;
-          for (int64_t c = 0; c < kCols; ++c) acc[c] += hv * w[c];
+        float acc[kCols];
+        for (int64_t c0s = 0; c0s < kCols; c0s += kSub) {  // kSub columns: accumulators that stay in registers
+          float part[kSub] = {};
+          for (int64_t q = 0; q < rank; ++q) {
+            const float hv = hj[q];
+            const float* w = w0 + q * ws + c0s;
+            for (int64_t c = 0; c < kSub; ++c) part[c] += hv * w[c];
+          }
+          for (int64_t c = 0; c < kSub; ++c) acc[c0s + c] = part[c];
         }
         if (bias != nullptr)
           for (int64_t c = 0; c < nc; ++c) acc[c] += widen(bias[c]);
@@ -234,10 +317,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         }
       }
     }
-    std::free(buf);
-    std::free(sums);
   }
-  std::free(order), std::free(spans), std::free(h), std::free(xf);
   return failed ? -2 : 0;
 }
 
