@@ -1,10 +1,10 @@
 """The compiled batched-LoRA kernel (``NativeKernels.lora_delta``, ``src/lora.cpp``) against a float64 reference.
 
-Tables as the batch lays them out: A [G, R, in] (shared) or [S, in, R] (per-slot, passed transposed), per module
+Tables as the batch lays them out: A [G, R, in] (also given as a strided view of rank-minor storage), per module
 Bt [G, r, out_m], a DoRA scale and a trained bias on some modules; mixed ranks, modules some groups lack (zeros),
 a group with no row, rows with no adapter inside the span, one row, several tokens a row. The reference is computed
 in float64 from the tables as stored. Isolation and batch invariance are checked bit for bit: a NaN adapter reaches
-only its own rows, and a row's result does not depend on its neighbours, its place or the layout.
+only its own rows, and a row's result does not depend on its neighbours, its place or A's strides.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class Tables:
         ]
 
     def site(self, k: NativeKernels, layout: str) -> LoraSite:
-        a = self.a if layout == "shared" else self.a.transpose(1, 2).contiguous().transpose(1, 2)  # [S, in, R]
+        """``layout`` "rows": A's rows contiguous, as the tables store them; "strided": the same values stored
+        [G, in, R] and passed as a transposed view (the kernel gathers each row)."""
+        a = self.a if layout == "rows" else self.a.transpose(1, 2).contiguous().transpose(1, 2)
         return k.lora_site(a, self.segments())
 
     def reference(self, out: Tensor, x: Tensor, group: list[int]) -> Tensor:
@@ -87,7 +89,7 @@ def _run(k: NativeKernels, site: LoraSite, out: Tensor, x: Tensor, group: list[i
     return got
 
 
-@pytest.mark.parametrize("layout", ["shared", "slots"])
+@pytest.mark.parametrize("layout", ["rows", "strided"])
 @pytest.mark.parametrize("tables_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("t", [1, 3])
@@ -112,7 +114,7 @@ def test_kernel_matches_a_float64_reference(layout: str, tables_dtype: torch.dty
 def test_one_row_and_no_row(dtype: torch.dtype) -> None:
     k = _kernels()
     tables = Tables(3, dtype)
-    site = tables.site(k, "shared")
+    site = tables.site(k, "rows")
     x, out = _inputs(1, 1, dtype)
     got = _run(k, site, out, x, [2])
     tol = 2e-6 if dtype == torch.float32 else 8e-3
@@ -121,7 +123,7 @@ def test_one_row_and_no_row(dtype: torch.dtype) -> None:
     assert torch.equal(_run(k, site, out, x, [-1]), out)
 
 
-@pytest.mark.parametrize("layout", ["shared", "slots"])
+@pytest.mark.parametrize("layout", ["rows", "strided"])
 @pytest.mark.parametrize("where", ["a", "bt", "bias"])
 def test_a_nan_adapter_reaches_only_its_own_rows(layout: str, where: str) -> None:
     k = _kernels()
@@ -141,14 +143,14 @@ def test_a_nan_adapter_reaches_only_its_own_rows(layout: str, where: str) -> Non
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_layout(dtype: torch.dtype) -> None:
     """Bit for bit: a row alone, among others (its own group's and other groups' rows, before and after it), and
-    on the per-slot layout."""
+    with A's rows gathered from strided storage."""
     k = _kernels()
     tables = Tables(5, dtype)
-    shared, slots = tables.site(k, "shared"), tables.site(k, "slots")
+    rows, strided = tables.site(k, "rows"), tables.site(k, "strided")
     x, out = _inputs(8, 3, dtype)
-    alone = _run(k, shared, out[5:6], x[5:6], [3])
+    alone = _run(k, rows, out[5:6], x[5:6], [3])
     for group in ([0, 1, 2, 4, -1, 3, 1, 0], [3, 3, 3, 3, 3, 3, 3, 3], [-1, -1, -1, -1, -1, 3, -1, -1]):
-        for site in (shared, slots):
+        for site in (rows, strided):
             assert torch.equal(_run(k, site, out, x, group)[5], alone[0]), group
     many = torch.randn(64, 3, IN, generator=torch.Generator().manual_seed(9)).to(dtype)  # another thread's share
     many[37] = x[5]
@@ -156,13 +158,13 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_layout(dtype: torch.d
     wide[37] = out[5]
     groups = [i % 5 for i in range(64)]  # 37 is one of group 3's thirteen rows, in the middle of the call
     groups[37] = 3
-    assert torch.equal(_run(k, shared, wide, many, groups)[37], alone[0])
+    assert torch.equal(_run(k, rows, wide, many, groups)[37], alone[0])
 
 
 def test_refusals() -> None:
     k = _kernels()
     tables = Tables(3, torch.float32)
-    site = tables.site(k, "shared")
+    site = tables.site(k, "rows")
     x, out = _inputs(2, 1, torch.float32)
     with pytest.raises(ValueError, match="lp_lora_delta refused"):
         k.lora_delta(site, out, x, torch.tensor([0, 3]))  # no group 3

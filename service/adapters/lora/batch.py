@@ -7,7 +7,7 @@ the first to the last row with an adapter, are touched; a base-only row inside t
 one of two ways over the tables of ``service.adapters.lora.tables``, chosen per batch from the number ``N`` of
 distinct adapters among the ``b`` rows of the span:
 
-- **per-slot** (``2 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ at`` ``[b, T, R]`` and
+- **per-slot** (``2 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ a^T`` ``[b, T, R]`` and
   ``out[..., cols_m] += h[..., seg_m] @ bt[m]``: one bmm plus one bmm and one add per module, whatever the mix of
   ranks and target subsets. A request joining or leaving rewrites only its own slot.
 - **shared** (``N == 1`` or ``2 * N <= b``, several rows per adapter): the span's rows are gathered once per
@@ -198,13 +198,13 @@ class AdapterBatch:
             LoraSegment(table.offsets[m], col(m), table.bt[m], table.scale.get(m), table.bias.get(m))
             for m in table.ranks
         ]
-        return table.at.transpose(1, 2), segs  # [S, R, in]: a view of the per-slot [S, in, R]
+        return table.a, segs
 
     def _add_slots(self, out: Tensor, x: Tensor, table: SlotTable) -> None:
         # x [b, T, in], out [b, T, out_fused]: views of the span's rows
         first = self.slot_start + self.span[0]
         slots = slice(first, first + x.shape[0])
-        h = torch.bmm(x.to(self.tables.compute_dtype), table.at[slots])  # [b, T, R]
+        h = torch.bmm(x.to(self.tables.compute_dtype), table.a[slots].transpose(1, 2))  # [b, T, R]
         for module, width in table.ranks.items():
             off = table.offsets[module]
             c0, c1 = self.tables.modules[module].cols

@@ -5,14 +5,14 @@
 //                  side by side along the rank), then per module m out[rows, cols_m] op= h[:, seg_m] Bt_m,g
 //                  (+ bias), where op is += or, with a DoRA scale, out = scale * (out + delta)
 //
-// The tables are the batch's, read where they lie: A [G, R, in] (the shared layout) or its per-slot transpose
-// [S, in, R], given by strides; per module Bt [G, r_m, out_m] (the scaled B^T), an optional bias [G, out_m] in the
+// The tables are the batch's, read where they lie: A [G, R, in] (the shared and the per-slot layouts; any strides,
+// rows of A widened into scratch where they are not contiguous float32); per module Bt [G, r_m, out_m] (the scaled B^T), an optional bias [G, out_m] in the
 // tables' dtype and an optional float32 scale [G, out_m]. Each group's weights are read once per call however many
 // rows it has; x and out rows are read and written in place, rows of group -1 are not touched.
 //
 // Isolation: a row's input meets only its own group's weights, so a NaN in one adapter stays in its own rows.
 // Batch invariance: each row's sums run in a fixed order (its dot products in lanes of 16 then pairwise, the expand
-// over the rank in order) whichever rows share its group, its call or its thread, and whichever layout holds A.
+// over the rank in order) whichever rows share its group, its call or its thread, and whichever table holds A.
 // Numerics: the values as stored (bf16 widened by a shift); the shrink sums in double (products of float32 values
 // are exact there, so fused and separate multiply-adds agree and every instruction set gets the same h) and rounds h
 // once to float32, the expand sums float32 over the rank; the delta is added in float32 and rounded once to the
@@ -97,29 +97,6 @@ inline void dot_rows(const float* const* x, const float* const* a, int64_t n, fl
     }
 }
 
-// h[0 .. width) = x . A[:, k] over k < in, with A's element (r, k) at a[k * a_sk + r]: the same sums, in the same
-// order, as dot_rows() over rows of A, but reading A along its contiguous rank axis. acc: 16 * width doubles.
-template <typename W>
-void dot_columns(const float* x, const W* a, int64_t a_sk, int64_t in, int64_t width, double* acc, float* h) {
-  std::fill(acc, acc + kLanes * width, 0.0);
-  int64_t k = 0;
-  for (; k + kLanes <= in; k += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const double xv = x[k + l];
-      const W* ak = a + (k + l) * a_sk;
-      double* al = acc + l * width;
-      for (int64_t r = 0; r < width; ++r) al[r] = madd(al[r], xv, widen(ak[r]));
-    }
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l)
-      for (int64_t r = 0; r < width; ++r) acc[l * width + r] += acc[(l + w) * width + r];
-  for (int64_t r = 0; r < width; ++r) {
-    double tail = 0.0;
-    for (int64_t i = k; i < in; ++i) tail = madd(tail, x[i], widen(a[i * a_sk + r]));
-    h[r] = (float)(acc[r] + tail);
-  }
-}
-
 // Asks for [p, p + bytes) ahead of its use: the next work item's weights load while this one computes.
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char*)p + off);
@@ -134,7 +111,7 @@ struct Kept {
   size_t n = 0;
   ~Kept() { std::free(p); }
 };
-thread_local Kept kept[6];
+thread_local Kept kept[5];
 
 class Scratch {
  public:
@@ -205,10 +182,8 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
 #pragma omp parallel if (macs >= kParallelMacs)
   {
     const Scratch buf_(4, (size_t)std::max(kRows * in, width * kCols) * sizeof(float));
-    const Scratch sums_(5, (size_t)kLanes * width * sizeof(double));
     float* buf = buf_.as<float>();  // rows of A or a block of Bt, widened
-    double* sums = sums_.as<double>();  // dot_columns' lanes
-    if (buf == nullptr || sums == nullptr) {
+    if (buf == nullptr) {
 #pragma omp atomic write
       failed = 1;
     }
@@ -222,56 +197,44 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
     auto x_row = [&](int64_t j) -> const float* {
       return widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
     };
-    // Shrink: one work item per (group, rank row): that row of A once, dotted with each of the group's tokens; A
-    // stored rank-minor (the per-slot tables' [S, in, R]): one per group, along the rank.
-    if (a_sr == 1 && a_sk != 1) {
+    // Shrink: one work item per (group, kRows rows of A): those rows once (widened where needed), for each token.
+    const int64_t quads = (width + kRows - 1) / kRows;
 #pragma omp for schedule(static)
-      for (int64_t item = 0; item < nspans; ++item) {
-        if (buf == nullptr || sums == nullptr) continue;
-        const Span& s = spans[item];
-        for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j)
-          dot_columns(x_row(j), a + s.group * a_sg, a_sk, in, width, sums, h + j * width);
+    for (int64_t item = 0; item < nspans * quads; ++item) {
+      if (buf == nullptr) continue;
+      const Span& s = spans[item / quads];
+      const int64_t r0 = (item % quads) * kRows, nr = std::min<int64_t>(kRows, width - r0);
+      if (a_sk == 1 && item + 1 < nspans * quads) {  // the next item's rows (within this thread's chunk)
+        const int64_t next_r0 = ((item + 1) % quads) * kRows, rows = std::min<int64_t>(kRows, width - next_r0);
+        prefetch(a + spans[(item + 1) / quads].group * a_sg + next_r0 * a_sr, rows * a_sr * (int64_t)sizeof(W));
       }
-    } else {
-      // One work item per (group, kRows rows of A): those rows once (widened where needed), for each token.
-      const int64_t quads = (width + kRows - 1) / kRows;
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < nspans * quads; ++item) {
-        if (buf == nullptr || sums == nullptr) continue;
-        const Span& s = spans[item / quads];
-        const int64_t r0 = (item % quads) * kRows, nr = std::min<int64_t>(kRows, width - r0);
-        if (a_sk == 1 && item + 1 < nspans * quads) {  // the next item's rows (within this thread's chunk)
-          const int64_t next_r0 = ((item + 1) % quads) * kRows, rows = std::min<int64_t>(kRows, width - next_r0);
-          prefetch(a + spans[(item + 1) / quads].group * a_sg + next_r0 * a_sr, rows * a_sr * (int64_t)sizeof(W));
+      const float* rows[kRows];
+      for (int q = 0; q < kRows; ++q) {  // a short last quad repeats its last row
+        const W* src = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;
+        if (direct) {
+          rows[q] = (const float*)(const void*)src;
+        } else {
+          for (int64_t k = 0; k < in; ++k) buf[q * in + k] = widen(src[k * a_sk]);
+          rows[q] = buf + q * in;
         }
-        const float* rows[kRows];
-        for (int q = 0; q < kRows; ++q) {  // a short last quad repeats its last row
-          const W* src = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;
-          if (direct) {
-            rows[q] = (const float*)(const void*)src;
-          } else {
-            for (int64_t k = 0; k < in; ++k) buf[q * in + k] = widen(src[k * a_sk]);
-            rows[q] = buf + q * in;
-          }
+      }
+      const int64_t j1 = (s.first + s.count) * t;
+      for (int64_t j = s.first * t; j < j1; j += 2) {  // tokens in pairs
+        const float* xs[2] = {x_row(j), j + 1 < j1 ? x_row(j + 1) : nullptr};
+        float hq[2][kRows];
+        if (j + 1 < j1) {
+          dot_rows<2>(xs, rows, in, hq);
+        } else {
+          dot_rows<1>(xs, rows, in, hq);
         }
-        const int64_t j1 = (s.first + s.count) * t;
-        for (int64_t j = s.first * t; j < j1; j += 2) {  // tokens in pairs
-          const float* xs[2] = {x_row(j), j + 1 < j1 ? x_row(j + 1) : nullptr};
-          float hq[2][kRows];
-          if (j + 1 < j1) {
-            dot_rows<2>(xs, rows, in, hq);
-          } else {
-            dot_rows<1>(xs, rows, in, hq);
-          }
-          for (int64_t u = 0; u < 2 && j + u < j1; ++u)
-            for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
-        }
+        for (int64_t u = 0; u < 2 && j + u < j1; ++u)
+          for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
       }
     }
     // Expand: one work item per (group, module, block of kCols columns): that block of Bt once for all tokens.
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < nspans * blocks; ++item) {
-      if (buf == nullptr || sums == nullptr) continue;
+      if (buf == nullptr) continue;
       const Span& s = spans[item / blocks];
       int64_t m = 0, blk = item % blocks;
       while (blk >= (seg[4 * m + 3] + kCols - 1) / kCols) blk -= (seg[4 * m + 3] + kCols - 1) / kCols, ++m;
