@@ -5,8 +5,8 @@
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
 ``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``), the fused float32 step
-ops (``step.cpp``) and the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``: ``lora_site`` prepares a
-table once, ``lora_delta`` runs it over a step's rows).
+ops (``step.cpp``) and the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``: ``lora_delta`` runs a
+table prepared once by ``service.kernels.lora.lora_site`` over a step's rows).
 
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
@@ -37,23 +37,20 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from service.errors import FailedPrecondition
+from service.kernels.lora import LORA_DTYPES, LoraSite
 from service.platform import cpu_capability, cpu_flags
 
 __all__ = [
     "ABI_VERSION",
     "ISA_FLAGS",
     "KERNEL_MODES",
-    "LoraSegment",
-    "LoraSite",
     "NativeKernels",
     "build",
     "configure",
@@ -211,41 +208,16 @@ class NativeKernels:
 
     # --- the batched LoRA math of one (layer, site) (src/lora.cpp) ------------------------------------------
 
-    def lora_site(self, a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
-        """One (layer, site) table prepared for ``lora_delta``, checked once: ``a`` [G, R, in] (any strided view: the
-        per-slot tables pass their [S, in, R] transposed) and per module a ``LoraSegment`` (``bt`` [G, r, out_m],
-        bias [G, out_m] in ``a``'s dtype, scale float32 [G, out_m]); float32 or bfloat16 tables."""
-        g, width, k = a.shape
-        if a.dtype not in _LORA_DTYPES or a.device.type != "cpu" or not segments:
-            raise ValueError(f"lora_site: tables {a.dtype} on {a.device} with {len(segments)} modules")
-        n = len(segments)
-        seg, bts = (ctypes.c_int64 * (4 * n))(), (ctypes.c_void_p * n)()
-        scales, biases = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
-        for i, s in enumerate(segments):
-            r, out_m = s.bt.shape[1], s.bt.shape[2]
-            seg[4 * i : 4 * i + 4] = [s.start, r, s.col, out_m]
-            if s.bt.dtype != a.dtype or s.bt.shape[0] != g or not s.bt.is_contiguous() or s.start + r > width:
-                raise ValueError(f"lora_site: module {i}: bt {s.bt.dtype} {tuple(s.bt.shape)} for a {tuple(a.shape)}")
-            for extra, dtype in ((s.scale, torch.float32), (s.bias, a.dtype)):
-                wrong = extra is not None and (extra.dtype != dtype or extra.shape != (g, out_m))
-                if extra is not None and (wrong or not extra.is_contiguous()):
-                    raise ValueError(f"lora_site: module {i}: scale / bias {extra.dtype} {tuple(extra.shape)}")
-            bts[i] = s.bt.data_ptr()
-            scales[i] = None if s.scale is None else s.scale.data_ptr()
-            biases[i] = None if s.bias is None else s.bias.data_ptr()
-        cols = max(s.col + s.bt.shape[2] for s in segments)
-        keep = (a, *(t for s in segments for t in (s.bt, s.scale, s.bias) if t is not None))
-        return LoraSite(keep, g, width, k, cols, a.dtype, a.stride(), (seg, bts, scales, biases))
-
     def lora_delta(self, site: LoraSite, out: Tensor, x: Tensor, group: Tensor) -> None:
         """Add each row's LoRA delta to ``out`` [B, T, N] in place: row b's group ``g = group[b]`` (int64 [B]; -1:
         the row is left alone) gives ``h = x[b] @ a[g]^T`` over x [B, T, in] and, per module,
         ``out[b, :, col:col + out_m] += h[:, start:start + r] @ bt[g] (+ bias[g])``, or with a scale
         ``= scale[g] * (out + delta)``. x and out: float32 or bfloat16, one dtype, contiguous CPU tensors."""
         b, t, k = x.shape
-        if x.dtype not in _LORA_DTYPES or out.dtype != x.dtype or k != site.in_features:
+        if x.dtype not in LORA_DTYPES or out.dtype != x.dtype or k != site.in_features:
             raise ValueError(f"lora_delta: x {x.dtype} {tuple(x.shape)}, out {out.dtype} for tables of {k} inputs")
-        if out.shape[:2] != x.shape[:2] or out.shape[2] < site.cols or group.shape != (b,) or group.dtype != _I64:
+        fits = out.shape[:2] == x.shape[:2] and out.shape[2] >= site.cols and group.shape == (b,)
+        if not fits or group.dtype != torch.int64:
             raise ValueError(f"lora_delta: x {tuple(x.shape)}, out {tuple(out.shape)}, group {group.dtype} "
                              f"{tuple(group.shape)}")  # fmt: skip
         if not (x.is_contiguous() and out.is_contiguous() and group.is_contiguous()) or x.device.type != "cpu":
@@ -258,37 +230,6 @@ class NativeKernels:
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_lora_delta refused x {tuple(x.shape)}, out {tuple(out.shape)} for groups {group.tolist()}")
-
-
-@dataclass(frozen=True)
-class LoraSegment:
-    """One module of a LoRA site for ``NativeKernels.lora_delta``: columns ``[start, start + r)`` of ``h``, output
-    columns from ``col``, ``bt`` [G, r, out_m], optional ``scale`` / ``bias`` [G, out_m]."""
-
-    start: int
-    col: int
-    bt: Tensor
-    scale: Tensor | None = None
-    bias: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class LoraSite:
-    """A (layer, site) table prepared for ``NativeKernels.lora_delta`` (``lora_site``): its shapes and the ctypes
-    arguments pointing into ``tensors`` (A first), which it keeps alive."""
-
-    tensors: tuple[Tensor, ...]
-    groups: int  # G: the tables' leading axis
-    width: int  # R: the site's ranks summed
-    in_features: int
-    cols: int  # the output columns the modules reach
-    dtype: torch.dtype
-    strides: tuple[int, ...]  # A's, in elements
-    args: tuple[Any, Any, Any, Any]  # the modules' (start, rank, col, out_m), Bt, scale and bias pointers
-
-
-_LORA_DTYPES = (torch.float32, torch.bfloat16)
-_I64 = torch.int64
 
 
 def _raise(rc: int, what: str) -> None:

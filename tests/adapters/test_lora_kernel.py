@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from service.kernels import native
-from service.kernels.native import LoraSegment, LoraSite, NativeKernels
+from service.kernels.lora import LoraSegment, LoraSite, lora_site
+from service.kernels.native import NativeKernels
 
 pytestmark = pytest.mark.numerics
 
@@ -59,7 +60,7 @@ class Tables:
         """``layout`` "rows": A's rows contiguous, as the tables store them; "strided": the same values stored
         [G, in, R] and passed as a transposed view (the kernel gathers each row)."""
         a = self.a if layout == "rows" else self.a.transpose(1, 2).contiguous().transpose(1, 2)
-        return k.lora_site(a, self.segments())
+        return lora_site(a, self.segments())
 
     def reference(self, out: Tensor, x: Tensor, group: list[int]) -> Tensor:
         """float64 ``out`` with every grouped row's delta applied."""
@@ -173,4 +174,4 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="lora_delta"):
         k.lora_delta(site, out[..., :100], x, torch.tensor([0, 1]))  # narrower than the modules' columns
     with pytest.raises(ValueError, match="lora_site"):
-        k.lora_site(tables.a, [LoraSegment(0, 0, tables.bt[0].bfloat16())])
+        lora_site(tables.a, [LoraSegment(0, 0, tables.bt[0].bfloat16())])

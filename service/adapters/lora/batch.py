@@ -61,7 +61,7 @@ from torch import Tensor
 from service.adapters.lora.layouts import SITES, ModuleSpec, SharedTable, SlotTable, module_layout
 from service.adapters.lora.tables import LoraTables
 from service.adapters.lora.types import LoraLayer
-from service.kernels.native import LoraSegment
+from service.kernels.lora import LoraSegment, lora_site
 from service.model.hooks import HeadPart, NormName, NormWith, ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
@@ -178,7 +178,7 @@ class AdapterBatch:
         native, rows = self.tables.native, self._kernel_rows
         if native is not None and rows is not None and out.is_contiguous() and x.dtype == out.dtype:
             if table.kernel is None:
-                table.kernel = native.lora_site(*self._kernel_table(table))
+                table.kernel = lora_site(*self._kernel_table(table))
             native.lora_delta(table.kernel, out[lo:hi], x[lo:hi].contiguous(), rows)
         elif isinstance(table, SharedTable):
             self._add_shared(out[lo:hi], x[lo:hi], table)

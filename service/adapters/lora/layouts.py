@@ -12,7 +12,7 @@ from typing import Final
 from torch import Tensor
 
 from service.adapters.lora.types import MODULES, LoraLayer
-from service.kernels.native import LoraSite
+from service.kernels.lora import LoraSite
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
 
