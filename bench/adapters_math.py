@@ -11,7 +11,9 @@ variant alike) and throughput relative to the base-only step (1.00 = LoRA costs 
 CPU time unless ``--wall``: on a shared machine it is much steadier, and with one thread (``--threads 1``) it is the
 step's cost.
 
-``auto N=..`` is ``AdapterBatch`` as the engine uses it. ``--compare`` also forces each of its two layouts at
+``auto N=..`` is ``AdapterBatch`` on eager torch; ``--kernel`` adds each AdapterBatch variant on the compiled LoRA
+kernel (``kernel auto N=..``: ``NativeKernels.lora_delta``, one call per (layer, site), as the engine uses it on a
+CPU with the library loaded). ``--compare`` also forces each of its two layouts at
 every N (``slots``: per-slot tables + bmm; ``shared``: per adapter, its rows gathered, its stacked A and its B
 applied, scattered back: no row meets another adapter's weights), and times at the largest N the other
 alternatives weighed:
@@ -193,17 +195,21 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
     variants: dict[str, Callable[[], None]] = {"base": make_step(lambda: None)}
     tables_of: dict[str, LoraTables] = {}
     modes: tuple[Mode, ...] = ("auto", "slots", "shared") if args.compare else ("auto",)
+    paths = {"": None, "kernel ": model.lora_native} if args.kernel and model.lora_native is not None else {"": None}
     for n in args.adapters:
         row_ids = [names[i % n] for i in range(rows)]
         if args.row_order == "grouped":
             row_ids.sort()  # the order AdapterBatch groups them in: no row moves
         for mode in modes:
-            tables = LoraTables(cfg, device="cpu", dtype=dtype)
-            name = f"{mode} N={n}"
-            tables_of[name] = tables
-            variants[name] = make_step(
-                lambda row_ids=row_ids, tables=tables, mode=mode: AdapterBatch.build(row_ids, lookup, tables, mode=mode)
-            )
+            for prefix, kern in paths.items():
+                tables = LoraTables(cfg, device="cpu", dtype=dtype, native=kern)
+                name = f"{prefix}{mode} N={n}"
+                tables_of[name] = tables
+                variants[name] = make_step(
+                    lambda row_ids=row_ids, tables=tables, mode=mode: AdapterBatch.build(
+                        row_ids, lookup, tables, mode=mode
+                    )
+                )
     if args.compare:
         n = max(args.adapters)
         row_adapter = [i % n for i in range(rows)]
@@ -238,7 +244,7 @@ def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
             layout = "shared" if tables.layouts() == {} else "slots"
             extra = f"  [{layout}] tables {tables.nbytes / 2**20:.1f} MiB"
         print(
-            f"{name:>14}: best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
+            f"{name:>21}: best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
             f"throughput vs base: best {base_best / best:.3f}  median {base_med / med:.3f}{extra}",
             flush=True,
         )
@@ -270,6 +276,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compare", action="store_true", help="also time the alternative layouts at the largest N")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--kernel",
+        action="store_true",
+        help="also run each variant of AdapterBatch on the compiled LoRA kernel (named 'kernel ...'), side by side",
+    )
     parser.add_argument(
         "--row-order",
         choices=["interleaved", "grouped"],

@@ -74,9 +74,9 @@ _MODEL_FLAGS = (
     _Flag("--dense-copies-mb", "with --quantize or --gguf: keep dense copies of the compact weights, up to this many "
           "MiB (-1 = all, default 0 = none), and use them for large batches: the 4-bit kernel's speed at small "
           "batches, dense speed at large ones, for the memory of both", type=int, metavar="MIB"),
-    _Flag("--kernels", "auto (default): loraplex's compiled CPU kernels for 4-bit / Q8_0 weights, built for this "
-          "CPU at first start (cached), torch's eager kernels with a warning where no compiler is; native: refuse to "
-          "start without them; eager: never", choices=KERNELS),
+    _Flag("--kernels", "auto (default): loraplex's compiled CPU kernels for 4-bit / Q8_0 weights, the float32 step "
+          "ops and the batched LoRA math, built for this CPU at first start (cached), torch's eager kernels with a "
+          "warning where no compiler is; native: refuse to start without them; eager: never", choices=KERNELS),
     _Flag("--kernel-cache", "folder for the compiled kernels (default $XDG_CACHE_HOME/loraplex/kernels)", type=Path,
           metavar="DIR"),
     _Flag("--host", "gRPC bind address (default 127.0.0.1)"),

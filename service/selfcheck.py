@@ -9,7 +9,9 @@ the server says SERVING, ``run_self_check`` runs, for the loaded model in its se
   against its dequantized form, and a kept dense copy against both;
 - the output head (dense, or a GGUF Q8_0 table with its int4 pair, chunked and dense-copy paths) and a compact
   embedding's gather, on a sample of vocabulary rows;
-- the batched LoRA math, per-slot and shared, on random adapters (a base-only row must stay bit-identical);
+- the batched LoRA math, per-slot and shared, on random adapters (a base-only row must stay bit-identical), eager
+  and on the compiled kernel when the model has one (``Llama.lora_native``): a wrong kernel sends the adapter
+  tables back to the eager math;
 - attention (``scaled_dot_product_attention`` with the model's mask shapes), decode and prefill;
 - the fused step ops (float32, bfloat16) when the compiled kernels run them (residual + RMSNorm, SiLU·mul, RoPE
   with the K/V write, decode attention): a wrong one sends the model back to the eager ops;
@@ -227,22 +229,35 @@ class _Checker:
         }
         x_of = {site: self.randn(3, 2, in_features(layout, site)) for site in PROJ_NAMES}
         modes: tuple[Mode, ...] = ("slots", "shared")
+        native = self.model.lora_native
+        kernel_checks: list[PathCheck] = []
         for mode in modes:
-            tables = LoraTables(cfg, device=self.device, dtype=self.dtype)
-            batch = AdapterBatch.build(["a", None, "b"], lambda a, _layer: adapters[str(a)], tables, mode=mode)
-            if batch is None:
-                raise RuntimeError("an adapter batch with adapters was built as None")
-            for site in PROJ_NAMES:
-                x = x_of[site]
-                base = self.randn(3, 2, out_features(layout, site))
-                out = batch.add_delta(base.clone(), x, 0, site)
-                ref = base.float().clone()
-                for row, aid in ((0, "a"), (2, "b")):
-                    ref[row] += reference_delta(adapters[aid], layout, site, x[row].float())
-                path = f"LoRA {mode} {site}"
-                self.record(path, f"batched LoRA ({mode}) in {_name(tables.compute_dtype)}", out, ref)
-                if not torch.equal(out[1], base[1]):
-                    self.checks.append(PathCheck(f"{path}: base row untouched", "", math.inf, 0.0, "failed"))
+            for kernel in (None, native) if native is not None else (None,):
+                tables = LoraTables(cfg, device=self.device, dtype=self.dtype, native=kernel)
+                batch = AdapterBatch.build(["a", None, "b"], lambda a, _layer: adapters[str(a)], tables, mode=mode)
+                if batch is None:
+                    raise RuntimeError("an adapter batch with adapters was built as None")
+                how = f"batched LoRA ({mode}) in {_name(tables.compute_dtype)}"
+                prefix, how = ("LoRA", how) if kernel is None else ("LoRA kernel", f"{kernel.name} {how}")
+                for site in PROJ_NAMES:
+                    x = x_of[site]
+                    base = self.randn(3, 2, out_features(layout, site))
+                    out = batch.add_delta(base.clone(), x, 0, site)
+                    ref = base.float().clone()
+                    for row, aid in ((0, "a"), (2, "b")):
+                        ref[row] += reference_delta(adapters[aid], layout, site, x[row].float())
+                    path = f"{prefix} {mode} {site}"
+                    checks = [self.record(path, how, out, ref)]
+                    if not torch.equal(out[1], base[1]):
+                        checks.append(PathCheck(f"{path}: base row untouched", how, math.inf, 0.0, "failed"))
+                        self.checks.append(checks[-1])
+                    if kernel is not None:
+                        kernel_checks += checks
+        if any(not c.ok for c in kernel_checks):  # the eager math (checked above) serves instead
+            self.model.lora_native = None
+            for c in kernel_checks:
+                if not c.ok:
+                    self.fallback(c, "the eager batched LoRA (torch)")
         self._fail_any("LoRA")
 
     def attention(self) -> None:

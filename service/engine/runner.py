@@ -53,7 +53,11 @@ class Runner:
         mixes = 2 * settings.max_batch_size
         self.mixer = None if layer_lookup is None else Mixer(layer_lookup, capacity=mixes)
         # LoRA weights laid out for the batched math, kept across steps (rows stay in their slots).
-        self.tables = LoraTables(model.cfg, device=self.device, dtype=param.dtype) if layer_lookup is not None else None
+        self.tables = (
+            LoraTables(model.cfg, device=self.device, dtype=param.dtype, native=model.lora_native)
+            if layer_lookup is not None
+            else None
+        )
         self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.masks = masks  # token masks of constrained rows (None: this runner serves no constraints)
 

@@ -4,6 +4,10 @@
     kernels() -> NativeKernels | None           the loaded library, or None: eager torch paths (see ``status``)
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
+``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``), the fused float32 /
+bfloat16 step ops (``step.cpp``) and the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``:
+``lora_delta`` runs a table prepared once by ``service.kernels.lora.lora_site`` over a step's rows).
+
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
 anything else (older x86, aarch64, POWER) -> ``generic``, plain C++ built without instruction-set flags. Never
@@ -40,6 +44,7 @@ import torch
 from torch import Tensor
 
 from service.errors import FailedPrecondition
+from service.kernels.lora import LORA_DTYPES, LoraSite
 from service.platform import cpu_capability, cpu_flags
 
 __all__ = [
@@ -59,9 +64,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 3  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 4  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
-SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp"))
+SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp"))
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -110,7 +115,8 @@ class NativeKernels:
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P, _I]
-        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention):
+        lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
+        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta):
             fn.restype = ctypes.c_int
         self._lib = lib
 
@@ -206,10 +212,35 @@ class NativeKernels:
             _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
         return out
 
+    # --- the batched LoRA math of one (layer, site) (src/lora.cpp) ------------------------------------------
+
+    def lora_delta(self, site: LoraSite, out: Tensor, x: Tensor, group: Tensor) -> None:
+        """Add each row's LoRA delta to ``out`` [B, T, N] in place: row b's group ``g = group[b]`` (int64 [B]; -1:
+        the row is left alone) gives ``h = x[b] @ a[g]^T`` over x [B, T, in] and, per module,
+        ``out[b, :, col:col + out_m] += h[:, start:start + r] @ bt[g] (+ bias[g])``, or with a scale
+        ``= scale[g] * (out + delta)``. x and out: float32 or bfloat16, one dtype, contiguous CPU tensors."""
+        b, t, k = x.shape
+        if x.dtype not in LORA_DTYPES or out.dtype != x.dtype or k != site.in_features:
+            raise ValueError(f"lora_delta: x {x.dtype} {tuple(x.shape)}, out {out.dtype} for tables of {k} inputs")
+        fits = out.shape[:2] == x.shape[:2] and out.shape[2] >= site.cols and group.shape == (b,)
+        if not fits or group.dtype != torch.int64:
+            raise ValueError(f"lora_delta: x {tuple(x.shape)}, out {tuple(out.shape)}, group {group.dtype} "
+                             f"{tuple(group.shape)}")  # fmt: skip
+        if not (x.is_contiguous() and out.is_contiguous() and group.is_contiguous()) or x.device.type != "cpu":
+            raise ValueError("lora_delta takes contiguous CPU x, out and group")
+        seg, bts, scales, biases = site.args
+        rc = self._lib.lp_lora_delta(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], b, t, k, group.data_ptr(), site.groups, site.tensors[0].data_ptr(),
+            _DTYPE_CODES[site.dtype], *site.strides, site.width, len(bts), seg, bts, scales, biases, out.data_ptr(),
+            out.shape[2],
+        )  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_lora_delta refused x {tuple(x.shape)}, out {tuple(out.shape)} for groups {group.tolist()}")
+
 
 def _raise(rc: int, what: str) -> None:
     if rc == -2:
-        raise MemoryError(f"{what}: no memory for its float32 copy of x")
+        raise MemoryError(f"{what}: no memory for its float32 scratch")
     raise ValueError(what)
 
 

@@ -36,7 +36,7 @@ from service.model.config import ModelConfig
 from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, ProjName
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
-from service.model.step import Step, make_step, native_step_ops
+from service.model.step import Step, make_step, native_ops
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.platform import draft_dtype
 
@@ -238,7 +238,9 @@ class Llama(nn.Module):
         self._cos = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)  # [P, D], grown on demand
         self._sin = self._cos
         self._draft_head: Tensor | None = None  # see draft_head()
-        self.native = native_step_ops(dtype, self.device)  # fused CPU step ops (service.model.step) or None
+        # The compiled kernels (service.model.step) or None, held twice: the self-check drops each use on its own.
+        self.native = native_ops(dtype, self.device)  # the fused step ops
+        self.lora_native = self.native  # the LoRA tables' kernel (LoraTables)
 
     def _rope_for(self, length: int) -> None:
         if self._cos.shape[0] < length:

@@ -5,6 +5,8 @@ A float32 or bfloat16 model on the CPU runs its small per-layer ops on loraplex'
 pass (one token per row, no draft tree) RoPE, the K/V cache write and attention in one call per layer. Everything
 else, and every other dtype or device, is the eager path; both agree within rounding (``tests/model``), and the
 start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
+The same kernels run the batched LoRA math of the model's adapter tables (``Llama.lora_native``,
+``service.adapters.lora.batch``); ``native_ops`` chooses them for both.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from service.model.hooks import AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.weights.protocol import Scratch
 
-__all__ = ["Step", "make_step", "native_step_ops", "visible"]
+__all__ = ["Step", "make_step", "native_ops", "visible"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,9 @@ class Step:
     pos: Tensor | None = None  # [B] int64: each row's one position, with ``native``
 
 
-def native_step_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
-    """The compiled step ops for a model of ``dtype`` on ``device``: float32 or bfloat16 on the CPU; None: eager (on
-    CUDA torch's own GPU kernels)."""
+def native_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
+    """The compiled kernels a model of ``dtype`` on ``device`` runs its step ops and its LoRA tables on: float32 or
+    bfloat16 on the CPU; None: eager (on CUDA torch's own GPU kernels)."""
     return kernels() if dtype in STEP_DTYPES and device.type == "cpu" else None
 
 

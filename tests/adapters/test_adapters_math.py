@@ -26,6 +26,7 @@ from support.tiny_models import load_ours
 from service.adapters.lora.batch import SITES, AdapterBatch, LoraTables, Mode
 from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import InvalidAdapter
+from service.kernels import native
 from service.model import KVCache, Llama
 
 pytestmark = pytest.mark.numerics
@@ -55,7 +56,7 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module", params=["dense", "int4"])
-def setup(
+def base_setup(
     request: pytest.FixtureRequest, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """Every test runs on a dense base and on an int4 base (the QLoRA serving case), whose peft reference is built
@@ -72,6 +73,17 @@ def setup(
         "layers": {name: peft_lora_layers(folder) for name, folder in folders.items()},
         "folders": folders,
     }
+
+
+@pytest.fixture(params=["kernel", "eager"])
+def setup(request: pytest.FixtureRequest, base_setup: dict[str, Any]) -> dict[str, Any]:
+    """``base_setup`` with the model's batched LoRA math on the compiled kernel (``Llama.lora_native``; skipped
+    where the library is not built) or on eager torch: every test proves both."""
+    kern = native.kernels() if request.param == "kernel" else None
+    if request.param == "kernel" and kern is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
+    base_setup["model"].lora_native = kern
+    return base_setup
 
 
 def peft_logits(peft_model: Any, adapter: str | None, tokens: torch.Tensor) -> torch.Tensor:
@@ -96,7 +108,7 @@ def run_ours(
 ) -> torch.Tensor:
     """Prefill ``tokens`` [B, T] as one batch with per-row adapters; fp32 logits [B, T, vocab]."""
     b, t = tokens.shape
-    tables = tables or LoraTables(model.cfg, device="cpu", dtype=model.dtype)
+    tables = tables or LoraTables(model.cfg, device="cpu", dtype=model.dtype, native=model.lora_native)
     batch = AdapterBatch.build(row_adapters, lookup_for(layers), tables, slot_start=slot_start, mode=mode)
     assert batch is None or batch.shared == (mode == "shared") or mode == "auto"
     cache = KVCache(model.cfg, slot_start + b, t, dtype=model.dtype, device=model.device)
@@ -112,7 +124,7 @@ def table_walker(setup: dict[str, Any], rows: int, seed: int, counter: str, mode
     with one LoraTables kept across steps, checks it against fresh per-slot tables (exactly in ``slots`` mode, to
     float tolerance otherwise) and returns how much ``tables.stats.<counter>`` grew."""
     model, layers = setup["model"], setup["layers"]
-    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    tables = LoraTables(model.cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     tokens = torch.randint(3, model.cfg.vocab_size, (rows, 4), generator=torch.Generator().manual_seed(seed))
     tol = {"rtol": 0.0, "atol": 0.0} if mode == "slots" else {"rtol": 1e-5, "atol": 1e-4}
 
@@ -163,7 +175,7 @@ def test_greedy_decode_matches_peft(setup: dict[str, Any], mode: Mode) -> None:
     prompts = torch.randint(
         3, model.cfg.vocab_size, (len(rows), prompt_len), generator=torch.Generator().manual_seed(2)
     )
-    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     lookup = lookup_for(layers)
     cache = KVCache(model.cfg, len(rows), prompt_len + new, dtype=torch.float32, device=CPU)
     positions = torch.arange(prompt_len)[None].expand(len(rows), prompt_len)
@@ -214,10 +226,10 @@ def test_delta_columns_and_none(setup: dict[str, Any], mode: Mode) -> None:
     """``delta`` returns zeros in the columns of untargeted modules, None for sites no row's adapter touches."""
     model, layers = setup["model"], setup["layers"]
     cfg = model.cfg
-    slots = LoraTables(cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     batch = AdapterBatch.build([None, "qv"], lookup_for(layers), slots, mode=mode)
     assert batch is not None
-    x = torch.randn(2, 3, cfg.hidden_size)
+    x = torch.randn(2, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
     d = batch.delta(0, "wqkv", x)
     assert d is not None and d.shape == (2, 3, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
     parts = {p.hf_name: (p.start, p.stop) for p in cfg.fused_rows()["wqkv"]}
@@ -246,7 +258,7 @@ def test_trained_biases_ride_with_their_rows_only(setup: dict[str, Any], mode: M
         return LoraLayer(modules=mods, nbytes=layer.nbytes)
 
     with_bias = {**layers, "qv_b": {i: biased(layer) for i, layer in layers["qv"].items()}}
-    tables = LoraTables(cfg, device="cpu", dtype=torch.float32)
+    tables = LoraTables(cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     batch = AdapterBatch.build([None, "qv_b", "qv", "qv_b"], lookup_for(with_bias), tables, mode=mode)
     assert batch is not None and batch.shared == (mode == "shared")
     x = torch.randn(4, 3, cfg.hidden_size, generator=gen)
@@ -288,7 +300,7 @@ def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str
 
 def test_shared_row_moves(setup: dict[str, Any]) -> None:
     """Rows already grouped move nowhere; others are gathered into equal groups padded with the group's own rows."""
-    tables = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32)
+    tables = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32, native=setup["model"].lora_native)
     lookup = lookup_for(setup["layers"])
 
     def moves(rows: list[str | None]) -> dict[str, list[int] | None]:
@@ -304,7 +316,7 @@ def test_shared_row_moves(setup: dict[str, Any]) -> None:
 
 
 def test_no_adapter_rows_build_nothing(setup: dict[str, Any]) -> None:
-    slots = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32, native=setup["model"].lora_native)
     assert AdapterBatch.build([None, None, None], lookup_for(setup["layers"]), slots) is None
     assert slots.nbytes == 0
 
@@ -313,7 +325,7 @@ def test_rows_per_item(setup: dict[str, Any]) -> None:
     """Item i spans rows_per_item[i] batch rows, all with the item's adapter (e.g. speculative verification)."""
     model, layers = setup["model"], setup["layers"]
     tokens = torch.randint(3, model.cfg.vocab_size, (5, 4), generator=torch.Generator().manual_seed(4))
-    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     items: list[str | None] = ["all_rs", None, "regex"]
     batch = AdapterBatch.build(items, lookup_for(layers), slots, rows_per_item=[2, 1, 2])
     cache = KVCache(model.cfg, 5, 4, dtype=torch.float32, device=CPU)
@@ -325,13 +337,14 @@ def test_rows_per_item(setup: dict[str, Any]) -> None:
 
 
 def test_bf16_model_close_to_fp32(setup: dict[str, Any], tiny_llama_dir: Path) -> None:
-    """A bf16 model (tables kept in fp32 on CPU) stays near the fp32 result; the adapter's effect survives."""
+    """A bf16 model (tables in fp32 on the eager CPU path, bf16 on the kernel's) stays near the fp32 result; the
+    adapter's effect survives."""
     model, layers = setup["model"], setup["layers"]
     model16 = load_ours(tiny_llama_dir, dtype=torch.bfloat16, quantize=setup["quantize"])
     layers16 = {name: peft_lora_layers(folder, dtype=torch.bfloat16) for name, folder in setup["folders"].items()}
     tokens = torch.randint(3, model.cfg.vocab_size, (len(ROWS), 6), generator=torch.Generator().manual_seed(5))
-    slots = LoraTables(model16.cfg, device="cpu", dtype=torch.bfloat16)
-    assert slots.compute_dtype == torch.float32
+    slots = LoraTables(model16.cfg, device="cpu", dtype=torch.bfloat16, native=model.lora_native)
+    assert slots.compute_dtype == (torch.float32 if model.lora_native is None else torch.bfloat16)
     got = run_ours(model16, tokens, ROWS, layers16, slots)
     want = run_ours(model, tokens, ROWS, layers)
     scale = want.abs().max()
@@ -341,7 +354,7 @@ def test_bf16_model_close_to_fp32(setup: dict[str, Any], tiny_llama_dir: Path) -
 def test_misshaped_module_is_refused_by_name(setup: dict[str, Any]) -> None:
     model = setup["model"]
     bad = LoraLayer({"v_proj": LoraModule(a=torch.zeros(4, model.cfg.hidden_size), b=torch.zeros(7, 4))}, 0)
-    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32)
+    slots = LoraTables(model.cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     batch = AdapterBatch.build(["bad"], lambda _a, _l: bad, slots)
     assert batch is not None
     with pytest.raises(InvalidAdapter, match="v_proj"):
@@ -368,7 +381,7 @@ def test_demo_adapters_on_smollm2_match_peft(smollm2_dir: Path) -> None:
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is a forest?"}])
     rows: list[str | None] = ["caps", "terse", None]
     n, new = len(prompt), 16
-    tables = LoraTables(cfg, device="cpu", dtype=torch.float32)
+    tables = LoraTables(cfg, device="cpu", dtype=torch.float32, native=model.lora_native)
     batch = AdapterBatch.build(rows, lookup_for(layers), tables)
     cache = KVCache(cfg, len(rows), n + new, dtype=torch.float32, device=CPU)
     tokens = torch.tensor([prompt] * len(rows))

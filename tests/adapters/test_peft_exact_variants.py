@@ -6,8 +6,8 @@ modules_to_save (the norms; embed_tokens and lm_head) and trained LoRA biases: e
 built the way the server builds it, must give peft's greedy tokens, peft's first-step logits and peft's
 log-probability at every step (fp32, the tolerance of ``test_adapters_math``). The references are peft's own
 forward (``support.peft_variants``); each differs from the base model, so no case can pass by serving the base.
-The dense folder base carries every case; an int4 and a GGUF (Q4_1) base carry a few, against peft over the
-weights they serve, dequantized.
+The dense folder base carries every case, served with the batched LoRA math on the compiled kernel and on eager
+torch; an int4 and a GGUF (Q4_1) base carry a few, against peft over the weights they serve, dequantized.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from support.peft_variants import (
     write_served_llama,
     write_variants,
 )
+
+from service.kernels import native
 
 pytestmark = pytest.mark.numerics
 
@@ -132,9 +134,16 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory, untied_dir: Path) -> 
     return root
 
 
-@pytest.fixture(scope="module")
-def untied(untied_dir: Path, adapter_root: Path) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["kernel", "eager"])
+def untied(request: pytest.FixtureRequest, untied_dir: Path, adapter_root: Path) -> Iterator[Served]:
+    """The untied base served with the batched LoRA math on the compiled kernel (where the library builds) and on
+    eager torch (its tables as a self-check fallback leaves them, before any row); the other bases serve on the
+    default."""
     served = serve(untied_dir, adapter_root)
+    tables = served.engine.runner.tables
+    assert tables is not None and (tables.native is None) == (native.kernels() is None)
+    if request.param == "eager":
+        tables.native = None
     yield served
     served.close()
 

@@ -1,8 +1,9 @@
 """A broken adapter fails itself, never its neighbours: row isolation in the LoRA math and the KV cache is
 structural, and a row whose logits become non-finite ends alone with an error naming its adapter.
 
-The math is checked with NaN weights handed straight to ``AdapterBatch`` (both layouts); the engine with a real
-adapter file whose weights are finite (so they pass the store's checks) but overflow to inf at run time."""
+The math is checked with NaN weights handed straight to ``AdapterBatch`` (both layouts, eager and on the compiled
+kernel); the engine with a real adapter file whose weights are finite (so they pass the store's checks) but
+overflow to inf at run time."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from service.engine.engine import Engine
 from service.engine.request import FinishReason, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
 from service.errors import FailedPrecondition
+from service.kernels import native
 from service.model.kv_cache import KV_LIMIT, KVCache, finite_kv
 from service.model.load_folder import load_model
 from service.tokenizer import Tokenizer
@@ -58,9 +60,13 @@ def tiny(tiny_llama_dir: Path) -> Any:
     return load_model(tiny_llama_dir, dtype=torch.float32, device=CPU)[0]
 
 
+@pytest.mark.parametrize("path", ["kernel", "eager"])
 @pytest.mark.parametrize("mode", ["shared", "slots"])
 @pytest.mark.parametrize(("fill", "where"), [(math.nan, "b"), (math.inf, "b"), (math.nan, "a")])
-def test_a_nan_adapter_row_never_reaches_other_rows(tiny: Any, mode: str, fill: float, where: str) -> None:
+def test_a_nan_adapter_row_never_reaches_other_rows(tiny: Any, mode: str, fill: float, where: str, path: str) -> None:
+    kern = native.kernels() if path == "kernel" else None  # the batched math on the compiled kernel, or eager
+    if path == "kernel" and kern is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
     cfg = tiny.cfg
     healthy = {"x": _layer(cfg, 1), "y": _layer(cfg, 2), "z": _layer(cfg, 3)}
     broken = {**healthy, "z": _layer(cfg, 3, fill=fill, where=where)}
@@ -69,7 +75,7 @@ def test_a_nan_adapter_row_never_reaches_other_rows(tiny: Any, mode: str, fill: 
     positions = torch.arange(5).expand(len(rows), 5)
 
     def run(layers: dict[str, LoraLayer]) -> torch.Tensor:
-        tables = LoraTables(cfg, device=CPU, dtype=torch.float32)
+        tables = LoraTables(cfg, device=CPU, dtype=torch.float32, native=kern)
         batch = AdapterBatch.build(rows, lambda a, _layer: layers[a], tables, mode=mode)  # type: ignore[arg-type]
         cache = KVCache(cfg, len(rows), 16, dtype=torch.float32, device=CPU)
         return tiny.logits(tiny(tokens, positions, cache, 0, batch))  # [B, T, V]
@@ -97,7 +103,7 @@ def test_a_poisoned_slot_does_not_change_its_next_occupant(tiny: Any) -> None:
     cache = KVCache(cfg, 2, 32, dtype=torch.float32, device=CPU)
     g = torch.Generator().manual_seed(1)
     poison = torch.randint(3, cfg.vocab_size, (1, 20), generator=g)
-    tables = LoraTables(cfg, device=CPU, dtype=torch.float32)
+    tables = LoraTables(cfg, device=CPU, dtype=torch.float32, native=tiny.lora_native)
     batch = AdapterBatch.build(["z"], lambda a, _l: nan[a], tables)
     assert not torch.isfinite(tiny(poison, torch.arange(20)[None], cache, 0, batch)).all()
     assert torch.isfinite(cache.data).all(), "the cache keeps no NaN/inf, whatever a row computed"

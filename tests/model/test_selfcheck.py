@@ -25,6 +25,7 @@ from support.servers import text_req, tiny_settings
 from support.tiny_models import load_ours
 
 from service import metrics
+from service.adapters.lora.batch import LoraTables
 from service.api.server import BackgroundServer
 from service.kernels import native
 from service.model import KVCache
@@ -52,6 +53,8 @@ def test_every_path_of_a_healthy_model_passes(tiny_llama_dir: Path, quantize: st
     assert {quantize or "dense", "output", "LoRA", "attention,", "Medusa"} <= kinds
     if dtype == torch.float32 and native.kernels() is not None:  # the fused step ops too
         assert "fused" in kinds
+    if native.kernels() is not None:  # the batched LoRA kernel beside the eager math, both layouts, every site
+        assert sum(c.path.startswith("LoRA kernel") for c in report.checks) == 8
     if quantize is not None:  # both of a quantized kind's paths, on a probe and on the model's own weights
         paths = {c.path.split(": ", 1)[-1] for c in report.checks if c.path.startswith(quantize)}
         assert {"kernel", "dequantized dense", "model weight, kernel vs dequantized"} <= paths
@@ -95,6 +98,24 @@ def test_a_wrong_native_kernel_falls_back_to_torchs_and_answers_right(
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     got, want = (_prefill_logits(m, ids) for m in (model, reference))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_wrong_lora_kernel_falls_back_to_the_eager_math(
+    tiny_llama_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA kernel that adds nothing fails its probes; the model's adapter tables then run the eager math."""
+    if native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.status()}")
+    model = load_ours(tiny_llama_dir, dtype=dtype)
+    assert model.lora_native is not None
+    monkeypatch.setattr(native.NativeKernels, "lora_delta", lambda self, *args: None)
+    report = run_self_check(model)
+    fallbacks = [c.path for c in report.checks if c.status.startswith("fallback")]
+    assert len(fallbacks) == 8 and all(p.startswith("LoRA kernel") for p in fallbacks), fallbacks
+    assert all(c.status == "ok" for c in report.checks if not c.path.startswith("LoRA kernel"))
+    assert model.lora_native is None
+    assert LoraTables(model.cfg, device="cpu", dtype=dtype, native=model.lora_native).native is None
 
 
 def test_wrong_fused_step_ops_fall_back_to_the_eager_ones_and_answer_right(

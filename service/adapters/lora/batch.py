@@ -7,7 +7,7 @@ the first to the last row with an adapter, are touched; a base-only row inside t
 one of two ways over the tables of ``service.adapters.lora.tables``, chosen per batch from the number ``N`` of
 distinct adapters among the ``b`` rows of the span:
 
-- **per-slot** (``2 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ at`` ``[b, T, R]`` and
+- **per-slot** (``2 * N > b``, e.g. 32 rows with 32 adapters): ``h = x @ a^T`` ``[b, T, R]`` and
   ``out[..., cols_m] += h[..., seg_m] @ bt[m]``: one bmm plus one bmm and one add per module, whatever the mix of
   ranks and target subsets. A request joining or leaving rewrites only its own slot.
 - **shared** (``N == 1`` or ``2 * N <= b``, several rows per adapter): the span's rows are gathered once per
@@ -17,6 +17,13 @@ distinct adapters among the ``b`` rows of the span:
   its rows (``index_select`` + add, or ``index_add_`` where base-only rows lie inside the span). Reads each
   adapter's weights once per step where per-slot reads one copy per row, with the same number of kernel calls
   whatever ``N``; the stacked tables are rebuilt only when the set of adapters changes.
+
+On the CPU with loraplex's compiled kernels loaded (``LoraTables.native``: ``Llama.lora_native``, which the
+start-up self-check drops if it computes wrong), each (layer, site) of either layout is instead one call of
+``NativeKernels.lora_delta`` over the span's rows in place: each row's table row (its group, or its slot; -1 for a
+base-only row, which the kernel never touches), every module's shrink and expand and the DoRA scale and bias in
+one pass, each adapter's weights read once per step, no gather or scatter (``service/kernels/src/lora.cpp``). Its
+sums run in one fixed order per row, so a row's result does not depend on its batch or the layout.
 
 Row isolation is structural in both: a row's input meets only its own adapter's weights (per-slot: its own table
 row in a ``bmm``; shared: its own group), so no value of one row (a NaN, an inf) can reach another row's output;
@@ -54,6 +61,7 @@ from torch import Tensor
 from service.adapters.lora.layouts import SITES, ModuleSpec, SharedTable, SlotTable, module_layout
 from service.adapters.lora.tables import LoraTables
 from service.adapters.lora.types import LoraLayer
+from service.kernels.lora import LoraSegment, lora_site
 from service.model.hooks import HeadPart, NormName, NormWith, ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
@@ -95,6 +103,13 @@ class AdapterBatch:
         self._row_group: Tensor | None = None  # per span row with an adapter, its group (shared DoRA scales)
         if self.shared:
             self._plan_groups(span_ids, tables.device)
+        # The compiled kernel's row -> table row (shared: the group, per-slot: the slot; -1: no adapter), or None.
+        self._kernel_rows: Tensor | None = None
+        if tables.native is not None:
+            first = slot_start + lo
+            group = {a: gi for gi, a in enumerate(self._distinct)}
+            table_rows = [-1 if a is None else group[a] if self.shared else first + i for i, a in enumerate(span_ids)]
+            self._kernel_rows = torch.tensor(table_rows, dtype=torch.int64)
         self._synced = [False] * tables.num_layers
         self._shared_of: list[dict[str, SharedTable]] = [{} for _ in range(tables.num_layers)]
         self._saved_of: list[dict[Hashable, Mapping[str, Tensor]]] = [{} for _ in range(tables.num_layers)]
@@ -156,21 +171,40 @@ class AdapterBatch:
         if x.shape[0] != self.rows:
             raise ValueError(f"batch has {x.shape[0]} rows, the adapter batch was built for {self.rows}")
         lo, hi = self.span
-        if self.shared:
-            shared = self._shared_of[layer].get(name)
-            if shared is not None:
-                self._add_shared(out[lo:hi], x[lo:hi], shared)
+        tables = self._shared_of[layer] if self.shared else self.tables.slot_tables[layer]
+        table: SharedTable | SlotTable | None = tables.get(name)
+        if table is None:
             return out
-        table = self.tables.slot_tables[layer].get(name)
-        if table is not None:
+        native, rows = self.tables.native, self._kernel_rows
+        if native is not None and rows is not None and out.is_contiguous() and x.dtype == out.dtype:
+            if table.kernel is None:
+                table.kernel = lora_site(*self._kernel_table(table))
+            native.lora_delta(table.kernel, out[lo:hi], x[lo:hi].contiguous(), rows)
+        elif isinstance(table, SharedTable):
+            self._add_shared(out[lo:hi], x[lo:hi], table)
+        else:
             self._add_slots(out[lo:hi], x[lo:hi], table)
         return out
+
+    def _kernel_table(self, table: SharedTable | SlotTable) -> tuple[Tensor, list[LoraSegment]]:
+        """A table as the compiled kernel reads it: A [G, R, in] and one segment per module."""
+
+        def col(module: str) -> int:
+            return self.tables.modules[module].cols[0]
+
+        if isinstance(table, SharedTable):
+            return table.a, [LoraSegment(s.start, col(s.module), s.bt, s.scale, s.bias) for s in table.segs]
+        segs = [
+            LoraSegment(table.offsets[m], col(m), table.bt[m], table.scale.get(m), table.bias.get(m))
+            for m in table.ranks
+        ]
+        return table.a, segs
 
     def _add_slots(self, out: Tensor, x: Tensor, table: SlotTable) -> None:
         # x [b, T, in], out [b, T, out_fused]: views of the span's rows
         first = self.slot_start + self.span[0]
         slots = slice(first, first + x.shape[0])
-        h = torch.bmm(x.to(self.tables.compute_dtype), table.at[slots])  # [b, T, R]
+        h = torch.bmm(x.to(self.tables.compute_dtype), table.a[slots].transpose(1, 2))  # [b, T, R]
         for module, width in table.ranks.items():
             off = table.offsets[module]
             c0, c1 = self.tables.modules[module].cols

@@ -12,6 +12,7 @@ from typing import Final
 from torch import Tensor
 
 from service.adapters.lora.types import MODULES, LoraLayer
+from service.kernels.lora import LoraSite
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
 
@@ -69,16 +70,17 @@ class Need:
 
 @dataclass
 class SlotTable:
-    """Per-slot (layer, site) table: ``at`` [S, in, R] and per module ``bt`` [S, r_m, out_m], R = sum of r_m; per
-    module that needs one, ``scale`` [S, out_m] (ones in rows without DoRA) and ``bias`` [S, out_m] (zeros in rows
-    without a trained bias)."""
+    """Per-slot (layer, site) table: ``a`` [S, R, in] (a view of [S, in, R] storage on the eager path) and per
+    module ``bt`` [S, r_m, out_m], R = sum of r_m; per module that needs one, ``scale`` [S, out_m] (ones in rows
+    without DoRA) and ``bias`` [S, out_m] (zeros in rows without a trained bias)."""
 
     ranks: dict[str, int]  # module -> padded rank r_m, in fused column order
-    offsets: dict[str, int]  # module -> first column of its segment in ``at``'s last dimension
-    at: Tensor
+    offsets: dict[str, int]  # module -> first row of its segment along ``a``'s rank axis
+    a: Tensor
     bt: dict[str, Tensor]
     scale: dict[str, Tensor] = field(default_factory=dict)
     bias: dict[str, Tensor] = field(default_factory=dict)
+    kernel: LoraSite | None = None  # prepared for the compiled kernel on first use; reset when a tensor is replaced
 
     @property
     def width(self) -> int:
@@ -89,7 +91,7 @@ class SlotTable:
         return Need(dict(self.ranks), frozenset(self.scale), frozenset(self.bias))
 
     def tensors(self) -> list[Tensor]:
-        return [self.at, *self.bt.values(), *self.scale.values(), *self.bias.values()]
+        return [self.a, *self.bt.values(), *self.scale.values(), *self.bias.values()]
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +120,7 @@ class SharedTable:
 
     a: Tensor
     segs: list[Segment]
+    kernel: LoraSite | None = None  # prepared for the compiled kernel on first use
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,72 @@
+"""The batched LoRA kernel's tables as it reads them (``lp_lora_delta`` in ``src/lora.cpp``): one (layer, site)
+table prepared once (``lora_site``: shapes checked, the ctypes arguments built) and run every step by
+``NativeKernels.lora_delta``. Preparing needs no library; ``service.adapters.lora.batch`` keeps each table's
+``LoraSite`` until the table's tensors are replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["LORA_DTYPES", "LoraSegment", "LoraSite", "lora_site"]
+
+LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the tables, and of x and out
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """One module of a LoRA site: columns ``[start, start + r)`` of ``h``, output columns from ``col``, ``bt``
+    [G, r, out_m] (the scaled B^T), optional ``scale`` (DoRA, float32) / ``bias`` (the tables' dtype) [G, out_m]."""
+
+    start: int
+    col: int
+    bt: Tensor
+    scale: Tensor | None = None
+    bias: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LoraSite:
+    """A (layer, site) table prepared for ``NativeKernels.lora_delta``: its shapes and the ctypes arguments pointing
+    into ``tensors`` (A first), which it keeps alive."""
+
+    tensors: tuple[Tensor, ...]
+    groups: int  # G: the tables' leading axis
+    width: int  # R: the site's ranks summed
+    in_features: int
+    cols: int  # the output columns the modules reach
+    dtype: torch.dtype
+    strides: tuple[int, ...]  # A's, in elements
+    args: tuple[Any, Any, Any, Any]  # the modules' (start, rank, col, out_m), Bt, scale and bias pointers
+
+
+def lora_site(a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
+    """``a`` [G, R, in] (any strides: rows that are not contiguous float32 are gathered per call) and one
+    ``LoraSegment`` per module, float32 or bfloat16 CPU tables, as ``lora_delta`` reads them."""
+    g, width, k = a.shape
+    if a.dtype not in LORA_DTYPES or a.device.type != "cpu" or not segments:
+        raise ValueError(f"lora_site: tables {a.dtype} on {a.device} with {len(segments)} modules")
+    n = len(segments)
+    seg, bts = (ctypes.c_int64 * (4 * n))(), (ctypes.c_void_p * n)()
+    scales, biases = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+    for i, s in enumerate(segments):
+        r, out_m = s.bt.shape[1], s.bt.shape[2]
+        seg[4 * i : 4 * i + 4] = [s.start, r, s.col, out_m]
+        if s.bt.dtype != a.dtype or s.bt.shape[0] != g or not s.bt.is_contiguous() or s.start + r > width:
+            raise ValueError(f"lora_site: module {i}: bt {s.bt.dtype} {tuple(s.bt.shape)} for a {tuple(a.shape)}")
+        for extra, dtype in ((s.scale, torch.float32), (s.bias, a.dtype)):
+            wrong = extra is not None and (extra.dtype != dtype or extra.shape != (g, out_m))
+            if extra is not None and (wrong or not extra.is_contiguous()):
+                raise ValueError(f"lora_site: module {i}: scale / bias {extra.dtype} {tuple(extra.shape)}")
+        bts[i] = s.bt.data_ptr()
+        scales[i] = None if s.scale is None else s.scale.data_ptr()
+        biases[i] = None if s.bias is None else s.bias.data_ptr()
+    cols = max(s.col + s.bt.shape[2] for s in segments)
+    keep = (a, *(t for s in segments for t in (s.bt, s.scale, s.bias) if t is not None))
+    return LoraSite(keep, g, width, k, cols, a.dtype, a.stride(), (seg, bts, scales, biases))
