@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 ABI_VERSION = 4  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp"))
+HEADERS = (Path(__file__).with_name("src") / "dtypes.h",)  # included by the sources: part of the cache key
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -278,7 +279,7 @@ def _compiler() -> str | None:
 
 
 def _library_name(isa: str) -> str:
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)))
     h.update(" ".join(BASE_FLAGS + ISA_FLAGS[isa]).encode())
     return f"blocks-{isa}-{h.hexdigest()[:16]}.so"
 

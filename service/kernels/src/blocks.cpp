@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #endif
 
+#include "dtypes.h"
+
 #ifndef LP_ISA
 #define LP_ISA "generic"
 #endif
@@ -68,21 +70,6 @@ inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1);
-  return (uint16_t)(bits >> 16);
-}
-
 inline uint16_t f32_to_f16(float f) {  // round to nearest even (F. Giesen's float_to_half_fast3_rtne)
 #if defined(__F16C__)
   return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
@@ -114,7 +101,7 @@ inline uint16_t f32_to_f16(float f) {  // round to nearest even (F. Giesen's flo
 
 inline float load_scalar(const void* p, int64_t i, int dtype) {
   switch (dtype) {
-    case BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case BF16: return lp::widen(static_cast<const lp::bf16*>(p)[i]);
     case F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
@@ -122,7 +109,7 @@ inline float load_scalar(const void* p, int64_t i, int dtype) {
 
 inline void store_scalar(void* p, int64_t i, float v, int dtype) {
   switch (dtype) {
-    case BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    case BF16: static_cast<lp::bf16*>(p)[i] = lp::to_bf16(v); break;
     case F16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
     default: static_cast<float*>(p)[i] = v;
   }

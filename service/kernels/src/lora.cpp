@@ -27,32 +27,18 @@
 #include <cstring>
 #include <type_traits>
 
+#include "dtypes.h"
+
 namespace {
+
+using lp::store;
+using lp::widen;
 
 constexpr int kLanes = 16;
 constexpr int64_t kCols = 256;    // output columns of one expand work item
 constexpr int64_t kSub = 64;      // of which one pass over the rank accumulates
 constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
 
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t bits = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a quiet NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) { return bf16_to_f32(v); }
-inline void narrow(float v, float* to) { *to = v; }
-inline void narrow(float v, uint16_t* to) { *to = f32_to_bf16(v); }
 
 // The shrink's sums are in double (products of float32 values are exact there): h = x A^T is its float32 value
 // rounded once, however long the input, and the same on every instruction set.
@@ -274,9 +260,9 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
           for (int64_t c = 0; c < nc; ++c) acc[c] += widen(bias[c]);
         X* o = out + at(j) * out_cols + col + c0;
         if (sc == nullptr) {
-          for (int64_t c = 0; c < nc; ++c) narrow(widen(o[c]) + acc[c], o + c);
+          for (int64_t c = 0; c < nc; ++c) store(o, c, widen(o[c]) + acc[c]);
         } else {
-          for (int64_t c = 0; c < nc; ++c) narrow((widen(o[c]) + acc[c]) * sc[c], o + c);
+          for (int64_t c = 0; c < nc; ++c) store(o, c, (widen(o[c]) + acc[c]) * sc[c]);
         }
       }
     }

@@ -24,26 +24,16 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "dtypes.h"
+
 namespace {
 
+using lp::bf16;
+using lp::store;
+using lp::to_bf16;
+using lp::widen;
+
 enum Dtype : int { F32 = 0, BF16 = 1 };
-using bf16 = uint16_t;
-
-inline float widen(float v) { return v; }
-inline float widen(bf16 h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline bf16 to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1);
-  return (bf16)(bits >> 16);
-}
 
 // A value as the element type T holds it: float32 unchanged, bf16 rounded (still a float).
 template <typename T>
@@ -51,9 +41,6 @@ inline float held(float v) {
   if constexpr (sizeof(T) == sizeof(bf16)) return widen(to_bf16(v));
   return v;
 }
-
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(bf16* p, int64_t i, float v) { p[i] = to_bf16(v); }
 
 constexpr int kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;
