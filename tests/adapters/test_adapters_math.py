@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from support.adapter_files import load_peft_model, lookup_for, peft_lora_layers, write_peft_adapters
+from support.native import compiled_kernels
 from support.paths import ROOT
 from support.quant_reference import write_dequantized
 from support.tiny_models import load_ours
@@ -26,7 +27,6 @@ from support.tiny_models import load_ours
 from service.adapters.lora.batch import SITES, AdapterBatch, LoraTables, Mode
 from service.adapters.lora.types import LoraLayer, LoraModule
 from service.errors import InvalidAdapter
-from service.kernels import native
 from service.model import KVCache, Llama
 
 pytestmark = pytest.mark.numerics
@@ -78,11 +78,8 @@ def base_setup(
 @pytest.fixture(params=["kernel", "eager"])
 def setup(request: pytest.FixtureRequest, base_setup: dict[str, Any]) -> dict[str, Any]:
     """``base_setup`` with the model's batched LoRA math on the compiled kernel (``Llama.lora_native``; skipped
-    where the library is not built) or on eager torch: every test proves both."""
-    kern = native.kernels() if request.param == "kernel" else None
-    if request.param == "kernel" and kern is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
-    base_setup["model"].lora_native = kern
+    where no compiler is) or on eager torch: every test proves both."""
+    base_setup["model"].lora_native = compiled_kernels() if request.param == "kernel" else None
     return base_setup
 
 

@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from support.native import compiled_kernels
 from torch import Tensor
 
-from service.kernels import native
 from service.kernels.lora import LoraSegment, LoraSite, lora_site
 from service.kernels.native import NativeKernels
 
@@ -24,13 +24,6 @@ pytestmark = pytest.mark.numerics
 IN, RANKS, OUTS = 80, (8, 3, 16), (64, 40, 100)  # 80 inputs: five lanes of 16; 100 columns: a partial block
 COLS = sum(OUTS) + 6  # columns past the modules' stay untouched
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _kernels() -> NativeKernels:
-    k = native.kernels()
-    if k is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
-    return k
 
 
 class Tables:
@@ -95,7 +88,7 @@ def _run(k: NativeKernels, site: LoraSite, out: Tensor, x: Tensor, group: list[i
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("t", [1, 3])
 def test_kernel_matches_a_float64_reference(layout: str, tables_dtype: torch.dtype, dtype: torch.dtype, t: int) -> None:
-    k = _kernels()
+    k = compiled_kernels()
     tables = Tables(5, tables_dtype)  # group 3 has no row
     group = [2, -1, 0, 2, 4, -1, 1, 0, 2]  # rows without an adapter inside the span
     x, out = _inputs(len(group), t, dtype)
@@ -113,7 +106,7 @@ def test_kernel_matches_a_float64_reference(layout: str, tables_dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_row_and_no_row(dtype: torch.dtype) -> None:
-    k = _kernels()
+    k = compiled_kernels()
     tables = Tables(3, dtype)
     site = tables.site(k, "rows")
     x, out = _inputs(1, 1, dtype)
@@ -127,7 +120,7 @@ def test_one_row_and_no_row(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("layout", ["rows", "strided"])
 @pytest.mark.parametrize("where", ["a", "bt", "bias"])
 def test_a_nan_adapter_reaches_only_its_own_rows(layout: str, where: str) -> None:
-    k = _kernels()
+    k = compiled_kernels()
     healthy, broken = Tables(4, torch.float32), Tables(4, torch.float32)
     {"a": broken.a, "bt": broken.bt[0], "bias": broken.bias}[where][2].fill_(math.nan)
     group = [0, 2, -1, 1, 2, 3, 0]
@@ -145,7 +138,7 @@ def test_a_nan_adapter_reaches_only_its_own_rows(layout: str, where: str) -> Non
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_layout(dtype: torch.dtype) -> None:
     """Bit for bit: a row alone, among others (its own group's and other groups' rows, before and after it), and
     with A's rows gathered from strided storage."""
-    k = _kernels()
+    k = compiled_kernels()
     tables = Tables(5, dtype)
     rows, strided = tables.site(k, "rows"), tables.site(k, "strided")
     x, out = _inputs(8, 3, dtype)
@@ -163,7 +156,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_layout(dtype: torch.d
 
 
 def test_refusals() -> None:
-    k = _kernels()
+    k = compiled_kernels()
     tables = Tables(3, torch.float32)
     site = tables.site(k, "rows")
     x, out = _inputs(2, 1, torch.float32)

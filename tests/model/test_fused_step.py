@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from support.native import kernels_mode
+from support.native import compiled_kernels, kernels_mode
 from support.tiny_models import load_ours
 
-from service.kernels import native
 from service.model import KVCache
 from service.model.kv_cache import KV_LIMIT, finite_kv
 from service.model.rope import apply_rope, rope_table
@@ -30,13 +29,6 @@ from service.model.rope import apply_rope, rope_table
 pytestmark = pytest.mark.numerics
 
 H, KV, D, MAX_LEN = 9, 3, 64, 40
-
-
-def _kernels() -> native.NativeKernels:
-    k = native.kernels()
-    if k is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
-    return k
 
 
 def _tables() -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +44,7 @@ def _attend64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 
 def test_decode_attention_writes_the_eager_kv_and_attends_up_to_each_row_position() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(3)
     pos = torch.tensor([7, 30, 0, 39])  # the first position, a middle one, the cache's last
     b = len(pos)
@@ -77,7 +69,7 @@ def test_decode_attention_writes_the_eager_kv_and_attends_up_to_each_row_positio
 
 
 def test_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(2, H + 2 * KV, D, generator=gen)
     qkv[0] = math.nan
@@ -90,7 +82,7 @@ def test_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
 
 
 def test_decode_attention_refuses_what_does_not_fit() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     qkv = torch.zeros(1, H + 2 * KV, D)
     cos_t, sin_t = _tables()
     cache = torch.zeros(2, 1, KV, MAX_LEN, D)
@@ -104,7 +96,7 @@ def test_decode_attention_refuses_what_does_not_fit() -> None:
 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rmsnorm_matches_float64(with_residual: bool) -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(5)
     x, y, w = torch.randn(3, 4, 576, generator=gen), torch.randn(3, 4, 576, generator=gen), torch.randn(576)
     s = (x.double() + y.double()) if with_residual else x.double()
@@ -115,7 +107,7 @@ def test_add_rmsnorm_matches_float64(with_residual: bool) -> None:
 
 
 def test_silu_mul_matches_float64_at_the_edges_of_exp() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gate = torch.cat((torch.linspace(-100.0, 100.0, 1001), torch.tensor([0.0, -0.0, 1e-30, -88.5, 88.5])))
     up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(6))
     out = kern.silu_mul(torch.cat((gate, up))[None])[0]
@@ -125,7 +117,7 @@ def test_silu_mul_matches_float64_at_the_edges_of_exp() -> None:
 
 
 def test_a_tiny_llama_decodes_the_same_fused_and_eager(tiny_llama_factory: Callable[..., Path]) -> None:
-    _kernels()
+    compiled_kernels()
     folder = tiny_llama_factory()
     fused = load_ours(folder)
     with kernels_mode("eager"):
@@ -168,7 +160,7 @@ def _bf16_tables() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_bf16_decode_attention_writes_eagers_bf16_kv_and_attends_in_float32() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(13)
     pos = torch.tensor([7, 30, 0, 39])
     b = len(pos)
@@ -194,7 +186,7 @@ def test_bf16_decode_attention_writes_eagers_bf16_kv_and_attends_in_float32() ->
 
 
 def test_bf16_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     qkv = torch.randn(2, H + 2 * KV, D, generator=torch.Generator().manual_seed(14)).bfloat16()
     qkv[0] = math.nan
     cache = torch.zeros(2, 2, KV, MAX_LEN, D, dtype=torch.bfloat16)
@@ -207,7 +199,7 @@ def test_bf16_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_bf16_add_rmsnorm_keeps_a_float32_stream_and_rounds_once(with_residual: bool) -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(15)
     x = torch.randn(3, 4, 576, generator=gen)
     y, w = torch.randn(3, 4, 576, generator=gen).bfloat16(), torch.randn(576, generator=gen).bfloat16()
@@ -221,7 +213,7 @@ def test_bf16_add_rmsnorm_keeps_a_float32_stream_and_rounds_once(with_residual: 
 
 
 def test_bf16_silu_mul_matches_eager_within_one_rounding() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(16)
     gu = (torch.randn(5, 2 * 1536, generator=gen) * 4).bfloat16()
     gate, up = gu.chunk(2, dim=-1)
@@ -234,7 +226,7 @@ def test_bf16_silu_mul_matches_eager_within_one_rounding() -> None:
 
 
 def test_the_step_ops_take_one_dtype_and_a_float32_stream() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     w = torch.zeros(576, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one dtype"):
         kern.add_rmsnorm(torch.zeros(1, 576), torch.zeros(1, 576), w, 1e-5)
@@ -245,7 +237,7 @@ def test_the_step_ops_take_one_dtype_and_a_float32_stream() -> None:
 
 
 def test_a_tiny_bf16_llama_decodes_near_the_eager_path(tiny_llama_factory: Callable[..., Path]) -> None:
-    _kernels()
+    compiled_kernels()
     folder = tiny_llama_factory()
     fused = load_ours(folder, dtype=torch.bfloat16)
     with kernels_mode("eager"):

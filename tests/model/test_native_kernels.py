@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.native import kernels_mode
+from support.native import compiled_kernels, kernels_mode
 
 from service.errors import FailedPrecondition
 from service.kernels import native
@@ -21,13 +21,6 @@ from service.model.weights.q4_native import Q4Native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROWS = [1, 2, 3, 4, 5, 9]  # every register-block width (1..4) and the passes beyond
-
-
-def _kernels() -> native.NativeKernels:
-    k = native.kernels()
-    if k is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
-    return k
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,7 +43,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 def test_q4_kernel_matches_a_float64_reference(dtype: torch.dtype, rows: int) -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     q, d, m = _q4(80, 96, seed=rows)  # 80 output rows: five OpenMP work items of 16
     w = Q4Native.from_q_d_m(q, d, m, kern, dtype=dtype)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -64,7 +57,7 @@ def test_q4_kernel_matches_a_float64_reference(dtype: torch.dtype, rows: int) ->
 @pytest.mark.parametrize(("x_dtype", "d_dtype"), [(t, t) for t in DTYPES] + [(torch.float32, torch.float16)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_q8_kernel_matches_a_float64_reference(x_dtype: torch.dtype, d_dtype: torch.dtype, rows: int) -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     gen = torch.Generator().manual_seed(rows)
     vocab, k = 523, 64  # not a multiple of the 8-row register block nor the 256-row work item
     q = torch.randint(-128, 128, (k // 32, vocab, 32), generator=gen, dtype=torch.int8)
@@ -78,7 +71,7 @@ def test_q8_kernel_matches_a_float64_reference(x_dtype: torch.dtype, d_dtype: to
 
 @pytest.mark.numerics
 def test_q4_weight_dequantizes_its_values_and_every_linear_path_agrees() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     q, d, m = _q4(48, 64, seed=3)
     w = Q4Native.from_q_d_m(q, d, m, kern, dtype=torch.float32)
     assert torch.equal(w.unpack(), q.to(torch.uint8))
@@ -96,7 +89,7 @@ def test_q4_weight_dequantizes_its_values_and_every_linear_path_agrees() -> None
 
 
 def test_bad_blocks_are_refused_by_name() -> None:
-    kern = _kernels()
+    kern = compiled_kernels()
     q, d, m = _q4(16, 64, seed=1)
     with pytest.raises(ValueError, match=r"q values must be in 0\.\.15"):
         Q4Native.from_q_d_m(q + 1, d, m, kern, dtype=torch.float32)
@@ -108,7 +101,7 @@ def test_bad_blocks_are_refused_by_name() -> None:
 
 
 def test_a_built_library_is_reused_and_replaces_an_older_sources(tmp_path: Path) -> None:
-    _kernels()  # a compiler is here
+    compiled_kernels()  # a compiler is here
     isa = native.isa_for("DEFAULT", None)
     (tmp_path / f"blocks-{isa}-0000000000000000.so").write_bytes(b"an older source's build")
     first = native.build(isa, tmp_path)
@@ -151,7 +144,7 @@ def test_the_kernels_command_builds_every_variant_for_an_image(
     """`loraplex kernels --cache DIR` (the image's build step): each variant, then loaded there with no compiler."""
     from service.cli import main
 
-    _kernels()
+    compiled_kernels()
     assert main(["kernels", "--cache", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == list(native.ISA_FLAGS)

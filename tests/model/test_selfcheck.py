@@ -20,7 +20,7 @@ import torch
 from loraplex.v1 import generation_pb2 as pb
 from loraplex.v1 import generation_pb2_grpc as pb_grpc
 from support.gguf_files import write_tiny_gguf
-from support.native import kernels_mode
+from support.native import compiled_kernels, kernels_mode
 from support.servers import text_req, tiny_settings
 from support.tiny_models import load_ours
 
@@ -82,8 +82,7 @@ def test_a_wrong_native_kernel_falls_back_to_torchs_and_answers_right(
     served_tiny_dir: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The compiled kernels are proved like torch's: one computing wrong on this CPU is dropped at start-up."""
-    if native.kernels() is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
+    compiled_kernels()
     model = load_gguf_model(served_tiny_dir, tiny_gguf, dtype=torch.float32)[0]
 
     def zeros(self: native.NativeKernels, x2: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
@@ -105,8 +104,7 @@ def test_a_wrong_lora_kernel_falls_back_to_the_eager_math(
     tiny_llama_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A LoRA kernel that adds nothing fails its probes; the model's adapter tables then run the eager math."""
-    if native.kernels() is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
+    compiled_kernels()
     model = load_ours(tiny_llama_dir, dtype=dtype)
     assert model.lora_native is not None
     monkeypatch.setattr(native.NativeKernels, "lora_delta", lambda self, *args: None)
@@ -121,8 +119,7 @@ def test_a_wrong_lora_kernel_falls_back_to_the_eager_math(
 def test_wrong_fused_step_ops_fall_back_to_the_eager_ones_and_answer_right(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if native.kernels() is None:
-        pytest.skip(f"no native kernels here: {native.status()}")
+    compiled_kernels()
     model = load_ours(tiny_llama_dir)
     with kernels_mode("eager"):
         reference = load_ours(tiny_llama_dir)
