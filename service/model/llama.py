@@ -309,7 +309,8 @@ class Llama(nn.Module):
     def logits(self, hidden: Tensor, adapters: AdapterHook | None = None, rows: Sequence[int] | None = None) -> Tensor:
         """[N, ..., hidden] -> fp32 logits [N, ..., vocab]: the matmul in the model dtype, then, in a reduced
         precision, the ``EXACT_TOP`` largest of each row recomputed in float32 from the head's exact rows (bf16
-        logits near 25 are rounded to steps of 1/8, which ties tokens that differ by less). With ``adapters``, state
+        logits near 25 are rounded to steps of 1/8, which ties tokens that differ by less), unless the head's path
+        gives float32 logits exactly (a GGUF's Q8_0 head on the native kernel). With ``adapters``, state
         ``i`` is batch row ``rows[i]`` (None: row ``i``), grouped by head (``AdapterHook.head_parts``)."""
         parts = adapters.head_parts(rows, hidden.shape[0]) if adapters is not None else None
         if parts is None:
@@ -322,12 +323,14 @@ class Llama(nn.Module):
     def _project(self, hidden: Tensor, part: HeadPart | None) -> Tensor:
         """``logits`` of ``hidden`` through one head part (its ``index`` unused here; None: the base head)."""
         head = self.lm_head if part is None or part.weight is None else part.weight
-        logits = (F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)).float()
+        logits = F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)
+        exact_already = logits.dtype == torch.float32  # float32 logits from a reduced-precision model are exact
+        logits = logits.float()
         delta = None
         if part is not None and part.a is not None and part.b is not None:
             delta = F.linear(F.linear(hidden.to(part.a.dtype), part.a), part.b).float()  # [..., vocab]
             logits += delta
-        if self.dtype == torch.float32:
+        if exact_already:
             return logits
         top = logits.topk(EXACT_TOP, dim=-1).indices  # [..., k]
         flat = top.reshape(-1)

@@ -98,7 +98,8 @@ class EmbeddingTable(Protocol):
         ...
 
     def project(self, hidden: Tensor) -> Tensor:
-        """hidden [..., hidden] -> [..., vocab]: the table as the output head."""
+        """hidden [..., hidden] -> [..., vocab]: the table as the output head, in the model dtype, or in float32
+        where the path computes float32 logits exactly from the table as stored (no rescoring needed)."""
         ...
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:

@@ -50,7 +50,8 @@ class Q8Table:
     kernel (torch's int4 kernel is slow with float32 activations).
 
     With the native kernels (``native``), up to ``NATIVE_MAX_ROWS`` rows project through ``lp_q8_matmul`` instead:
-    the table as stored, float32 products and sums, one rounding to the compute dtype.
+    the table as stored, float32 products and sums, returned in float32 whatever the compute dtype (the logits as
+    exact as a float32 model's, so a bf16 model's head needs no float32 rescoring of its top tokens).
 
     Layout: ``q`` [G, vocab, 32] int8 and ``d`` [G, vocab] in the compute dtype, G = hidden / 32: each group's
     slice is contiguous, as the kernels need."""
@@ -83,10 +84,10 @@ class Q8Table:
         return w.reshape(*tokens.shape, -1)
 
     def project(self, hidden: Tensor) -> Tensor:
-        """hidden [..., hidden] -> [..., vocab] in the compute dtype."""
+        """hidden [..., hidden] -> [..., vocab] in the compute dtype, or float32 from the native kernel."""
         x2 = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)  # [M, K]
         if self.native is not None and x2.shape[0] <= NATIVE_MAX_ROWS[self.dtype]:
-            out = self.native.q8_matmul(x2.contiguous(), self.q, self.d, self.dtype)
+            out = self.native.q8_matmul(x2.contiguous(), self.q, self.d, torch.float32)
             return out.view(*hidden.shape[:-1], -1)
         if self.pair is not None and x2.shape[0] <= PAIR_MAX_ROWS:
             x2 = x2.contiguous()
