@@ -238,9 +238,8 @@ class Llama(nn.Module):
         self._cos = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)  # [P, D], grown on demand
         self._sin = self._cos
         self._draft_head: Tensor | None = None  # see draft_head()
-        # The compiled kernels (service.model.step) or None, held twice: the self-check drops each use on its own.
-        self.native = native_ops(dtype, self.device)  # the fused step ops
-        self.lora_native = self.native  # the LoRA tables' kernel (LoraTables)
+        self.native = native_ops(dtype, self.device)  # compiled step ops (service.model.step) or None; and, dropped
+        self.lora_native = self.native  # apart by the self-check, the LoRA tables' kernel (LoraTables)
 
     def _rope_for(self, length: int) -> None:
         if self._cos.shape[0] < length:
@@ -309,9 +308,9 @@ class Llama(nn.Module):
     def logits(self, hidden: Tensor, adapters: AdapterHook | None = None, rows: Sequence[int] | None = None) -> Tensor:
         """[N, ..., hidden] -> fp32 logits [N, ..., vocab]: the matmul in the model dtype, then, in a reduced
         precision, the ``EXACT_TOP`` largest of each row recomputed in float32 from the head's exact rows (bf16
-        logits near 25 are rounded to steps of 1/8, which ties tokens that differ by less), unless the head's path
-        gives float32 logits exactly (a GGUF's Q8_0 head on the native kernel). With ``adapters``, state
-        ``i`` is batch row ``rows[i]`` (None: row ``i``), grouped by head (``AdapterHook.head_parts``)."""
+        logits near 25 are rounded to steps of 1/8, which ties tokens that differ by less) unless the head gave
+        exact float32 (the native Q8_0 kernel). With ``adapters``, state ``i`` is batch row ``rows[i]`` (None: row
+        ``i``), grouped by head (``AdapterHook.head_parts``)."""
         parts = adapters.head_parts(rows, hidden.shape[0]) if adapters is not None else None
         if parts is None:
             return self._project(hidden, None)
@@ -323,9 +322,8 @@ class Llama(nn.Module):
     def _project(self, hidden: Tensor, part: HeadPart | None) -> Tensor:
         """``logits`` of ``hidden`` through one head part (its ``index`` unused here; None: the base head)."""
         head = self.lm_head if part is None or part.weight is None else part.weight
-        logits = F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)
-        exact_already = logits.dtype == torch.float32  # float32 logits from a reduced-precision model are exact
-        logits = logits.float()
+        raw = F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)
+        logits, exact_already = raw.float(), raw.dtype == torch.float32  # float32 from a bf16 model: exact already
         delta = None
         if part is not None and part.a is not None and part.b is not None:
             delta = F.linear(F.linear(hidden.to(part.a.dtype), part.a), part.b).float()  # [..., vocab]
