@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LORA_DTYPES", "LoraSegment", "LoraSite", "lora_site"]
+from service.kernels import KERNEL_DTYPES
 
-LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the tables, and of x and out
+__all__ = ["LoraSegment", "LoraSite", "lora_site"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def lora_site(a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
     """``a`` [G, R, in] (any strides: rows that are not contiguous float32 are gathered per call) and one
     ``LoraSegment`` per module, float32 or bfloat16 CPU tables, as ``lora_delta`` reads them."""
     g, width, k = a.shape
-    if a.dtype not in LORA_DTYPES or a.device.type != "cpu" or not segments:
+    if a.dtype not in KERNEL_DTYPES or a.device.type != "cpu" or not segments:
         raise ValueError(f"lora_site: tables {a.dtype} on {a.device} with {len(segments)} modules")
     n = len(segments)
     seg, bts = (ctypes.c_int64 * (4 * n))(), (ctypes.c_void_p * n)()

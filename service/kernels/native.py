@@ -44,14 +44,14 @@ import torch
 from torch import Tensor
 
 from service.errors import FailedPrecondition
-from service.kernels.lora import LORA_DTYPES, LoraSite
+from service.kernels import KERNEL_DTYPES
+from service.kernels.lora import LoraSite
 from service.platform import cpu_capability, cpu_flags
 
 __all__ = [
     "ABI_VERSION",
     "ISA_FLAGS",
     "KERNEL_MODES",
-    "STEP_DTYPES",
     "NativeKernels",
     "build",
     "configure",
@@ -221,7 +221,7 @@ class NativeKernels:
         ``out[b, :, col:col + out_m] += h[:, start:start + r] @ bt[g] (+ bias[g])``, or with a scale
         ``= scale[g] * (out + delta)``. x and out: float32 or bfloat16, one dtype, contiguous CPU tensors."""
         b, t, k = x.shape
-        if x.dtype not in LORA_DTYPES or out.dtype != x.dtype or k != site.in_features:
+        if x.dtype not in KERNEL_DTYPES or out.dtype != x.dtype or k != site.in_features:
             raise ValueError(f"lora_delta: x {x.dtype} {tuple(x.shape)}, out {out.dtype} for tables of {k} inputs")
         fits = out.shape[:2] == x.shape[:2] and out.shape[2] >= site.cols and group.shape == (b,)
         if not fits or group.dtype != torch.int64:
@@ -260,13 +260,10 @@ def _check(
             raise ValueError("native kernels take contiguous CPU tensors")
 
 
-STEP_DTYPES = (torch.float32, torch.bfloat16)  # what the step ops take (src/step.cpp's dtype codes 0 and 1)
-
-
 def _check_step(*tensors: Tensor) -> int:
-    """The step ops' dtype code of ``tensors``, which must be contiguous CPU tensors of one of ``STEP_DTYPES``."""
+    """The step ops' dtype code of ``tensors``, which must be contiguous CPU tensors of one of ``KERNEL_DTYPES``."""
     for t in tensors:
-        if t.dtype not in STEP_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+        if t.dtype not in KERNEL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"native step ops take contiguous float32 / bfloat16 CPU tensors, got {t.dtype} "
                              f"{tuple(t.shape)}")  # fmt: skip
         if t.dtype != tensors[0].dtype:

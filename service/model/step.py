@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from service.kernels.native import STEP_DTYPES, NativeKernels, kernels
+from service.kernels import KERNEL_DTYPES
+from service.kernels.native import NativeKernels, kernels
 from service.model.hooks import AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.weights.protocol import Scratch
@@ -42,7 +43,7 @@ class Step:
 def native_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
     """The compiled kernels a model of ``dtype`` on ``device`` runs its step ops and its LoRA tables on: float32 or
     bfloat16 on the CPU; None: eager (on CUDA torch's own GPU kernels)."""
-    return kernels() if dtype in STEP_DTYPES and device.type == "cpu" else None
+    return kernels() if dtype in KERNEL_DTYPES and device.type == "cpu" else None
 
 
 def visible(positions: Tensor, length: int, tree: Tensor | None) -> Tensor:

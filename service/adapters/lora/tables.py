@@ -48,6 +48,7 @@ from service.adapters.lora.layouts import (
 )
 from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
+from service.kernels import KERNEL_DTYPES
 from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
@@ -76,7 +77,7 @@ class LoraTables:
         self.device = torch.device(device)
         self.dtype = dtype
         # The compiled kernel the batches compute with (``NativeKernels.lora_delta``), or None: eager torch.
-        self.native = native if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+        self.native = native if self.device.type == "cpu" and dtype in KERNEL_DTYPES else None
         half = dtype in (torch.bfloat16, torch.float16)
         eager_cpu_half = self.device.type == "cpu" and half and self.native is None
         self.compute_dtype = torch.float32 if eager_cpu_half else dtype  # the tables' dtype
