@@ -360,7 +360,6 @@ def _peak_rss() -> int:
 
 
 CHILD_ENV: dict[str, str] = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-DEVICE = ["cpu"]  # where the children load to (--device); the bound always reads into host memory
 
 
 def run_child(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
@@ -381,8 +380,9 @@ def run_child(spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
 
 
 def measure_case(
-    name: str, folder: Path, dtype: str, cold: bool, methods: tuple[str, ...], runs: int, warmup: bool
+    name: str, folder: Path, dtype: str, cold: bool, methods: tuple[str, ...], runs: int, warmup: bool, device: str
 ) -> dict[str, Any]:
+    """One case's rounds, each method in a fresh child loading into ``device`` (the bound reads into host memory)."""
     files = checkpoint_files(folder)
     order = (*methods, "bound")
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in order}
@@ -391,7 +391,7 @@ def measure_case(
         for m in order if r % 2 == 0 else reversed(order):  # A B C ... then C B A: no method always first
             if not cold:
                 warm_up(files)
-            res = run_child({"method": m, "folder": str(folder), "dtype": dtype, "cold": cold, "device": DEVICE[0]})
+            res = run_child({"method": m, "folder": str(folder), "dtype": dtype, "cold": cold, "device": device})
             if r >= 0:
                 samples[m].append(res)
         print(f"  {name}: round {r + 1}/{runs} done ({time.perf_counter() - t_case:.0f} s)", flush=True)
@@ -563,7 +563,6 @@ def main() -> None:
         return
 
     t_all = time.perf_counter()
-    DEVICE[0] = args.device
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     cases: list[tuple[str, Path, str, bool, tuple[str, ...]]] = []
@@ -610,7 +609,7 @@ def main() -> None:
     }
     for name, folder, dtype, cold, methods in cases:
         print(f"{name} -> {dtype}, {'cold' if cold else 'warm'}", flush=True)
-        results["cases"].append(measure_case(name, folder, dtype, cold, methods, runs, warmup))
+        results["cases"].append(measure_case(name, folder, dtype, cold, methods, runs, warmup, args.device))
     baseline.append(run_child({"method": "baseline", "folder": str(cases[0][1]), "dtype": "float32", "cold": False}))
     results["baseline_rss_bytes"] = statistics.median(b["rss"] for b in baseline)
     results["load_average_end"] = os.getloadavg()
