@@ -41,6 +41,7 @@ from torch import Tensor
 
 from service.adapters.lora.batch import AdapterBatch, LoraTables, Mode, module_layout
 from service.errors import FailedPrecondition
+from service.model.decode_stack import compare
 from service.model.kv_cache import finite_kv
 from service.model.llama import PROJ_NAMES, Llama, ProjName
 from service.model.rope import apply_rope
@@ -318,11 +319,18 @@ class _Checker:
         ref = (scores.softmax(-1) @ v).reshape(2, h * d)
         checks.append(self.record("fused decode attention", kernel, out, ref))
         if all(c.ok for c in checks):
-            return
+            return self.decode_stack(kernel)
         self.model.native = None
         for c in checks:
             if not c.ok:
                 self.fallback(c, "the eager step ops (torch)")
+
+    def decode_stack(self, kernel: str) -> None:
+        """A decode step in one call (``service.model.decode_stack``) against the per-op path: equal bit for bit."""
+        pair = compare(self.model)
+        if pair is not None and not self.record("decode step in one call", kernel, *pair, 0).ok:
+            self.model.stack.enabled = False
+            self.fallback(self.checks[-1], "the fused step ops one call at a time")
 
     def drafting(self) -> None:
         dtype = draft_dtype(self.model.dtype, self.device)

@@ -64,9 +64,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 4  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 5  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
-SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp"))
+SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp", "decode.cpp"))
 HEADERS = (Path(__file__).with_name("src") / "dtypes.h",)  # included by the sources: part of the cache key
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
@@ -117,8 +117,12 @@ class NativeKernels:
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
-        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta):
+        lib.lp_decode_stack.argtypes = [_P, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
+                                        ctypes.c_float, _P]  # fmt: skip
+        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta,
+                   lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
+        self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
         self._lib = lib
 
     @property
@@ -211,6 +215,28 @@ class NativeKernels:
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
+        return out
+
+    # --- a whole decode step of a float32 model on Q4 weights (src/decode.cpp) ------------------------------
+
+    def decode_stack(
+        self, x: Tensor, table: ctypes.Array[ctypes.c_int64], dims: tuple[int, ...], final_norm: Tensor, eps: float,
+        rope: tuple[Tensor, Tensor, Tensor], kv: Tensor, slot_start: int,
+    ) -> Tensor:  # fmt: skip
+        """x [B, hidden] float32 (the embedded tokens; left as the residual stream) -> [B, hidden] final-normed
+        through the layers whose weights ``table`` lists; dims (hidden, heads, kv heads, head dim, intermediate);
+        rope: cos, sin [B, D] and positions [B]; K/V written into slots ``slot_start ..`` of the cache ``kv`` [L, 2,
+        slots, KV, max_len, D]. All contiguous float32 (positions int64); ``service.model.decode_stack`` checks."""
+        cos, sin, pos = rope
+        s = kv.stride()
+        out = torch.empty_like(x)
+        rc = self._lib.lp_decode_stack(
+            x.data_ptr(), x.shape[0], table, kv.shape[0], (ctypes.c_int64 * 5)(*dims), final_norm.data_ptr(), eps,
+            cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), kv.data_ptr() + slot_start * s[2] * 4, s[0], s[1], s[2],
+            s[3], kv.shape[4], 1.0 / math.sqrt(dims[3]), out.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_decode_stack refused {x.shape[0]} rows at positions {pos.tolist()}")
         return out
 
     # --- the batched LoRA math of one (layer, site) (src/lora.cpp) ------------------------------------------

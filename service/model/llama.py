@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
+from service.model.decode_stack import DecodeStack
 from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, ProjName
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
@@ -40,13 +41,7 @@ from service.model.step import Step, make_step, native_ops
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
 from service.platform import draft_dtype
 
-__all__ = [
-    "PROJ_NAMES",
-    "AdapterHook",
-    "Llama",
-    "ProjName",
-    "proj",
-]
+__all__ = ["PROJ_NAMES", "AdapterHook", "Llama", "ProjName", "proj"]
 
 # Logits per row recomputed in float32 after a reduced-precision head (``Llama.logits``).
 EXACT_TOP = 8
@@ -240,6 +235,7 @@ class Llama(nn.Module):
         self._draft_head: Tensor | None = None  # see draft_head()
         self.native = native_ops(dtype, self.device)  # compiled step ops (service.model.step) or None; and, dropped
         self.lora_native = self.native  # apart by the self-check, the LoRA tables' kernel (LoraTables)
+        self.stack = DecodeStack(self)  # a decode step in one compiled call, where it applies
 
     def _rope_for(self, length: int) -> None:
         if self._cos.shape[0] < length:
@@ -295,6 +291,8 @@ class Llama(nn.Module):
         # summing 60 sublayer outputs into a bf16 stream rounds away enough to flip near-tied tokens (SmolLM2's
         # answer to "What is the capital of France?"). Matmul inputs and the KV cache stay in the model dtype.
         x = x.float() if adapters is None else adapters.embed(x.float(), tokens)
+        if self.stack.takes(step, adapters, b):
+            return self.stack.run(x, step, cache, slot_start)
         y: Tensor | None = None  # the last sublayer's output, added to x by the next norm
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)
@@ -380,6 +378,7 @@ class Llama(nn.Module):
             raise ValueError(f"layer {layer} {name}: weight {weight.shape} where the model needs {expected}")
         block = self.blocks[layer]
         setattr(block.attention if name in ("wqkv", "wo") else block.feed_forward, name, weight)
+        self.stack.invalidate()
 
     def compact_projections(self) -> Iterator[tuple[int, ProjName, Weight]]:
         """Every compact projection weight, layer by layer in ``PROJ_NAMES`` order (none in a dense model)."""

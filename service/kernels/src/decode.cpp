@@ -1,0 +1,104 @@
+// loraplex native kernels: a whole decode step of a float32 model on 4-bit weights in one call.
+//
+//   lp_decode_stack  every layer of one decode step (one token per row): per layer residual add + RMSNorm, the
+//                    fused q/k/v product, RoPE + K/V write + attention, the output product, add + RMSNorm, the
+//                    gate/up product, SiLU * up and the down product; then the final add + RMSNorm
+//
+// It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, step.cpp's
+// lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same values, so its output is
+// bit-identical to that path's; what it removes is the interpreter between them: about 250 calls a step, each
+// paying argument checks, a tensor allocation and a ctypes crossing (about 6 ms of a 20 ms step on an AVX2 EPYC,
+// bench/README.md). service/model/decode_stack.py decides when it applies (no adapter, no bias, every projection
+// a Q4Native below its dense threshold) and lays out the table of pointers.
+
+#include <cstdint>
+#include <cstdlib>
+
+extern "C" {
+int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
+                 int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo);
+int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
+int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
+int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b, int64_t h,
+                        int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
+                        int64_t max_len, float scale, void* out, int dtype);
+}
+
+namespace {
+
+constexpr int F32 = 0;
+
+// One row of the layer table: the addresses (as integers) of a layer's weights, in this order.
+enum Field : int {
+  kAttnNorm,  // [hidden] float32
+  kFfnNorm,   // [hidden] float32
+  kQkvQs, kQkvD, kQkvM,  // Q4 [(H + 2 KV) D, hidden]: nibble pairs, d, m (see lp_q4_matmul)
+  kWoQs, kWoD, kWoM,     // Q4 [hidden, H D]
+  kW13Qs, kW13D, kW13M,  // Q4 [2 I, hidden]
+  kW2Qs, kW2D, kW2M,     // Q4 [hidden, I]
+  kFields
+};
+
+template <typename T>
+inline const T* at(const int64_t* row, int field) {
+  return reinterpret_cast<const T*>(row[field]);
+}
+
+inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t n, int64_t k, float* out) {
+  return lp_q4_matmul(x, F32, at<uint8_t>(row, field), at<float>(row, field + 1), at<float>(row, field + 2), m, n, k,
+                      out, F32, n);
+}
+
+}  // namespace
+
+extern "C" {
+
+int lp_decode_fields() { return kFields; }
+
+// One decode step of B rows through ``layers`` layers. x [B, hidden] float32: the embedded tokens on entry, the
+// residual stream (before the final add) on return; out [B, hidden] float32: the final-normed hidden states.
+// table [layers, kFields]: each layer's weights (Field). dims: hidden, heads, kv heads, head dim, intermediate.
+// cos, sin [B, D] and pos [B]: each row's rope tables and position. The cache of layer i holds K of row b, kv head
+// j, position p at kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset
+// (elements, float32). Returns 0, or the first failing op's code (-1 a bad argument, -2 out of memory).
+int lp_decode_stack(float* x, int64_t b, const int64_t* table, int64_t layers, const int64_t* dims,
+                    const float* final_norm, float eps, const float* cos, const float* sin, const int64_t* pos,
+                    float* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
+                    int64_t max_len, float scale, float* out) {
+  const int64_t hidden = dims[0], heads = dims[1], kv = dims[2], d = dims[3], inter = dims[4];
+  if (b <= 0 || layers <= 0 || hidden <= 0 || heads <= 0 || kv <= 0 || heads % kv || d <= 0 || inter <= 0)
+    return -1;
+  const int64_t width = (heads + 2 * kv) * d, qcols = heads * d;
+  // one scratch block: h [B, hidden], y [B, hidden], qkv [B, width], att [B, H D], gu [B, 2 I], act [B, I]
+  const int64_t sizes[] = {hidden, hidden, width, qcols, 2 * inter, inter};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += b * s;
+  float* block = static_cast<float*>(std::malloc(sizeof(float) * total));
+  if (block == nullptr) return -2;
+  float* h = block;
+  float* y = h + b * hidden;
+  float* qkv = y + b * hidden;
+  float* att = qkv + b * width;
+  float* gu = att + b * qcols;
+  float* act = gu + b * 2 * inter;
+  int rc = 0;
+  for (int64_t i = 0; i < layers && rc == 0; ++i) {
+    const int64_t* row = table + i * kFields;
+    float* k_cache = kv_base + i * layer_stride;
+    rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), b, hidden, eps, h, F32);
+    if (!rc) rc = q4(row, kQkvQs, h, b, width, hidden, qkv);
+    if (!rc)
+      rc = lp_decode_attention(qkv, cos, sin, pos, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
+                               head_stride, max_len, scale, att, F32);
+    if (!rc) rc = q4(row, kWoQs, att, b, hidden, qcols, y);
+    if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), b, hidden, eps, h, F32);
+    if (!rc) rc = q4(row, kW13Qs, h, b, 2 * inter, hidden, gu);
+    if (!rc) rc = lp_silu_mul(gu, b, inter, act, F32);
+    if (!rc) rc = q4(row, kW2Qs, act, b, hidden, inter, y);
+  }
+  if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, b, hidden, eps, out, F32);
+  std::free(block);
+  return rc;
+}
+
+}  // extern "C"

@@ -1,0 +1,141 @@
+"""A whole decode step of a float32 model on 4-bit weights in one compiled call (``lp_decode_stack``).
+
+    DecodeStack(model)                      built once per model; ``invalidate()`` after a projection changes
+    stack.takes(step, adapters, rows)       whether this pass can run as one call
+    stack.run(x, step, cache, slot_start)   x [B, 1, hidden] embedded -> final-normed hidden states [B, 1, hidden]
+    compare(model) -> (stack, per-op) | None   two decode steps both ways (the self-check's probe)
+
+The per-op path of ``Llama.forward`` with the compiled step ops runs about eight compiled calls a layer from Python
+(``service/kernels/src/decode.cpp`` lists them); at one token a row the interpreter between them costs as much as the
+attention and the norms together (bench/README.md, "Native kernels"). ``lp_decode_stack`` runs the same entry points
+in the same order on the same values, so its hidden states are bit-identical to that path's
+(``tests/model/test_decode_stack.py``), and the start-up self-check compares the two on the served model before
+trusting it (``compare``; a mismatch drops to the per-op path).
+
+It takes a pass when: the model is float32 on the CPU with the step ops loaded (``Llama.native``), every projection
+is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks) without a bias, the pass is a decode step (one token a row, no draft
+tree: ``Step.pos``), no adapter is asked for, and the batch is below every projection's ``dense_from_rows`` (from
+there a dense matmul is faster and the per-op path takes it). Everything else, and a model whose table could not be
+built, is the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from service.kernels.native import NativeKernels
+from service.model.config import ModelConfig
+from service.model.hooks import PROJ_NAMES, AdapterHook
+from service.model.kv_cache import KVCache
+from service.model.step import Step
+from service.model.weights.q4_native import Q4Native
+
+__all__ = ["DecodeStack", "compare"]
+
+
+class Model(Protocol):
+    """What the stack reads of ``service.model.llama.Llama`` (which holds one: no import back)."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    native: NativeKernels | None
+    blocks: tuple[Any, ...]  # Block: attention_norm, attention, ffn_norm, feed_forward
+    norm: Any  # RMSNorm
+    stack: DecodeStack
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor, cache: KVCache, slot_start: int, *a: Any, **k: Any
+    ) -> Tensor: ...
+
+
+class DecodeStack:
+    """The table of a model's weights for ``lp_decode_stack``, built on first use; ``enabled`` False: never taken."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.enabled = True
+        self._table: ctypes.Array[ctypes.c_int64] | None = None
+        self._max_rows = 0  # rows from which some projection leaves its kernel; 0: the model cannot take the stack
+        self._built = False
+        self.calls = 0  # passes run as one call (the self-check and the tests see that it took them)
+
+    def invalidate(self) -> None:
+        """Forget the table (a projection was replaced: loading, dense copies, the self-check's probes)."""
+        self._table, self._max_rows, self._built = None, 0, False
+
+    def takes(self, step: Step, adapters: AdapterHook | None, rows: int) -> bool:
+        if not self.enabled or adapters is not None or step.pos is None or step.native is None:
+            return False
+        if not self._built:
+            self._build()
+        return rows < self._max_rows
+
+    def _build(self) -> None:
+        self._built = True
+        model = self.model
+        if model.dtype != torch.float32 or model.device.type != "cpu" or model.native is None:
+            return
+        fields: list[int] = []
+        max_rows = None
+        for layer in model.blocks:
+            attn, ffn = layer.attention, layer.feed_forward
+            if any(bias is not None for bias in (attn.bqkv, attn.bo, ffn.b13, ffn.b2)):
+                return
+            norms = (layer.attention_norm.weight, layer.ffn_norm.weight)
+            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                return
+            fields += [w.data_ptr() for w in norms]
+            for name in PROJ_NAMES:
+                w = getattr(attn if name in ("wqkv", "wo") else ffn, name)
+                if not isinstance(w, Q4Native) or w.device.type != "cpu":
+                    return
+                fields += [w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr()]
+                max_rows = w.dense_from_rows if max_rows is None else min(max_rows, w.dense_from_rows)
+        if max_rows is None or len(fields) != len(model.blocks) * model.native.decode_fields:
+            return
+        self._table = (ctypes.c_int64 * len(fields))(*fields)
+        self._max_rows = max_rows
+
+    def run(self, x: Tensor, step: Step, cache: KVCache, slot_start: int) -> Tensor:
+        """One decode step (``takes`` said yes): x [B, 1, hidden] float32, the embedded tokens -> the final-normed
+        hidden states [B, 1, hidden]; writes each row's K/V into its slot of ``cache``."""
+        model, native, table, pos = self.model, step.native, self._table, step.pos
+        assert native is not None and table is not None and pos is not None
+        cfg, b = model.cfg, x.shape[0]
+        x = x.reshape(b, cfg.hidden_size).contiguous()  # the residual stream, updated in place
+        cos, sin, kv = step.cos.reshape(b, cfg.head_dim), step.sin.reshape(b, cfg.head_dim), cache.data
+        for t in (x, cos, sin, kv):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"the decode stack takes contiguous float32 CPU tensors, got {t.dtype} {t.shape}")
+        if kv.shape[0] != len(model.blocks) or not 0 <= slot_start <= kv.shape[2] - b or kv.shape[5] != cfg.head_dim:
+            raise ValueError(f"the decode stack: slots [{slot_start}, {slot_start + b}) of a cache {tuple(kv.shape)}")
+        if pos.shape != (b,) or pos.dtype != torch.int64 or not pos.is_contiguous():
+            raise ValueError(f"the decode stack: positions {pos.dtype} {tuple(pos.shape)} for {b} rows")
+        dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        self.calls += 1
+        out = native.decode_stack(x, table, dims, model.norm.weight, cfg.rms_norm_eps, (cos, sin, pos), kv, slot_start)
+        return out.view(b, 1, cfg.hidden_size)
+
+
+def compare(model: Model) -> tuple[Tensor, Tensor] | None:
+    """The hidden states of two decode steps of two rows through the stack and through the per-op path it replaces
+    (equal bit for bit when the stack is right), on a scratch cache; None when the stack does not take the model."""
+    stack = model.stack
+    cache = KVCache(model.cfg, 2, 4, dtype=model.dtype, device=model.device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 1), generator=torch.Generator().manual_seed(0))
+    outs, calls = [], stack.calls
+    try:
+        for enabled in (True, False):
+            stack.enabled = enabled
+            cache.data.zero_()
+            outs.append(
+                torch.cat([model.forward(tokens, torch.full((2, 1), p), cache, 0, kv_len=p + 1) for p in (0, 1)])
+            )
+    finally:
+        stack.enabled = True
+    return (outs[0], outs[1]) if stack.calls == calls + 2 else None

@@ -1,0 +1,147 @@
+"""A decode step in one compiled call (``service.model.decode_stack``, ``src/decode.cpp``) against the per-op path it
+replaces: the same hidden states and the same cache, bit for bit, on a tiny all-Q4 GGUF and on the default model;
+where it does not apply it stays out; a replaced projection is seen; the self-check drops a wrong stack.
+
+The per-op path itself is proven against transformers (test_gguf_model.py, test_gguf_smollm2.py) and its ops against
+float64 (test_fused_step.py); this file proves that the one call composes them the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.gguf_files import load_variant, write_tiny_gguf
+from support.native import compiled_kernels, kernels_mode
+
+from service.model import KVCache, Llama
+from service.model.decode_stack import DecodeStack
+from service.model.load_gguf import load_gguf_model
+from service.model.step import make_step
+from service.model.weights.q4_native import Q4Native
+from service.selfcheck import run_self_check
+
+pytestmark = pytest.mark.numerics
+
+
+def _load(folder: Path, gguf: Path) -> Llama:
+    compiled_kernels()
+    with kernels_mode("auto"):
+        model: Llama = load_gguf_model(folder, gguf, dtype=torch.float32)[0]
+    return model
+
+
+@pytest.fixture(scope="module")
+def q4_model(tiny_llama_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Llama:
+    """A tiny Llama whose projections are all 4-bit (Q4_1, the down projection Q4_0) and embedding Q8_0."""
+    folder = tiny_llama_factory(seed=5)
+    gguf = write_tiny_gguf(folder, tmp_path_factory.mktemp("q4") / "q4.gguf", types={"token_embd": "Q8_0",
+                                                                                     "ffn_down": "Q4_0"})  # fmt: skip
+    return _load(folder, gguf)
+
+
+def _decode(model: Llama, *, stack: bool, rows: int, slot_start: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` decode steps of ``rows`` rows at slots ``slot_start ..`` of a cache holding random values (the
+    other slots too): the hidden states of every step and the cache after them."""
+    gen = torch.Generator().manual_seed(rows)
+    cache = KVCache(model.cfg, slot_start + rows + 1, 24, dtype=torch.float32, device=torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    start = torch.tensor([3, 11, 0, 7][:rows])[:, None]  # rows at different positions, the first position too
+    model.stack.enabled = stack
+    try:
+        hidden = []
+        for i in range(steps):
+            tokens = torch.randint(0, model.cfg.vocab_size, (rows, 1), generator=gen)
+            pos = start + i
+            hidden.append(model(tokens, pos, cache, slot_start, kv_len=int(pos.max()) + 1))
+    finally:
+        model.stack.enabled = True
+    return torch.cat(hidden, dim=1), cache.data.clone()
+
+
+@pytest.mark.parametrize(("rows", "slot_start"), [(1, 0), (3, 2), (4, 1)])
+def test_one_call_is_the_per_op_path_bit_for_bit(q4_model: Llama, rows: int, slot_start: int) -> None:
+    calls = q4_model.stack.calls
+    fused, fused_cache = _decode(q4_model, stack=True, rows=rows, slot_start=slot_start, steps=4)
+    assert q4_model.stack.calls == calls + 4  # every step ran as one call
+    per_op, per_op_cache = _decode(q4_model, stack=False, rows=rows, slot_start=slot_start, steps=4)
+    assert q4_model.stack.calls == calls + 4
+    assert torch.equal(fused, per_op)
+    assert torch.equal(fused_cache, per_op_cache)  # the rows' slots written alike, the other slots untouched
+
+
+def test_the_default_model_takes_it_at_one_row(smollm2_dir: Path, smollm2_gguf: Path) -> None:
+    model = _load(smollm2_dir, smollm2_gguf)
+    fused, fused_cache = _decode(model, stack=True, rows=1, slot_start=0, steps=3)
+    assert model.stack.calls == 3
+    per_op, per_op_cache = _decode(model, stack=False, rows=1, slot_start=0, steps=3)
+    assert torch.equal(fused, per_op) and torch.equal(fused_cache, per_op_cache)
+
+
+def _step(model: Llama, rows: int, tokens: int = 1, adapters: Any = None, tree: torch.Tensor | None = None) -> Any:
+    cache = KVCache(model.cfg, rows, 8, dtype=torch.float32, device=torch.device("cpu"))
+    positions = torch.arange(tokens).repeat(rows, 1)
+    tables = (model._cos, model._sin)
+    return make_step(tables, positions, positions, tokens, cache=cache, slot_start=0, heads_per_kv=1, tree=tree,
+                     adapters=adapters, scratch=model.scratch, native=model.native)  # fmt: skip
+
+
+def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
+    stack = q4_model.stack
+    q4_model._rope_for(8)
+    assert stack.takes(_step(q4_model, 2), None, 2)
+    assert not stack.takes(_step(q4_model, 2, tokens=3), None, 2)  # a prefill: several tokens a row
+    assert not stack.takes(_step(q4_model, 1, tokens=2, tree=torch.ones(2, 2, dtype=torch.bool)), None, 1)
+    assert not stack.takes(_step(q4_model, 2), object(), 2)  # an adapter asked for
+    w = q4_model.projection(0, "w13")
+    assert not stack.takes(_step(q4_model, w.dense_from_rows), None, w.dense_from_rows)  # a dense matmul's rows
+    native = q4_model.native
+    q4_model.native = None  # the self-check dropped the step ops
+    try:
+        assert not stack.takes(_step(q4_model, 2), None, 2)
+    finally:
+        q4_model.native = native
+
+
+@pytest.mark.parametrize("variant", ["mixed", "tied"])
+def test_a_model_with_other_weights_keeps_the_per_op_path(
+    variant: str, tiny_llama_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    compiled_kernels()
+    model = load_variant(variant, tiny_llama_factory, tmp_path)  # mixed: Q8_0 / F16 projections; tied: biases
+    _decode(model, stack=True, rows=2, slot_start=0, steps=1)
+    assert model.stack.calls == 0
+
+
+def test_a_replaced_projection_is_seen(q4_model: Llama) -> None:
+    w = q4_model.projection(1, "wo")
+    assert isinstance(w, Q4Native)
+    before, _ = _decode(q4_model, stack=True, rows=2, slot_start=0, steps=1)
+    q4_model.set_projection(1, "wo", dataclasses.replace(w, d=w.d * 2))
+    try:
+        fused, _ = _decode(q4_model, stack=True, rows=2, slot_start=0, steps=1)
+        per_op, _ = _decode(q4_model, stack=False, rows=2, slot_start=0, steps=1)
+    finally:
+        q4_model.set_projection(1, "wo", w)
+    assert torch.equal(fused, per_op) and not torch.equal(fused, before)
+
+
+def test_the_self_check_drops_a_stack_that_disagrees(q4_model: Llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    report = run_self_check(q4_model)
+    assert [c.status for c in report.checks if c.path == "decode step in one call"] == ["ok"]
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: run(self, *a) * (1 + 2**-20))  # off in the last bits
+    report = run_self_check(q4_model)
+    try:
+        assert [c.status for c in report.checks if c.path == "decode step in one call"] == [
+            "fallback: the fused step ops one call at a time"
+        ]
+        assert not q4_model.stack.enabled and q4_model.native is not None  # the ops themselves stay
+        q4_model._rope_for(8)
+        assert not q4_model.stack.takes(_step(q4_model, 1), None, 1)
+    finally:
+        q4_model.stack.enabled = True
