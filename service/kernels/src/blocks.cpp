@@ -191,16 +191,16 @@ struct Group {  // elements 0..7, 8..15, 16..23, 24..31
 };
 inline Vec widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 inline Vec widen8s(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-inline Group q4_group(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-  return {{widen8(lo), widen8(_mm_srli_si128(lo, 8)), widen8(hi), widen8(_mm_srli_si128(hi, 8))}};
+inline Group q4_group(const uint8_t* qs) {  // each byte zero-extended from memory, then its two nibbles apart
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  return {{_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)),
+           _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))}};
 }
-inline Group q8_group(const int8_t* q) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
-  return {{widen8s(lo), widen8s(_mm_srli_si128(lo, 8)), widen8s(hi), widen8s(_mm_srli_si128(hi, 8))}};
+inline Vec widen8s_at(const int8_t* q) { return widen8s(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))); }
+inline Group q8_group(const int8_t* q) {  // vpmovsxbd from memory: no shuffle to reach the upper bytes
+  return {{widen8s_at(q), widen8s_at(q + 8), widen8s_at(q + 16), widen8s_at(q + 24)}};
 }
 #else
 // Plain C++: one "vector" is a whole group of 32 floats; the compiler vectorizes what the target allows.
@@ -263,18 +263,25 @@ inline Vec group_dot(const Group& q, const float* x) {
   return dot;
 }
 
+// sum_i a[i] b[i] over n floats, in lanes then across them.
+inline float lane_dot(const float* a, const float* b, int64_t n) {
+  Vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 // One weight row against R rows of x: acc[r] = sum_g d_g (q_g . x_rg) + sum_g m_g sum(x_rg). qs [G, 16] nibble
 // pairs (byte j: q[j] low, q[j + 16] high, as GGUF's block_q4_1 stores them), d and m [G] float32. Even and odd
-// groups accumulate apart (two dependency chains, so consecutive groups overlap), summed at the end.
+// groups accumulate apart (two dependency chains, so consecutive groups overlap), summed at the end; the m terms
+// are one dot product in lanes after them.
 template <int R>
 inline void q41_row(const uint8_t* qs, const float* d, const float* m, int64_t groups, const float* xf,
                     const float* xsum, int64_t k, float* acc) {
   Vec even[R], odd[R];
-  float meven[R], modd[R];
-  for (int r = 0; r < R; ++r) {
-    even[r] = odd[r] = vzero();
-    meven[r] = modd[r] = 0.f;
-  }
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = vzero();
   int64_t g = 0;
   for (; g + 1 < groups; g += 2) {
     const Group q0 = q4_group(qs + g * 16), q1 = q4_group(qs + (g + 1) * 16);
@@ -283,19 +290,14 @@ inline void q41_row(const uint8_t* qs, const float* d, const float* m, int64_t g
       const float* x = xf + r * k + g * kGroup;
       even[r] = vfma(group_dot(q0, x), d0, even[r]);
       odd[r] = vfma(group_dot(q1, x + kGroup), d1, odd[r]);
-      meven[r] += m[g] * xsum[r * groups + g];
-      modd[r] += m[g + 1] * xsum[r * groups + g + 1];
     }
   }
   if (g < groups) {
     const Group q0 = q4_group(qs + g * 16);
     const Vec d0 = vset(d[g]);
-    for (int r = 0; r < R; ++r) {
-      even[r] = vfma(group_dot(q0, xf + r * k + g * kGroup), d0, even[r]);
-      meven[r] += m[g] * xsum[r * groups + g];
-    }
+    for (int r = 0; r < R; ++r) even[r] = vfma(group_dot(q0, xf + r * k + g * kGroup), d0, even[r]);
   }
-  for (int r = 0; r < R; ++r) acc[r] = hsum(vadd(even[r], odd[r])) + (meven[r] + modd[r]);
+  for (int r = 0; r < R; ++r) acc[r] = hsum(vadd(even[r], odd[r])) + lane_dot(m, xsum + r * groups, groups);
 }
 
 inline void q41_rows(const uint8_t* qs, const float* d, const float* m, int64_t groups, const float* xf,
@@ -308,25 +310,46 @@ inline void q41_rows(const uint8_t* qs, const float* d, const float* m, int64_t 
   }
 }
 
-constexpr int kVocabBlock = 8;  // vocabulary rows of a Q8_0 table accumulated together (a register each)
+constexpr int kVocabBlock = 4;  // vocabulary rows of a Q8_0 table accumulated together (a register each)
+constexpr int kVocabAhead = 4;  // blocks ahead whose bytes are requested: each group of the table is its own stream
 
-// Vocabulary rows [v0, v0 + n) (n <= kVocabBlock) of a group-major Q8_0 table (q [G, V, 32] int8, d [G, V]) against
-// one row of x: acc[v] = sum_g d[g, v] (q[g, v] . x_g).
-inline void q8_block(const int8_t* q, const void* d, int d_dtype, int64_t groups, int64_t vocab, int64_t v0, int n,
-                     const float* x, float* acc) {
-  Vec vacc[kVocabBlock];
-  for (int v = 0; v < kVocabBlock; ++v) vacc[v] = vzero();
+// Vocabulary rows [v0, v0 + N) of a group-major Q8_0 table (q [G, V, 32] int8, d [G, V] of D) against one row of
+// x: acc[v] = sum_g d[g, v] (q[g, v] . x_g). N and the scales' dtype DT fixed at compile time, so the N accumulators
+// stay in registers and the scale's conversion is one instruction.
+template <int N, int DT>
+inline void q8_block(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, const float* x,
+                     float* acc) {
+  Vec vacc[N];
+  for (int v = 0; v < N; ++v) vacc[v] = vzero();
+  const bool ahead = v0 + (kVocabAhead + 1) * kVocabBlock <= vocab;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* qg = q + (g * vocab + v0) * kGroup;
+    const int64_t dg = g * vocab + v0;
     const float* xg = x + g * kGroup;
-    if (v0 + 3 * kVocabBlock <= vocab)  // this group's rows two blocks on: every group is a stream of its own
-      for (int b = 0; b < kVocabBlock * kGroup; b += 64) __builtin_prefetch(qg + 2 * kVocabBlock * kGroup + b);
-    for (int v = 0; v < n; ++v) {
-      const Vec dv = vset(load_scalar(d, g * vocab + v0 + v, d_dtype));
-      vacc[v] = vfma(group_dot(q8_group(qg + v * kGroup), xg), dv, vacc[v]);
+    if (ahead) {
+      for (int b = 0; b < kVocabBlock * kGroup; b += 64) __builtin_prefetch(qg + kVocabAhead * kVocabBlock * kGroup + b);
+      __builtin_prefetch(static_cast<const char*>(d) + (dg + kVocabAhead * kVocabBlock) * (DT == F32 ? 4 : 2));
     }
+    for (int v = 0; v < N; ++v)
+      vacc[v] = vfma(group_dot(q8_group(qg + v * kGroup), xg), vset(load_scalar(d, dg + v, DT)), vacc[v]);
   }
-  for (int v = 0; v < n; ++v) acc[v] = hsum(vacc[v]);
+  for (int v = 0; v < N; ++v) acc[v] = hsum(vacc[v]);
+}
+
+// Rows [v0, end) of the table in blocks of kVocabBlock (the last block one row at a time), scales of dtype DT.
+template <int DT>
+inline void q8_rows(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, int64_t end,
+                    const float* x, void* out, int out_dtype, int64_t out_at) {
+  float acc[kVocabBlock];
+  for (; v0 < end; v0 += kVocabBlock) {
+    const int n = end - v0 < kVocabBlock ? (int)(end - v0) : kVocabBlock;
+    if (n == kVocabBlock) {
+      q8_block<kVocabBlock, DT>(q, d, groups, vocab, v0, x, acc);
+    } else {
+      for (int v = 0; v < n; ++v) q8_block<1, DT>(q, d, groups, vocab, v0 + v, x, acc + v);
+    }
+    for (int v = 0; v < n; ++v) store_scalar(out, out_at + v0 + v, acc[v], out_dtype);
+  }
 }
 
 // Rows ahead whose bytes are requested while this one computes: the kernel alternates conversion work and loads,
@@ -389,13 +412,13 @@ int lp_q8_matmul(const void* x, int x_dtype, const int8_t* q, const void* d, int
   const int64_t tasks = (vocab + kVocabPerTask - 1) / kVocabPerTask;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
-    float acc[kVocabBlock];
-    const int64_t end = (t + 1) * kVocabPerTask < vocab ? (t + 1) * kVocabPerTask : vocab;
+    const int64_t v0 = t * kVocabPerTask, end = (t + 1) * kVocabPerTask < vocab ? (t + 1) * kVocabPerTask : vocab;
     for (int64_t r = 0; r < m; ++r) {
-      for (int64_t v0 = t * kVocabPerTask; v0 < end; v0 += kVocabBlock) {
-        const int n = end - v0 < kVocabBlock ? (int)(end - v0) : kVocabBlock;
-        q8_block(q, d, d_dtype, groups, vocab, v0, n, w.xf + r * k, acc);
-        for (int v = 0; v < n; ++v) store_scalar(out, r * ldo + v0 + v, acc[v], out_dtype);
+      const float* x = w.xf + r * k;
+      switch (d_dtype) {
+        case BF16: q8_rows<BF16>(q, d, groups, vocab, v0, end, x, out, out_dtype, r * ldo); break;
+        case F16: q8_rows<F16>(q, d, groups, vocab, v0, end, x, out, out_dtype, r * ldo); break;
+        default: q8_rows<F32>(q, d, groups, vocab, v0, end, x, out, out_dtype, r * ldo);
       }
     }
   }
