@@ -79,6 +79,9 @@ class ProjectionsOnly:
     def head_parts(self, rows: Sequence[int] | None, n: int) -> list[HeadPart] | None:
         return None
 
+    def stack_lora(self) -> None:
+        return None
+
 
 class Grouped(ProjectionsOnly):
     """Per adapter group: index_select rows, x @ A^T @ B^T, index_add into the fused output columns."""

@@ -1,7 +1,7 @@
 """The batched LoRA kernel's tables as it reads them (``lp_lora_delta`` in ``src/lora.cpp``): one (layer, site)
 table prepared once (``lora_site``: shapes checked, the ctypes arguments built) and run every step by
-``NativeKernels.lora_delta``. Preparing needs no library; ``service.adapters.lora.batch`` keeps each table's
-``LoraSite`` until the table's tensors are replaced.
+``NativeKernels.lora_delta``, or all of a step's by ``lp_decode_stack`` (``StackLora``). Preparing needs no
+library; ``service.adapters.lora.batch`` keeps each table's ``LoraSite`` until the table's tensors are replaced.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from service.kernels import KERNEL_DTYPES
 
-__all__ = ["LoraSegment", "LoraSite", "lora_site"]
+__all__ = ["LoraSegment", "LoraSite", "StackLora", "lora_site"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,19 @@ class LoraSite:
     dtype: torch.dtype
     strides: tuple[int, ...]  # A's, in elements
     args: tuple[Any, Any, Any, Any]  # the modules' (start, rank, col, out_m), Bt, scale and bias pointers
+    fields: Any  # all of it as one int64 row, for a decode step in one call (src/decode.cpp's LoraField)
+
+
+@dataclass(frozen=True)
+class StackLora:
+    """The LoRA of a decode step in one compiled call (``lp_decode_stack``): ``sites`` int64 [layers * 4], per layer
+    and projection (``PROJ_NAMES`` order) the address of its ``LoraSite.fields`` (0: none); the batch rows ``span``
+    [lo, hi) they apply to and ``rows`` int64 [hi - lo], each row's table row (-1: none), as ``lora_delta`` takes."""
+
+    sites: Any
+    span: tuple[int, int]
+    rows: Tensor
+    keep: tuple[LoraSite, ...]  # the sites whose fields ``sites`` points to, alive while this is
 
 
 def lora_site(a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
@@ -69,4 +82,6 @@ def lora_site(a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
         biases[i] = None if s.bias is None else s.bias.data_ptr()
     cols = max(s.col + s.bt.shape[2] for s in segments)
     keep = (a, *(t for s in segments for t in (s.bt, s.scale, s.bias) if t is not None))
-    return LoraSite(keep, g, width, k, cols, a.dtype, a.stride(), (seg, bts, scales, biases))
+    refs = [ctypes.addressof(arr) for arr in (seg, bts, scales, biases)]
+    fields = (ctypes.c_int64 * 12)(a.data_ptr(), KERNEL_DTYPES.index(a.dtype), *a.stride(), width, n, *refs, g)
+    return LoraSite(keep, g, width, k, cols, a.dtype, a.stride(), (seg, bts, scales, biases), fields)

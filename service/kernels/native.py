@@ -45,7 +45,7 @@ from torch import Tensor
 
 from service.errors import FailedPrecondition
 from service.kernels import KERNEL_DTYPES
-from service.kernels.lora import LoraSite
+from service.kernels.lora import LoraSite, StackLora
 from service.platform import cpu_capability, cpu_flags
 
 __all__ = [
@@ -118,11 +118,13 @@ class NativeKernels:
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
         lib.lp_decode_stack.argtypes = [_P, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
-                                        ctypes.c_float, _P]  # fmt: skip
+                                        ctypes.c_float, _P, _P, _L, _L, _P]  # fmt: skip
         for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta,
                    lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
+        if lib.lp_decode_lora_fields() != 12:  # LoraSite.fields
+            raise FailedPrecondition(f"kernel library {path}: {lib.lp_decode_lora_fields()} LoRA fields, expected 12")
         self._lib = lib
 
     @property
@@ -221,19 +223,21 @@ class NativeKernels:
 
     def decode_stack(
         self, x: Tensor, table: ctypes.Array[ctypes.c_int64], dims: tuple[int, ...], final_norm: Tensor, eps: float,
-        rope: tuple[Tensor, Tensor, Tensor], kv: Tensor, slot_start: int,
+        rope: tuple[Tensor, Tensor, Tensor], kv: Tensor, slot_start: int, lora: StackLora | None,
     ) -> Tensor:  # fmt: skip
         """x [B, hidden] float32 (the embedded tokens; left as the residual stream) -> [B, hidden] final-normed
         through the layers whose weights ``table`` lists; dims (hidden, heads, kv heads, head dim, intermediate);
         rope: cos, sin [B, D] and positions [B]; K/V written into slots ``slot_start ..`` of the cache ``kv`` [L, 2,
-        slots, KV, max_len, D]. All contiguous float32 (positions int64); ``service.model.decode_stack`` checks."""
+        slots, KV, max_len, D]; ``lora``: the rows' compiled LoRA tables. All contiguous float32 (positions int64);
+        ``service.model.decode_stack`` checks."""
         cos, sin, pos = rope
         s = kv.stride()
         out = torch.empty_like(x)
+        sites, lo, hi, group = (None, 0, 0, None) if lora is None else (lora.sites, *lora.span, lora.rows.data_ptr())
         rc = self._lib.lp_decode_stack(
             x.data_ptr(), x.shape[0], table, kv.shape[0], (ctypes.c_int64 * 5)(*dims), final_norm.data_ptr(), eps,
             cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), kv.data_ptr() + slot_start * s[2] * 4, s[0], s[1], s[2],
-            s[3], kv.shape[4], 1.0 / math.sqrt(dims[3]), out.data_ptr(),
+            s[3], kv.shape[4], 1.0 / math.sqrt(dims[3]), out.data_ptr(), sites, lo, hi, group,
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_decode_stack refused {x.shape[0]} rows at positions {pos.tolist()}")

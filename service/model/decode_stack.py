@@ -1,8 +1,8 @@
 """A whole decode step of a float32 model on 4-bit weights in one compiled call (``lp_decode_stack``).
 
     DecodeStack(model)                      built once per model; ``invalidate()`` after a projection changes
-    stack.takes(step, adapters, rows)       whether this pass can run as one call
-    stack.run(x, step, cache, slot_start)   x [B, 1, hidden] embedded -> final-normed hidden states [B, 1, hidden]
+    stack.plan(step, adapters, rows)        how this pass runs as one call (``Plan``), or None: the per-op path
+    stack.run(x, step, cache, slot_start, plan)   x [B, 1, hidden] embedded -> final-normed hidden [B, 1, hidden]
     compare(model) -> (stack, per-op) | None   two decode steps both ways (the self-check's probe)
 
 The per-op path of ``Llama.forward`` with the compiled step ops runs about eight compiled calls a layer from Python
@@ -14,19 +14,23 @@ trusting it (``compare``; a mismatch drops to the per-op path).
 
 It takes a pass when: the model is float32 on the CPU with the step ops loaded (``Llama.native``), every projection
 is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks) without a bias, the pass is a decode step (one token a row, no draft
-tree: ``Step.pos``), no adapter is asked for, and the batch is below every projection's ``dense_from_rows`` (from
-there a dense matmul is faster and the per-op path takes it). Everything else, and a model whose table could not be
-built, is the per-op path.
+tree: ``Step.pos``), the batch is below every projection's ``dense_from_rows`` (from there a dense matmul is faster
+and the per-op path takes it), and the rows' adapters, if any, change only projections, through the compiled LoRA
+tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are handled outside as
+always; a replaced norm weight is not). Everything else, and a model whose table could not be built, is the per-op
+path.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from service.kernels.lora import StackLora
 from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
 from service.model.hooks import PROJ_NAMES, AdapterHook
@@ -53,6 +57,13 @@ class Model(Protocol):
     ) -> Tensor: ...
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A pass ``DecodeStack.plan`` runs as one call: with the rows' compiled LoRA tables, or none."""
+
+    lora: StackLora | None
+
+
 class DecodeStack:
     """The table of a model's weights for ``lp_decode_stack``, built on first use; ``enabled`` False: never taken."""
 
@@ -68,12 +79,18 @@ class DecodeStack:
         """Forget the table (a projection was replaced: loading, dense copies, the self-check's probes)."""
         self._table, self._max_rows, self._built = None, 0, False
 
-    def takes(self, step: Step, adapters: AdapterHook | None, rows: int) -> bool:
-        if not self.enabled or adapters is not None or step.pos is None or step.native is None:
-            return False
+    def plan(self, step: Step, adapters: AdapterHook | None, rows: int) -> Plan | None:
+        """How this pass runs as one call, or None: the per-op path (see the module docstring)."""
+        if not self.enabled or step.pos is None or step.native is None:
+            return None
         if not self._built:
             self._build()
-        return rows < self._max_rows
+        if rows >= self._max_rows:
+            return None
+        if adapters is None:
+            return Plan(None)
+        lora = adapters.stack_lora()
+        return None if lora is None else Plan(lora)
 
     def _build(self) -> None:
         self._built = True
@@ -101,9 +118,9 @@ class DecodeStack:
         self._table = (ctypes.c_int64 * len(fields))(*fields)
         self._max_rows = max_rows
 
-    def run(self, x: Tensor, step: Step, cache: KVCache, slot_start: int) -> Tensor:
-        """One decode step (``takes`` said yes): x [B, 1, hidden] float32, the embedded tokens -> the final-normed
-        hidden states [B, 1, hidden]; writes each row's K/V into its slot of ``cache``."""
+    def run(self, x: Tensor, step: Step, cache: KVCache, slot_start: int, plan: Plan) -> Tensor:
+        """One decode step as ``plan`` says: x [B, 1, hidden] float32, the embedded tokens (adapters' embeddings
+        applied) -> the final-normed hidden states [B, 1, hidden]; writes each row's K/V into its slot of ``cache``."""
         model, native, table, pos = self.model, step.native, self._table, step.pos
         assert native is not None and table is not None and pos is not None
         cfg, b = model.cfg, x.shape[0]
@@ -118,7 +135,10 @@ class DecodeStack:
             raise ValueError(f"the decode stack: positions {pos.dtype} {tuple(pos.shape)} for {b} rows")
         dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         self.calls += 1
-        out = native.decode_stack(x, table, dims, model.norm.weight, cfg.rms_norm_eps, (cos, sin, pos), kv, slot_start)
+        if plan.lora is not None and not 0 <= plan.lora.span[0] <= plan.lora.span[1] <= b:
+            raise ValueError(f"the decode stack: LoRA rows {plan.lora.span} of a batch of {b}")
+        rope = (cos, sin, pos)
+        out = native.decode_stack(x, table, dims, model.norm.weight, cfg.rms_norm_eps, rope, kv, slot_start, plan.lora)
         return out.view(b, 1, cfg.hidden_size)
 
 

@@ -8,7 +8,8 @@ leave a place alone costs one method call there:
 - the token embedding (``embed``): the float32 residual stream as the base embedding made it, and the tokens;
 - every RMSNorm (``norm``): the norm's input and its base output (per layer ``input_layernorm`` and
   ``post_attention_layernorm``, then the final ``norm`` at layer index ``num_layers``);
-- the output head (``head_parts``): which rows project with what, asked once per ``Llama.logits`` call.
+- the output head (``head_parts``): which rows project with what, asked once per ``Llama.logits`` call;
+- a decode step in one compiled call (``stack_lora``): all the projections' deltas as compiled tables, up front.
 
 Nothing here imports the adapters package: the model sees only tensors.
 """
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from torch import Tensor
+
+from service.kernels.lora import StackLora
 
 ProjName = Literal["wqkv", "wo", "w13", "w2"]
 PROJ_NAMES: tuple[ProjName, ...] = ("wqkv", "wo", "w13", "w2")
@@ -56,6 +59,12 @@ class AdapterHook(Protocol):
 
     def norm(self, out: Tensor, x: Tensor, layer: int, name: NormName, norm_with: NormWith) -> Tensor:
         """``out`` (the base norm of ``x``) with the rows of a replaced norm weight recomputed by ``norm_with``."""
+        ...
+
+    def stack_lora(self) -> StackLora | None:
+        """Every layer's projection deltas as compiled LoRA tables, for a decode step in one call
+        (``service.model.decode_stack``); None when the batch needs the per-op path (no compiled tables, a replaced
+        norm). The embedding and the head stay with ``embed`` and ``head_parts``."""
         ...
 
     def head_parts(self, rows: Sequence[int] | None, n: int) -> list[HeadPart] | None:

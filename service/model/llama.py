@@ -291,8 +291,8 @@ class Llama(nn.Module):
         # summing 60 sublayer outputs into a bf16 stream rounds away enough to flip near-tied tokens (SmolLM2's
         # answer to "What is the capital of France?"). Matmul inputs and the KV cache stay in the model dtype.
         x = x.float() if adapters is None else adapters.embed(x.float(), tokens)
-        if self.stack.takes(step, adapters, b):
-            return self.stack.run(x, step, cache, slot_start)
+        if (plan := self.stack.plan(step, adapters, b)) is not None:
+            return self.stack.run(x, step, cache, slot_start, plan)
         y: Tensor | None = None  # the last sublayer's output, added to x by the next norm
         for i, layer in enumerate(self.blocks):
             k_cache, v_cache = cache.k[i].narrow(0, slot_start, b), cache.v[i].narrow(0, slot_start, b)

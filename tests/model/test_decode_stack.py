@@ -18,6 +18,8 @@ import torch
 from support.gguf_files import load_variant, write_tiny_gguf
 from support.native import compiled_kernels, kernels_mode
 
+from service.adapters.lora.batch import AdapterBatch, LoraTables
+from service.adapters.lora.types import LoraLayer, LoraModule
 from service.model import KVCache, Llama
 from service.model.decode_stack import DecodeStack
 from service.model.load_gguf import load_gguf_model
@@ -74,6 +76,65 @@ def test_one_call_is_the_per_op_path_bit_for_bit(q4_model: Llama, rows: int, slo
     assert torch.equal(fused_cache, per_op_cache)  # the rows' slots written alike, the other slots untouched
 
 
+# --- LoRA rows: the compiled tables inside the one call ---------------------------------------------------------
+
+CPU = torch.device("cpu")
+SHAPES = {  # module -> (in, out) as functions of the config
+    "q_proj": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    "k_proj": lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim),
+    "v_proj": lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim),
+    "o_proj": lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    "gate_proj": lambda c: (c.hidden_size, c.intermediate_size),
+    "up_proj": lambda c: (c.hidden_size, c.intermediate_size),
+    "down_proj": lambda c: (c.intermediate_size, c.hidden_size),
+}
+
+
+def _lora(cfg: Any, seed: int, modules: tuple[str, ...] = tuple(SHAPES)) -> LoraLayer:
+    """A random LoRA layer on ``modules``, ranks 4 and 8 in turn; the first module a DoRA rescale and a bias."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, name in enumerate(modules):
+        k, n = SHAPES[name](cfg)
+        r = 4 + 4 * (i % 2)
+        a, b = torch.randn(r, k, generator=g) / k**0.5, torch.randn(n, r, generator=g) * 0.2
+        rescale, bias = (
+            (torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g) * 0.1) if i == 0 else (None, None)
+        )
+        out[name] = LoraModule(a=a, b=b, rescale=rescale, bias=bias)
+    return LoraLayer(modules=out, nbytes=0)
+
+
+def _tables(model: Llama) -> LoraTables:
+    return LoraTables(model.cfg, device=CPU, dtype=torch.float32, native=model.lora_native)
+
+
+@pytest.mark.parametrize("mode", ["shared", "slots"])
+def test_lora_rows_in_one_call_are_the_per_op_path_bit_for_bit(q4_model: Llama, mode: str) -> None:
+    cfg = q4_model.cfg
+    layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("v_proj", "o_proj", "down_proj")), "z": _lora(cfg, 3)}
+    rows: list[str | None] = [None, "x", "y", None, "x", "z"]  # rows without an adapter inside and outside the span
+    gen = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, cfg.vocab_size, (len(rows), 1), generator=gen) for _ in range(3)]
+    runs = []
+    for stack, adapters in ((True, rows), (False, rows), (True, [None] * len(rows))):
+        tables, calls = _tables(q4_model), q4_model.stack.calls
+        cache = KVCache(cfg, len(rows) + 1, 16, dtype=torch.float32, device=CPU)
+        q4_model.stack.enabled = stack
+        try:
+            hidden = []
+            for p, tok in enumerate(tokens):
+                batch = AdapterBatch.build(adapters, lambda a, layer: layers[a], tables, slot_start=1, mode=mode)
+                hidden.append(q4_model(tok, torch.full((len(rows), 1), p), cache, 1, batch, kv_len=p + 1))
+        finally:
+            q4_model.stack.enabled = True
+        assert q4_model.stack.calls == calls + (len(tokens) if stack else 0)
+        runs.append((torch.cat(hidden, dim=1), cache.data.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    for b, adapter in enumerate(rows):  # against the base model: rows without an adapter unchanged, the others not
+        assert torch.equal(runs[0][0][b], runs[2][0][b]) == (adapter is None), b
+
+
 def test_the_default_model_takes_it_at_one_row(smollm2_dir: Path, smollm2_gguf: Path) -> None:
     model = _load(smollm2_dir, smollm2_gguf)
     fused, fused_cache = _decode(model, stack=True, rows=1, slot_start=0, steps=3)
@@ -93,16 +154,23 @@ def _step(model: Llama, rows: int, tokens: int = 1, adapters: Any = None, tree: 
 def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
     stack = q4_model.stack
     q4_model._rope_for(8)
-    assert stack.takes(_step(q4_model, 2), None, 2)
-    assert not stack.takes(_step(q4_model, 2, tokens=3), None, 2)  # a prefill: several tokens a row
-    assert not stack.takes(_step(q4_model, 1, tokens=2, tree=torch.ones(2, 2, dtype=torch.bool)), None, 1)
-    assert not stack.takes(_step(q4_model, 2), object(), 2)  # an adapter asked for
+    w_norm = torch.ones(q4_model.cfg.hidden_size)
+    assert stack.plan(_step(q4_model, 2), None, 2) is not None
+    assert stack.plan(_step(q4_model, 2, tokens=3), None, 2) is None  # a prefill: several tokens a row
+    assert stack.plan(_step(q4_model, 1, tokens=2, tree=torch.ones(2, 2, dtype=torch.bool)), None, 1) is None
+    eager_tables = LoraTables(q4_model.cfg, device=CPU, dtype=torch.float32, native=None)
+    eager = AdapterBatch.build(["x", None], lambda a, layer: _lora(q4_model.cfg, 1), eager_tables)
+    assert stack.plan(_step(q4_model, 2), eager, 2) is None  # adapters without compiled tables
+    saved = LoraLayer(modules=_lora(q4_model.cfg, 1).modules, nbytes=0, saved={"post_attention_layernorm": w_norm})
+    normed = AdapterBatch.build(["x", None], lambda a, layer: saved, _tables(q4_model))
+    assert stack.plan(_step(q4_model, 2), normed, 2) is None  # a replaced norm weight
     w = q4_model.projection(0, "w13")
-    assert not stack.takes(_step(q4_model, w.dense_from_rows), None, w.dense_from_rows)  # a dense matmul's rows
+    assert isinstance(w, Q4Native)
+    assert stack.plan(_step(q4_model, w.dense_from_rows), None, w.dense_from_rows) is None  # a dense matmul's rows
     native = q4_model.native
     q4_model.native = None  # the self-check dropped the step ops
     try:
-        assert not stack.takes(_step(q4_model, 2), None, 2)
+        assert stack.plan(_step(q4_model, 2), None, 2) is None
     finally:
         q4_model.native = native
 
@@ -142,6 +210,6 @@ def test_the_self_check_drops_a_stack_that_disagrees(q4_model: Llama, monkeypatc
         ]
         assert not q4_model.stack.enabled and q4_model.native is not None  # the ops themselves stay
         q4_model._rope_for(8)
-        assert not q4_model.stack.takes(_step(q4_model, 1), None, 1)
+        assert q4_model.stack.plan(_step(q4_model, 1), None, 1) is None
     finally:
         q4_model.stack.enabled = True

@@ -51,6 +51,7 @@ rows; per-slot is kept where each row has its own adapter, since there the set c
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Final, Literal
 
@@ -61,12 +62,13 @@ from torch import Tensor
 from service.adapters.lora.layouts import SITES, ModuleSpec, SharedTable, SlotTable, module_layout
 from service.adapters.lora.tables import LoraTables
 from service.adapters.lora.types import LoraLayer
-from service.kernels.lora import LoraSegment, lora_site
-from service.model.hooks import HeadPart, NormName, NormWith, ProjName
+from service.kernels.lora import LoraSegment, StackLora, lora_site
+from service.model.hooks import PROJ_NAMES, HeadPart, NormName, NormWith, ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
 # projection").
 SHARED_MIN_ROWS_PER_ADAPTER: Final = 2
+NORMS: Final = frozenset(("input_layernorm", "post_attention_layernorm", "norm"))  # NormName's values
 
 LayerLookup = Callable[[Hashable, int], LoraLayer | None]
 Mode = Literal["auto", "slots", "shared"]
@@ -277,6 +279,27 @@ class AdapterBatch:
         picked = cols.index_select(0, self._real_rows)  # [n, T, out_m]
         _rescaled(picked, d, per_row)
         cols.index_copy_(0, self._real_rows, picked)
+
+    def stack_lora(self) -> StackLora | None:
+        """``AdapterHook.stack_lora``: every layer synced and its tables compiled (as ``add_delta`` would), or None
+        where the per-op path is needed (no compiled kernel, a saved norm weight)."""
+        rows, layers = self._kernel_rows, self.tables.num_layers
+        if self.tables.native is None or rows is None or any(NORMS & p.saved.keys() for p in self._model().values()):
+            return None
+        sites, keep = (ctypes.c_int64 * (layers * len(PROJ_NAMES)))(), []
+        for layer in range(layers):
+            if not self._synced[layer]:
+                self._sync(layer)
+            if any(NORMS & saved.keys() for saved in self._saved_of[layer].values()):
+                return None
+            tables = self._shared_of[layer] if self.shared else self.tables.slot_tables[layer]
+            for j, name in enumerate(PROJ_NAMES):
+                if (table := tables.get(name)) is not None:
+                    if table.kernel is None:
+                        table.kernel = lora_site(*self._kernel_table(table))
+                    sites[layer * len(PROJ_NAMES) + j] = ctypes.addressof(table.kernel.fields)
+                    keep.append(table.kernel)
+        return StackLora(sites, self.span, rows, tuple(keep))
 
     # --- the embedding, the norms and the head (LoRA on embed_tokens / lm_head, modules_to_save) ------------------
 

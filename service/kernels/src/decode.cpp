@@ -8,8 +8,9 @@
 // lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same values, so its output is
 // bit-identical to that path's; what it removes is the interpreter between them: about 250 calls a step, each
 // paying argument checks, a tensor allocation and a ctypes crossing (about 6 ms of a 20 ms step on an AVX2 EPYC,
-// bench/README.md). service/model/decode_stack.py decides when it applies (no adapter, no bias, every projection
-// a Q4Native below its dense threshold) and lays out the table of pointers.
+// bench/README.md). LoRA rows take lora.cpp's lp_lora_delta after each product, with the tables the per-op path
+// would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native below
+// its dense threshold, adapters only through the compiled LoRA tables) and lays out the tables of pointers.
 
 #include <cstdint>
 #include <cstdlib>
@@ -22,6 +23,10 @@ int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtyp
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b, int64_t h,
                         int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
                         int64_t max_len, float scale, void* out, int dtype);
+int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, const int64_t* group, int64_t groups,
+                  const void* a, int w_dtype, int64_t a_sg, int64_t a_sr, int64_t a_sk, int64_t width, int64_t nseg,
+                  const int64_t* seg, const void* const* bt, const float* const* scale, const void* const* bias,
+                  void* out, int64_t out_cols);
 }
 
 namespace {
@@ -39,6 +44,9 @@ enum Field : int {
   kFields
 };
 
+// One (layer, projection) LoRA table as lp_lora_delta reads it (service.kernels.lora.LoraSite.fields), in this order.
+enum LoraField : int { kA, kWDtype, kASg, kASr, kASk, kWidth, kNseg, kSeg, kBt, kScale, kBias, kGroups, kLoraFields };
+
 template <typename T>
 inline const T* at(const int64_t* row, int field) {
   return reinterpret_cast<const T*>(row[field]);
@@ -49,25 +57,41 @@ inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t 
                       out, F32, n);
 }
 
+// Rows [lo, hi) of out [B, n] += their LoRA deltas from x [B, in] (site null: the projection has none).
+inline int lora(const int64_t* site, const float* x, int64_t in, float* out, int64_t n, int64_t lo, int64_t hi,
+                const int64_t* group) {
+  if (site == nullptr || hi <= lo) return 0;
+  return lp_lora_delta(x + lo * in, F32, hi - lo, 1, in, group, site[kGroups], at<void>(site, kA), (int)site[kWDtype],
+                       site[kASg], site[kASr], site[kASk], site[kWidth], site[kNseg], at<int64_t>(site, kSeg),
+                       at<const void*>(site, kBt), at<const float*>(site, kScale), at<const void*>(site, kBias),
+                       out + lo * n, n);
+}
+
 }  // namespace
 
 extern "C" {
 
 int lp_decode_fields() { return kFields; }
+int lp_decode_lora_fields() { return kLoraFields; }
 
 // One decode step of B rows through ``layers`` layers. x [B, hidden] float32: the embedded tokens on entry, the
 // residual stream (before the final add) on return; out [B, hidden] float32: the final-normed hidden states.
 // table [layers, kFields]: each layer's weights (Field). dims: hidden, heads, kv heads, head dim, intermediate.
 // cos, sin [B, D] and pos [B]: each row's rope tables and position. The cache of layer i holds K of row b, kv head
 // j, position p at kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset
-// (elements, float32). Returns 0, or the first failing op's code (-1 a bad argument, -2 out of memory).
+// (elements, float32). LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s
+// LoraField row (0: no table), applied to rows [lo, hi) with group [hi - lo] (lp_lora_delta's) after the product,
+// as the per-op path's AdapterBatch.add_delta does. Returns 0, or the first failing op's code (-1 a bad argument,
+// -2 out of memory).
 int lp_decode_stack(float* x, int64_t b, const int64_t* table, int64_t layers, const int64_t* dims,
                     const float* final_norm, float eps, const float* cos, const float* sin, const int64_t* pos,
                     float* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
-                    int64_t max_len, float scale, float* out) {
+                    int64_t max_len, float scale, float* out, const int64_t* sites, int64_t lo, int64_t hi,
+                    const int64_t* group) {
   const int64_t hidden = dims[0], heads = dims[1], kv = dims[2], d = dims[3], inter = dims[4];
   if (b <= 0 || layers <= 0 || hidden <= 0 || heads <= 0 || kv <= 0 || heads % kv || d <= 0 || inter <= 0)
     return -1;
+  if (sites != nullptr && (lo < 0 || hi > b || lo > hi || group == nullptr)) return -1;
   const int64_t width = (heads + 2 * kv) * d, qcols = heads * d;
   // one scratch block: h [B, hidden], y [B, hidden], qkv [B, width], att [B, H D], gu [B, 2 I], act [B, I]
   const int64_t sizes[] = {hidden, hidden, width, qcols, 2 * inter, inter};
@@ -84,17 +108,23 @@ int lp_decode_stack(float* x, int64_t b, const int64_t* table, int64_t layers, c
   int rc = 0;
   for (int64_t i = 0; i < layers && rc == 0; ++i) {
     const int64_t* row = table + i * kFields;
+    const int64_t* site[4] = {nullptr, nullptr, nullptr, nullptr};  // wqkv, wo, w13, w2
+    for (int j = 0; sites != nullptr && j < 4; ++j) site[j] = reinterpret_cast<const int64_t*>(sites[i * 4 + j]);
     float* k_cache = kv_base + i * layer_stride;
     rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), b, hidden, eps, h, F32);
     if (!rc) rc = q4(row, kQkvQs, h, b, width, hidden, qkv);
+    if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, hi, group);
     if (!rc)
       rc = lp_decode_attention(qkv, cos, sin, pos, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
                                head_stride, max_len, scale, att, F32);
     if (!rc) rc = q4(row, kWoQs, att, b, hidden, qcols, y);
+    if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, hi, group);
     if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), b, hidden, eps, h, F32);
     if (!rc) rc = q4(row, kW13Qs, h, b, 2 * inter, hidden, gu);
+    if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, hi, group);
     if (!rc) rc = lp_silu_mul(gu, b, inter, act, F32);
     if (!rc) rc = q4(row, kW2Qs, act, b, hidden, inter, y);
+    if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, hi, group);
   }
   if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, b, hidden, eps, out, F32);
   std::free(block);
