@@ -7,8 +7,8 @@
 
 The per-op path of ``Llama.forward`` with the compiled step ops runs about eight compiled calls a layer from Python
 (``service/kernels/src/decode.cpp`` lists them); at one token a row the interpreter between them costs as much as the
-attention and the norms together (bench/README.md, "Native kernels"). ``lp_decode_stack`` runs the same entry points
-in the same order on the same values, so its hidden states are bit-identical to that path's
+attention and the norms together (bench/README.md, "A decode step in one call"). ``lp_decode_stack`` runs the same
+entry points in the same order on the same values, so its hidden states are bit-identical to that path's
 (``tests/model/test_decode_stack.py``), and the start-up self-check compares the two on the served model before
 trusting it (``compare``; a mismatch drops to the per-op path).
 
@@ -38,7 +38,7 @@ from service.model.kv_cache import KVCache
 from service.model.step import Step
 from service.model.weights.q4_native import Q4Native
 
-__all__ = ["DecodeStack", "compare"]
+__all__ = ["DecodeStack", "Plan", "compare"]
 
 
 class Model(Protocol):
