@@ -16,7 +16,9 @@ from torch import Tensor
 
 from service.kernels import KERNEL_DTYPES
 
-__all__ = ["LoraSegment", "LoraSite", "StackLora", "lora_site"]
+__all__ = ["LORA_FIELDS", "LoraSegment", "LoraSite", "StackLora", "lora_site"]
+
+LORA_FIELDS = 12  # int64s of ``LoraSite.fields`` (src/decode.cpp's LoraField; the library says its own at load)
 
 
 @dataclass(frozen=True)
@@ -83,5 +85,5 @@ def lora_site(a: Tensor, segments: Sequence[LoraSegment]) -> LoraSite:
     cols = max(s.col + s.bt.shape[2] for s in segments)
     keep = (a, *(t for s in segments for t in (s.bt, s.scale, s.bias) if t is not None))
     refs = [ctypes.addressof(arr) for arr in (seg, bts, scales, biases)]
-    fields = (ctypes.c_int64 * 12)(a.data_ptr(), KERNEL_DTYPES.index(a.dtype), *a.stride(), width, n, *refs, g)
+    fields = (ctypes.c_int64 * LORA_FIELDS)(a.data_ptr(), KERNEL_DTYPES.index(a.dtype), *a.stride(), width, n, *refs, g)
     return LoraSite(keep, g, width, k, cols, a.dtype, a.stride(), (seg, bts, scales, biases), fields)

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from service.errors import FailedPrecondition
 from service.kernels import KERNEL_DTYPES
-from service.kernels.lora import LoraSite, StackLora
+from service.kernels.lora import LORA_FIELDS, LoraSite, StackLora
 from service.platform import cpu_capability, cpu_flags
 
 __all__ = [
@@ -123,8 +123,8 @@ class NativeKernels:
                    lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
-        if lib.lp_decode_lora_fields() != 12:  # LoraSite.fields
-            raise FailedPrecondition(f"kernel library {path}: {lib.lp_decode_lora_fields()} LoRA fields, expected 12")
+        if lib.lp_decode_lora_fields() != LORA_FIELDS:
+            raise FailedPrecondition(f"kernel library {path}: its LoRA fields are not {LORA_FIELDS}")
         self._lib = lib
 
     @property

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,7 @@ from service.model.hooks import PROJ_NAMES, HeadPart, NormName, NormWith, ProjNa
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
 # projection").
 SHARED_MIN_ROWS_PER_ADAPTER: Final = 2
-NORMS: Final = frozenset(("input_layernorm", "post_attention_layernorm", "norm"))  # NormName's values
+NORMS: Final = frozenset(get_args(NormName))  # the norms an adapter may replace (then not in one call)
 
 LayerLookup = Callable[[Hashable, int], LoraLayer | None]
 Mode = Literal["auto", "slots", "shared"]

@@ -7,7 +7,7 @@
 // It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, step.cpp's
 // lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same values, so its output is
 // bit-identical to that path's; what it removes is the interpreter between them: about 250 calls a step, each
-// paying argument checks, a tensor allocation and a ctypes crossing (about 6 ms of a 20 ms step on an AVX2 EPYC,
+// paying argument checks, a tensor allocation and a ctypes crossing (about 8 ms of a 20 ms step on an AVX2 EPYC,
 // bench/README.md). LoRA rows take lora.cpp's lp_lora_delta after each product, with the tables the per-op path
 // would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native below
 // its dense threshold, adapters only through the compiled LoRA tables) and lays out the tables of pointers.
