@@ -4,9 +4,9 @@
     kernels() -> NativeKernels | None           the loaded library, or None: eager torch paths (see ``status``)
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
-``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``), the fused float32 /
-bfloat16 step ops (``step.cpp``) and the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``:
-``lora_delta`` runs a table prepared once by ``service.kernels.lora.lora_site`` over a step's rows).
+``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``; Q4 weights in tiles of
+``Q4_TILE`` rows), the fused step ops (``step.cpp``), the batched LoRA shrink/expand of one (layer, site)
+(``lora.cpp``, over a table from ``service.kernels.lora.lora_site``) and the one-call decode step (``decode.cpp``).
 
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
@@ -52,6 +52,7 @@ __all__ = [
     "ABI_VERSION",
     "ISA_FLAGS",
     "KERNEL_MODES",
+    "Q4_TILE",
     "NativeKernels",
     "build",
     "configure",
@@ -64,8 +65,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 5  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 6  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
+Q4_TILE = 16  # weight rows side by side in lp_q4_matmul's layout
 SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp", "decode.cpp"))
 HEADERS = (Path(__file__).with_name("src") / "dtypes.h",)  # included by the sources: part of the cache key
 ISA_FLAGS = {
@@ -110,17 +112,15 @@ class NativeKernels:
         if abi != ABI_VERSION or built != isa:
             raise FailedPrecondition(f"kernel library {path}: ABI {abi} for {built}, expected {ABI_VERSION} for {isa}")
         lib.lp_q4_matmul.argtypes = [_P, _I, _P, _P, _P, _L, _L, _L, _P, _I, _L]
-        lib.lp_q4_matmul.restype = ctypes.c_int
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
-        lib.lp_q8_matmul.restype = ctypes.c_int
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
         lib.lp_decode_stack.argtypes = [_P, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
                                         ctypes.c_float, _P, _P, _L, _L, _P]  # fmt: skip
-        for fn in (lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta,
-                   lib.lp_decode_stack):  # fmt: skip
+        for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention,
+                   lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
         if lib.lp_decode_lora_fields() != LORA_FIELDS:
@@ -131,13 +131,13 @@ class NativeKernels:
     def name(self) -> str:
         return f"loraplex {self.isa}"
 
-    def q4_matmul(self, x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, out_dtype: torch.dtype) -> Tensor:
-        """x2 [M, K] -> [M, N] in ``out_dtype``: ``x2 @ W^T`` with ``W[n, 32 g + j] = d[n, g] q + m[n, g]``; qs
-        [N, K / 2] uint8 (group g of row n: bytes 16 g .. 16 g + 15, byte j holding q[j] low and q[j + 16] high),
-        d and m [N, K / 32] float32."""
+    def q4_matmul(self, x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, n: int, out_dtype: torch.dtype) -> Tensor:
+        """x2 [M, K] -> [M, N] in ``out_dtype``: ``x2 @ W^T`` with ``W[n, 32 g + j] = d[n, g] q + m[n, g]``, in tiles
+        of 16 rows (``Q4_TILE``; N rounded up): qs [tiles, K / 32, 16, 16] uint8, byte (t, g, p, i) holding row
+        16 t + i's q at input 32 g + 2 p (low nibble) and 32 g + 2 p + 1 (high); d and m [tiles, K / 32, 16]
+        float32."""
         mrows, k = x2.shape
-        n = qs.shape[0]
-        _check(x2, qs, d, m, k=k, groups=(n, k // 32), packed=(n, k // 2))
+        _check(x2, qs, d, m, k=k, n=n)
         out = torch.empty(mrows, n, dtype=out_dtype)
         rc = self._lib.lp_q4_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], qs.data_ptr(), d.data_ptr(), m.data_ptr(),
                                     mrows, n, k, out.data_ptr(), _DTYPE_CODES[out_dtype], n)  # fmt: skip
@@ -275,16 +275,15 @@ def _raise(rc: int, what: str) -> None:
     raise ValueError(what)
 
 
-def _check(
-    x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, groups: tuple[int, int], packed: tuple[int, int]
-) -> None:
+def _check(x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, n: int) -> None:
+    scales = (-(-n // Q4_TILE), k // 32, Q4_TILE)  # [tiles, G, 16]; qs [tiles, G, 16 pairs, 16]
     if k % 32 or x2.dtype not in _DTYPE_CODES:
         raise ValueError(f"x must be [M, K] with K % 32 == 0 in {tuple(_DTYPE_CODES)}, got {x2.dtype} {list(x2.shape)}")
-    if tuple(qs.shape) != packed or qs.dtype != torch.uint8:
-        raise ValueError(f"packed values must be uint8 {list(packed)}, got {qs.dtype} {tuple(qs.shape)}")
+    if tuple(qs.shape) != (*scales[:2], 16, Q4_TILE) or qs.dtype != torch.uint8:
+        raise ValueError(f"packed values must be uint8 {[*scales[:2], 16, Q4_TILE]}, got {qs.dtype} {tuple(qs.shape)}")
     for t in (d, m):
-        if tuple(t.shape) != groups or t.dtype != torch.float32:
-            raise ValueError(f"scales must be float32 {list(groups)}, got {t.dtype} {tuple(t.shape)}")
+        if tuple(t.shape) != scales or t.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {list(scales)}, got {t.dtype} {tuple(t.shape)}")
     for t in (x2, qs, d, m):
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("native kernels take contiguous CPU tensors")

@@ -70,7 +70,7 @@ def test_the_q8_head_projects_a_batch_as_its_dequantized_table(
     head = model.lm_head
     assert isinstance(head, Q8Table)
     monkeypatch.setattr(q8_table, "HEAD_CHUNK_ROWS", 1000)  # several chunks, the last one short
-    rows = q8_table.PAIR_MAX_ROWS + 1  # past the int4 pair's rows (bf16): the chunked / dense path
+    rows = max(q8_table.PAIR_MAX_ROWS, q8_table.NATIVE_MAX_ROWS[dtype]) + 1  # past the kernels': chunked / dense
     hidden = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype)
     dense = head.dequantize(dtype)
     want = F.linear(hidden, dense)

@@ -20,7 +20,7 @@ from service.model.weights import Scratch, linear
 from service.model.weights.q4_native import Q4Native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ROWS = [1, 2, 3, 4, 5, 9]  # every register-block width (1..4) and the passes beyond
+ROWS = [1, 2, 3, 4, 5, 9]  # every register-block width (1..4; 1 row takes two tiles at once) and passes beyond
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -54,12 +54,44 @@ def test_q4_kernel_matches_a_float64_reference(dtype: torch.dtype, rows: int) ->
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("n", [1, 15, 37])
+def test_q4_kernel_pads_a_partial_tile_and_writes_only_the_rows_asked(n: int) -> None:
+    kern = compiled_kernels()
+    q, d, m = _q4(n, 64, seed=n)
+    w = Q4Native.from_q_d_m(q, d, m, kern, dtype=torch.float32)
+    assert w.shape == (n, 64) and w.qs.shape[0] == -(-n // 16)
+    assert torch.equal(w.unpack(), q.to(torch.uint8))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(n))
+    truth = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    assert _rel(w.matmul(x), x.double() @ truth.t()) < _tolerance(torch.float32)
+
+
+@pytest.mark.numerics
+def test_a_rows_products_are_bit_identical_whatever_the_batch_beside_it() -> None:
+    """Each row's Q4 and Q8 products take the same operations in the same order at every batch size and place in
+    the batch (the register blocks only share the weights' conversion), so a batch never changes a row's logits."""
+    kern = compiled_kernels()
+    gen = torch.Generator().manual_seed(11)
+    q, d, m = _q4(80, 96, seed=11)
+    w = Q4Native.from_q_d_m(q, d, m, kern, dtype=torch.float32)
+    q8 = torch.randint(-128, 128, (3, 523, 32), generator=gen, dtype=torch.int8)
+    d8 = torch.rand(3, 523, generator=gen) * 0.01
+    x = torch.randn(33, 96, generator=gen)
+    alone4 = torch.cat([w.matmul(x[i : i + 1]) for i in range(33)])
+    alone8 = torch.cat([kern.q8_matmul(x[i : i + 1], q8, d8, torch.float32) for i in range(33)])
+    for start, rows in ((0, 33), (0, 5), (3, 9), (7, 17), (29, 4)):
+        part = x[start : start + rows]
+        assert torch.equal(w.matmul(part), alone4[start : start + rows]), (start, rows)
+        assert torch.equal(kern.q8_matmul(part, q8, d8, torch.float32), alone8[start : start + rows]), (start, rows)
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize(("x_dtype", "d_dtype"), [(t, t) for t in DTYPES] + [(torch.float32, torch.float16)], ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_q8_kernel_matches_a_float64_reference(x_dtype: torch.dtype, d_dtype: torch.dtype, rows: int) -> None:
     kern = compiled_kernels()
     gen = torch.Generator().manual_seed(rows)
-    vocab, k = 523, 64  # not a multiple of the 8-row register block nor the 256-row work item
+    vocab, k = 523, 64  # not a multiple of the register blocks (4 rows, 2 at 4 rows of x) nor the 256-row work item
     q = torch.randint(-128, 128, (k // 32, vocab, 32), generator=gen, dtype=torch.int8)
     d = (torch.rand(k // 32, vocab, generator=gen) * 0.01).to(d_dtype)
     x = torch.randn(rows, k, generator=gen).to(x_dtype)

@@ -85,11 +85,14 @@ def test_a_wrong_native_kernel_falls_back_to_torchs_and_answers_right(
     compiled_kernels()
     model = load_gguf_model(served_tiny_dir, tiny_gguf, dtype=torch.float32)[0]
 
-    def zeros(self: native.NativeKernels, x2: torch.Tensor, w: torch.Tensor, *rest: Any) -> torch.Tensor:
-        return torch.zeros(x2.shape[0], w.shape[0] if w.dim() == 2 else w.shape[1], dtype=rest[-1])
+    def q4_zeros(self: native.NativeKernels, x2: torch.Tensor, *tiles: Any) -> torch.Tensor:
+        return torch.zeros(x2.shape[0], tiles[-2], dtype=tiles[-1])  # (qs, d, m, n, out_dtype)
 
-    monkeypatch.setattr(native.NativeKernels, "q4_matmul", zeros)
-    monkeypatch.setattr(native.NativeKernels, "q8_matmul", zeros)
+    def q8_zeros(self: native.NativeKernels, x2: torch.Tensor, q: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return torch.zeros(x2.shape[0], q.shape[1], dtype=rest[-1])
+
+    monkeypatch.setattr(native.NativeKernels, "q4_matmul", q4_zeros)
+    monkeypatch.setattr(native.NativeKernels, "q8_matmul", q8_zeros)
     report = run_self_check(model)
     fallbacks = [c.path for c in report.checks if c.status.startswith("fallback")]
     assert any(p.startswith("q4 projection") for p in fallbacks) and "output head, 1 row" in fallbacks, fallbacks

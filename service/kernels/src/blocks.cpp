@@ -31,7 +31,7 @@
 extern "C" {
 
 // Bumped whenever a signature or a layout below changes; the wrapper refuses a library with another version.
-int lp_abi_version() { return 5; }
+int lp_abi_version() { return 6; }
 const char* lp_isa() { return LP_ISA; }
 
 }  // extern "C"
@@ -146,8 +146,6 @@ struct Widened {
   bool ok() const { return xf != nullptr && xsum != nullptr; }
 };
 
-constexpr int kMaxRows = 4;  // rows of x per pass over the weights (held in registers); more take further passes
-
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kLanes = 16;
@@ -161,12 +159,6 @@ inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
 struct Group {  // the 32 values of a group: elements 0..15, 16..31
   Vec v[2];
 };
-inline Group q4_group(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i low = _mm_set1_epi8(0x0f);
-  return {{_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low))),
-           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low)))}};
-}
 inline Group q8_group(const int8_t* q) {
   return {{_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))),
            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))))}};
@@ -191,13 +183,6 @@ struct Group {  // elements 0..7, 8..15, 16..23, 24..31
 };
 inline Vec widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 inline Vec widen8s(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-inline Group q4_group(const uint8_t* qs) {  // each byte zero-extended from memory, then its two nibbles apart
-  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
-  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
-  const __m256i low = _mm256_set1_epi32(0x0f);
-  return {{_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, low)),
-           _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))}};
-}
 inline Vec widen8s_at(const int8_t* q) { return widen8s(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))); }
 inline Group q8_group(const int8_t* q) {  // vpmovsxbd from memory: no shuffle to reach the upper bytes
   return {{widen8s_at(q), widen8s_at(q + 8), widen8s_at(q + 16), widen8s_at(q + 24)}};
@@ -239,14 +224,6 @@ inline float hsum(Vec v) {  // pairwise, as the vector variants reduce their lan
 struct Group {
   Vec v[1];
 };
-inline Group q4_group(const uint8_t* qs) {
-  Group g;
-  for (int j = 0; j < 16; ++j) {
-    g.v[0].f[j] = (float)(qs[j] & 0x0f);
-    g.v[0].f[j + 16] = (float)(qs[j] >> 4);
-  }
-  return g;
-}
 inline Group q8_group(const int8_t* q) {
   Group g;
   for (int j = 0; j < 32; ++j) g.v[0].f[j] = (float)q[j];
@@ -263,110 +240,213 @@ inline Vec group_dot(const Group& q, const float* x) {
   return dot;
 }
 
-// sum_i a[i] b[i] over n floats, in lanes then across them.
-inline float lane_dot(const float* a, const float* b, int64_t n) {
-  Vec acc = vzero();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+// --- 16 weight rows side by side: one lane per row ------------------------------------------------------------
+//
+// The 4-bit kernel keeps 16 weight rows ("a tile") in the lanes of its accumulators and walks the inputs in order,
+// each input broadcast against the 16 rows' values: one multiply-add per input and row, no horizontal sum, and a
+// tile's dequantized values serve every row of x held in registers. A lane computes its row's product alone, in the
+// same order whatever the number of x rows, the ISA or the lanes beside it, so results are batch-invariant and
+// equal across the vector variants (the generic one rounds a product and a sum apart: no FMA in baseline x86-64).
 
-// One weight row against R rows of x: acc[r] = sum_g d_g (q_g . x_rg) + sum_g m_g sum(x_rg). qs [G, 16] nibble
-// pairs (byte j: q[j] low, q[j + 16] high, as GGUF's block_q4_1 stores them), d and m [G] float32. Even and odd
-// groups accumulate apart (two dependency chains, so consecutive groups overlap), summed at the end; the m terms
-// are one dot product in lanes after them.
+constexpr int kTile = 16;
+
+#if defined(__AVX512F__)
+struct Lanes {
+  __m512 v;
+};
+inline Lanes lzero() { return {_mm512_setzero_ps()}; }
+inline Lanes lload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void lstore(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
+inline Lanes lfma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Lanes lfma_x(Lanes a, const float* x, Lanes c) { return {_mm512_fmadd_ps(a.v, _mm512_set1_ps(*x), c.v)}; }
+// 16 bytes, byte i holding row i's values at inputs 2p (low nibble) and 2p + 1 (high) -> the two as floats.
+inline void q4_pair(const uint8_t* b, Lanes& even, Lanes& odd) {
+  const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  even.v = _mm512_cvtepi32_ps(_mm512_and_si512(i, _mm512_set1_epi32(0x0f)));
+  odd.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4));
+}
+#elif defined(__AVX2__)
+struct Lanes {  // rows 0..7, 8..15
+  __m256 lo, hi;
+};
+inline Lanes lzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes lload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void lstore(float* p, Lanes a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Lanes lfma(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Lanes lfma_x(Lanes a, const float* x, Lanes c) {
+  const __m256 b = _mm256_broadcast_ss(x);
+  return {_mm256_fmadd_ps(a.lo, b, c.lo), _mm256_fmadd_ps(a.hi, b, c.hi)};
+}
+inline void q4_pair(const uint8_t* b, Lanes& even, Lanes& odd) {  // each byte zero-extended from memory
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  even = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, low)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, low))};
+  odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
+}
+#else
+struct Lanes {
+  float f[kTile];
+};
+inline Lanes lzero() { return Lanes{}; }
+inline Lanes lload(const float* p) {
+  Lanes a;
+  std::memcpy(a.f, p, sizeof a.f);
+  return a;
+}
+inline void lstore(float* p, Lanes a) { std::memcpy(p, a.f, sizeof a.f); }
+inline Lanes lfma(Lanes a, Lanes b, Lanes c) {
+  for (int j = 0; j < kTile; ++j) c.f[j] += a.f[j] * b.f[j];
+  return c;
+}
+inline Lanes lfma_x(Lanes a, const float* x, Lanes c) {
+  const float b = *x;
+  for (int j = 0; j < kTile; ++j) c.f[j] += a.f[j] * b;
+  return c;
+}
+inline void q4_pair(const uint8_t* b, Lanes& even, Lanes& odd) {
+  for (int j = 0; j < kTile; ++j) {
+    even.f[j] = (float)(b[j] & 0x0f);
+    odd.f[j] = (float)(b[j] >> 4);
+  }
+}
+#endif
+
+// Bytes of one (tile, group): 16 input pairs x 16 rows. Its scales d, m: 16 float32 each.
+constexpr int64_t kTileGroupBytes = kGroup / 2 * kTile;
+constexpr int64_t kAheadGroups = 4;  // how far ahead of the group being read its bytes are requested
+constexpr int64_t kAheadBytes = kAheadGroups * kTileGroupBytes;
+
+// One tile (16 weight rows) against R rows of x. Tile layout (see lp_q4_matmul): qs [G, 16, 16] bytes, d and m
+// [G, 16]. Every lane: s = sum_j q_j x_j over a group in input order (from zero, one multiply-add each), then
+// acc = d s + acc, acc = m xsum_g + acc; out [R][16]. (Two tiles at once at one row measured slower on an AVX2
+// EPYC: more streams for the prefetchers, and the dependency chains were not the bound.)
 template <int R>
-inline void q41_row(const uint8_t* qs, const float* d, const float* m, int64_t groups, const float* xf,
-                    const float* xsum, int64_t k, float* acc) {
-  Vec even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = vzero();
-  int64_t g = 0;
-  for (; g + 1 < groups; g += 2) {
-    const Group q0 = q4_group(qs + g * 16), q1 = q4_group(qs + (g + 1) * 16);
-    const Vec d0 = vset(d[g]), d1 = vset(d[g + 1]);
+inline void q4_tile(const uint8_t* qs, const float* d, const float* mn, int64_t groups, const float* xf,
+                    const float* xsum, int64_t k, float* out) {
+  Lanes acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = lzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = qs + g * kTileGroupBytes;
+    for (int b = 0; b < kTileGroupBytes; b += 64) __builtin_prefetch(q + kAheadBytes + b);
+    __builtin_prefetch(d + (g + kAheadGroups) * kTile);
+    __builtin_prefetch(mn + (g + kAheadGroups) * kTile);
+    Lanes s[R];
+    for (int r = 0; r < R; ++r) s[r] = lzero();
+    const float* xg = xf + g * kGroup;
+    for (int p = 0; p < kGroup / 2; ++p) {
+      Lanes even, odd;
+      q4_pair(q + p * kTile, even, odd);
+      for (int r = 0; r < R; ++r) {
+        s[r] = lfma_x(even, xg + r * k + 2 * p, s[r]);
+        s[r] = lfma_x(odd, xg + r * k + 2 * p + 1, s[r]);
+      }
+    }
+    const Lanes dv = lload(d + g * kTile), mv = lload(mn + g * kTile);
     for (int r = 0; r < R; ++r) {
-      const float* x = xf + r * k + g * kGroup;
-      even[r] = vfma(group_dot(q0, x), d0, even[r]);
-      odd[r] = vfma(group_dot(q1, x + kGroup), d1, odd[r]);
+      acc[r] = lfma(dv, s[r], acc[r]);
+      acc[r] = lfma_x(mv, xsum + r * groups + g, acc[r]);
     }
   }
-  if (g < groups) {
-    const Group q0 = q4_group(qs + g * 16);
-    const Vec d0 = vset(d[g]);
-    for (int r = 0; r < R; ++r) even[r] = vfma(group_dot(q0, xf + r * k + g * kGroup), d0, even[r]);
-  }
-  for (int r = 0; r < R; ++r) acc[r] = hsum(vadd(even[r], odd[r])) + lane_dot(m, xsum + r * groups, groups);
+  for (int r = 0; r < R; ++r) lstore(out + r * kTile, acc[r]);
 }
+#if defined(__AVX512F__)
+constexpr int kPassRows = 8;  // rows of x per pass over a tile (their sums held in registers)
+#else
+constexpr int kPassRows = 4;
+#endif
+constexpr int64_t kTilesPerTask = 2;  // tiles per OpenMP work item
 
-inline void q41_rows(const uint8_t* qs, const float* d, const float* m, int64_t groups, const float* xf,
-                     const float* xsum, int64_t k, int64_t rows, float* acc) {
+// ``rows`` (1..kPassRows) rows of x against one tile: q4_tile with the count fixed.
+inline void q4_pass(int rows, const uint8_t* qs, const float* d, const float* mn, int64_t groups, const float* xf,
+                    const float* xsum, int64_t k, float* out) {
   switch (rows) {
-    case 1: q41_row<1>(qs, d, m, groups, xf, xsum, k, acc); break;
-    case 2: q41_row<2>(qs, d, m, groups, xf, xsum, k, acc); break;
-    case 3: q41_row<3>(qs, d, m, groups, xf, xsum, k, acc); break;
-    default: q41_row<4>(qs, d, m, groups, xf, xsum, k, acc);
+    case 1: q4_tile<1>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 2: q4_tile<2>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 3: q4_tile<3>(qs, d, mn, groups, xf, xsum, k, out); break;
+#if defined(__AVX512F__)
+    case 4: q4_tile<4>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 5: q4_tile<5>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 6: q4_tile<6>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 7: q4_tile<7>(qs, d, mn, groups, xf, xsum, k, out); break;
+#endif
+    default: q4_tile<kPassRows>(qs, d, mn, groups, xf, xsum, k, out);
   }
 }
 
-constexpr int kVocabBlock = 4;  // vocabulary rows of a Q8_0 table accumulated together (a register each)
-constexpr int kVocabAhead = 4;  // blocks ahead whose bytes are requested: each group of the table is its own stream
+constexpr int kVocabAhead = 16;  // vocabulary rows ahead whose bytes are requested: each group is its own stream
 
-// Vocabulary rows [v0, v0 + N) of a group-major Q8_0 table (q [G, V, 32] int8, d [G, V] of D) against one row of
-// x: acc[v] = sum_g d[g, v] (q[g, v] . x_g). N and the scales' dtype DT fixed at compile time, so the N accumulators
-// stay in registers and the scale's conversion is one instruction.
-template <int N, int DT>
+// Vocabulary rows [v0, v0 + N) of a group-major Q8_0 table (q [G, V, 32] int8, d [G, V] of D) against R rows of x
+// (row stride k): acc[r][v] = sum_g d[g, v] (q[g, v] . x_rg). A pair's operations are the same whatever N and R (a
+// group's dot product in lanes, scaled into its accumulator, the lanes summed at the end), so the logits do not
+// depend on the batch. N, R and the scales' dtype DT fixed at compile time: the accumulators stay in registers and
+// a group's values, converted once, serve the R rows.
+template <int N, int R, int DT>
 inline void q8_block(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, const float* x,
-                     float* acc) {
-  Vec vacc[N];
-  for (int v = 0; v < N; ++v) vacc[v] = vzero();
-  const bool ahead = v0 + (kVocabAhead + 1) * kVocabBlock <= vocab;
+                     int64_t k, float* acc) {
+  Vec vacc[N][R];
+  for (int v = 0; v < N; ++v)
+    for (int r = 0; r < R; ++r) vacc[v][r] = vzero();
+  const bool ahead = v0 + kVocabAhead + N <= vocab;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* qg = q + (g * vocab + v0) * kGroup;
     const int64_t dg = g * vocab + v0;
     const float* xg = x + g * kGroup;
     if (ahead) {
-      for (int b = 0; b < kVocabBlock * kGroup; b += 64) __builtin_prefetch(qg + kVocabAhead * kVocabBlock * kGroup + b);
-      __builtin_prefetch(static_cast<const char*>(d) + (dg + kVocabAhead * kVocabBlock) * (DT == F32 ? 4 : 2));
+      for (int b = 0; b < N * kGroup; b += 64) __builtin_prefetch(qg + kVocabAhead * kGroup + b);
+      __builtin_prefetch(static_cast<const char*>(d) + (dg + kVocabAhead) * (DT == F32 ? 4 : 2));
     }
-    for (int v = 0; v < N; ++v)
-      vacc[v] = vfma(group_dot(q8_group(qg + v * kGroup), xg), vset(load_scalar(d, dg + v, DT)), vacc[v]);
+    for (int v = 0; v < N; ++v) {
+      const Group grp = q8_group(qg + v * kGroup);
+      const Vec dv = vset(load_scalar(d, dg + v, DT));
+      for (int r = 0; r < R; ++r) vacc[v][r] = vfma(group_dot(grp, xg + r * k), dv, vacc[v][r]);
+    }
   }
-  for (int v = 0; v < N; ++v) acc[v] = hsum(vacc[v]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < N; ++v) acc[r * N + v] = hsum(vacc[v][r]);
 }
 
-// Rows [v0, end) of the table in blocks of kVocabBlock (the last block one row at a time), scales of dtype DT.
+constexpr int kVocabBlock = 4;  // vocabulary rows a block against one row of x
+constexpr int kHeadRows = 4;   // rows of x a pass against a block of kHeadBlock vocabulary rows (their sums in
+constexpr int kHeadBlock = 2;  // registers); fewer rows take kVocabBlock-row blocks one row at a time
+
+// Rows [v0, end) of the table against R rows of x (row stride k) in blocks of N (the last, partial block one
+// vocabulary row at a time), stored into out (rows ldo apart).
+template <int N, int R, int DT>
+inline void q8_span(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, int64_t end,
+                    const float* x, int64_t k, void* out, int out_dtype, int64_t ldo) {
+  float acc[N * R];
+  for (int64_t v = v0; v < end; v += N) {
+    const int n = end - v < N ? (int)(end - v) : N;
+    if (n == N) {
+      q8_block<N, R, DT>(q, d, groups, vocab, v, x, k, acc);
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < n; ++i) q8_block<1, 1, DT>(q, d, groups, vocab, v + i, x + r * k, k, acc + r * N + i);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < n; ++i) store_scalar(out, r * ldo + v + i, acc[r * N + i], out_dtype);
+  }
+}
+
+// Rows [v0, end) of the table (scales of dtype DT) against ``rows`` rows of x, kHeadRows at a time.
 template <int DT>
 inline void q8_rows(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, int64_t end,
-                    const float* x, void* out, int out_dtype, int64_t out_at) {
-  float acc[kVocabBlock];
-  for (; v0 < end; v0 += kVocabBlock) {
-    const int n = end - v0 < kVocabBlock ? (int)(end - v0) : kVocabBlock;
-    if (n == kVocabBlock) {
-      q8_block<kVocabBlock, DT>(q, d, groups, vocab, v0, x, acc);
-    } else {
-      for (int v = 0; v < n; ++v) q8_block<1, DT>(q, d, groups, vocab, v0 + v, x, acc + v);
-    }
-    for (int v = 0; v < n; ++v) store_scalar(out, out_at + v0 + v, acc[v], out_dtype);
-  }
+                    const float* x, int64_t k, int64_t rows, void* out, int out_dtype, int64_t ldo) {
+  char* o = static_cast<char*>(out);
+  const int64_t size = out_dtype == F32 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + kHeadRows <= rows; r += kHeadRows)
+    q8_span<kHeadBlock, kHeadRows, DT>(q, d, groups, vocab, v0, end, x + r * k, k, o + r * ldo * size, out_dtype, ldo);
+  for (; r < rows; ++r)
+    q8_span<kVocabBlock, 1, DT>(q, d, groups, vocab, v0, end, x + r * k, k, o + r * ldo * size, out_dtype, ldo);
 }
 
-// Rows ahead whose bytes are requested while this one computes: the kernel alternates conversion work and loads,
-// and on its own the hardware prefetcher keeps too few lines in flight to stream at the memory's bandwidth.
-constexpr int64_t kPrefetchRows = 16;
-
-inline void prefetch_row(const uint8_t* qs, const float* d, const float* mn, int64_t groups, int64_t row, int64_t n) {
-  if (row >= n) return;
-  const char* q = reinterpret_cast<const char*>(qs + row * groups * 16);
-  for (int64_t b = 0; b < groups * 16; b += 64) __builtin_prefetch(q + b);
-  for (int64_t b = 0; b < groups * 4; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(d + row * groups) + b);
-    __builtin_prefetch(reinterpret_cast<const char*>(mn + row * groups) + b);
-  }
-}
-
-constexpr int64_t kRowsPerTask = 16;    // Q4_1 output rows per OpenMP work item
 constexpr int64_t kVocabPerTask = 256;  // Q8_0 vocabulary rows per work item
 
 }  // namespace
@@ -374,27 +454,30 @@ constexpr int64_t kVocabPerTask = 256;  // Q8_0 vocabulary rows per work item
 extern "C" {
 
 // out [M, N] (out_dtype, row stride ldo) = x [M, K] (x_dtype, contiguous) @ W^T for N rows of K / 32 groups of
-// 4-bit values: W[n, 32 g + j] = d[n, g] * q + m[n, g]; qs [N, K / 2] uint8 (per group 16 bytes, byte j holding
-// q[j] in its low nibble and q[j + 16] in its high one), d and m [N, K / 32] float32. Returns 0, -1 on a bad
+// 4-bit values, W[n, 32 g + j] = d[n, g] * q + m[n, g], stored in tiles of 16 rows (N rounded up; rows past N are
+// zeros and not written): tile t's bytes qs[t] [G, 16, 16], byte (g, p, i) holding row 16 t + i's q at input 32 g +
+// 2 p in its low nibble and at 32 g + 2 p + 1 in its high one; d[t], m[t] [G, 16] float32. Returns 0, -1 on a bad
 // argument, -2 when out of memory.
 int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
                  int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo) {
   if (m < 0 || n < 0 || k <= 0 || k % kGroup || ldo < n) return -1;
-  const int64_t groups = k / kGroup;
+  const int64_t groups = k / kGroup, tiles = (n + kTile - 1) / kTile;
   const Widened w(x, x_dtype, m, k);
   if (!w.ok()) return -2;
-  const int64_t tasks = (n + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tasks; ++t) {
-    float acc[kMaxRows];
-    const int64_t n1 = (t + 1) * kRowsPerTask < n ? (t + 1) * kRowsPerTask : n;
-    for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-      const int64_t rows = m - r0 < kMaxRows ? m - r0 : kMaxRows;
-      for (int64_t row = t * kRowsPerTask; row < n1; ++row) {
-        prefetch_row(qs, d, mn, groups, row + kPrefetchRows, n);
-        q41_rows(qs + row * groups * 16, d + row * groups, mn + row * groups, groups, w.xf + r0 * k,
-                 w.xsum + r0 * groups, k, rows, acc);
-        for (int64_t r = 0; r < rows; ++r) store_scalar(out, (r0 + r) * ldo + row, acc[r], out_dtype);
+  for (int64_t task = 0; task < tasks; ++task) {
+    float acc[kPassRows * kTile];
+    const int64_t t1 = (task + 1) * kTilesPerTask < tiles ? (task + 1) * kTilesPerTask : tiles;
+    for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
+      const int rows = m - r0 < kPassRows ? (int)(m - r0) : kPassRows;
+      for (int64_t t = task * kTilesPerTask; t < t1; ++t) {
+        q4_pass(rows, qs + t * groups * kTileGroupBytes, d + t * groups * kTile, mn + t * groups * kTile, groups,
+                w.xf + r0 * k, w.xsum + r0 * groups, k, acc);
+        const int64_t lanes = n - t * kTile < kTile ? n - t * kTile : kTile;
+        for (int r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < lanes; ++i)
+            store_scalar(out, (r0 + r) * ldo + t * kTile + i, acc[r * kTile + i], out_dtype);
       }
     }
   }
@@ -413,13 +496,10 @@ int lp_q8_matmul(const void* x, int x_dtype, const int8_t* q, const void* d, int
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t v0 = t * kVocabPerTask, end = (t + 1) * kVocabPerTask < vocab ? (t + 1) * kVocabPerTask : vocab;
-    for (int64_t r = 0; r < m; ++r) {
-      const float* x = w.xf + r * k;
-      switch (d_dtype) {
-        case BF16: q8_rows<BF16>(q, d, groups, vocab, v0, end, x, out, out_dtype, r * ldo); break;
-        case F16: q8_rows<F16>(q, d, groups, vocab, v0, end, x, out, out_dtype, r * ldo); break;
-        default: q8_rows<F32>(q, d, groups, vocab, v0, end, x, out, out_dtype, r * ldo);
-      }
+    switch (d_dtype) {
+      case BF16: q8_rows<BF16>(q, d, groups, vocab, v0, end, w.xf, k, m, out, out_dtype, ldo); break;
+      case F16: q8_rows<F16>(q, d, groups, vocab, v0, end, w.xf, k, m, out, out_dtype, ldo); break;
+      default: q8_rows<F32>(q, d, groups, vocab, v0, end, w.xf, k, m, out, out_dtype, ldo);
     }
   }
   return 0;

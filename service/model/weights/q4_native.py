@@ -5,11 +5,12 @@
         so d = scale and m = zero - 8 scale, in float32)
     Q4Native.from_q_d_m(q, d, m, kernels) -> Q4Native                GGUF Q4_1's own terms
 
-Kept as Q4_1 stores it: per row and group of 32, 16 bytes of nibble pairs (byte j: q[j] low, q[j + 16] high) and
-float32 d and m (float16 in the file; converting them in the kernel measured no faster: the products are bound by
-compute, not by bandwidth). ``matmul`` runs ``service.kernels.native``'s ``lp_q4_matmul``: float32 products and
-accumulation over exact inputs, the output rounded once to the activations' dtype. Served for float32 compute
-(torch's int4 kernel is ~20x slower there; in bfloat16 it is faster than this one, so bf16 keeps ``Int4Weight``).
+Kept as tiles of 16 rows side by side (``lp_q4_matmul``'s layout, one accumulator lane a row): per tile and group
+of 32 inputs, 16 bytes per pair of inputs (byte i: row i's two values, the even input in the low nibble) and
+float32 d and m per row (float16 in the file). ``matmul`` runs ``service.kernels.native``'s ``lp_q4_matmul``:
+float32 products and accumulation over exact inputs, the output rounded once to the activations' dtype, each row's
+product bit-identical whatever the batch. Served for float32 compute (torch's int4 kernel is ~20x slower there; in
+bfloat16 it is faster than this one, so bf16 keeps ``Int4Weight``).
 CPU only.
 """
 
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from service.kernels.native import NativeKernels
+from service.kernels.native import Q4_TILE, NativeKernels
 from service.model.weights.protocol import tensor_nbytes
 
 __all__ = ["Q4_DENSE_COPY_FROM_ROWS", "Q4_DENSE_FROM_ROWS", "Q4Native"]
@@ -36,14 +38,16 @@ Q4_DENSE_FROM_ROWS = 64
 
 @dataclass(frozen=True, eq=False)
 class Q4Native:
-    """``w = d * q + m`` per group of 32 input columns; ``qs`` [N, K / 2] uint8 nibble pairs, ``d``, ``m`` [N, K / 32]
-    float32; ``dtype`` the compute dtype (the activations' and the output's)."""
+    """``w = d * q + m`` per group of 32 input columns, in ``lp_q4_matmul``'s tiles of 16 rows: ``qs`` [tiles, K / 32,
+    16, 16] uint8 nibble pairs, ``d``, ``m`` [tiles, K / 32, 16] float32; ``dtype`` the compute dtype (the
+    activations' and the output's)."""
 
     qs: Tensor
     d: Tensor
     m: Tensor
     dtype: torch.dtype
     kernels: NativeKernels
+    rows: int  # N (the last tile's lanes past it are zeros)
     dense_from_rows: int = Q4_DENSE_FROM_ROWS
     dense: Tensor | None = None  # the dequantized weight [N, K], kept by ``with_dense_copy``
     kind: ClassVar[str] = "q4"
@@ -61,10 +65,11 @@ class Q4Native:
             lo, hi = (int(v) for v in torch.aminmax(q))
             if lo < 0 or hi > 15:
                 raise ValueError(f"q values must be in 0..15, got {lo}..{hi}")
-        q3 = q.view(n, k // GROUP, GROUP).to(torch.uint8)
-        qs = (q3[..., :16] | (q3[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-        d, m = (t.to(torch.float32, copy=True).contiguous() for t in (d, m))  # never the caller's (reused) buffers
-        return cls(qs, d, m, dtype, kernels)
+        tiles = -(-n // Q4_TILE)
+        q4 = F.pad(q.to(torch.uint8), (0, 0, 0, tiles * Q4_TILE - n)).view(tiles, Q4_TILE, k // GROUP, GROUP // 2, 2)
+        qs = (q4[..., 0] | (q4[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()  # [tiles, G, 16 pairs, 16 rows]
+        d, m = (_tiled(t.to(torch.float32), tiles) for t in (d, m))
+        return cls(qs, d, m, dtype, kernels, n)
 
     @classmethod
     def from_q_scale_zero(cls, q: Tensor, scale: Tensor, zero: Tensor, kernels: NativeKernels, *,
@@ -74,7 +79,7 @@ class Q4Native:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.qs.shape[0], self.qs.shape[1] * 2)
+        return (self.rows, self.qs.shape[1] * GROUP)
 
     @property
     def device(self) -> torch.device:
@@ -91,22 +96,22 @@ class Q4Native:
     def unpack(self) -> Tensor:
         """q [N, K] uint8 in 0..15 in row-major order."""
         n, k = self.shape
-        pairs = self.qs.view(n, k // GROUP, 16)
-        return torch.stack((pairs & 15, pairs >> 4), dim=2).view(n, k)
+        pairs = self.qs.permute(0, 3, 1, 2)  # [tiles, 16 rows, G, 16 pairs]
+        return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(-1, k)[:n]
 
     def dequantize(self, dtype: torch.dtype | None = None, *, out: Tensor | None = None) -> Tensor:
         """The dense weight [N, K] (into ``out`` when given): ``d * q + m`` in float32, then cast."""
         n, k = self.shape
         into = out if out is not None and out.dtype == torch.float32 else torch.empty(n, k)
         w3 = into.view(n, k // GROUP, GROUP).copy_(self.unpack().view(n, k // GROUP, GROUP))
-        w = w3.mul_(self.d[..., None]).add_(self.m[..., None]).view(n, k)
+        w = w3.mul_(_rows(self.d, n)[..., None]).add_(_rows(self.m, n)[..., None]).view(n, k)
         if out is not None:
             return out if out is into else out.copy_(w)
         return w.to(dtype or self.dtype)
 
     def matmul(self, x2: Tensor) -> Tensor:
         """x2 [M, K] contiguous, compute dtype -> [M, N] by the native kernel."""
-        return self.kernels.q4_matmul(x2, self.qs, self.d, self.m, x2.dtype)
+        return self.kernels.q4_matmul(x2, self.qs, self.d, self.m, self.rows, x2.dtype)
 
     def with_dense_copy(self) -> Q4Native:
         if self.dense is not None:
@@ -124,3 +129,14 @@ class Q4Native:
         probe = Q4Native.from_q_d_m(q, d, m, self.kernels, dtype=self.dtype)
         truth = q.double() * d.double().repeat_interleave(GROUP, 1) + m.double().repeat_interleave(GROUP, 1)
         return probe, truth.float()
+
+
+def _tiled(per_row: Tensor, tiles: int) -> Tensor:
+    """[N, G] per-row scales -> [tiles, G, 16], rows past N zero (a fresh tensor: never the caller's buffer)."""
+    n, groups = per_row.shape
+    return F.pad(per_row, (0, 0, 0, tiles * Q4_TILE - n)).view(tiles, Q4_TILE, groups).transpose(1, 2).contiguous()
+
+
+def _rows(tiled: Tensor, n: int) -> Tensor:
+    """``_tiled``'s inverse: [tiles, G, 16] -> [N, G]."""
+    return tiled.transpose(1, 2).reshape(-1, tiled.shape[1])[:n]

@@ -28,8 +28,9 @@ PAIR_CHUNK_ROWS = 1024
 PAIR_MAX_ROWS = 8
 # Up to this many hidden states, per compute dtype, a head given the native kernels (``service.kernels.native``)
 # projects through ``lp_q8_matmul``: 12x the per-group kernel at one row in float32, 1.5x the int4 pair in bfloat16;
-# beyond, the pair and dense matmuls win (bench/README.md, "Native kernels").
-NATIVE_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.float16: 1}
+# in float32 1.4-1.9x the dense matmul over dequantized chunks at 16-32 rows (it converts a block of the table once
+# for 4 rows); beyond, the pair and dense matmuls win (bench/README.md, "Native kernels").
+NATIVE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}
 
 
 class Q8Table:
