@@ -30,10 +30,11 @@ from service.model.weights.protocol import tensor_nbytes
 __all__ = ["Q4_DENSE_COPY_FROM_ROWS", "Q4_DENSE_FROM_ROWS", "Q4Native"]
 
 GROUP = 32
-# Rows from which a dense matmul beats the kernel in float32 (bench/README.md, "Native kernels"): over a kept dense
-# copy, and after dequantizing into the scratch buffer (~0.8 ms per 3072x576 projection).
-Q4_DENSE_COPY_FROM_ROWS = 16
-Q4_DENSE_FROM_ROWS = 64
+# Rows from which a dense matmul beats the kernel in float32 (bench/README.md, "The products at 16-32 rows"): over
+# a kept dense copy, and after dequantizing into the scratch buffer (~1.5 ms per 3072x576 projection). A prefill of
+# 32 short prompts (~400 rows) is near the crossing: the kernel wins below ~256 rows on 3072x576, ~200 on 576x1536.
+Q4_DENSE_COPY_FROM_ROWS = 64
+Q4_DENSE_FROM_ROWS = 256
 
 
 @dataclass(frozen=True, eq=False)
