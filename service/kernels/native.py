@@ -45,6 +45,7 @@ from torch import Tensor
 
 from service.errors import FailedPrecondition
 from service.kernels import KERNEL_DTYPES
+from service.kernels.compile import compile_shared
 from service.kernels.lora import LORA_FIELDS, LoraSite, StackLora
 from service.platform import cpu_capability, cpu_flags
 
@@ -323,11 +324,10 @@ def build(isa: str, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=cache_dir)
     os.close(fd)
-    cmd = [cxx, *BASE_FLAGS, *ISA_FLAGS[isa], f'-DLP_ISA="{isa}"', *map(str, SOURCES), "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
-        if done.returncode:
-            raise FailedPrecondition(f"building the {isa} kernels failed: {done.stderr.strip()[-2000:]}")
+        error = compile_shared(cxx, [*BASE_FLAGS, *ISA_FLAGS[isa], f'-DLP_ISA="{isa}"'], SOURCES, tmp, BUILD_TIMEOUT_S)
+        if error is not None:
+            raise FailedPrecondition(f"building the {isa} kernels failed: {error[-2000:]}")
         os.replace(tmp, path)
         for stale in cache_dir.glob(f"blocks-{isa}-*.so"):  # an older source's: a loaded copy stays mapped
             if stale != path:

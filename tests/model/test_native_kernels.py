@@ -146,6 +146,22 @@ def test_a_built_library_is_reused_and_replaces_an_older_sources(tmp_path: Path)
         assert str(tmp_path) in native.status() and native.variant() == loaded.isa
 
 
+def test_a_source_that_does_not_compile_fails_by_name_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every source compiles in its own process (in parallel), then one link: one failing source fails the build
+    with the compiler's message, and neither objects nor a half-written library stay in the cache."""
+    compiled_kernels()
+    broken = tmp_path / "src" / "broken.cpp"
+    broken.parent.mkdir()
+    broken.write_text("int lp_broken() { return undeclared_name; }\n")
+    monkeypatch.setattr(native, "SOURCES", (*native.SOURCES, broken))
+    cache = tmp_path / "cache"
+    with pytest.raises(FailedPrecondition, match=r"(?s)building the generic kernels failed: .*undeclared_name"):
+        native.build(native.isa_for("DEFAULT", None), cache)
+    assert not list(cache.iterdir())
+
+
 def test_no_compiler_serves_eager_with_a_warning_and_native_mode_refuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
