@@ -1,7 +1,8 @@
 """Prompt-lookup drafting vs plain greedy decoding in the serving engine: decode tok/s, acceptance, identity.
 
     .venv/bin/python bench/prompt_lookup.py [--model models/SmolLM2-135M-Instruct] [--dtype float32]
-        [--max-new 96] [--runs 3] [--ngram 3] [--tokens 8] [--threads 0] [--json OUT]
+        [--gguf models/SmolLM2-135M-Instruct.Q4_1.gguf] [--max-new 96] [--runs 3] [--ngram 3] [--tokens 8]
+        [--threads 0] [--json OUT]
 
 Code- and retrieval-like chat prompts (the answer copies much of the prompt: a function to return with one name
 changed, a passage to quote) go one at a time through the engine in this process (``service.engine.Engine``,
@@ -33,6 +34,7 @@ from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest, TokenEvent  # noqa: E402
 from service.model.load_folder import load_model  # noqa: E402
+from service.model.load_gguf import load_gguf_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 CODE = """def load_adapter(folder, roots, stamp=None):
@@ -62,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--gguf", type=Path, default=None, help="serve this GGUF's weights (the model folder's config)")
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ngram", type=int, default=Settings().draft_ngram)
@@ -72,7 +75,10 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    model, _, _ = load_model(args.model, dtype=dtype, device=torch.device("cpu"))
+    if args.gguf is not None:  # a Q4_1 GGUF in float32: what --dtype auto serves on CPUs without native bf16
+        model = load_gguf_model(args.model, args.gguf, dtype=dtype)[0]
+    else:
+        model = load_model(args.model, dtype=dtype, device=torch.device("cpu"))[0]
     tok = Tokenizer.from_folder(args.model)
     prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS]
     print(f"{line()}; torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}")
@@ -85,7 +91,8 @@ def main() -> None:
     report(results)
     if args.json is not None:
         meta = {"machine": describe(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "dtype": args.dtype, "max_new": args.max_new, "runs": args.runs, "ngram": args.ngram,
+                "dtype": args.dtype, "gguf": None if args.gguf is None else args.gguf.name, "max_new": args.max_new,
+                "runs": args.runs, "ngram": args.ngram,
                 "tokens": args.tokens}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 
