@@ -153,7 +153,6 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vset(float v) { return _mm512_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
 struct Group {  // the 32 values of a group: elements 0..15, 16..31
@@ -170,7 +169,6 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vset(float v) { return _mm256_set1_ps(v); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float hsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -181,7 +179,6 @@ inline float hsum(Vec v) {
 struct Group {  // elements 0..7, 8..15, 16..23, 24..31
   Vec v[4];
 };
-inline Vec widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 inline Vec widen8s(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 inline Vec widen8s_at(const int8_t* q) { return widen8s(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))); }
 inline Group q8_group(const int8_t* q) {  // vpmovsxbd from memory: no shuffle to reach the upper bytes
@@ -211,10 +208,6 @@ inline Vec vmul(Vec a, Vec b) {
 inline Vec vfma(Vec a, Vec b, Vec c) {
   for (int j = 0; j < 32; ++j) c.f[j] += a.f[j] * b.f[j];
   return c;
-}
-inline Vec vadd(Vec a, Vec b) {
-  for (int j = 0; j < 32; ++j) a.f[j] += b.f[j];
-  return a;
 }
 inline float hsum(Vec v) {  // pairwise, as the vector variants reduce their lanes
   for (int w = 16; w > 0; w /= 2)
@@ -416,10 +409,10 @@ constexpr int kHeadRows = 4;   // rows of x a pass against a block of kHeadBlock
 constexpr int kHeadBlock = 2;  // registers); fewer rows take kVocabBlock-row blocks one row at a time
 
 // Rows [v0, end) of the table against R rows of x (row stride k) in blocks of N (the last, partial block one
-// vocabulary row at a time), stored into out (rows ldo apart).
+// vocabulary row at a time), stored into out from element out_at on (rows ldo apart).
 template <int N, int R, int DT>
 inline void q8_span(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, int64_t end,
-                    const float* x, int64_t k, void* out, int out_dtype, int64_t ldo) {
+                    const float* x, int64_t k, void* out, int out_dtype, int64_t out_at, int64_t ldo) {
   float acc[N * R];
   for (int64_t v = v0; v < end; v += N) {
     const int n = end - v < N ? (int)(end - v) : N;
@@ -430,7 +423,7 @@ inline void q8_span(const int8_t* q, const void* d, int64_t groups, int64_t voca
         for (int i = 0; i < n; ++i) q8_block<1, 1, DT>(q, d, groups, vocab, v + i, x + r * k, k, acc + r * N + i);
     }
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < n; ++i) store_scalar(out, r * ldo + v + i, acc[r * N + i], out_dtype);
+      for (int i = 0; i < n; ++i) store_scalar(out, out_at + r * ldo + v + i, acc[r * N + i], out_dtype);
   }
 }
 
@@ -438,13 +431,11 @@ inline void q8_span(const int8_t* q, const void* d, int64_t groups, int64_t voca
 template <int DT>
 inline void q8_rows(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, int64_t end,
                     const float* x, int64_t k, int64_t rows, void* out, int out_dtype, int64_t ldo) {
-  char* o = static_cast<char*>(out);
-  const int64_t size = out_dtype == F32 ? 4 : 2;
   int64_t r = 0;
   for (; r + kHeadRows <= rows; r += kHeadRows)
-    q8_span<kHeadBlock, kHeadRows, DT>(q, d, groups, vocab, v0, end, x + r * k, k, o + r * ldo * size, out_dtype, ldo);
+    q8_span<kHeadBlock, kHeadRows, DT>(q, d, groups, vocab, v0, end, x + r * k, k, out, out_dtype, r * ldo, ldo);
   for (; r < rows; ++r)
-    q8_span<kVocabBlock, 1, DT>(q, d, groups, vocab, v0, end, x + r * k, k, o + r * ldo * size, out_dtype, ldo);
+    q8_span<kVocabBlock, 1, DT>(q, d, groups, vocab, v0, end, x + r * k, k, out, out_dtype, r * ldo, ldo);
 }
 
 constexpr int64_t kVocabPerTask = 256;  // Q8_0 vocabulary rows per work item
