@@ -10,11 +10,10 @@ METRICS_PORT ?= 9400
 HTTP_PORT ?= 8000
 SERVE_ARGS ?=
 # What `make serve` serves is chosen by the machine (--weights auto, --dtype auto; service/model/dtypes.py): the
-# GGUF's 4-bit blocks in bfloat16 where bf16 is native (Sapphire Rapids, bench/README.md: 2.1x the bf16 folder's
-# batch-1 tok/s, 0.56x the fp32 server's peak RSS), elsewhere the GGUF in float32 through loraplex's compiled
-# kernels (docs/kernels.md), or the float32 folder where they cannot be built (no emulated bf16); the start-up
-# self-check proves the chosen paths on this CPU. WEIGHTS= serves the folder; SERVE_ARGS=--dense-copies-mb=-1 adds
-# dense copies to a GGUF base (the bf16 folder's speed at 32 streams, for its memory).
+# GGUF's 4-bit blocks in float32 through loraplex's compiled kernels (docs/kernels.md; on an AMX Xeon 2.2x torch's
+# int4 kernel in bf16 at batch 1); where they cannot be built, the GGUF in bf16 where bf16 is native, else the
+# float32 folder (no emulated bf16); the start-up self-check proves the chosen paths on this CPU. WEIGHTS= serves
+# the folder; SERVE_ARGS=--dense-copies-mb=-1 adds dense copies to a GGUF base (dense products past 64 rows).
 WEIGHTS ?= --gguf $(MODEL_DIR).Q4_1.gguf --weights auto
 # The demo adapters in the repo (caps / terse LoRAs, Medusa heads) are registered lazily by `make serve`.
 DEMO_ADAPTERS ?= $(if $(wildcard adapters/demo/*),--adapter-dir adapters/demo)

@@ -2,15 +2,17 @@
 
 dtype ``auto`` on a CPU is bfloat16 where bf16 is native (the CPU has ``avx512_bf16`` / ``amx_bf16`` and torch
 dispatches to a capability that uses them, ``service.platform``) and float32 elsewhere, where bf16 matrix products
-are emulated and slower than fp32 (an AVX2-only EPYC: 37 vs 95 tok/s at 32 streams). One exception: served from a
-GGUF's 4-bit blocks, ``auto`` is bfloat16 on every CPU, because torch's int4 kernel is fast only with bf16
-activations (the same EPYC at batch 1: 24.7 tok/s in bf16, 5.0 in float32). On CUDA ``auto`` is bfloat16 where
-the GPU supports it, float16 otherwise.
+are emulated and slower than fp32 (an AVX2-only EPYC: 37 vs 95 tok/s at 32 streams). Served from a GGUF's 4-bit
+blocks, ``auto`` is float32 on every CPU where loraplex's compiled kernels are loaded: they beat torch's int4
+kernel in bf16 even where bf16 is native (an AMX Xeon, one decode step: 6.1 vs 13.5 ms at batch 1, 78 vs 102 ms at
+32), and float32 is the default-correct dtype. Without them it is bfloat16, since torch's int4 kernel is fast only
+with bf16 activations (an AVX2 EPYC at batch 1: 24.7 tok/s in bf16, 5.0 in float32). On CUDA ``auto`` is bfloat16
+where the GPU supports it, float16 otherwise.
 
 weights ``given`` serves what the flags name (``--gguf``'s file when given, else the folder). ``auto`` lets the
-machine choose between them: the GGUF's blocks where bf16 is native (Sapphire Rapids, bench/README.md: 2.1x the
-bf16 folder's batch-1 tok/s), the folder in float32 elsewhere (no emulated bf16; best at many streams). Either way
-the start-up self-check (``service.selfcheck``) proves the chosen paths correct before the server says SERVING.
+machine choose between them: the GGUF's blocks in float32 wherever the compiled kernels are loaded, else the GGUF in
+bf16 where bf16 is native and the folder in float32 elsewhere (no emulated bf16). Either way the start-up
+self-check (``service.selfcheck``) proves the chosen paths correct before the server says SERVING.
 An explicit dtype is taken as given. Each choice carries its reason, for the start-up log.
 """
 
@@ -70,10 +72,10 @@ def choose_dtype(
     if device.type != "cpu":
         return DtypeChoice(torch.float32, f"auto: no fast-dtype rule for {device.type}")
     m = machine(cpuinfo, capability=capability) if cpu is None else cpu
+    if gguf and native_q4:  # faster than torch's int4 kernel in bf16, native bf16 or not
+        return DtypeChoice(torch.float32, f"auto: GGUF blocks run the native kernels in float32 ({_why(m)})")
     if m.native_bf16:
         return DtypeChoice(torch.bfloat16, f"auto: {m.describe_bf16(cpuinfo)}")
-    if gguf and native_q4:
-        return DtypeChoice(torch.float32, f"auto: GGUF blocks run the native kernels in float32 ({_why(m)})")
     if gguf:
         return DtypeChoice(torch.bfloat16, f"auto: GGUF blocks run torch's int4 kernel, fast only in bf16 ({_why(m)})")
     return DtypeChoice(torch.float32, f"auto: {m.describe_bf16(cpuinfo)}")
@@ -97,7 +99,8 @@ def choose_serving(
         reason = "given" if weights == "given" else "auto: no --gguf file, or not on a CPU: the folder"
         chosen = choose_dtype(dtype, device, gguf=gguf, native_q4=native_q4, cpuinfo=cpuinfo, cpu=m)
         return ServingChoice(chosen, gguf, reason)
-    wanted = choose_dtype(dtype, device, cpuinfo=cpuinfo, cpu=m)  # the folder's dtype
+    # with the native kernels the blocks' dtype (float32), else the folder's
+    wanted = choose_dtype(dtype, device, gguf=native_q4, native_q4=native_q4, cpuinfo=cpuinfo, cpu=m)
     if wanted.dtype == torch.float32 and native_q4:
         return ServingChoice(wanted, True, f"auto: the GGUF's 4-bit blocks in float32, native kernels ({_why(m)})")
     if wanted.dtype == torch.float32:

@@ -80,7 +80,7 @@ def test_unreadable_cpuinfo_means_float32(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "capability", "weights", "want"),
     [
-        ("amx_bf16", "AVX512", "auto", ("gguf", torch.bfloat16)),  # Sapphire Rapids: the GGUF's blocks in bf16
+        ("amx_bf16", "AVX512", "auto", ("gguf", torch.bfloat16)),  # Sapphire Rapids without the kernels: bf16
         ("", "AVX2", "auto", ("folder", torch.float32)),  # AVX2-only EPYC: no emulated bf16
         ("amx_bf16", "AVX2", "auto", ("folder", torch.float32)),  # forced below AVX-512: as an AVX2 CPU
         ("", "AVX2", "given", ("gguf", torch.bfloat16)),  # GGUF asked for: bf16, the int4 kernel's fast dtype
@@ -91,10 +91,11 @@ def test_unreadable_cpuinfo_means_float32(tmp_path: Path) -> None:
 def test_weights_auto_chooses_by_the_machine(
     tmp_path: Path, flags: str, capability: str, weights: str, want: tuple[str, torch.dtype], native_q4: bool
 ) -> None:
-    """With the native kernels loaded (``native_q4``) the GGUF's blocks serve in float32 where bf16 is not native:
-    the default-correct dtype at 4-bit speed; bf16 machines keep bf16 (torch's int4 kernel is faster there)."""
+    """With the native kernels loaded (``native_q4``) the GGUF's blocks serve in float32 on every CPU, native bf16
+    or not: the default-correct dtype, faster than torch's int4 kernel in bf16 (an AMX Xeon: 6.1 vs 13.5 ms a step
+    at batch 1)."""
     info = fake_cpuinfo(tmp_path, flags)
-    if native_q4 and (want[0] == "folder" or "amx_bf16" not in flags):
+    if native_q4:
         want = ("gguf", torch.float32)
     choice = choose_serving("auto", weights, True, CPU, cpuinfo=info, capability=capability, native_q4=native_q4)
     assert (choice.weights, choice.dtype.dtype) == want
