@@ -77,7 +77,8 @@ ISA_FLAGS = {
     "generic": (),
 }
 BASE_FLAGS = (
-    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fno-exceptions",
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+    "-fno-exceptions",
     "-fno-rtti", "-Wl,--as-needed",
 )  # fmt: skip
 BUILD_TIMEOUT_S = 120

@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <omp.h>
+
 #include "dtypes.h"
 
 namespace {
@@ -89,6 +91,41 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return lane_sum(acc) + tail;
 }
 
+// ``dot`` with n = D (a multiple of kLanes) in GCC vector types, which every variant lowers to its registers: the
+// same lanes, products and pairwise sum, so the same value, without a pass through memory for the lane sum.
+using V16 = float __attribute__((vector_size(64)));
+using V8 = float __attribute__((vector_size(32)));
+using V4 = float __attribute__((vector_size(16)));
+using V2 = float __attribute__((vector_size(8)));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline V16 load16(const bf16* p) {
+  using U16 = uint16_t __attribute__((vector_size(32)));
+  using U32 = uint32_t __attribute__((vector_size(64)));
+  U16 h;
+  std::memcpy(&h, p, sizeof h);
+  const U32 bits = __builtin_convertvector(h, U32) << 16;
+  V16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <int64_t D, typename T>
+inline float dot_fixed(const float* a, const T* b) {
+  static_assert(D % kLanes == 0, "whole lanes only");
+  V16 acc = {};
+  for (int64_t i = 0; i < D; i += kLanes) acc += load16(a + i) * load16(b + i);
+  const V8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return (h2[0] + h2[1]) + 0.0f;  // + dot's (empty) tail
+}
+
 // One head rotated (the HF rotate-half convention, as service.model.rope.apply_rope): with the signed sin table,
 // out[i] = x[i] cos[i] + x[(i + D/2) mod D] sin[i], each product and the sum held in T as eager torch holds them.
 template <typename T>
@@ -137,6 +174,81 @@ int silu_mul(const T* gu, int64_t rows, int64_t inter, T* out) {
   return 0;
 }
 
+// Softmax attention of one query token's heads q [G][D] (rotated) over the n positions of one KV head (k, v
+// [n, D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
+// each head's sums run in the one-head order (``dot``'s lanes; then positions in turn for the maximum, the
+// exponentials' total and the sum over V), so a head's result does not depend on G. D and G fixed at compile time
+// keep a head's accumulators in registers.
+template <typename T, int64_t D, int G>
+void attend(const float* q, const T* k, const T* v, int64_t n, float scale, float* s, T* out) {
+  float top[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
+  for (int64_t p = 0; p < n; ++p) {
+    const T* kp = k + p * D;
+    for (int g = 0; g < G; ++g) {
+      const float score = dot_fixed<D>(q + g * D, kp) * scale;
+      s[g * n + p] = score;
+      top[g] = score > top[g] ? score : top[g];
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * n;
+    for (int64_t p = 0; p < n; ++p) sg[p] = exp_poly(sg[p] - top[g]);  // no reduction here: vectorized
+    float t = 0.0f;
+    for (int64_t p = 0; p < n; ++p) t += sg[p];
+    total[g] = t;
+  }
+  float acc[G][D] = {};
+  for (int64_t p = 0; p < n; ++p) {
+    const T* vp = v + p * D;
+    for (int g = 0; g < G; ++g) {
+      const float w = s[g * n + p];
+      for (int64_t i = 0; i < D; ++i) acc[g][i] += w * widen(vp[i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) store(out + g * D, i, acc[g][i] / total[g]);
+}
+
+// ``attend`` for any head size up to kMaxHeadDim, one head at a time.
+template <typename T>
+void attend_any(const float* q, const T* k, const T* v, int64_t d, int64_t n, float scale, float* s, T* out) {
+  float top = -INFINITY;
+  for (int64_t p = 0; p < n; ++p) {
+    s[p] = dot(q, k + p * d, d) * scale;
+    top = s[p] > top ? s[p] : top;
+  }
+  for (int64_t p = 0; p < n; ++p) s[p] = exp_poly(s[p] - top);
+  float total = 0.0f;
+  for (int64_t p = 0; p < n; ++p) total += s[p];
+  float acc[kMaxHeadDim] = {};
+  for (int64_t p = 0; p < n; ++p) {
+    const T* vp = v + p * d;
+    for (int64_t i = 0; i < d; ++i) acc[i] += s[p] * widen(vp[i]);
+  }
+  for (int64_t i = 0; i < d; ++i) store(out, i, acc[i] / total);
+}
+
+constexpr int64_t kHeadsAtOnce = 4;  // query heads of one KV head attended together (their K / V read once)
+
+// ``g`` (1..kHeadsAtOnce) heads of head size d: ``attend`` where D is one it is built for, else ``attend_any``.
+template <typename T>
+void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, int64_t n, float scale, float* s,
+                  T* out) {
+#define LP_ATTEND(D)                                                \
+  switch (g) {                                                      \
+    case 1: return attend<T, D, 1>(q, k, v, n, scale, s, out);      \
+    case 2: return attend<T, D, 2>(q, k, v, n, scale, s, out);      \
+    case 3: return attend<T, D, 3>(q, k, v, n, scale, s, out);      \
+    default: return attend<T, D, 4>(q, k, v, n, scale, s, out);     \
+  }
+  if (d == 64) LP_ATTEND(64)
+  if (d == 128) LP_ATTEND(128)
+#undef LP_ATTEND
+  for (int64_t j = 0; j < g; ++j) attend_any(q + j * d, k, v, d, n, scale, s, out + j * d);
+}
+
 template <typename T>
 int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, int64_t b, int64_t h, int64_t kv,
                      int64_t d, T* k_cache, T* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
@@ -146,6 +258,11 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
   for (int64_t r = 0; r < b; ++r)
     if (pos[r] < 0 || pos[r] >= max_len) return -1;
   const int64_t width = (h + 2 * kv) * d, group = h / kv;
+  // Work items: (row, KV head, a chunk of its query heads); one head a chunk when chunks of several would leave
+  // threads idle (a row or two: long contexts there are worth splitting).
+  int64_t chunk = group < kHeadsAtOnce ? group : kHeadsAtOnce;
+  if (b * kv * ((group + chunk - 1) / chunk) < 2 * (int64_t)omp_get_max_threads()) chunk = 1;
+  const int64_t chunks = (group + chunk - 1) / chunk;
   int failed = 0;
 #pragma omp parallel
   {
@@ -161,31 +278,21 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
       }
     }  // the implicit barrier: every row's new K/V is in place before any query reads it
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < b * h; ++t) {
-      const int64_t r = t / h, head = t % h, n = pos[r] + 1;
-      const int64_t base = r * slot_stride + (head / group) * head_stride;
-      float q[kMaxHeadDim];
-      rope(qkv + r * width + head * d, cos + r * d, sin + r * d, d, q);
-      float* s = (float*)std::malloc((size_t)n * sizeof(float));
+    for (int64_t t = 0; t < b * kv * chunks; ++t) {
+      const int64_t r = t / (kv * chunks), j = t / chunks % kv, c = t % chunks, n = pos[r] + 1;
+      const int64_t head = j * group + c * chunk, heads = group - c * chunk < chunk ? group - c * chunk : chunk;
+      const int64_t base = r * slot_stride + j * head_stride;
+      float q[kHeadsAtOnce * kMaxHeadDim];
+      for (int64_t i = 0; i < heads; ++i)
+        rope(qkv + r * width + (head + i) * d, cos + r * d, sin + r * d, d, q + i * d);
+      float* s = (float*)std::malloc((size_t)(heads * n) * sizeof(float));
       if (s == nullptr) {
 #pragma omp atomic write
         failed = 1;
         continue;
       }
-      float top = -INFINITY;
-      for (int64_t p = 0; p < n; ++p) {
-        s[p] = dot(q, k_cache + base + p * d, d) * scale;
-        top = s[p] > top ? s[p] : top;
-      }
-      float total = 0.0f;
-      for (int64_t p = 0; p < n; ++p) total += (s[p] = exp_poly(s[p] - top));
-      float acc[kMaxHeadDim] = {};
-      for (int64_t p = 0; p < n; ++p) {
-        const T* v = v_cache + base + p * d;
-        for (int64_t i = 0; i < d; ++i) acc[i] += s[p] * widen(v[i]);
-      }
+      attend_heads(heads, d, q, k_cache + base, v_cache + base, n, scale, s, out + r * h * d + head * d);
       std::free(s);
-      for (int64_t i = 0; i < d; ++i) store(out + r * h * d + head * d, i, acc[i] / total);
     }
   }
   return failed ? -2 : 0;
