@@ -405,8 +405,12 @@ inline void q8_block(const int8_t* q, const void* d, int64_t groups, int64_t voc
 }
 
 constexpr int kVocabBlock = 4;  // vocabulary rows a block against one row of x
-constexpr int kHeadRows = 4;   // rows of x a pass against a block of kHeadBlock vocabulary rows (their sums in
-constexpr int kHeadBlock = 2;  // registers); fewer rows take kVocabBlock-row blocks one row at a time
+#if defined(__AVX512F__)
+constexpr int kHeadRows = 8;  // rows of x a pass against a block of kHeadBlock vocabulary rows (their sums in
+#else                         // registers: 32 vector registers on AVX-512, 16 on AVX2); fewer rows take
+constexpr int kHeadRows = 4;  // kVocabBlock-row blocks one row at a time
+#endif
+constexpr int kHeadBlock = 2;
 
 // Rows [v0, end) of the table against R rows of x (row stride k) in blocks of N (the last, partial block one
 // vocabulary row at a time), stored into out from element out_at on (rows ldo apart).
@@ -427,13 +431,16 @@ inline void q8_span(const int8_t* q, const void* d, int64_t groups, int64_t voca
   }
 }
 
-// Rows [v0, end) of the table (scales of dtype DT) against ``rows`` rows of x, kHeadRows at a time.
+// Rows [v0, end) of the table (scales of dtype DT) against ``rows`` rows of x, kHeadRows at a time, then 4, then
+// one by one.
 template <int DT>
 inline void q8_rows(const int8_t* q, const void* d, int64_t groups, int64_t vocab, int64_t v0, int64_t end,
                     const float* x, int64_t k, int64_t rows, void* out, int out_dtype, int64_t ldo) {
   int64_t r = 0;
   for (; r + kHeadRows <= rows; r += kHeadRows)
     q8_span<kHeadBlock, kHeadRows, DT>(q, d, groups, vocab, v0, end, x + r * k, k, out, out_dtype, r * ldo, ldo);
+  for (; kHeadRows > 4 && r + 4 <= rows; r += 4)
+    q8_span<kHeadBlock, 4, DT>(q, d, groups, vocab, v0, end, x + r * k, k, out, out_dtype, r * ldo, ldo);
   for (; r < rows; ++r)
     q8_span<kVocabBlock, 1, DT>(q, d, groups, vocab, v0, end, x + r * k, k, out, out_dtype, r * ldo, ldo);
 }
