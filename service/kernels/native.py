@@ -66,7 +66,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 6  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 7  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = 16  # weight rows side by side in lp_q4_matmul's layout
 SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp", "decode.cpp"))
@@ -84,7 +84,7 @@ BASE_FLAGS = (
 BUILD_TIMEOUT_S = 120
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 def default_cache_dir() -> Path:
@@ -117,9 +117,9 @@ class NativeKernels:
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
-        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, ctypes.c_float, _P, _I]
+        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
-        lib.lp_decode_stack.argtypes = [_P, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
+        lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
                                         ctypes.c_float, _P, _P, _L, _L, _P]  # fmt: skip
         for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention,
                    lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
@@ -214,7 +214,7 @@ class NativeKernels:
             raise ValueError("decode_attention: K and V caches of different strides")
         out = qkv.new_empty(b, heads * d)
         rc = self._lib.lp_decode_attention(
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, heads, kv, d, k_cache.data_ptr(),
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, b, heads, kv, d, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d), out.data_ptr(), code,
         )  # fmt: skip
         if rc:
@@ -225,21 +225,21 @@ class NativeKernels:
 
     def decode_stack(
         self, x: Tensor, table: ctypes.Array[ctypes.c_int64], dims: tuple[int, ...], final_norm: Tensor, eps: float,
-        rope: tuple[Tensor, Tensor, Tensor], kv: Tensor, slot_start: int, lora: StackLora | None,
+        rope: tuple[Tensor, Tensor, Tensor], kv: Tensor, slot_start: int, lora: StackLora | None, tokens: int = 1,
     ) -> Tensor:  # fmt: skip
-        """x [B, hidden] float32 (the embedded tokens; left as the residual stream) -> [B, hidden] final-normed
-        through the layers whose weights ``table`` lists; dims (hidden, heads, kv heads, head dim, intermediate);
-        rope: cos, sin [B, D] and positions [B]; K/V written into slots ``slot_start ..`` of the cache ``kv`` [L, 2,
-        slots, KV, max_len, D]; ``lora``: the rows' compiled LoRA tables. All contiguous float32 (positions int64);
-        ``service.model.decode_stack`` checks."""
+        """x [T B, hidden] float32 (embedded, ``tokens`` = T a row, token-major; left as the residual stream) ->
+        [T B, hidden] final-normed through the layers ``table`` lists; dims (hidden, heads, kv heads, head dim,
+        intermediate); rope: cos, sin [T B, D], positions [T B]; K/V into slots ``slot_start ..`` of ``kv`` [L, 2,
+        slots, KV, max_len, D]; ``lora``: compiled LoRA tables. Contiguous float32 (``service.model.decode_stack``)."""
         cos, sin, pos = rope
         s = kv.stride()
         out = torch.empty_like(x)
         sites, lo, hi, group = (None, 0, 0, None) if lora is None else (lora.sites, *lora.span, lora.rows.data_ptr())
         rc = self._lib.lp_decode_stack(
-            x.data_ptr(), x.shape[0], table, kv.shape[0], (ctypes.c_int64 * 5)(*dims), final_norm.data_ptr(), eps,
-            cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), kv.data_ptr() + slot_start * s[2] * 4, s[0], s[1], s[2],
-            s[3], kv.shape[4], 1.0 / math.sqrt(dims[3]), out.data_ptr(), sites, lo, hi, group,
+            x.data_ptr(), x.shape[0] // tokens, tokens, table, kv.shape[0], (ctypes.c_int64 * 5)(*dims),
+            final_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+            kv.data_ptr() + slot_start * s[2] * 4, s[0], s[1], s[2], s[3], kv.shape[4], 1.0 / math.sqrt(dims[3]),
+            out.data_ptr(), sites, lo, hi, group,
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_decode_stack refused {x.shape[0]} rows at positions {pos.tolist()}")

@@ -14,11 +14,13 @@ trusting it (``compare``; a mismatch drops to the per-op path).
 
 It takes a pass when: the model is float32 on the CPU with the step ops loaded (``Llama.native``), every projection
 is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks) without a bias, the pass is a decode step (one token a row, no draft
-tree: ``Step.pos``), the batch is below every projection's ``dense_from_rows`` (from there a dense matmul is faster
-and the per-op path takes it), and the rows' adapters, if any, change only projections, through the compiled LoRA
-tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are handled outside as
-always; a replaced norm weight is not). Everything else, and a model whose table could not be built, is the per-op
-path.
+tree: ``Step.pos``) or a draft chain's verification (T tokens a row at consecutive positions, each seeing those
+before it: ``Step.chain``; run as T decode steps would run, so speculation's output is plain decoding's bit for
+bit), the rows of its products (B, or T B) are below every projection's ``dense_from_rows`` (from there a dense
+matmul is faster and the per-op path takes it), and the rows' adapters, if any, change only projections, through
+the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are handled
+outside as always; a replaced norm weight is not). Everything else, and a model whose table could not be built, is
+the per-op path.
 """
 
 from __future__ import annotations
@@ -81,11 +83,11 @@ class DecodeStack:
 
     def plan(self, step: Step, adapters: AdapterHook | None, rows: int) -> Plan | None:
         """How this pass runs as one call, or None: the per-op path (see the module docstring)."""
-        if not self.enabled or step.pos is None or step.native is None:
+        if not self.enabled or (step.pos is None and step.chain is None) or step.native is None:
             return None
         if not self._built:
             self._build()
-        if rows >= self._max_rows:
+        if rows * step.cos.shape[1] >= self._max_rows:
             return None
         if adapters is None:
             return Plan(None)
@@ -119,27 +121,34 @@ class DecodeStack:
         self._max_rows = max_rows
 
     def run(self, x: Tensor, step: Step, cache: KVCache, slot_start: int, plan: Plan) -> Tensor:
-        """One decode step as ``plan`` says: x [B, 1, hidden] float32, the embedded tokens (adapters' embeddings
-        applied) -> the final-normed hidden states [B, 1, hidden]; writes each row's K/V into its slot of ``cache``."""
-        model, native, table, pos = self.model, step.native, self._table, step.pos
+        """One decode step as ``plan`` says: x [B, T, hidden] float32, the embedded tokens (adapters' embeddings
+        applied; T = 1, or a chain's T) -> the final-normed hidden states [B, T, hidden]; writes each row's K/V into
+        its slot of ``cache``."""
+        model, native, table = self.model, step.native, self._table
+        pos = step.pos if step.chain is None else step.chain
         assert native is not None and table is not None and pos is not None
-        cfg, b = model.cfg, x.shape[0]
-        x = x.reshape(b, cfg.hidden_size).contiguous()  # the residual stream, updated in place
-        cos, sin, kv = step.cos.reshape(b, cfg.head_dim), step.sin.reshape(b, cfg.head_dim), cache.data
-        for t in (x, cos, sin, kv):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"the decode stack takes contiguous float32 CPU tensors, got {t.dtype} {t.shape}")
+        cfg, b, t = model.cfg, x.shape[0], x.shape[1]
+
+        def token_major(v: Tensor, width: int) -> Tensor:  # [B, T, ...] -> [T B, width]
+            return v.reshape(b, t, width).transpose(0, 1).reshape(t * b, width).contiguous()
+
+        x = token_major(x, cfg.hidden_size)  # the residual stream, updated in place
+        cos, sin, kv = token_major(step.cos, cfg.head_dim), token_major(step.sin, cfg.head_dim), cache.data
+        for v in (x, cos, sin, kv):
+            if v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu":
+                raise ValueError(f"the decode stack takes contiguous float32 CPU tensors, got {v.dtype} {v.shape}")
         if kv.shape[0] != len(model.blocks) or not 0 <= slot_start <= kv.shape[2] - b or kv.shape[5] != cfg.head_dim:
             raise ValueError(f"the decode stack: slots [{slot_start}, {slot_start + b}) of a cache {tuple(kv.shape)}")
-        if pos.shape != (b,) or pos.dtype != torch.int64 or not pos.is_contiguous():
+        if pos.shape != (t * b,) or pos.dtype != torch.int64 or not pos.is_contiguous():
             raise ValueError(f"the decode stack: positions {pos.dtype} {tuple(pos.shape)} for {b} rows")
         dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         self.calls += 1
         if plan.lora is not None and not 0 <= plan.lora.span[0] <= plan.lora.span[1] <= b:
             raise ValueError(f"the decode stack: LoRA rows {plan.lora.span} of a batch of {b}")
         rope = (cos, sin, pos)
-        out = native.decode_stack(x, table, dims, model.norm.weight, cfg.rms_norm_eps, rope, kv, slot_start, plan.lora)
-        return out.view(b, 1, cfg.hidden_size)
+        out = native.decode_stack(x, table, dims, model.norm.weight, cfg.rms_norm_eps, rope, kv, slot_start, plan.lora,
+                                  tokens=t)  # fmt: skip
+        return out.view(t, b, cfg.hidden_size).transpose(0, 1).contiguous()
 
 
 def compare(model: Model) -> tuple[Tensor, Tensor] | None:

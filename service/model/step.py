@@ -6,7 +6,9 @@ pass (one token per row, no draft tree) RoPE, the K/V cache write and attention 
 else, and every other dtype or device, is the eager path; both agree within rounding (``tests/model``), and the
 start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
 The same kernels run the batched LoRA math of the model's adapter tables (``Llama.lora_native``,
-``service.adapters.lora.batch``); ``native_ops`` chooses them for both.
+``service.adapters.lora.batch``); ``native_ops`` chooses them for both. A pass of T tokens a row at consecutive
+positions, each seeing the tokens before it (a draft chain to verify), also carries ``chain``: the one-call step
+(``service.model.decode_stack``) can run it as T decode steps would.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Step:
     scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
     native: NativeKernels | None = None  # fused decode attention over ``pos`` (the mask and index unused)
     pos: Tensor | None = None  # [B] int64: each row's one position, with ``native``
+    chain: Tensor | None = None  # [T B] int64 token-major positions of a causal chain pass (T > 1), with ``native``
 
 
 def native_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
@@ -88,4 +91,19 @@ def make_step(
         write_index=cache.write_index(slot_start, slots_at),
         adapters=adapters,
         scratch=scratch,
+        native=native,
+        chain=_chain(positions, tree) if native is not None else None,
     )
+
+
+def _chain(positions: Tensor, tree: Tensor | None) -> Tensor | None:
+    """Token-major positions [T B] when the pass is a draft chain (one tree for every row, each node seeing itself and
+    the nodes before it, at consecutive positions), else None."""
+    b, t = positions.shape
+    if tree is None or tuple(tree.shape) != (t, t) or t < 2:
+        return None
+    steps = torch.arange(t, device=positions.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=tree.device).tril_()
+    if not torch.equal(tree, causal) or not torch.equal(positions - positions[:, :1], steps.expand(b, t)):
+        return None
+    return positions.t().reshape(-1).to(torch.int64).contiguous()

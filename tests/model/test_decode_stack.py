@@ -135,6 +135,52 @@ def test_lora_rows_in_one_call_are_the_per_op_path_bit_for_bit(q4_model: Llama, 
         assert torch.equal(runs[0][0][b], runs[2][0][b]) == (adapter is None), b
 
 
+# --- a draft chain to verify: T tokens a row in one call, as T decode steps -------------------------------------
+
+
+def _chain_runs(model: Llama, rows: list[str | None], t: int, layers: dict[str, Any]) -> list[torch.Tensor]:
+    """Hidden states [B, T, hidden] and the cache after: a chain verified in one call, the same tokens as T decode
+    steps, and the chain on the per-op path (torch's attention under the tree mask)."""
+    cfg, b = model.cfg, len(rows)
+    gen = torch.Generator().manual_seed(11 + b)
+    start = torch.tensor([3, 9, 0, 5][:b])[:, None]  # rows at different positions, the first position too
+    tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    init = torch.randn(KVCache(cfg, b + 1, 24, dtype=torch.float32, device=CPU).data.shape, generator=gen)
+    chain, pos = torch.ones(t, t, dtype=torch.bool).tril(), start + torch.arange(t)
+    out = []
+    for how in ("chain", "steps", "per-op"):
+        cache, tables, calls = (
+            KVCache(cfg, b + 1, 24, dtype=torch.float32, device=CPU),
+            _tables(model),
+            model.stack.calls,
+        )
+
+        def batch(tables: LoraTables = tables) -> AdapterBatch:
+            return AdapterBatch.build(rows, lambda a, layer: layers[a], tables, slot_start=1)
+
+        cache.data.copy_(init)
+        model.stack.enabled = how != "per-op"
+        try:
+            if how == "steps":
+                hidden = torch.cat([model(tokens[:, i : i + 1], start + i, cache, 1, batch(),
+                                          kv_len=int(start.max()) + i + 1) for i in range(t)], dim=1)  # fmt: skip
+            else:
+                hidden = model(tokens, pos, cache, 1, batch(), kv_len=int(pos.max()) + 1, tree=chain)
+        finally:
+            model.stack.enabled = True
+        assert model.stack.calls == calls + {"chain": 1, "steps": t, "per-op": 0}[how]
+        out += [hidden, cache.data.clone()]
+    return out
+
+
+@pytest.mark.parametrize(("rows", "t"), [([None], 5), ([None, "x", None], 3), (["x", "y", "x", None], 4)])
+def test_a_draft_chain_in_one_call_is_decode_steps_bit_for_bit(q4_model: Llama, rows: list[str | None], t: int) -> None:
+    layers = {"x": _lora(q4_model.cfg, 1), "y": _lora(q4_model.cfg, 2, ("q_proj", "down_proj"))}
+    chain, chain_cache, steps, steps_cache, per_op, _ = _chain_runs(q4_model, rows, t, layers)
+    assert torch.equal(chain, steps) and torch.equal(chain_cache, steps_cache)  # speculation is plain decoding
+    torch.testing.assert_close(chain, per_op, rtol=1e-4, atol=1e-4)  # and the tree path's result to rounding
+
+
 def test_the_default_model_takes_it_at_one_row(smollm2_dir: Path, smollm2_gguf: Path) -> None:
     model = _load(smollm2_dir, smollm2_gguf)
     fused, fused_cache = _decode(model, stack=True, rows=1, slot_start=0, steps=3)
@@ -158,6 +204,16 @@ def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
     assert stack.plan(_step(q4_model, 2), None, 2) is not None
     assert stack.plan(_step(q4_model, 2, tokens=3), None, 2) is None  # a prefill: several tokens a row
     assert stack.plan(_step(q4_model, 1, tokens=2, tree=torch.ones(2, 2, dtype=torch.bool)), None, 1) is None
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()  # a draft chain: T decode steps in one call
+    assert stack.plan(_step(q4_model, 2, tokens=3, tree=chain), None, 2) is not None
+    w13 = q4_model.projection(0, "w13")
+    assert (
+        isinstance(w13, Q4Native)
+        and stack.plan(
+            _step(q4_model, w13.dense_from_rows // 3 + 1, tokens=3, tree=chain), None, w13.dense_from_rows // 3 + 1
+        )
+        is None
+    )
     eager_tables = LoraTables(q4_model.cfg, device=CPU, dtype=torch.float32, native=None)
     eager = AdapterBatch.build(["x", None], lambda a, layer: _lora(q4_model.cfg, 1), eager_tables)
     assert stack.plan(_step(q4_model, 2), eager, 2) is None  # adapters without compiled tables

@@ -2,7 +2,9 @@
 //
 //   lp_decode_stack  every layer of one decode step (one token per row): per layer residual add + RMSNorm, the
 //                    fused q/k/v product, RoPE + K/V write + attention, the output product, add + RMSNorm, the
-//                    gate/up product, SiLU * up and the down product; then the final add + RMSNorm
+//                    gate/up product, SiLU * up and the down product; then the final add + RMSNorm. Or T tokens
+//                    per row at consecutive positions (a draft chain to verify): the products over all T x B
+//                    rows at once, the attention token by token, each as a decode step would run it
 //
 // It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, step.cpp's
 // lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same values, so its output is
@@ -20,8 +22,8 @@ int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, 
                  int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo);
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
-int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b, int64_t h,
-                        int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
+int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
+                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
                         int64_t max_len, float scale, void* out, int dtype);
 int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, const int64_t* group, int64_t groups,
                   const void* a, int w_dtype, int64_t a_sg, int64_t a_sr, int64_t a_sk, int64_t width, int64_t nseg,
@@ -74,59 +76,68 @@ extern "C" {
 int lp_decode_fields() { return kFields; }
 int lp_decode_lora_fields() { return kLoraFields; }
 
-// One decode step of B rows through ``layers`` layers. x [B, hidden] float32: the embedded tokens on entry, the
-// residual stream (before the final add) on return; out [B, hidden] float32: the final-normed hidden states.
-// table [layers, kFields]: each layer's weights (Field). dims: hidden, heads, kv heads, head dim, intermediate.
-// cos, sin [B, D] and pos [B]: each row's rope tables and position. The cache of layer i holds K of row b, kv head
-// j, position p at kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset
-// (elements, float32). LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s
-// LoraField row (0: no table), applied to rows [lo, hi) with group [hi - lo] (lp_lora_delta's) after the product,
-// as the per-op path's AdapterBatch.add_delta does. Returns 0, or the first failing op's code (-1 a bad argument,
-// -2 out of memory).
-int lp_decode_stack(float* x, int64_t b, const int64_t* table, int64_t layers, const int64_t* dims,
+// One decode step of B rows, T tokens each, through ``layers`` layers. x [T, B, hidden] float32 (token-major: token t
+// of every row, then token t + 1): the embedded tokens on entry, the residual stream (before the final add) on return;
+// out [T, B, hidden] float32: the final-normed hidden states. table [layers, kFields]: each layer's weights (Field).
+// dims: hidden, heads, kv heads, head dim, intermediate. cos, sin [T, B, D] and pos [T, B]: each token's rope tables
+// and position (token t + 1 of a row at its token t's position + 1). Every token's K/V is written before any token
+// attends, each to the positions up to its own, so every token's result is the one T decode steps in turn would give:
+// the products are batch-invariant. The cache of layer i holds K of row b, kv head j, position p at
+// kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset (elements, float32).
+// LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s LoraField row (0: no table),
+// applied to rows [lo, hi) of every token with group [hi - lo] (lp_lora_delta's) after the product, as the per-op
+// path's AdapterBatch.add_delta does. Returns 0, or the first failing op's code (-1 a bad argument, -2 out of memory).
+int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_t layers, const int64_t* dims,
                     const float* final_norm, float eps, const float* cos, const float* sin, const int64_t* pos,
                     float* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
                     int64_t max_len, float scale, float* out, const int64_t* sites, int64_t lo, int64_t hi,
                     const int64_t* group) {
   const int64_t hidden = dims[0], heads = dims[1], kv = dims[2], d = dims[3], inter = dims[4];
-  if (b <= 0 || layers <= 0 || hidden <= 0 || heads <= 0 || kv <= 0 || heads % kv || d <= 0 || inter <= 0)
+  if (b <= 0 || t <= 0 || layers <= 0 || hidden <= 0 || heads <= 0 || kv <= 0 || heads % kv || d <= 0 || inter <= 0)
     return -1;
   if (sites != nullptr && (lo < 0 || hi > b || lo > hi || group == nullptr)) return -1;
-  const int64_t width = (heads + 2 * kv) * d, qcols = heads * d;
-  // one scratch block: h [B, hidden], y [B, hidden], qkv [B, width], att [B, H D], gu [B, 2 I], act [B, I]
+  const int64_t width = (heads + 2 * kv) * d, qcols = heads * d, m = t * b;  // m: rows of every product
+  // one scratch block: h [M, hidden], y [M, hidden], qkv [M, width], att [M, H D], gu [M, 2 I], act [M, I]
   const int64_t sizes[] = {hidden, hidden, width, qcols, 2 * inter, inter};
   int64_t total = 0;
-  for (int64_t s : sizes) total += b * s;
+  for (int64_t s : sizes) total += m * s;
   float* block = static_cast<float*>(std::malloc(sizeof(float) * total));
   if (block == nullptr) return -2;
   float* h = block;
-  float* y = h + b * hidden;
-  float* qkv = y + b * hidden;
-  float* att = qkv + b * width;
-  float* gu = att + b * qcols;
-  float* act = gu + b * 2 * inter;
+  float* y = h + m * hidden;
+  float* qkv = y + m * hidden;
+  float* att = qkv + m * width;
+  float* gu = att + m * qcols;
+  float* act = gu + m * 2 * inter;
+  // Each token's rows [t b + lo, t b + hi) take their LoRA deltas after a product of ``in`` inputs, ``n`` outputs.
+  auto lora_all = [&](const int64_t* site, const float* in_rows, int64_t in, float* out_rows, int64_t n) {
+    int code = 0;
+    for (int64_t j = 0; j < t && code == 0; ++j)
+      code = lora(site, in_rows + j * b * in, in, out_rows + j * b * n, n, lo, hi, group);
+    return code;
+  };
   int rc = 0;
   for (int64_t i = 0; i < layers && rc == 0; ++i) {
     const int64_t* row = table + i * kFields;
     const int64_t* site[4] = {nullptr, nullptr, nullptr, nullptr};  // wqkv, wo, w13, w2
     for (int j = 0; sites != nullptr && j < 4; ++j) site[j] = reinterpret_cast<const int64_t*>(sites[i * 4 + j]);
     float* k_cache = kv_base + i * layer_stride;
-    rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), b, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kQkvQs, h, b, width, hidden, qkv);
-    if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, hi, group);
-    if (!rc)
-      rc = lp_decode_attention(qkv, cos, sin, pos, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
+    rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), m, hidden, eps, h, F32);
+    if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv);
+    if (!rc) rc = lora_all(site[0], h, hidden, qkv, width);
+    if (!rc)  // every token's K/V in place before any token attends, each to its own positions
+      rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
                                head_stride, max_len, scale, att, F32);
-    if (!rc) rc = q4(row, kWoQs, att, b, hidden, qcols, y);
-    if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, hi, group);
-    if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), b, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kW13Qs, h, b, 2 * inter, hidden, gu);
-    if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, hi, group);
-    if (!rc) rc = lp_silu_mul(gu, b, inter, act, F32);
-    if (!rc) rc = q4(row, kW2Qs, act, b, hidden, inter, y);
-    if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, hi, group);
+    if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y);
+    if (!rc) rc = lora_all(site[1], att, qcols, y, hidden);
+    if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), m, hidden, eps, h, F32);
+    if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu);
+    if (!rc) rc = lora_all(site[2], h, hidden, gu, 2 * inter);
+    if (!rc) rc = lp_silu_mul(gu, m, inter, act, F32);
+    if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y);
+    if (!rc) rc = lora_all(site[3], act, inter, y, hidden);
   }
-  if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, b, hidden, eps, out, F32);
+  if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, m, hidden, eps, out, F32);
   std::free(block);
   return rc;
 }

@@ -250,10 +250,10 @@ void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, 
 }
 
 template <typename T>
-int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, int64_t b, int64_t h, int64_t kv,
-                     int64_t d, T* k_cache, T* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
+int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, int64_t b, int64_t slots,
+                     int64_t h, int64_t kv, int64_t d, T* k_cache, T* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
                      float scale, T* out) {
-  if (b < 0 || h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
+  if (b < 0 || slots <= 0 || b % slots || h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
   if (head_stride < max_len * d || slot_stride < kv * head_stride) return -1;
   for (int64_t r = 0; r < b; ++r)
     if (pos[r] < 0 || pos[r] >= max_len) return -1;
@@ -268,7 +268,7 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
   {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < b * kv; ++t) {
-      const int64_t r = t / kv, j = t % kv, at = r * slot_stride + j * head_stride + pos[r] * d;
+      const int64_t r = t / kv, j = t % kv, at = r % slots * slot_stride + j * head_stride + pos[r] * d;
       float rotated[kMaxHeadDim];
       rope(qkv + r * width + (h + j) * d, cos + r * d, sin + r * d, d, rotated);
       const T* v = qkv + r * width + (h + kv + j) * d;
@@ -281,7 +281,7 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
     for (int64_t t = 0; t < b * kv * chunks; ++t) {
       const int64_t r = t / (kv * chunks), j = t / chunks % kv, c = t % chunks, n = pos[r] + 1;
       const int64_t head = j * group + c * chunk, heads = group - c * chunk < chunk ? group - c * chunk : chunk;
-      const int64_t base = r * slot_stride + j * head_stride;
+      const int64_t base = r % slots * slot_stride + j * head_stride;
       float q[kHeadsAtOnce * kMaxHeadDim];
       for (int64_t i = 0; i < heads; ++i)
         rope(qkv + r * width + (head + i) * d, cos + r * d, sin + r * d, d, q + i * d);
@@ -319,21 +319,22 @@ int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtyp
   return -1;
 }
 
-// One decode token per row b < B: qkv [B, H + 2 KV, D] (q heads, k heads, v heads: the fused projection's output),
-// cos and sin [B, D] (the rope tables at pos[b]); the slot cache of these B rows holds element (b, j, p, i) of K
-// at k_cache[b * slot_stride + j * head_stride + p * D + i] (V likewise), positions 0..max_len-1; every tensor but
-// pos in ``dtype``. Writes K (rotated) and V at p = pos[b], both bounded; then out [B, H * D] = per query head h (KV
-// head h / (H/KV)) softmax over p <= pos[b] of scale * q_h . K[p], times V. Returns 0, -1 on a bad argument, -2 out
-// of memory.
-int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b, int64_t h,
-                        int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
+// One query token per row b < B: qkv [B, H + 2 KV, D] (q heads, k heads, v heads: the fused projection's output),
+// cos and sin [B, D] (the rope tables at pos[b]); row b is in slot b % S of the cache, which holds element (s, j, p,
+// i) of K at k_cache[s * slot_stride + j * head_stride + p * D + i] (V likewise), positions 0..max_len-1; every
+// tensor but pos in ``dtype``. S = B: one token a slot; B = T S: T tokens a slot, token-major (a draft chain at
+// consecutive positions). Writes every row's K (rotated) and V at p = pos[b], both bounded; then out [B, H * D] = per
+// query head h (KV head h / (H/KV)) softmax over p <= pos[b] of scale * q_h . K[p], times V: for each row what a
+// decode step of its token alone gives. Returns 0, -1 on a bad argument, -2 out of memory.
+int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
+                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
                         int64_t max_len, float scale, void* out, int dtype) {
   if (dtype == F32)
-    return decode_attention((const float*)qkv, (const float*)cos, (const float*)sin, pos, b, h, kv, d,
+    return decode_attention((const float*)qkv, (const float*)cos, (const float*)sin, pos, b, slots, h, kv, d,
                             (float*)k_cache, (float*)v_cache, slot_stride, head_stride, max_len, scale, (float*)out);
   if (dtype == BF16)
-    return decode_attention((const bf16*)qkv, (const bf16*)cos, (const bf16*)sin, pos, b, h, kv, d, (bf16*)k_cache,
-                            (bf16*)v_cache, slot_stride, head_stride, max_len, scale, (bf16*)out);
+    return decode_attention((const bf16*)qkv, (const bf16*)cos, (const bf16*)sin, pos, b, slots, h, kv, d,
+                            (bf16*)k_cache, (bf16*)v_cache, slot_stride, head_stride, max_len, scale, (bf16*)out);
   return -1;
 }
 
