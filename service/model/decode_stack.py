@@ -14,13 +14,13 @@ trusting it (``compare``; a mismatch drops to the per-op path).
 
 It takes a pass when: the model is float32 on the CPU with the step ops loaded (``Llama.native``), every projection
 is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks) without a bias, the pass is a decode step (one token a row, no draft
-tree: ``Step.pos``) or a draft chain's verification (T tokens a row at consecutive positions, each seeing those
-before it: ``Step.chain``; run as T decode steps would run, so speculation's output is plain decoding's bit for
-bit), the rows of its products (B, or T B) are below every projection's ``dense_from_rows`` (from there a dense
-matmul is faster and the per-op path takes it), and the rows' adapters, if any, change only projections, through
-the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are handled
-outside as always; a replaced norm weight is not). Everything else, and a model whose table could not be built, is
-the per-op path.
+tree: ``Step.pos``) or a causal chain (T tokens a row at consecutive positions, each seeing those before it: a
+prefill, or a draft chain's verification; ``Step.chain``; run as T decode steps would run, so speculation's output
+is plain decoding's bit for bit), the rows of its products (B, or T B) are below every projection's
+``dense_from_rows`` (from there a dense matmul is faster and the per-op path takes it), and the rows' adapters, if
+any, change only projections, through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures;
+the embedding and the head are handled outside as always; a replaced norm weight is not). Everything else, and a
+model whose table could not be built, is the per-op path.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ else, and every other dtype or device, is the eager path; both agree within roun
 start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
 The same kernels run the batched LoRA math of the model's adapter tables (``Llama.lora_native``,
 ``service.adapters.lora.batch``); ``native_ops`` chooses them for both. A pass of T tokens a row at consecutive
-positions, each seeing the tokens before it (a draft chain to verify), also carries ``chain``: the one-call step
-(``service.model.decode_stack``) can run it as T decode steps would.
+positions, each seeing the tokens before it (a prefill, a draft chain to verify), also carries ``chain``: the
+one-call step (``service.model.decode_stack``) can run it as T decode steps would.
 """
 
 from __future__ import annotations
@@ -97,13 +97,13 @@ def make_step(
 
 
 def _chain(positions: Tensor, tree: Tensor | None) -> Tensor | None:
-    """Token-major positions [T B] when the pass is a draft chain (one tree for every row, each node seeing itself and
-    the nodes before it, at consecutive positions), else None."""
+    """Token-major positions [T B] when the pass is a causal chain at consecutive positions (a prefill, or a draft
+    chain: one tree for every row, each node seeing itself and the nodes before it), else None."""
     b, t = positions.shape
-    if tree is None or tuple(tree.shape) != (t, t) or t < 2:
+    if t < 2 or (tree is not None and tuple(tree.shape) != (t, t)):
         return None
     steps = torch.arange(t, device=positions.device)
-    causal = torch.ones(t, t, dtype=torch.bool, device=tree.device).tril_()
-    if not torch.equal(tree, causal) or not torch.equal(positions - positions[:, :1], steps.expand(b, t)):
+    causal = tree is None or torch.equal(tree, torch.ones(t, t, dtype=torch.bool, device=tree.device).tril_())
+    if not causal or not torch.equal(positions - positions[:, :1], steps.expand(b, t)):
         return None
     return positions.t().reshape(-1).to(torch.int64).contiguous()

@@ -138,15 +138,17 @@ def test_lora_rows_in_one_call_are_the_per_op_path_bit_for_bit(q4_model: Llama, 
 # --- a draft chain to verify: T tokens a row in one call, as T decode steps -------------------------------------
 
 
-def _chain_runs(model: Llama, rows: list[str | None], t: int, layers: dict[str, Any]) -> list[torch.Tensor]:
-    """Hidden states [B, T, hidden] and the cache after: a chain verified in one call, the same tokens as T decode
-    steps, and the chain on the per-op path (torch's attention under the tree mask)."""
+def _chain_runs(
+    model: Llama, rows: list[str | None], t: int, layers: dict[str, Any], prefill: bool
+) -> list[torch.Tensor]:
+    """Hidden states [B, T, hidden] and the cache after: a chain verified in one call (``prefill``: the tokens as a
+    prefill, no tree), the same tokens as T decode steps, and the chain on the per-op path (torch's attention)."""
     cfg, b = model.cfg, len(rows)
     gen = torch.Generator().manual_seed(11 + b)
     start = torch.tensor([3, 9, 0, 5][:b])[:, None]  # rows at different positions, the first position too
     tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
     init = torch.randn(KVCache(cfg, b + 1, 24, dtype=torch.float32, device=CPU).data.shape, generator=gen)
-    chain, pos = torch.ones(t, t, dtype=torch.bool).tril(), start + torch.arange(t)
+    chain, pos = None if prefill else torch.ones(t, t, dtype=torch.bool).tril(), start + torch.arange(t)
     out = []
     for how in ("chain", "steps", "per-op"):
         cache, tables, calls = (
@@ -173,10 +175,13 @@ def _chain_runs(model: Llama, rows: list[str | None], t: int, layers: dict[str, 
     return out
 
 
+@pytest.mark.parametrize("prefill", [False, True], ids=["draft-chain", "prefill"])
 @pytest.mark.parametrize(("rows", "t"), [([None], 5), ([None, "x", None], 3), (["x", "y", "x", None], 4)])
-def test_a_draft_chain_in_one_call_is_decode_steps_bit_for_bit(q4_model: Llama, rows: list[str | None], t: int) -> None:
+def test_a_draft_chain_in_one_call_is_decode_steps_bit_for_bit(
+    q4_model: Llama, rows: list[str | None], t: int, prefill: bool
+) -> None:
     layers = {"x": _lora(q4_model.cfg, 1), "y": _lora(q4_model.cfg, 2, ("q_proj", "down_proj"))}
-    chain, chain_cache, steps, steps_cache, per_op, _ = _chain_runs(q4_model, rows, t, layers)
+    chain, chain_cache, steps, steps_cache, per_op, _ = _chain_runs(q4_model, rows, t, layers, prefill)
     assert torch.equal(chain, steps) and torch.equal(chain_cache, steps_cache)  # speculation is plain decoding
     torch.testing.assert_close(chain, per_op, rtol=1e-4, atol=1e-4)  # and the tree path's result to rounding
 
@@ -202,7 +207,7 @@ def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
     q4_model._rope_for(8)
     w_norm = torch.ones(q4_model.cfg.hidden_size)
     assert stack.plan(_step(q4_model, 2), None, 2) is not None
-    assert stack.plan(_step(q4_model, 2, tokens=3), None, 2) is None  # a prefill: several tokens a row
+    assert stack.plan(_step(q4_model, 2, tokens=3), None, 2) is not None  # a prefill: T decode steps in one call
     assert stack.plan(_step(q4_model, 1, tokens=2, tree=torch.ones(2, 2, dtype=torch.bool)), None, 1) is None
     chain = torch.ones(3, 3, dtype=torch.bool).tril()  # a draft chain: T decode steps in one call
     assert stack.plan(_step(q4_model, 2, tokens=3, tree=chain), None, 2) is not None
