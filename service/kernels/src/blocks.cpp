@@ -115,13 +115,15 @@ inline void store_scalar(void* p, int64_t i, float v, int dtype) {
   }
 }
 
-// x [M, K] in ``dtype`` -> float32 [M, K] and per-group sums [M, K / 32].
+// x [M, K] in ``dtype`` -> float32 xf [M, K] (unless x is float32: read in place) and per-group sums [M, K / 32].
 void widen(const void* x, int dtype, int64_t m, int64_t k, float* xf, float* xsum) {
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = load_scalar(x, i, dtype);
+  if (dtype != F32)
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = load_scalar(x, i, dtype);
+  const float* xs = dtype == F32 ? static_cast<const float*>(x) : xf;
   const int64_t groups = k / kGroup;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* p = xf + r * k + g * kGroup;
+      const float* p = xs + r * k + g * kGroup;
       float s = 0.f;
       for (int j = 0; j < kGroup; ++j) s += p[j];
       xsum[r * groups + g] = s;
@@ -129,18 +131,21 @@ void widen(const void* x, int dtype, int64_t m, int64_t k, float* xf, float* xsu
   }
 }
 
-// x [M, K] in ``dtype`` widened to float32 and its per-group sums (``widen``), freed on every return (no C++
-// runtime: built -fno-exceptions, so ``ok()`` says whether the memory was there).
+// x [M, K] in ``dtype`` as float32 (``xf``: x itself when float32, else a widened copy) and its per-group sums
+// (``widen``), freed on every return (no C++ runtime: built -fno-exceptions, so ``ok()`` says whether the memory was
+// there).
 struct Widened {
-  float* xf;
+  float* copy;
   float* xsum;
+  const float* xf;
   Widened(const void* x, int dtype, int64_t m, int64_t k)
-      : xf(static_cast<float*>(std::malloc(sizeof(float) * (m * k + 1)))),
-        xsum(static_cast<float*>(std::malloc(sizeof(float) * (m * (k / kGroup) + 1)))) {
-    if (ok()) widen(x, dtype, m, k, xf, xsum);
+      : copy(dtype == F32 ? nullptr : static_cast<float*>(std::malloc(sizeof(float) * (m * k + 1)))),
+        xsum(static_cast<float*>(std::malloc(sizeof(float) * (m * (k / kGroup) + 1)))),
+        xf(dtype == F32 ? static_cast<const float*>(x) : copy) {
+    if (ok()) widen(x, dtype, m, k, copy, xsum);
   }
   ~Widened() {
-    std::free(xf);
+    std::free(copy);
     std::free(xsum);
   }
   bool ok() const { return xf != nullptr && xsum != nullptr; }
