@@ -23,8 +23,8 @@ int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, 
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
-                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
-                        int64_t max_len, float scale, void* out, int dtype);
+                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache,
+                        int64_t slot_stride, int64_t head_stride, int64_t max_len, float scale, void* out, int dtype);
 int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, const int64_t* group, int64_t groups,
                   const void* a, int w_dtype, int64_t a_sg, int64_t a_sr, int64_t a_sk, int64_t width, int64_t nseg,
                   const int64_t* seg, const void* const* bt, const float* const* scale, const void* const* bias,

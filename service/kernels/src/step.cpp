@@ -236,12 +236,12 @@ constexpr int64_t kHeadsAtOnce = 4;  // query heads of one KV head attended toge
 template <typename T>
 void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, int64_t n, float scale, float* s,
                   T* out) {
-#define LP_ATTEND(D)                                                \
-  switch (g) {                                                      \
-    case 1: return attend<T, D, 1>(q, k, v, n, scale, s, out);      \
-    case 2: return attend<T, D, 2>(q, k, v, n, scale, s, out);      \
-    case 3: return attend<T, D, 3>(q, k, v, n, scale, s, out);      \
-    default: return attend<T, D, 4>(q, k, v, n, scale, s, out);     \
+#define LP_ATTEND(D)                                           \
+  switch (g) {                                                 \
+    case 1: return attend<T, D, 1>(q, k, v, n, scale, s, out); \
+    case 2: return attend<T, D, 2>(q, k, v, n, scale, s, out); \
+    case 3: return attend<T, D, 3>(q, k, v, n, scale, s, out); \
+    default: return attend<T, D, 4>(q, k, v, n, scale, s, out); \
   }
   if (d == 64) LP_ATTEND(64)
   if (d == 128) LP_ATTEND(128)
@@ -251,9 +251,10 @@ void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, 
 
 template <typename T>
 int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, int64_t b, int64_t slots,
-                     int64_t h, int64_t kv, int64_t d, T* k_cache, T* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
-                     float scale, T* out) {
-  if (b < 0 || slots <= 0 || b % slots || h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
+                     int64_t h, int64_t kv, int64_t d, T* k_cache, T* v_cache, int64_t slot_stride,
+                     int64_t head_stride, int64_t max_len, float scale, T* out) {
+  if (b < 0 || slots < 0 || (b > 0 && (slots == 0 || b % slots))) return -1;  // B = T S rows, token-major
+  if (h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
   if (head_stride < max_len * d || slot_stride < kv * head_stride) return -1;
   for (int64_t r = 0; r < b; ++r)
     if (pos[r] < 0 || pos[r] >= max_len) return -1;
@@ -327,8 +328,8 @@ int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtyp
 // query head h (KV head h / (H/KV)) softmax over p <= pos[b] of scale * q_h . K[p], times V: for each row what a
 // decode step of its token alone gives. Returns 0, -1 on a bad argument, -2 out of memory.
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
-                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride,
-                        int64_t max_len, float scale, void* out, int dtype) {
+                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache,
+                        int64_t slot_stride, int64_t head_stride, int64_t max_len, float scale, void* out, int dtype) {
   if (dtype == F32)
     return decode_attention((const float*)qkv, (const float*)cos, (const float*)sin, pos, b, slots, h, kv, d,
                             (float*)k_cache, (float*)v_cache, slot_stride, head_stride, max_len, scale, (float*)out);
