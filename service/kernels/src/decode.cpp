@@ -3,8 +3,8 @@
 //   lp_decode_stack  every layer of one decode step (one token per row): per layer residual add + RMSNorm, the
 //                    fused q/k/v product, RoPE + K/V write + attention, the output product, add + RMSNorm, the
 //                    gate/up product, SiLU * up and the down product; then the final add + RMSNorm. Or T tokens
-//                    per row at consecutive positions (a draft chain to verify): the products over all T x B
-//                    rows at once, the attention token by token, each as a decode step would run it
+//                    per row at consecutive positions (a prefill, a draft chain to verify): the products over all
+//                    T x B rows at once, the attention in one call, each token as its decode step would run
 //
 // It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, step.cpp's
 // lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same values, so its output is
