@@ -15,7 +15,7 @@ trusting it (``compare``; a mismatch drops to the per-op path).
 It takes a pass when: the model is float32 on the CPU with the step ops loaded (``Llama.native``), every projection
 is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks) without a bias, the pass is a decode step (one token a row, no draft
 tree: ``Step.pos``) or a causal chain (T tokens a row at consecutive positions, each seeing those before it: a
-prefill, or a draft chain's verification; ``Step.chain``; run as T decode steps would run, so speculation's output
+prefill, or a draft chain's verification; run as T decode steps would run, so speculation's output
 is plain decoding's bit for bit), the rows of its products (B, or T B) are below every projection's
 ``dense_from_rows`` (from there a dense matmul is faster and the per-op path takes it), and the rows' adapters, if
 any, change only projections, through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures;
@@ -83,7 +83,7 @@ class DecodeStack:
 
     def plan(self, step: Step, adapters: AdapterHook | None, rows: int) -> Plan | None:
         """How this pass runs as one call, or None: the per-op path (see the module docstring)."""
-        if not self.enabled or (step.pos is None and step.chain is None) or step.native is None:
+        if not self.enabled or step.pos is None or step.native is None:
             return None
         if not self._built:
             self._build()
@@ -124,8 +124,7 @@ class DecodeStack:
         """One decode step as ``plan`` says: x [B, T, hidden] float32, the embedded tokens (adapters' embeddings
         applied; T = 1, or a chain's T) -> the final-normed hidden states [B, T, hidden]; writes each row's K/V into
         its slot of ``cache``."""
-        model, native, table = self.model, step.native, self._table
-        pos = step.pos if step.chain is None else step.chain
+        model, native, table, pos = self.model, step.native, self._table, step.pos
         assert native is not None and table is not None and pos is not None
         cfg, b, t = model.cfg, x.shape[0], x.shape[1]
 

@@ -142,8 +142,8 @@ class Attention(nn.Module):
         h, kv, d = self.n_head, self.n_kv, self.head_dim
         g = h // kv
         qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters, scratch=step.scratch)
-        if step.native is not None and step.pos is not None:  # one token a row: RoPE, K/V write, attention fused
-            cos, sin = step.cos.view(b, d), step.sin.view(b, d)
+        if step.native is not None and step.pos is not None and step.mask is None:  # one token a row: fused
+            cos, sin = step.cos.view(b, d), step.sin.view(b, d)  # RoPE, K/V write and attention in one call
             y = step.native.decode_attention(qkv.reshape(b, h + 2 * kv, d), cos, sin, step.pos, k_cache, v_cache, h)
             return proj(y.view(b, 1, h * d), self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch)
         assert step.mask is not None and step.write_index is not None  # an eager step has both

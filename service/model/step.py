@@ -7,8 +7,8 @@ else, and every other dtype or device, is the eager path; both agree within roun
 start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
 The same kernels run the batched LoRA math of the model's adapter tables (``Llama.lora_native``,
 ``service.adapters.lora.batch``); ``native_ops`` chooses them for both. A pass of T tokens a row at consecutive
-positions, each seeing the tokens before it (a prefill, a draft chain to verify), also carries ``chain``: the
-one-call step (``service.model.decode_stack``) can run it as T decode steps would.
+positions, each seeing the tokens before it (a prefill, a draft chain to verify), also carries ``pos`` beside its
+mask: the one-call step (``service.model.decode_stack``) can run it as T decode steps would.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ class Step:
     write_index: Tensor | None  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V; None: decode
     adapters: AdapterHook | None
     scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
-    native: NativeKernels | None = None  # fused decode attention over ``pos`` (the mask and index unused)
-    pos: Tensor | None = None  # [B] int64: each row's one position, with ``native``
-    chain: Tensor | None = None  # [T B] int64 token-major positions of a causal chain pass (T > 1), with ``native``
+    native: NativeKernels | None = None  # the compiled step ops; a decode pass (no mask) attends on them
+    # [T B] int64 token-major positions, with ``native``: a decode pass (T = 1) or a causal chain (T > 1, the mask
+    # kept for the per-op path); None: the pass is neither
+    pos: Tensor | None = None
 
 
 def native_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
@@ -92,7 +93,7 @@ def make_step(
         adapters=adapters,
         scratch=scratch,
         native=native,
-        chain=_chain(positions, tree) if native is not None else None,
+        pos=_chain(positions, tree) if native is not None else None,
     )
 
 
