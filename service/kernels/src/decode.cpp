@@ -109,13 +109,20 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
   float* att = qkv + m * width;
   float* gu = att + m * qcols;
   float* act = gu + m * 2 * inter;
-  // Each token's rows [t b + lo, t b + hi) take their LoRA deltas after a product of ``in`` inputs, ``n`` outputs.
-  auto lora_all = [&](const int64_t* site, const float* in_rows, int64_t in, float* out_rows, int64_t n) {
-    int code = 0;
-    for (int64_t j = 0; j < t && code == 0; ++j)
-      code = lora(site, in_rows + j * b * in, in, out_rows + j * b * n, n, lo, hi, group);
-    return code;
-  };
+  // LoRA rows of every token: [lo, (T - 1) B + hi) of the token-major batch, row r's group that of its row r % B
+  // (-1, left alone, outside [lo, hi)), so one lp_lora_delta call a product reads each adapter's tables once.
+  int64_t lora_hi = hi;
+  int64_t* token_groups = nullptr;
+  if (sites != nullptr && t > 1 && hi > lo) {
+    lora_hi = (t - 1) * b + hi;
+    token_groups = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (lora_hi - lo)));
+    if (token_groups == nullptr) {
+      std::free(block);
+      return -2;
+    }
+    for (int64_t r = lo; r < lora_hi; ++r) token_groups[r - lo] = r % b >= lo && r % b < hi ? group[r % b - lo] : -1;
+  }
+  const int64_t* lora_group = token_groups != nullptr ? token_groups : group;
   int rc = 0;
   for (int64_t i = 0; i < layers && rc == 0; ++i) {
     const int64_t* row = table + i * kFields;
@@ -124,20 +131,21 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
     float* k_cache = kv_base + i * layer_stride;
     rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), m, hidden, eps, h, F32);
     if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv);
-    if (!rc) rc = lora_all(site[0], h, hidden, qkv, width);
+    if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, lora_hi, lora_group);
     if (!rc)  // every token's K/V in place before any token attends, each to its own positions
       rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
                                head_stride, max_len, scale, att, F32);
     if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y);
-    if (!rc) rc = lora_all(site[1], att, qcols, y, hidden);
+    if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, lora_hi, lora_group);
     if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), m, hidden, eps, h, F32);
     if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu);
-    if (!rc) rc = lora_all(site[2], h, hidden, gu, 2 * inter);
+    if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, lora_hi, lora_group);
     if (!rc) rc = lp_silu_mul(gu, m, inter, act, F32);
     if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y);
-    if (!rc) rc = lora_all(site[3], act, inter, y, hidden);
+    if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, lora_hi, lora_group);
   }
   if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, m, hidden, eps, out, F32);
+  std::free(token_groups);
   std::free(block);
   return rc;
 }
