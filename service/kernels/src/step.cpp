@@ -232,20 +232,24 @@ void attend_any(const float* q, const T* k, const T* v, int64_t d, int64_t n, fl
 
 constexpr int64_t kHeadsAtOnce = 4;  // query heads of one KV head attended together (their K / V read once)
 
+// ``attend`` for g (1..kHeadsAtOnce) heads of size D.
+template <typename T, int64_t D>
+void attend_sized(int64_t g, const float* q, const T* k, const T* v, int64_t n, float scale, float* s, T* out) {
+  static_assert(kHeadsAtOnce == 4, "one case per head count");
+  switch (g) {
+    case 1: return attend<T, D, 1>(q, k, v, n, scale, s, out);
+    case 2: return attend<T, D, 2>(q, k, v, n, scale, s, out);
+    case 3: return attend<T, D, 3>(q, k, v, n, scale, s, out);
+    default: return attend<T, D, 4>(q, k, v, n, scale, s, out);
+  }
+}
+
 // ``g`` (1..kHeadsAtOnce) heads of head size d: ``attend`` where D is one it is built for, else ``attend_any``.
 template <typename T>
 void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, int64_t n, float scale, float* s,
                   T* out) {
-#define LP_ATTEND(D)                                           \
-  switch (g) {                                                 \
-    case 1: return attend<T, D, 1>(q, k, v, n, scale, s, out); \
-    case 2: return attend<T, D, 2>(q, k, v, n, scale, s, out); \
-    case 3: return attend<T, D, 3>(q, k, v, n, scale, s, out); \
-    default: return attend<T, D, 4>(q, k, v, n, scale, s, out); \
-  }
-  if (d == 64) LP_ATTEND(64)
-  if (d == 128) LP_ATTEND(128)
-#undef LP_ATTEND
+  if (d == 64) return attend_sized<T, 64>(g, q, k, v, n, scale, s, out);
+  if (d == 128) return attend_sized<T, 128>(g, q, k, v, n, scale, s, out);
   for (int64_t j = 0; j < g; ++j) attend_any(q + j * d, k, v, d, n, scale, s, out + j * d);
 }
 
