@@ -1,5 +1,7 @@
 // loraplex native kernels: the element types the sources share, float32 and bfloat16 (its 16 bits as uint16_t).
 // bf16 widens to float32 exactly (a shift) and is made from float32 by rounding to nearest even; NaN stays NaN.
+// V16: 16 float32 lanes in a GCC vector type, which every variant lowers to its own registers (one zmm, two ymm,
+// four xmm): built with -ffp-contract=off, a lane's products and sums round alike on every instruction set.
 #pragma once
 
 #include <cstdint>
@@ -27,5 +29,35 @@ inline bf16 to_bf16(float f) {
 
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(bf16* p, int64_t i, float v) { p[i] = to_bf16(v); }
+
+using V16 = float __attribute__((vector_size(64)));
+using V8 = float __attribute__((vector_size(32)));
+using V4 = float __attribute__((vector_size(16)));
+using V2 = float __attribute__((vector_size(8)));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline V16 load16(const bf16* p) {  // widened by the shift
+  using U16 = uint16_t __attribute__((vector_size(32)));
+  using U32 = uint32_t __attribute__((vector_size(64)));
+  U16 h;
+  std::memcpy(&h, p, sizeof h);
+  const U32 bits = __builtin_convertvector(h, U32) << 16;
+  V16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// The lanes summed pairwise (lane l += lane l + 8, then + 4, + 2, + 1): the order a scalar loop over float[16] takes.
+inline float lane_sum16(V16 acc) {
+  const V8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return h2[0] + h2[1];
+}
 
 }  // namespace lp

@@ -6,31 +6,39 @@
 //                  (+ bias), where op is += or, with a DoRA scale, out = scale * (out + delta)
 //
 // The tables are the batch's, read where they lie: A [G, R, in] (the shared and the per-slot layouts; any strides,
-// rows of A widened into scratch where they are not contiguous float32); per module Bt [G, r_m, out_m] (the scaled B^T), an optional bias [G, out_m] in the
-// tables' dtype and an optional float32 scale [G, out_m]. Each group's weights are read once per call however many
-// rows it has; x and out rows are read and written in place, rows of group -1 are not touched.
+// rows of A widened into scratch only where they are not contiguous); per module Bt [G, r_m, out_m] (the scaled B^T),
+// an optional bias [G, out_m] in the tables' dtype and an optional float32 scale [G, out_m]. Each group's weights are
+// read once per call however many rows it has; x and out rows are read and written in place, rows of group -1 are not
+// touched.
 //
 // Isolation: a row's input meets only its own group's weights, so a NaN in one adapter stays in its own rows.
 // Batch invariance: each row's sums run in a fixed order (its dot products in lanes of 16 then pairwise, the expand
 // over the rank in order) whichever rows share its group, its call or its thread, and whichever table holds A.
-// Numerics: the values as stored (bf16 widened by a shift); the shrink sums in double (products of float32 values
-// are exact there, so fused and separate multiply-adds agree and every instruction set gets the same h) and rounds h
-// once to float32, the expand sums float32 over the rank; the delta is added in float32 and rounded once to the
-// output dtype (bf16: to nearest even), as torch's `out += delta` does.
+// Numerics: the values as stored (bf16 widened by a shift). The shrink keeps h within a few float32 roundings of the
+// exact dot product (see dot_pass: float32 FMAs over short blocks summed in double on avx2 / avx512, products in
+// double on generic) and rounds it once to float32; the expand sums float32 over the rank in order (no fused
+// multiply-add: -ffp-contract=off and dtypes.h's V16, so every instruction set gets the same delta from the same h);
+// the delta is added in float32 and rounded once to the output dtype (bf16: to nearest even), as torch's
+// `out += delta` does.
 // Threads: OpenMP (torch's runtime) over work items, the shrink's (group, 4 rows of A) then the expand's (group,
 // module, 256 columns), each prefetching the next item's weights; scratch stays allocated per thread between calls.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "dtypes.h"
 
 namespace {
 
+using lp::V16;
+using lp::load16;
 using lp::store;
 using lp::widen;
 
@@ -40,47 +48,145 @@ constexpr int64_t kSub = 64;      // of which one pass over the rank accumulates
 constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
 
 
-// The shrink's sums are in double (products of float32 values are exact there): h = x A^T is its float32 value
-// rounded once, however long the input, and the same on every instruction set.
-inline double lane_sum(double* acc) {  // pairwise over the lanes
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
-}
+// dot(x[t], a[q]) over n for kRows rows a[q] (float32 or bf16, read in place) and NT tokens x[t] at once (each load
+// of a row feeds every token), in 16 lanes: lane l takes k = l, l + 16, ... in turn; the lanes pairwise, then the
+// tail; h rounded once to float32. Where there is an FMA (the avx2 and avx512 variants), a lane sums kBlock / 16
+// products in float32 by fused multiply-adds (each product exact inside its FMA), then adds that partial sum to its
+// double accumulator: h stays within a few float32 roundings of the exact dot product, as near to it as torch's own
+// float32 GEMM (a row summed in float32 with products rounded apart measured 3x further from peft's; the table
+// streams through at half the instructions of a double product). Without an FMA (generic), each product in double,
+// exact there. Either way a token's sum is the same whatever rows and tokens it is computed with; avx2 and avx512
+// give the same h (the same lanes and operations), generic rounds elsewhere.
+constexpr int kRows = 4;
+constexpr int64_t kBlock = 128;
 
-// acc + x * y for doubles holding float32 values: the product is exact in double (24 + 24 bits), so the fused and
-// the separate multiply-add round alike and every instruction set gets the same sums.
-inline double madd(double acc, double x, double y) {
-#if defined(__FMA__)
-  return __builtin_fma(x, y, acc);
+// Lanes in the widest vectors the variant has: kW float32 (kDW double) lanes a vector; kFV (kDV) vectors for 16.
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+constexpr int kPassRows = 4, kPassTokens = 2;  // sums held in registers: 24 of the 32 vector registers
 #else
-  return acc + x * y;
+constexpr int kW = 8;
+constexpr int kPassRows = 2, kPassTokens = 1;  // 12 of the 16 (generic: what SSE2 can)
+#endif
+constexpr int kDW = kW / 2, kFV = kLanes / kW, kDV = kLanes / kDW;
+using FV = float __attribute__((vector_size(4 * kW)));
+using FH = float __attribute__((vector_size(2 * kW)));  // half a vector, widened to one of doubles
+using DV = double __attribute__((vector_size(4 * kW)));
+
+inline FV load_f(const float* p) {
+  FV v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline FV load_f(const lp::bf16* p) {  // widened by the shift
+  using UH = uint16_t __attribute__((vector_size(2 * kW)));
+  using UW = uint32_t __attribute__((vector_size(4 * kW)));
+  UH h;
+  std::memcpy(&h, p, sizeof h);
+  const UW bits = __builtin_convertvector(h, UW) << 16;
+  FV v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline DV widen_d(FH v) {  // exact
+#if defined(__AVX512F__)
+  return (DV)_mm512_cvtps_pd((__m256)v);  // one instruction (GCC's convertvector takes several)
+#elif defined(__AVX2__)
+  return (DV)_mm256_cvtps_pd((__m128)v);
+#else
+  return __builtin_convertvector(v, DV);
+#endif
+}
+#if defined(__AVX512F__)
+inline FH low_half(FV v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline FH high_half(FV v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
+inline FH low_half(FV v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); }
+inline FH high_half(FV v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); }
+#endif
+
+#if defined(__FMA__)
+inline FV fma_f(FV x, FV y, FV acc) {
+#if defined(__AVX512F__)
+  return (FV)_mm512_fmadd_ps((__m512)x, (__m512)y, (__m512)acc);
+#else
+  return (FV)_mm256_fmadd_ps((__m256)x, (__m256)y, (__m256)acc);
 #endif
 }
 
-// dot(x[t], a[q]) over n for kRows rows a[q] and NT tokens x[t] at once (each conversion of a row feeds every
-// token), summed in double: lane l adds k = l, l + 16, ... in turn, then the lanes pairwise, then the tail; each
-// token's sum is the same whatever rows and tokens it is computed with.
-constexpr int kRows = 4;
-template <int NT>
-inline void dot_rows(const float* const* x, const float* const* a, int64_t n, float (*out)[kRows]) {
-  double acc[NT][kRows][kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      double av[kRows];
-      for (int q = 0; q < kRows; ++q) av[q] = a[q][i + l];
-      for (int t = 0; t < NT; ++t) {
-        const double xv = x[t][i + l];
-        for (int q = 0; q < kRows; ++q) acc[t][q][l] = madd(acc[t][q][l], xv, av[q]);
+// Rows a[q0 .. q0 + R) against tokens x[0 .. NT): out[t][q0 + q].
+template <int NT, int R, typename W>
+inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float (*out)[kRows], int q0) {
+  DV acc[NT][R][kDV] = {};
+  const int64_t whole = n - n % kLanes;
+  for (int64_t i0 = 0; i0 < whole; i0 += kBlock) {
+    const int64_t i1 = std::min(i0 + kBlock, whole);
+    FV part[NT][R][kFV] = {};
+    for (int64_t i = i0; i < i1; i += kLanes)
+      for (int v = 0; v < kFV; ++v) {
+        FV xv[NT];
+        for (int t = 0; t < NT; ++t) xv[t] = load_f(x[t] + i + v * kW);
+        for (int q = 0; q < R; ++q) {
+          const FV av = load_f(a[q0 + q] + i + v * kW);
+          for (int t = 0; t < NT; ++t) part[t][q][v] = fma_f(xv[t], av, part[t][q][v]);
+        }
+      }
+    for (int t = 0; t < NT; ++t)
+      for (int q = 0; q < R; ++q)
+        for (int v = 0; v < kFV; ++v) {
+          acc[t][q][2 * v] += widen_d(low_half(part[t][q][v]));
+          acc[t][q][2 * v + 1] += widen_d(high_half(part[t][q][v]));
+        }
+  }
+#else
+template <int NT, int R, typename W>
+inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float (*out)[kRows], int q0) {
+  DV acc[NT][R][kDV] = {};
+  const int64_t whole = n - n % kLanes;
+  for (int64_t i = 0; i < whole; i += kLanes)
+    for (int v = 0; v < kDV; ++v) {
+      DV xv[NT];
+      for (int t = 0; t < NT; ++t) xv[t] = widen_d(low_half(load_f(x[t] + i + v * kDW)));
+      for (int q = 0; q < R; ++q) {
+        FH av;
+        for (int l = 0; l < kDW; ++l) av[l] = widen(a[q0 + q][i + v * kDW + l]);
+        const DV ad = widen_d(av);
+        for (int t = 0; t < NT; ++t) acc[t][q][v] += xv[t] * ad;  // exact product, one rounding
       }
     }
+#endif
   for (int t = 0; t < NT; ++t)
-    for (int q = 0; q < kRows; ++q) {
+    for (int q = 0; q < R; ++q) {
       double tail = 0.0;
-      for (int64_t k = i; k < n; ++k) tail = madd(tail, x[t][k], a[q][k]);
-      out[t][q] = (float)(lane_sum(acc[t][q]) + tail);
+      for (int64_t k = whole; k < n; ++k) tail += (double)x[t][k] * (double)widen(a[q0 + q][k]);
+      double lanes[kLanes];
+      std::memcpy(lanes, acc[t][q], sizeof lanes);
+      for (int w = kLanes / 2; w > 0; w /= 2)  // pairwise
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      out[t][q0 + q] = (float)(lanes[0] + tail);
     }
+}
+
+template <int NT, typename W>
+inline void dot_rows(const float* const* x, const W* const* a, int64_t n, float (*out)[kRows]) {
+  constexpr int kT = NT < kPassTokens ? NT : kPassTokens;
+  for (int t0 = 0; t0 < NT; t0 += kT)
+    for (int q0 = 0; q0 < kRows; q0 += kPassRows) dot_pass<kT, kPassRows>(x + t0, a, n, out + t0, q0);
+}
+
+// acc [kCols] = h [rank] @ w, w's rows ``ws`` elements apart (float32 or bf16, read in place): per column the sum
+// over the rank in order, kSub columns at a time in registers.
+template <typename W>
+inline void expand_block(const float* h, const W* w, int64_t ws, int64_t rank, float* acc) {
+  constexpr int kVecs = kSub / kLanes;
+  for (int64_t c0 = 0; c0 < kCols; c0 += kSub) {
+    V16 part[kVecs] = {};
+    for (int64_t q = 0; q < rank; ++q) {
+      const V16 hv = V16{} + h[q];
+      for (int v = 0; v < kVecs; ++v) part[v] += hv * load16(w + q * ws + c0 + v * kLanes);
+    }
+    std::memcpy(acc + c0, part, sizeof part);
+  }
 }
 
 // Asks for [p, p + bytes) ahead of its use: the next work item's weights load while this one computes.
@@ -162,7 +268,6 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
   int64_t rank_sum = 0, blocks = 0;  // blocks: expand work items per group
   for (int64_t m = 0; m < nseg; ++m) rank_sum += seg[4 * m + 1], blocks += (seg[4 * m + 3] + kCols - 1) / kCols;
   const int64_t macs = tokens * (in * width + rank_sum * out_cols / nseg);
-  const bool direct = a_sk == 1 && std::is_same<W, float>::value;  // A's rows read in place, else widened to buf
   int failed = 0;
 
 #pragma omp parallel if (macs >= kParallelMacs)
@@ -194,14 +299,14 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         const int64_t next_r0 = ((item + 1) % quads) * kRows, rows = std::min<int64_t>(kRows, width - next_r0);
         prefetch(a + spans[(item + 1) / quads].group * a_sg + next_r0 * a_sr, rows * a_sr * (int64_t)sizeof(W));
       }
-      const float* rows[kRows];
+      const W* direct[kRows];  // A's rows in place (contiguous), or widened into buf (strided)
+      const float* wide[kRows];
       for (int q = 0; q < kRows; ++q) {  // a short last quad repeats its last row
         const W* src = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;
-        if (direct) {
-          rows[q] = (const float*)(const void*)src;
-        } else {
+        direct[q] = src;
+        if (a_sk != 1) {
           for (int64_t k = 0; k < in; ++k) buf[q * in + k] = widen(src[k * a_sk]);
-          rows[q] = buf + q * in;
+          wide[q] = buf + q * in;
         }
       }
       const int64_t j1 = (s.first + s.count) * t;
@@ -209,9 +314,9 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         const float* xs[2] = {x_row(j), j + 1 < j1 ? x_row(j + 1) : nullptr};
         float hq[2][kRows];
         if (j + 1 < j1) {
-          dot_rows<2>(xs, rows, in, hq);
+          a_sk == 1 ? dot_rows<2>(xs, direct, in, hq) : dot_rows<2>(xs, wide, in, hq);
         } else {
-          dot_rows<1>(xs, rows, in, hq);
+          a_sk == 1 ? dot_rows<1>(xs, direct, in, hq) : dot_rows<1>(xs, wide, in, hq);
         }
         for (int64_t u = 0; u < 2 && j + u < j1; ++u)
           for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
@@ -227,10 +332,8 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       const int64_t start = seg[4 * m], rank = seg[4 * m + 1], col = seg[4 * m + 2], n = seg[4 * m + 3];
       const int64_t c0 = blk * kCols, nc = std::min(kCols, n - c0);
       const W* bt = (const W*)bt_[m] + s.group * rank * n + c0;  // Bt[g, j, c0 + c] at bt[j * n + c]
-      // The block as float32 rows of kCols: Bt itself, or widened into buf with zeros past the last column.
-      const bool in_place = std::is_same<W, float>::value && nc == kCols;
-      const float* w0 = in_place ? (const float*)(const void*)bt : buf;
-      const int64_t ws = in_place ? n : kCols;
+      // A whole block is read in place; a last, partial one widened into buf with zeros past its last column.
+      const bool in_place = nc == kCols;
       for (int64_t j = 0; j < rank && !in_place; ++j) {
         for (int64_t c = 0; c < nc; ++c) buf[j * kCols + c] = widen(bt[j * n + c]);
         for (int64_t c = nc; c < kCols; ++c) buf[j * kCols + c] = 0.0f;
@@ -247,15 +350,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
         const float* hj = h + j * width + start;
         float acc[kCols];
-        for (int64_t c0s = 0; c0s < kCols; c0s += kSub) {  // kSub columns: accumulators that stay in registers
-          float part[kSub] = {};
-          for (int64_t q = 0; q < rank; ++q) {
-            const float hv = hj[q];
-            const float* w = w0 + q * ws + c0s;
-            for (int64_t c = 0; c < kSub; ++c) part[c] += hv * w[c];
-          }
-          for (int64_t c = 0; c < kSub; ++c) acc[c0s + c] = part[c];
-        }
+        in_place ? expand_block(hj, bt, n, rank, acc) : expand_block(hj, (const float*)buf, kCols, rank, acc);
         if (bias != nullptr)
           for (int64_t c = 0; c < nc; ++c) acc[c] += widen(bias[c]);
         X* o = out + at(j) * out_cols + col + c0;

@@ -31,6 +31,9 @@
 namespace {
 
 using lp::bf16;
+using lp::V16;
+using lp::lane_sum16;
+using lp::load16;
 using lp::store;
 using lp::to_bf16;
 using lp::widen;
@@ -91,39 +94,14 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return lane_sum(acc) + tail;
 }
 
-// ``dot`` with n = D (a multiple of kLanes) in GCC vector types, which every variant lowers to its registers: the
-// same lanes, products and pairwise sum, so the same value, without a pass through memory for the lane sum.
-using V16 = float __attribute__((vector_size(64)));
-using V8 = float __attribute__((vector_size(32)));
-using V4 = float __attribute__((vector_size(16)));
-using V2 = float __attribute__((vector_size(8)));
-
-inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline V16 load16(const bf16* p) {
-  using U16 = uint16_t __attribute__((vector_size(32)));
-  using U32 = uint32_t __attribute__((vector_size(64)));
-  U16 h;
-  std::memcpy(&h, p, sizeof h);
-  const U32 bits = __builtin_convertvector(h, U32) << 16;
-  V16 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
+// ``dot`` with n = D (a multiple of kLanes) in GCC vector types (dtypes.h): the same lanes, products and pairwise sum,
+// so the same value, without a pass through memory for the lane sum.
 template <int64_t D, typename T>
 inline float dot_fixed(const float* a, const T* b) {
   static_assert(D % kLanes == 0, "whole lanes only");
   V16 acc = {};
   for (int64_t i = 0; i < D; i += kLanes) acc += load16(a + i) * load16(b + i);
-  const V8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-  return (h2[0] + h2[1]) + 0.0f;  // + dot's (empty) tail
+  return lane_sum16(acc) + 0.0f;  // + dot's (empty) tail
 }
 
 // One head rotated (the HF rotate-half convention, as service.model.rope.apply_rope): with the signed sin table,
