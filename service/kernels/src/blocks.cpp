@@ -320,18 +320,36 @@ constexpr int64_t kTileGroupBytes = kGroup / 2 * kTile;
 constexpr int64_t kAheadGroups = 4;  // how far ahead of the group being read its bytes are requested
 constexpr int64_t kAheadBytes = kAheadGroups * kTileGroupBytes;
 
+// Cache lines of other memory (the ranges of lp_q4_matmul_ahead) requested a few at a time as a tile's groups go by,
+// so the requests spread over the product instead of queueing at once: a slice [line, end) of the ranges.
+struct Stream {
+  const void* const* ranges = nullptr;
+  const int64_t* bytes = nullptr;
+  int64_t line = 0, end = 0;  // the next line (over all ranges together) and the slice's end
+  int64_t per_group = 0;      // lines to request per group of a tile
+  int range = 0;
+  int64_t base = 0;  // lines of the ranges before ``range``
+  void next() {
+    for (int64_t i = 0; i < per_group && line < end; ++i, ++line) {
+      while ((bytes[range] + 63) / 64 <= line - base) base += (bytes[range] + 63) / 64, ++range;
+      __builtin_prefetch(static_cast<const char*>(ranges[range]) + (line - base) * 64, 0, 3);
+    }
+  }
+};
+
 // One tile (16 weight rows) against R rows of x. Tile layout (see lp_q4_matmul): qs [G, 16, 16] bytes, d and m
 // [G, 16]. Every lane: s = sum_j q_j x_j over a group in input order (from zero, one multiply-add each), then
 // acc = d s + acc, acc = m xsum_g + acc; out [R][16]. (Two tiles at once at one row measured slower on an AVX2
 // EPYC: more streams for the prefetchers, and the dependency chains were not the bound.)
 template <int R>
 inline void q4_tile(const uint8_t* qs, const float* d, const float* mn, int64_t groups, const float* xf,
-                    const float* xsum, int64_t k, float* out) {
+                    const float* xsum, int64_t k, float* out, Stream* stream) {
   Lanes acc[R];
   for (int r = 0; r < R; ++r) acc[r] = lzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* q = qs + g * kTileGroupBytes;
     for (int b = 0; b < kTileGroupBytes; b += 64) __builtin_prefetch(q + kAheadBytes + b);
+    if (stream != nullptr) stream->next();
     __builtin_prefetch(d + (g + kAheadGroups) * kTile);
     __builtin_prefetch(mn + (g + kAheadGroups) * kTile);
     Lanes s[R];
@@ -362,18 +380,18 @@ constexpr int64_t kTilesPerTask = 2;  // tiles per OpenMP work item
 
 // ``rows`` (1..kPassRows) rows of x against one tile: q4_tile with the count fixed.
 inline void q4_pass(int rows, const uint8_t* qs, const float* d, const float* mn, int64_t groups, const float* xf,
-                    const float* xsum, int64_t k, float* out) {
+                    const float* xsum, int64_t k, float* out, Stream* stream) {
   switch (rows) {
-    case 1: q4_tile<1>(qs, d, mn, groups, xf, xsum, k, out); break;
-    case 2: q4_tile<2>(qs, d, mn, groups, xf, xsum, k, out); break;
-    case 3: q4_tile<3>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 1: q4_tile<1>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
+    case 2: q4_tile<2>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
+    case 3: q4_tile<3>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
 #if defined(__AVX512F__)
-    case 4: q4_tile<4>(qs, d, mn, groups, xf, xsum, k, out); break;
-    case 5: q4_tile<5>(qs, d, mn, groups, xf, xsum, k, out); break;
-    case 6: q4_tile<6>(qs, d, mn, groups, xf, xsum, k, out); break;
-    case 7: q4_tile<7>(qs, d, mn, groups, xf, xsum, k, out); break;
+    case 4: q4_tile<4>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
+    case 5: q4_tile<5>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
+    case 6: q4_tile<6>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
+    case 7: q4_tile<7>(qs, d, mn, groups, xf, xsum, k, out, stream); break;
 #endif
-    default: q4_tile<kPassRows>(qs, d, mn, groups, xf, xsum, k, out);
+    default: q4_tile<kPassRows>(qs, d, mn, groups, xf, xsum, k, out, stream);
   }
 }
 
@@ -461,22 +479,44 @@ extern "C" {
 // zeros and not written): tile t's bytes qs[t] [G, 16, 16], byte (g, p, i) holding row 16 t + i's q at input 32 g +
 // 2 p in its low nibble and at 32 g + 2 p + 1 in its high one; d[t], m[t] [G, 16] float32. Returns 0, -1 on a bad
 // argument, -2 when out of memory.
+int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
+                       int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
+                       const int64_t* ahead_bytes, int nahead);
+
 int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
                  int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo) {
-  if (m < 0 || n < 0 || k <= 0 || k % kGroup || ldo < n) return -1;
+  return lp_q4_matmul_ahead(x, x_dtype, qs, d, mn, m, n, k, out, out_dtype, ldo, nullptr, nullptr, 0);
+}
+
+// lp_q4_matmul, also requesting the cache lines of ``nahead`` byte ranges (ahead[i], ahead_bytes[i] long) into the
+// caches as it goes, each work item its share, a few lines per group of a tile: the memory the next call will read
+// (a decode step's LoRA tables, service/kernels/src/decode.cpp) streams in while this product computes, the cores
+// busy multiplying and the memory idle.
+int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
+                       int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
+                       const int64_t* ahead_bytes, int nahead) {
+  if (m < 0 || n < 0 || k <= 0 || k % kGroup || ldo < n || nahead < 0) return -1;
   const int64_t groups = k / kGroup, tiles = (n + kTile - 1) / kTile;
   const Widened w(x, x_dtype, m, k);
   if (!w.ok()) return -2;
-  const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask;
+  const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask, passes = (m + kPassRows - 1) / kPassRows;
+  int64_t lines = 0;  // cache lines to request, all ranges together
+  for (int i = 0; i < nahead; ++i) lines += (ahead_bytes[i] + 63) / 64;
+  const int64_t visits = (tiles * passes + tasks - 1) / tasks * groups;  // group visits of a work item, at most
 #pragma omp parallel for schedule(static)
   for (int64_t task = 0; task < tasks; ++task) {
     float acc[kPassRows * kTile];
     const int64_t t1 = (task + 1) * kTilesPerTask < tiles ? (task + 1) * kTilesPerTask : tiles;
+    Stream slice;
+    slice.ranges = ahead, slice.bytes = ahead_bytes;
+    slice.line = lines * task / tasks, slice.end = lines * (task + 1) / tasks;
+    slice.per_group = (slice.end - slice.line + visits - 1) / visits;
+    Stream* stream = lines > 0 ? &slice : nullptr;
     for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
       const int rows = m - r0 < kPassRows ? (int)(m - r0) : kPassRows;
       for (int64_t t = task * kTilesPerTask; t < t1; ++t) {
         q4_pass(rows, qs + t * groups * kTileGroupBytes, d + t * groups * kTile, mn + t * groups * kTile, groups,
-                w.xf + r0 * k, w.xsum + r0 * groups, k, acc);
+                w.xf + r0 * k, w.xsum + r0 * groups, k, acc, stream);
         const int64_t lanes = n - t * kTile < kTile ? n - t * kTile : kTile;
         for (int r = 0; r < rows; ++r)
           for (int64_t i = 0; i < lanes; ++i)

@@ -18,8 +18,9 @@
 #include <cstdlib>
 
 extern "C" {
-int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
-                 int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo);
+int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
+                       int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
+                       const int64_t* ahead_bytes, int nahead);
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
@@ -54,9 +55,28 @@ inline const T* at(const int64_t* row, int field) {
   return reinterpret_cast<const T*>(row[field]);
 }
 
-inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t n, int64_t k, float* out) {
-  return lp_q4_matmul(x, F32, at<uint8_t>(row, field), at<float>(row, field + 1), at<float>(row, field + 2), m, n, k,
-                      out, F32, n);
+constexpr int kMaxAhead = 8;
+
+// The product of a layer's projection, requesting into the caches as it computes the LoRA tables (``site``, null:
+// none) that the call after it reads: A's extent and each module's Bt, in the tables' dtype (float32 or bf16).
+inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t n, int64_t k, float* out,
+              const int64_t* site) {
+  const void* ahead[kMaxAhead];
+  int64_t bytes[kMaxAhead];
+  int nahead = 0;
+  if (site != nullptr && site[kNseg] < kMaxAhead) {
+    const int64_t es = site[kWDtype] == F32 ? 4 : 2, groups = site[kGroups];
+    ahead[nahead] = at<void>(site, kA);
+    bytes[nahead++] = ((groups - 1) * site[kASg] + (site[kWidth] - 1) * site[kASr] + (k - 1) * site[kASk] + 1) * es;
+    const int64_t* seg = at<int64_t>(site, kSeg);
+    const void* const* bt = at<const void*>(site, kBt);
+    for (int64_t j = 0; j < site[kNseg]; ++j) {
+      ahead[nahead] = bt[j];
+      bytes[nahead++] = groups * seg[4 * j + 1] * seg[4 * j + 3] * es;
+    }
+  }
+  return lp_q4_matmul_ahead(x, F32, at<uint8_t>(row, field), at<float>(row, field + 1), at<float>(row, field + 2), m,
+                            n, k, out, F32, n, ahead, bytes, nahead);
 }
 
 // Rows [lo, hi) of out [B, n] += their LoRA deltas from x [B, in] (site null: the projection has none).
@@ -130,18 +150,18 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
     for (int j = 0; sites != nullptr && j < 4; ++j) site[j] = reinterpret_cast<const int64_t*>(sites[i * 4 + j]);
     float* k_cache = kv_base + i * layer_stride;
     rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), m, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv);
+    if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv, site[0]);
     if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, lora_hi, lora_group);
     if (!rc)  // every token's K/V in place before any token attends, each to its own positions
       rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
                                head_stride, max_len, scale, att, F32);
-    if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y);
+    if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y, site[1]);
     if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, lora_hi, lora_group);
     if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), m, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu);
+    if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu, site[2]);
     if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, lora_hi, lora_group);
     if (!rc) rc = lp_silu_mul(gu, m, inter, act, F32);
-    if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y);
+    if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y, site[3]);
     if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, lora_hi, lora_group);
   }
   if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, m, hidden, eps, out, F32);
