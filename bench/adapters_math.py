@@ -1,6 +1,7 @@
 """Micro-benchmark of the mixed-adapter LoRA math: one decode step of the real model, base-only vs with adapters.
 
     .venv/bin/python bench/adapters_math.py [--dtype float32 bfloat16] [--adapters 1 4 16 32] [--compare]
+        [--gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --kernel]
 
 ``--rows`` rows (default 32) decode one token each over a ``--context``-token KV cache (forward + logits, as the
 engine's decode step); row ``i`` uses adapter ``i % N`` (``--row-order grouped``: rows of one adapter side by side,
@@ -153,9 +154,13 @@ def time_step(step: Callable[[], None], rounds: int, clock: Callable[[], float])
 
 def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
     from service.model.load_folder import load_model
+    from service.model.load_gguf import load_gguf_model
 
     model: Llama
-    model, cfg, _ = load_model(args.model, dtype=dtype, device="cpu")
+    if args.gguf is not None:  # the GGUF's Q4 blocks (float32: the compiled kernels and the one-call step)
+        model, cfg, _ = load_gguf_model(args.model, args.gguf, dtype=dtype)
+    else:
+        model, cfg, _ = load_model(args.model, dtype=dtype, device="cpu")
     rows, ctx = args.rows, args.context
     cache = KVCache(cfg, rows, ctx + 2, dtype=dtype, device=model.device)
     gen = torch.Generator().manual_seed(0)
@@ -268,6 +273,7 @@ def profile_ops(steps: dict[str, Callable[[], None]], rows: int = 15) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--gguf", type=Path, default=None, help="this GGUF's weights (the model folder's config)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--rows", type=int, default=32)

@@ -3,6 +3,7 @@
     .venv/bin/python bench/medusa.py [--model models/SmolLM2-135M-Instruct] [--heads adapters/demo/medusa]
         [--dtype float32 bfloat16] [--batch 1 4 16] [--prompts 16] [--max-new 128] [--trees chain TREE ..]
         [--speculate-max-batch 4] [--draft-threshold 0] [--threads 0] [--json OUT]
+        [--gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --dtype float32]
 
 The same held-out chat prompts (none of them is a training prompt of ``scripts/train_medusa_heads.py``) go through
 the engine in this process (``service.engine.Engine``: scheduler, speculative verification, detokenization;
@@ -17,6 +18,8 @@ shapes than a one-token step, and where the two best logits are closer than bf16
 larger than ``--speculate-max-batch`` the engine switches speculation off, as the server does; a ``forced`` run
 there turns it on, to show why it is off. The tree runs speculate at every step; the ``auto`` run is the server's
 default, where ``service.engine.governor`` measures both kinds of step and keeps the faster (with the last tree).
+``--gguf`` serves that GGUF's weights with the model folder's config (float32: the Q4 blocks on the compiled kernels,
+what ``--dtype auto`` serves where they load).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest  # noqa: E402
 from service.model.load_folder import load_model  # noqa: E402
+from service.model.load_gguf import load_gguf_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--draft-threshold", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--gguf", type=Path, default=None, help="serve this GGUF's weights (the model folder's config)")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -77,7 +82,10 @@ def main() -> None:
     results = []
     plain_by_batch: dict[tuple[str, str], list[list[int]]] = {}  # plain outputs at the first batch size
     for dtype in args.dtype:
-        model, _, _ = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")
+        if args.gguf is not None:
+            model = load_gguf_model(args.model, args.gguf, dtype=getattr(torch, dtype))[0]
+        else:
+            model = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")[0]
         for batch in args.batch:
             forced = batch > args.speculate_max_batch
             engines = {}
@@ -135,6 +143,7 @@ def main() -> None:
             "trees": args.trees,
             "speculate_max_batch": args.speculate_max_batch,
             "draft_threshold": args.draft_threshold,
+            "gguf": None if args.gguf is None else args.gguf.name,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
