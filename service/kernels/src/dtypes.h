@@ -35,21 +35,47 @@ using V8 = float __attribute__((vector_size(32)));
 using V4 = float __attribute__((vector_size(16)));
 using V2 = float __attribute__((vector_size(8)));
 
-inline V16 load16(const float* p) {
-  V16 v;
+// N float32 lanes (4, 8 or 16) and the unsigned lanes a bf16 load widens through (GCC ignores a vector_size that
+// depends on a template parameter, hence one specialization per width).
+template <int N>
+struct Lanes;
+template <>
+struct Lanes<4> {
+  using F = float __attribute__((vector_size(16)));
+  using H = uint16_t __attribute__((vector_size(8)));
+  using W = uint32_t __attribute__((vector_size(16)));
+};
+template <>
+struct Lanes<8> {
+  using F = float __attribute__((vector_size(32)));
+  using H = uint16_t __attribute__((vector_size(16)));
+  using W = uint32_t __attribute__((vector_size(32)));
+};
+template <>
+struct Lanes<16> {
+  using F = float __attribute__((vector_size(64)));
+  using H = uint16_t __attribute__((vector_size(32)));
+  using W = uint32_t __attribute__((vector_size(64)));
+};
+
+// N lanes from p (bf16: widened by the shift).
+template <int N>
+inline typename Lanes<N>::F load_lanes(const float* p) {
+  typename Lanes<N>::F v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline V16 load16(const bf16* p) {  // widened by the shift
-  using U16 = uint16_t __attribute__((vector_size(32)));
-  using U32 = uint32_t __attribute__((vector_size(64)));
-  U16 h;
+template <int N>
+inline typename Lanes<N>::F load_lanes(const bf16* p) {
+  typename Lanes<N>::H h;
   std::memcpy(&h, p, sizeof h);
-  const U32 bits = __builtin_convertvector(h, U32) << 16;
-  V16 v;
+  const typename Lanes<N>::W bits = __builtin_convertvector(h, typename Lanes<N>::W) << 16;
+  typename Lanes<N>::F v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
+inline V16 load16(const float* p) { return load_lanes<16>(p); }
+inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
 
 // The lanes summed pairwise (lane l += lane l + 8, then + 4, + 2, + 1): the order a scalar loop over float[16] takes.
 inline float lane_sum16(V16 acc) {

@@ -69,24 +69,13 @@ constexpr int kW = 8;
 constexpr int kPassRows = 2, kPassTokens = 1;  // 12 of the 16 (generic: what SSE2 can)
 #endif
 constexpr int kDW = kW / 2, kFV = kLanes / kW, kDV = kLanes / kDW;
-using FV = float __attribute__((vector_size(4 * kW)));
+using FV = lp::Lanes<kW>::F;
 using FH = float __attribute__((vector_size(2 * kW)));  // half a vector, widened to one of doubles
 using DV = double __attribute__((vector_size(4 * kW)));
 
-inline FV load_f(const float* p) {
-  FV v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline FV load_f(const lp::bf16* p) {  // widened by the shift
-  using UH = uint16_t __attribute__((vector_size(2 * kW)));
-  using UW = uint32_t __attribute__((vector_size(4 * kW)));
-  UH h;
-  std::memcpy(&h, p, sizeof h);
-  const UW bits = __builtin_convertvector(h, UW) << 16;
-  FV v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
+template <typename W>
+inline FV load_f(const W* p) {
+  return lp::load_lanes<kW>(p);
 }
 inline DV widen_d(FH v) {  // exact
 #if defined(__AVX512F__)
