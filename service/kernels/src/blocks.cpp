@@ -321,18 +321,25 @@ constexpr int64_t kAheadGroups = 4;  // how far ahead of the group being read it
 constexpr int64_t kAheadBytes = kAheadGroups * kTileGroupBytes;
 
 // Cache lines of other memory (the ranges of lp_q4_matmul_ahead) requested a few at a time as a tile's groups go by,
-// so the requests spread over the product instead of queueing at once: a slice [line, end) of the ranges.
+// so the requests spread over the product instead of queueing at once. Work item ``task`` of ``tasks`` takes the same
+// fraction of every range (its ``task``-th share of each in turn): the LoRA kernel after the product splits its
+// groups among the threads in order too, so each core mostly finds its share of the tables in its own caches.
 struct Stream {
   const void* const* ranges = nullptr;
   const int64_t* bytes = nullptr;
-  int64_t line = 0, end = 0;  // the next line (over all ranges together) and the slice's end
-  int64_t per_group = 0;      // lines to request per group of a tile
-  int range = 0;
-  int64_t base = 0;  // lines of the ranges before ``range``
+  int count = 0;
+  int64_t task = 0, tasks = 1;
+  int64_t per_group = 0;  // lines to request per group of a tile
+  int range = -1;
+  int64_t line = 0, end = 0;  // within ``range``
   void next() {
-    for (int64_t i = 0; i < per_group && line < end; ++i, ++line) {
-      while ((bytes[range] + 63) / 64 <= line - base) base += (bytes[range] + 63) / 64, ++range;
-      __builtin_prefetch(static_cast<const char*>(ranges[range]) + (line - base) * 64, 0, 3);
+    for (int64_t i = 0; i < per_group; ++i, ++line) {
+      while (line >= end) {
+        if (++range >= count) return;
+        const int64_t lines = (bytes[range] + 63) / 64;
+        line = lines * task / tasks, end = lines * (task + 1) / tasks;
+      }
+      __builtin_prefetch(static_cast<const char*>(ranges[range]) + line * 64, 0, 3);
     }
   }
 };
@@ -508,9 +515,8 @@ int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const floa
     float acc[kPassRows * kTile];
     const int64_t t1 = (task + 1) * kTilesPerTask < tiles ? (task + 1) * kTilesPerTask : tiles;
     Stream slice;
-    slice.ranges = ahead, slice.bytes = ahead_bytes;
-    slice.line = lines * task / tasks, slice.end = lines * (task + 1) / tasks;
-    slice.per_group = (slice.end - slice.line + visits - 1) / visits;
+    slice.ranges = ahead, slice.bytes = ahead_bytes, slice.count = nahead, slice.task = task, slice.tasks = tasks;
+    slice.per_group = (lines / tasks + nahead + visits - 1) / visits;
     Stream* stream = lines > 0 ? &slice : nullptr;
     for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
       const int rows = m - r0 < kPassRows ? (int)(m - r0) : kPassRows;
