@@ -135,7 +135,11 @@ inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float 
   for (int64_t i = 0; i < whole; i += kLanes)
     for (int v = 0; v < kDV; ++v) {
       DV xv[NT];
-      for (int t = 0; t < NT; ++t) xv[t] = widen_d(low_half(load_f(x[t] + i + v * kDW)));
+      for (int t = 0; t < NT; ++t) {
+        FH xh;
+        std::memcpy(&xh, x[t] + i + v * kDW, sizeof xh);
+        xv[t] = widen_d(xh);
+      }
       for (int q = 0; q < R; ++q) {
         FH av;
         for (int l = 0; l < kDW; ++l) av[l] = widen(a[q0 + q][i + v * kDW + l]);
