@@ -153,14 +153,13 @@ def time_step(step: Callable[[], None], rounds: int, clock: Callable[[], float])
 
 
 def run(args: argparse.Namespace, dtype: torch.dtype) -> None:
-    from service.model.load_folder import load_model
-    from service.model.load_gguf import load_gguf_model
+    from service.bootstrap import WEIGHT_FORMATS
+    from service.config import Settings
 
     model: Llama
-    if args.gguf is not None:  # the GGUF's Q4 blocks (float32: the compiled kernels and the one-call step)
-        model, cfg, _ = load_gguf_model(args.model, args.gguf, dtype=dtype)
-    else:
-        model, cfg, _ = load_model(args.model, dtype=dtype, device="cpu")
+    # The folder, or the GGUF's Q4 blocks (float32: the compiled kernels and the one-call step).
+    load = WEIGHT_FORMATS["folder" if args.gguf is None else "gguf"]
+    model, cfg, _ = load(Settings(model=args.model, gguf=args.gguf), dtype, torch.device("cpu"))
     rows, ctx = args.rows, args.context
     cache = KVCache(cfg, rows, ctx + 2, dtype=dtype, device=model.device)
     gen = torch.Generator().manual_seed(0)

@@ -46,11 +46,10 @@ from service.adapters.lora.part import LoraPart  # noqa: E402
 from service.adapters.lora.store import AdapterStore  # noqa: E402
 from service.adapters.medusa.part import MedusaPart  # noqa: E402
 from service.adapters.medusa.registry import MedusaRegistry  # noqa: E402
+from service.bootstrap import WEIGHT_FORMATS  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest  # noqa: E402
-from service.model.load_folder import load_model  # noqa: E402
-from service.model.load_gguf import load_gguf_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -82,10 +81,8 @@ def main() -> None:
     results = []
     plain_by_batch: dict[tuple[str, str], list[list[int]]] = {}  # plain outputs at the first batch size
     for dtype in args.dtype:
-        if args.gguf is not None:
-            model = load_gguf_model(args.model, args.gguf, dtype=getattr(torch, dtype))[0]
-        else:
-            model = load_model(args.model, dtype=getattr(torch, dtype), device="cpu")[0]
+        load = WEIGHT_FORMATS["folder" if args.gguf is None else "gguf"]
+        model = load(Settings(model=args.model, gguf=args.gguf), getattr(torch, dtype), torch.device("cpu"))[0]
         for batch in args.batch:
             forced = batch > args.speculate_max_batch
             engines = {}

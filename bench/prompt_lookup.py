@@ -30,11 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe, line  # noqa: E402
 from service import metrics  # noqa: E402
+from service.bootstrap import WEIGHT_FORMATS  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.request import GenerationRequest, TokenEvent  # noqa: E402
-from service.model.load_folder import load_model  # noqa: E402
-from service.model.load_gguf import load_gguf_model  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 CODE = """def load_adapter(folder, roots, stamp=None):
@@ -75,10 +74,9 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    if args.gguf is not None:  # a Q4_1 GGUF in float32: what --dtype auto serves on CPUs without native bf16
-        model = load_gguf_model(args.model, args.gguf, dtype=dtype)[0]
-    else:
-        model = load_model(args.model, dtype=dtype, device=torch.device("cpu"))[0]
+    # The folder, or a Q4_1 GGUF (in float32: what --dtype auto serves where the compiled kernels load).
+    load = WEIGHT_FORMATS["folder" if args.gguf is None else "gguf"]
+    model = load(Settings(model=args.model, gguf=args.gguf), dtype, torch.device("cpu"))[0]
     tok = Tokenizer.from_folder(args.model)
     prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS]
     print(f"{line()}; torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}")
