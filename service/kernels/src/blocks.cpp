@@ -481,15 +481,15 @@ constexpr int64_t kVocabPerTask = 256;  // Q8_0 vocabulary rows per work item
 
 extern "C" {
 
+int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
+                       int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
+                       const int64_t* ahead_bytes, int nahead);
+
 // out [M, N] (out_dtype, row stride ldo) = x [M, K] (x_dtype, contiguous) @ W^T for N rows of K / 32 groups of
 // 4-bit values, W[n, 32 g + j] = d[n, g] * q + m[n, g], stored in tiles of 16 rows (N rounded up; rows past N are
 // zeros and not written): tile t's bytes qs[t] [G, 16, 16], byte (g, p, i) holding row 16 t + i's q at input 32 g +
 // 2 p in its low nibble and at 32 g + 2 p + 1 in its high one; d[t], m[t] [G, 16] float32. Returns 0, -1 on a bad
 // argument, -2 when out of memory.
-int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
-                       int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
-                       const int64_t* ahead_bytes, int nahead);
-
 int lp_q4_matmul(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
                  int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo) {
   return lp_q4_matmul_ahead(x, x_dtype, qs, d, mn, m, n, k, out, out_dtype, ldo, nullptr, nullptr, 0);

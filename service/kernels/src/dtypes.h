@@ -30,11 +30,6 @@ inline bf16 to_bf16(float f) {
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(bf16* p, int64_t i, float v) { p[i] = to_bf16(v); }
 
-using V16 = float __attribute__((vector_size(64)));
-using V8 = float __attribute__((vector_size(32)));
-using V4 = float __attribute__((vector_size(16)));
-using V2 = float __attribute__((vector_size(8)));
-
 // N float32 lanes (4, 8 or 16) and the unsigned lanes a bf16 load widens through (GCC ignores a vector_size that
 // depends on a template parameter, hence one specialization per width).
 template <int N>
@@ -74,16 +69,8 @@ inline typename Lanes<N>::F load_lanes(const bf16* p) {
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
+using V16 = Lanes<16>::F;
 inline V16 load16(const float* p) { return load_lanes<16>(p); }
 inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
-
-// The lanes summed pairwise (lane l += lane l + 8, then + 4, + 2, + 1): the order a scalar loop over float[16] takes.
-inline float lane_sum16(V16 acc) {
-  const V8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-  return h2[0] + h2[1];
-}
 
 }  // namespace lp

@@ -70,7 +70,7 @@ constexpr int kPassRows = 2, kPassTokens = 1;  // 12 of the 16 (generic: what SS
 #endif
 constexpr int kDW = kW / 2, kFV = kLanes / kW, kDV = kLanes / kDW;
 using FV = lp::Lanes<kW>::F;
-using FH = float __attribute__((vector_size(2 * kW)));  // half a vector, widened to one of doubles
+using FH = lp::Lanes<kW / 2>::F;  // half a vector, widened to one of doubles
 using DV = double __attribute__((vector_size(4 * kW)));
 
 template <typename W>
@@ -102,13 +102,15 @@ inline FV fma_f(FV x, FV y, FV acc) {
   return (FV)_mm256_fmadd_ps((__m256)x, (__m256)y, (__m256)acc);
 #endif
 }
+#endif
 
 // Rows a[q0 .. q0 + R) against tokens x[0 .. NT): out[t][q0 + q].
 template <int NT, int R, typename W>
 inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float (*out)[kRows], int q0) {
   DV acc[NT][R][kDV] = {};
   const int64_t whole = n - n % kLanes;
-  for (int64_t i0 = 0; i0 < whole; i0 += kBlock) {
+#if defined(__FMA__)
+  for (int64_t i0 = 0; i0 < whole; i0 += kBlock) {  // float32 FMAs over a block, then into double
     const int64_t i1 = std::min(i0 + kBlock, whole);
     FV part[NT][R][kFV] = {};
     for (int64_t i = i0; i < i1; i += kLanes)
@@ -128,11 +130,7 @@ inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float 
         }
   }
 #else
-template <int NT, int R, typename W>
-inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float (*out)[kRows], int q0) {
-  DV acc[NT][R][kDV] = {};
-  const int64_t whole = n - n % kLanes;
-  for (int64_t i = 0; i < whole; i += kLanes)
+  for (int64_t i = 0; i < whole; i += kLanes)  // each product in double (exact), one rounding for its sum
     for (int v = 0; v < kDV; ++v) {
       DV xv[NT];
       for (int t = 0; t < NT; ++t) {
@@ -144,7 +142,7 @@ inline void dot_pass(const float* const* x, const W* const* a, int64_t n, float 
         FH av;
         for (int l = 0; l < kDW; ++l) av[l] = widen(a[q0 + q][i + v * kDW + l]);
         const DV ad = widen_d(av);
-        for (int t = 0; t < NT; ++t) acc[t][q][v] += xv[t] * ad;  // exact product, one rounding
+        for (int t = 0; t < NT; ++t) acc[t][q][v] += xv[t] * ad;
       }
     }
 #endif
