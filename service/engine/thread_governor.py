@@ -16,8 +16,11 @@ never waits for another. The governor measures instead of guessing: rows per sec
 of step (``key``: batch-size bucket, speculative or not), at the current thread count (an EWMA), and decides
 for the whole engine, since contention is a property of the machine, not of the batch:
 
-* a step at the current count much slower than its estimate (< ``drop`` x) replaces that estimate and makes
-  the next step a probe with fewer threads (a collapse is seen in one step);
+* two steps in a row at the current count much slower than its estimate (< ``drop`` x) replace that estimate
+  and make the next step a probe with fewer threads (a collapse is seen in two steps). One such step alone is an
+  outlier (a client's burst at a request's start, a page fault, a timer): it is neither averaged in nor acted on,
+  since at one row a served step meets one every few dozen steps, and acting on each swapped two threads for one
+  at every request;
 * every ``interval`` steps (``probe_every`` at first) one step runs at a neighbouring count on the ladder
   ``max, max/2, ..., 1`` (down from the top, up from the bottom, alternating in between), so that the end of
   contention is noticed too.
@@ -25,8 +28,8 @@ for the whole engine, since contention is a property of the machine, not of the 
   more threads are the expensive ones, and on a quiet machine the probes with fewer threads are pure cost, so
   both get rare while they keep losing; a switch resets the interval;
 * a probe faster than the current count's estimate for the same key by ``margin`` switches to it; during the
-  first ``min_samples`` steps after a switch, an average below the previous count's estimate switches back
-  (one lucky probe costs one slow step, not many);
+  first ``min_samples`` steps after a switch, two steps in a row below the previous count's estimate switch
+  back (one lucky probe costs two slow steps, not many; one outlier in the trial does not undo a good switch);
 * when the engine starts work after being idle, ``ThreadControl`` counts the CPUs other processes kept busy
   in the last moments before (``OtherLoad``, a window restarted at every idle wait) and hints the governor to
   start from the threads the rest can hold, so a neighbour that arrived while the engine slept costs no slow
@@ -107,6 +110,8 @@ class ThreadGovernor:
         self._probes = 0
         self._previous: int | None = None  # the count before the last switch, during its trial
         self._trial = 0  # steps left in the trial
+        self._slow = 0  # steps in a row far below the settled estimate at the current count
+        self._losses = 0  # trial steps in a row below the previous count's estimate
 
     def estimate(self, key: Hashable, threads: int) -> float | None:
         e = self._est.get((key, threads))
@@ -132,16 +137,22 @@ class ThreadGovernor:
             return
         e = self._est.setdefault((key, threads), _Estimate())
         settled = e.value if e.n >= self.min_samples else None
+        slow = settled is not None and rate < settled * self.drop
+        self._slow = self._slow + 1 if slow else 0
+        if self._slow == 1:
+            return  # an outlier until the next step confirms it
         e.add(rate, self.alpha)
         if self._trial > 0:
             self._trial -= 1
             fallback = None if self._previous is None else self.estimate(key, self._previous)
-            if fallback is not None and e.value < fallback:
+            self._losses = self._losses + 1 if fallback is not None and rate < fallback else 0
+            if self._losses >= 2:
                 self._switch(self._previous)  # type: ignore[arg-type]
                 return
         self._since_probe += 1
-        if settled is not None and rate < settled * self.drop and self.current > 1:
+        if slow and self.current > 1:
             e.value, e.n = rate, 1  # the machine changed: what it did before says nothing now
+            self._slow = 0
             self._probe = self._neighbour(down=True)
         elif self._since_probe >= self.interval:
             self._since_probe = 0
@@ -156,7 +167,7 @@ class ThreadGovernor:
         level = next((t for t in self.levels if t <= threads), self.levels[-1])
         if level != self.current:
             down = level < self.current
-            self.current, self._probe, self._trial, self._since_probe = level, None, 0, 0
+            self.current, self._probe, self._trial, self._since_probe, self._slow = level, None, 0, 0, 0
             if down:
                 self._since_probe = max(0, self.interval - self.min_samples)
             self.switches += 1
@@ -172,7 +183,7 @@ class ThreadGovernor:
 
     def _switch(self, threads: int) -> None:
         self._previous, self.current = self.current, threads
-        self._trial = self.min_samples
+        self._trial, self._losses, self._slow = self.min_samples, 0, 0
         self._since_probe = 0
         self.interval = self.probe_every
         self.switches += 1
@@ -255,7 +266,7 @@ class ThreadControl:
             return
         free = len(self.cpus) - busy
         before = self.governor.current
-        self.governor.hint(max(1, min(self.max_threads, math.floor(free + TAKEN))))
+        self.governor.hint(max(1, min(self.max_threads, math.floor(free + 1 - TAKEN))))
         if self.governor.current != before:
             metrics.ENGINE_THREADS.set(self.governor.current)
             log.info("event=threads_switch from=%d to=%d other_cpus_busy=%.2f", before, self.governor.current, busy)
