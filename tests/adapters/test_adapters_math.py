@@ -274,33 +274,42 @@ def test_trained_biases_ride_with_their_rows_only(setup: dict[str, Any], mode: M
     assert torch.equal(d[0], torch.zeros_like(d[0]))
 
 
-def test_shared_tables_rebuild_only_when_the_adapter_set_changes(setup: dict[str, Any]) -> None:
+def test_shared_tables_rebuild_only_when_no_kept_set_holds_the_adapters(setup: dict[str, Any]) -> None:
     """Walk the shared layout through steps; each result must equal the per-slot one, and count its rebuilds."""
     layers, n_layers = setup["layers"], setup["model"].cfg.num_layers
     tables, step = table_walker(setup, rows=8, seed=6, counter="shared_builds", mode="auto")
     assert step(["qv"] * 8) == n_layers  # one adapter: shared
-    assert tables.layouts() == {}  # no per-slot table was needed
+    assert tables.layouts() == {} and tables.nbytes > 0  # no per-slot table was needed
     assert step(["qv"] * 8) == 0
     assert step(["qv", None, "qv", "qv", None, "qv", "qv", None]) == 0  # same adapters, other rows: only the row moves
     assert step(["all_rs", "qv"] * 4) == n_layers  # 4 rows per adapter: still shared, new set
-    assert step(["qv"] * 8) == 0  # the last two sets are kept (an engine step's prefill and decode)
+    assert step(["qv"] * 8) == 0  # a kept set holds it: its rows map into that set's groups
     assert step(["all_rs", "qv"] * 4) == 0
-    assert step(["regex"] * 8) == n_layers
-    assert step(["qv"] * 8) == n_layers  # three sets ago: dropped
+    assert step(["regex"] * 8) == n_layers  # taking in the last set's two would triple it: a set of its own
+    assert step(["mlp_l1"] * 8) == n_layers  # with the kernel, the last set's one too: {mlp_l1, regex}
+    # the eager math would compute a rowless group, so without the kernel each set is its own
+    subset = 0 if tables.native is not None else n_layers
+    assert step(["regex"] * 4 + ["mlp_l1"] * 4) == subset
+    assert step(["qv"] * 8) == n_layers  # {all_rs, qv} was three sets ago: dropped
     reloaded = {**layers, "qv": peft_lora_layers(setup["folders"]["qv"])}
     assert step(["all_rs", "qv"] * 4, reloaded) == n_layers
     assert step(["all_rs", "qv", "regex", "mlp_l1"] * 2) == n_layers  # 2 rows per adapter: still shared
+    assert step(["all_rs", "qv", "regex", None] * 2) == subset  # rows retiring: the set they leave serves
+    assert step(["mlp_l1", None, None, None] * 2) == subset
     assert tables.layouts() == {}
-    assert step(["all_rs", "qv", "regex", "mlp_l1", None, None, None, None]) == 0  # 1 row per adapter: per-slot
+    assert step(["all_rs", "qv", "regex", "mlp_l1", None, None, None, None]) == 0  # 1 row per adapter
+    assert (tables.layouts() == {}) == (tables.native is not None)  # per-slot, unless a kept set holds them
+    renamed = {**layers, "qv2": layers["qv"]}
+    assert step(["all_rs", "qv2", "regex", "mlp_l1", None, None, None, None], renamed) == 0  # held by none: per-slot
     assert tables.layouts() != {}
 
 
 def test_shared_row_moves(setup: dict[str, Any]) -> None:
     """Rows already grouped move nowhere; others are gathered into equal groups padded with the group's own rows."""
-    tables = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32, native=setup["model"].lora_native)
     lookup = lookup_for(setup["layers"])
 
     def moves(rows: list[str | None]) -> dict[str, list[int] | None]:
+        tables = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32, native=setup["model"].lora_native)
         batch = AdapterBatch.build(rows, lookup, tables, mode="shared")
         assert batch is not None
         return batch.row_moves
@@ -310,6 +319,14 @@ def test_shared_row_moves(setup: dict[str, Any]) -> None:
     assert moves(["qv", "regex", "qv"]) == {"gather": [0, 2, 1, 1], "back": [0, 2, 1], "rows": None}
     # a base-only row inside the span is in no group and gets nothing added
     assert moves([None, "qv", None, "qv"]) == {"gather": [0, 2], "back": None, "rows": [0, 2]}
+    # rows of a kept set's adapters map into its groups (with the compiled kernel): a rowless group is padding
+    tables = LoraTables(setup["model"].cfg, device="cpu", dtype=torch.float32, native=setup["model"].lora_native)
+    AdapterBatch.build(["qv", "regex"], lookup, tables, mode="shared")
+    batch = AdapterBatch.build(["regex", None, "regex"], lookup, tables, mode="shared")
+    assert batch is not None
+    kept = {"gather": [0, 0, 0, 2], "back": [2, 3], "rows": [0, 2]}
+    want = kept if tables.native else {"gather": [0, 2], "back": None, "rows": [0, 2]}
+    assert batch.row_moves == want
 
 
 def test_no_adapter_rows_build_nothing(setup: dict[str, Any]) -> None:

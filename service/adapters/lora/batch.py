@@ -16,7 +16,8 @@ distinct adapters among the ``b`` rows of the span:
   stacked tables: ``h = x_g @ A_g^T`` ``[G, k*T, R]``, ``d_m = h[..., seg_m] @ B_m,g^T``, and ``d_m`` goes back to
   its rows (``index_select`` + add, or ``index_add_`` where base-only rows lie inside the span). Reads each
   adapter's weights once per step where per-slot reads one copy per row, with the same number of kernel calls
-  whatever ``N``; the stacked tables are rebuilt only when the set of adapters changes.
+  whatever ``N``; the groups are those of a kept set that holds the batch's adapters
+  (``LoraTables.shared_order``: groups without rows are padding, never read back), rebuilt only when none does.
 
 On the CPU with loraplex's compiled kernels loaded (``LoraTables.native``: ``Llama.lora_native``, which the
 start-up self-check drops if it computes wrong), each (layer, site) of either layout is instead one call of
@@ -96,20 +97,22 @@ class AdapterBatch:
         self._span_ids = span_ids
         self._distinct: list[Hashable] = sorted({a for a in span_ids if a is not None})  # type: ignore[type-var]
         n = len(self._distinct)
-        auto = n == 1 or n * SHARED_MIN_ROWS_PER_ADAPTER <= len(span_ids)
+        auto = n == 1 or n * SHARED_MIN_ROWS_PER_ADAPTER <= len(span_ids) or tables.holds(self._distinct)
         self.shared = mode == "shared" or (mode == "auto" and auto)
         # Shared math's row moves (see _plan_groups); None where no move is needed.
         self._gather: Tensor | None = None
         self._back: Tensor | None = None
         self._real_rows: Tensor | None = None
         self._row_group: Tensor | None = None  # per span row with an adapter, its group (shared DoRA scales)
+        self._groups: tuple[Hashable, ...] = ()  # shared: the keys of the table's groups, a superset of _distinct
         if self.shared:
+            self._groups = tables.shared_order(self._distinct)
             self._plan_groups(span_ids, tables.device)
         # The compiled kernel's row -> table row (shared: the group, per-slot: the slot; -1: no adapter), or None.
         self._kernel_rows: Tensor | None = None
         if tables.native is not None:
             first = slot_start + lo
-            group = {a: gi for gi, a in enumerate(self._distinct)}
+            group = {a: gi for gi, a in enumerate(self._groups)}
             table_rows = [-1 if a is None else group[a] if self.shared else first + i for i, a in enumerate(span_ids)]
             self._kernel_rows = torch.tensor(table_rows, dtype=torch.int64)
         self._synced = [False] * tables.num_layers
@@ -157,7 +160,7 @@ class AdapterBatch:
         self._saved_of[layer] = {a: lora.saved for a, lora in looked.items() if lora is not None and lora.saved}
         found = {a: lora if lora is not None and lora.modules else None for a, lora in looked.items()}
         if self.shared:
-            self._shared_of[layer] = self.tables.sync_shared(layer, [found[a] for a in self._distinct])
+            self._shared_of[layer] = self.tables.sync_shared(layer, self._groups, found)
         else:
             rows = [None if a is None else found[a] for a in self._span_ids]
             self.tables.sync_slots(layer, rows, self.slot_start + self.span[0])
@@ -223,13 +226,13 @@ class AdapterBatch:
     def _plan_groups(self, span_ids: list[Hashable | None], device: torch.device) -> None:
         """The shared math's row moves, once per batch: span rows -> [G, k] groups (padded to the largest group
         with copies of the group's own first row) and the deltas back to their rows. ``None``: no move needed."""
-        groups = [[i for i, row in enumerate(span_ids) if row == a] for a in self._distinct]
+        groups = [[i for i, row in enumerate(span_ids) if row == a] for a in self._groups]
         k = max(len(g) for g in groups)
-        gather = [g[j] if j < len(g) else g[0] for g in groups for j in range(k)]
+        gather = [g[j] if j < len(g) else g[0] if g else 0 for g in groups for j in range(k)]  # a rowless group: pad
         at = {row: gi * k + j for gi, g in enumerate(groups) for j, row in enumerate(g)}
         real = [i for i, a in enumerate(span_ids) if a is not None]  # span rows with an adapter, in order
         back = [at[row] for row in real]
-        group = {a: gi for gi, a in enumerate(self._distinct)}
+        group = {a: gi for gi, a in enumerate(self._groups)}
         self._row_group = torch.tensor([group[span_ids[i]] for i in real], dtype=torch.int64, device=device)
 
         def index(ix: list[int], identity: bool) -> Tensor | None:

@@ -8,9 +8,12 @@ Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (laye
   survives across steps and only slots whose adapter (``LoraLayer`` object) changed are rewritten: the engine keeps
   rows compacted in slots, so a retiring request changes one slot and an admitted one fills one. A table grows when
   the rows need a module or a rank it lacks, and shrinks only when it is over twice as wide as they need.
-- **shared**: the set's distinct adapters stacked along a leading axis for grouped ``bmm``: ``a`` ``[G, R, in]``
-  (each adapter's modules' ``A`` along the rank axis) and per module ``bt`` ``[G, r_m, out_m]``, ranks zero-padded
-  to the widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets of adapters seen at the layer.
+- **shared**: a set of adapters stacked along a leading axis for grouped ``bmm``: ``a`` ``[G, R, in]`` (each
+  adapter's modules' ``A`` along the rank axis) and per module ``bt`` ``[G, r_m, out_m]``, ranks zero-padded to the
+  widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets. A batch whose adapters a kept set holds maps its
+  rows into that set's groups (``shared_order``): rows retiring one by one at the end of a burst, or a prefill of
+  some of the decoding rows' adapters, rebuild nothing. A new set takes in the most recent one's adapters too while
+  that at most doubles it, so a burst admitted over a few steps builds growing sets once each, not every subset.
 
 A per-row ``scale`` rides along per module where a DoRA row needs it (DoRA's per-channel factor on the base output
 plus the delta, ones in the other rows), and a per-row ``bias`` where a row's adapter has a trained LoRA bias
@@ -28,7 +31,7 @@ against the base layer's shape (``InvalidAdapter`` otherwise).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Final
 
 import torch
@@ -93,7 +96,7 @@ class LoraTables:
     def nbytes(self) -> int:
         """Bytes held by all tables."""
         per_slot = sum(t.nbytes for tables in self.slot_tables for t in tables.values())
-        shared = sum(t.nbytes for sets in self._shared for _, tables in sets for t in tables.values())
+        shared = sum(t.nbytes for sets in self._shared for _, _, tables in sets for t in tables.values())
         return per_slot + shared
 
     def layouts(self) -> dict[tuple[int, str], dict[str, int]]:
@@ -105,25 +108,64 @@ class LoraTables:
         self._capacity = 0
         self.slot_tables: list[dict[str, SlotTable]] = [{} for _ in range(self.num_layers)]  # [layer][site]
         self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
-        # Per layer, the shared tables of the last few adapter sets, most recent first: an engine step's prefill
-        # (newcomers' adapters) and decode (everyone's) alternate between two sets without rebuilding either.
-        self._shared: list[list[tuple[Refs, dict[str, SharedTable]]]] = [[] for _ in range(self.num_layers)]
+        # The adapter keys of the last few shared sets, most recent first, and per layer their tables with the
+        # layer objects they were built from: an engine step's prefill (newcomers' adapters) and decode (everyone's)
+        # alternate between two sets without rebuilding either.
+        self._orders: list[tuple[Hashable, ...]] = []
+        self._shared: list[list[tuple[tuple[Hashable, ...], Refs, dict[str, SharedTable]]]] = [
+            [] for _ in range(self.num_layers)
+        ]
 
     # --- shared tables -------------------------------------------------------------------------------------
 
-    def sync_shared(self, layer: int, distinct: Sequence[LoraLayer | None]) -> dict[str, SharedTable]:
-        """The layer's shared tables for ``distinct`` (in that order): kept from a recent step, or built now."""
+    def shared_order(self, keys: Sequence[Hashable]) -> tuple[Hashable, ...]:
+        """The groups a shared batch of adapters ``keys`` maps its rows into: the most recent kept set that holds
+        them all, else ``keys`` followed by the most recent set's other adapters while that at most doubles the set
+        (the next batch of a growing burst is likely their union), else ``keys``. Groups without rows cost nothing
+        in the compiled kernel; the eager math would compute them, so without the kernel it is always ``keys``."""
+        if self.native is None:
+            return tuple(keys)
+        want = set(keys)
+        if (i := self._holding(keys)) is not None:
+            self._orders.insert(0, self._orders.pop(i))
+            return self._orders[0]
+        extra = [k for k in (self._orders[0] if self._orders else ()) if k not in want]
+        order = tuple(keys) + (tuple(extra) if len(extra) <= len(want) else ())
+        self._orders.insert(0, order)
+        del self._orders[SHARED_SETS_KEPT:]
+        return order
+
+    def holds(self, keys: Sequence[Hashable]) -> bool:
+        """Whether a kept shared set holds every adapter of ``keys`` (with the compiled kernel): a batch of them
+        takes the shared layout at no copy, however few rows each adapter has (rows retiring at a burst's end)."""
+        return self.native is not None and self._holding(keys) is not None
+
+    def _holding(self, keys: Sequence[Hashable]) -> int | None:
+        want = set(keys)
+        return next((i for i, order in enumerate(self._orders) if want <= set(order)), None)
+
+    def sync_shared(
+        self, layer: int, order: tuple[Hashable, ...], found: Mapping[Hashable, LoraLayer | None]
+    ) -> dict[str, SharedTable]:
+        """The layer's shared tables with one group per key of ``order`` (``shared_order``'s): kept from a recent
+        step when its keys of ``found`` (the batch's adapters, their layer objects) are still the same objects, or
+        built now. A key of ``order`` outside ``found`` keeps the object a kept set had for it, or zeros."""
         sets = self._shared[layer]
-        for i, (key, kept) in enumerate(sets):
-            if same_objects(key, distinct):
+        for i, (keys, refs, kept) in enumerate(sets):
+            if keys == order and same_objects(tuple(refs[keys.index(k)] for k in found), list(found.values())):
                 sets.insert(0, sets.pop(i))
                 return kept
+        before: dict[Hashable, LoraLayer | None] = {}
+        for keys, refs, _ in sets:
+            for k, ref in zip(keys, refs, strict=True):
+                before.setdefault(k, None if ref is None else ref())
+        distinct = [found[k] if k in found else before.get(k) for k in order]
         tables: dict[str, SharedTable] = {}
         for site in SITES:
             table = self._stack(site, distinct)
             if table is not None:
                 tables[site] = table
-        sets.insert(0, (refs_of(distinct), tables))
+        sets.insert(0, (order, refs_of(distinct), tables))
         del sets[SHARED_SETS_KEPT:]
         self.stats.shared_builds += 1
         return tables

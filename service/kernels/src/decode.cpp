@@ -14,6 +14,7 @@
 // would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native below
 // its dense threshold, adapters only through the compiled LoRA tables) and lays out the tables of pointers.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 
@@ -57,22 +58,29 @@ inline const T* at(const int64_t* row, int field) {
 
 constexpr int kMaxAhead = 8;
 
+// The groups [first, last] of a table the rows use (a kept set's table may hold adapters no row has).
+struct Used {
+  int64_t first, last;
+};
+
 // The product of a layer's projection, requesting into the caches as it computes the LoRA tables (``site``, null:
-// none) that the call after it reads: A's extent and each module's Bt, in the tables' dtype (float32 or bf16).
+// none) that the call after it reads: A's extent and each module's Bt over the groups ``used``, in the tables' dtype
+// (float32 or bf16).
 inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t n, int64_t k, float* out,
-              const int64_t* site) {
+              const int64_t* site, Used used) {
   const void* ahead[kMaxAhead];
   int64_t bytes[kMaxAhead];
   int nahead = 0;
-  if (site != nullptr && site[kNseg] < kMaxAhead) {
-    const int64_t es = site[kWDtype] == F32 ? 4 : 2, groups = site[kGroups];
-    ahead[nahead] = at<void>(site, kA);
+  if (site != nullptr && site[kNseg] < kMaxAhead && used.first <= used.last && used.last < site[kGroups]) {
+    const int64_t es = site[kWDtype] == F32 ? 4 : 2, groups = used.last - used.first + 1;
+    ahead[nahead] = at<char>(site, kA) + used.first * site[kASg] * es;
     bytes[nahead++] = ((groups - 1) * site[kASg] + (site[kWidth] - 1) * site[kASr] + (k - 1) * site[kASk] + 1) * es;
     const int64_t* seg = at<int64_t>(site, kSeg);
-    const void* const* bt = at<const void*>(site, kBt);
+    const char* const* bt = at<const char*>(site, kBt);
     for (int64_t j = 0; j < site[kNseg]; ++j) {
-      ahead[nahead] = bt[j];
-      bytes[nahead++] = groups * seg[4 * j + 1] * seg[4 * j + 3] * es;
+      const int64_t group_bytes = seg[4 * j + 1] * seg[4 * j + 3] * es;
+      ahead[nahead] = bt[j] + used.first * group_bytes;
+      bytes[nahead++] = groups * group_bytes;
     }
   }
   return lp_q4_matmul_ahead(x, F32, at<uint8_t>(row, field), at<float>(row, field + 1), at<float>(row, field + 2), m,
@@ -143,6 +151,9 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
     for (int64_t r = lo; r < lora_hi; ++r) token_groups[r - lo] = r % b >= lo && r % b < hi ? group[r % b - lo] : -1;
   }
   const int64_t* lora_group = token_groups != nullptr ? token_groups : group;
+  Used used{INT64_MAX, -1};
+  for (int64_t r = 0; sites != nullptr && r < hi - lo; ++r)
+    if (group[r] >= 0) used.first = std::min(used.first, group[r]), used.last = std::max(used.last, group[r]);
   int rc = 0;
   for (int64_t i = 0; i < layers && rc == 0; ++i) {
     const int64_t* row = table + i * kFields;
@@ -150,18 +161,18 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
     for (int j = 0; sites != nullptr && j < 4; ++j) site[j] = reinterpret_cast<const int64_t*>(sites[i * 4 + j]);
     float* k_cache = kv_base + i * layer_stride;
     rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), m, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv, site[0]);
+    if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv, site[0], used);
     if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, lora_hi, lora_group);
     if (!rc)  // every token's K/V in place before any token attends, each to its own positions
       rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
                                head_stride, max_len, scale, att, F32);
-    if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y, site[1]);
+    if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y, site[1], used);
     if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, lora_hi, lora_group);
     if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), m, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu, site[2]);
+    if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu, site[2], used);
     if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, lora_hi, lora_group);
     if (!rc) rc = lp_silu_mul(gu, m, inter, act, F32);
-    if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y, site[3]);
+    if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y, site[3], used);
     if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, lora_hi, lora_group);
   }
   if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, m, hidden, eps, out, F32);
