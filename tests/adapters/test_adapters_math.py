@@ -286,7 +286,7 @@ def test_shared_tables_rebuild_only_when_no_kept_set_holds_the_adapters(setup: d
     assert step(["qv"] * 8) == 0  # a kept set holds it: its rows map into that set's groups
     assert step(["all_rs", "qv"] * 4) == 0
     assert step(["regex"] * 8) == n_layers  # taking in the last set's two would triple it: a set of its own
-    assert step(["mlp_l1"] * 8) == n_layers  # with the kernel, the last set's one too: {mlp_l1, regex}
+    assert step(["mlp_l1"] * 8) == n_layers  # with the kernel, the last batch's one too: {mlp_l1, regex}
     # the eager math would compute a rowless group, so without the kernel each set is its own
     subset = 0 if tables.native is not None else n_layers
     assert step(["regex"] * 4 + ["mlp_l1"] * 4) == subset

@@ -12,7 +12,7 @@ Two layouts, one per way ``service.adapters.lora.AdapterBatch`` computes a (laye
   adapter's modules' ``A`` along the rank axis) and per module ``bt`` ``[G, r_m, out_m]``, ranks zero-padded to the
   widest in the set; kept for the last ``SHARED_SETS_KEPT`` sets. A batch whose adapters a kept set holds maps its
   rows into that set's groups (``shared_order``): rows retiring one by one at the end of a burst, or a prefill of
-  some of the decoding rows' adapters, rebuild nothing. A new set takes in the most recent one's adapters too while
+  some of the decoding rows' adapters, rebuild nothing. A new set takes in the previous batch's adapters too while
   that at most doubles it, so a burst admitted over a few steps builds growing sets once each, not every subset.
 
 A per-row ``scale`` rides along per module where a DoRA row needs it (DoRA's per-channel factor on the base output
@@ -112,6 +112,7 @@ class LoraTables:
         # layer objects they were built from: an engine step's prefill (newcomers' adapters) and decode (everyone's)
         # alternate between two sets without rebuilding either.
         self._orders: list[tuple[Hashable, ...]] = []
+        self._last: tuple[Hashable, ...] = ()  # the adapters of the last shared batch
         self._shared: list[list[tuple[tuple[Hashable, ...], Refs, dict[str, SharedTable]]]] = [
             [] for _ in range(self.num_layers)
         ]
@@ -120,16 +121,19 @@ class LoraTables:
 
     def shared_order(self, keys: Sequence[Hashable]) -> tuple[Hashable, ...]:
         """The groups a shared batch of adapters ``keys`` maps its rows into: the most recent kept set that holds
-        them all, else ``keys`` followed by the most recent set's other adapters while that at most doubles the set
-        (the next batch of a growing burst is likely their union), else ``keys``. Groups without rows cost nothing
-        in the compiled kernel; the eager math would compute them, so without the kernel it is always ``keys``."""
+        them all, else ``keys`` followed by the previous shared batch's other adapters while that at most doubles
+        the set (a prefill's newcomers join the rows that decoded last: the next decode batch is their union), else
+        ``keys``. The previous batch's own adapters, not its set's: a set never keeps adapters no row had lately.
+        Groups without rows cost nothing in the compiled kernel; the eager math would compute them, so without the
+        kernel it is always ``keys``."""
         if self.native is None:
             return tuple(keys)
-        want = set(keys)
+        last, self._last = self._last, tuple(keys)
         if (i := self._holding(keys)) is not None:
             self._orders.insert(0, self._orders.pop(i))
             return self._orders[0]
-        extra = [k for k in (self._orders[0] if self._orders else ()) if k not in want]
+        want = set(keys)
+        extra = [k for k in last if k not in want]
         order = tuple(keys) + (tuple(extra) if len(extra) <= len(want) else ())
         self._orders.insert(0, order)
         del self._orders[SHARED_SETS_KEPT:]
