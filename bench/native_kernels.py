@@ -5,9 +5,11 @@
 Q4 projection 3072x576 (SmolLM2's ``w13``): ``Q4Native.matmul`` (the compiled kernel) vs torch's int4 kernel
 (``Int4Weight.matmul``), vs dequantizing into a scratch buffer + dense matmul, vs a dense matmul over a kept copy.
 Q8_0 head 49152x576: ``lp_q8_matmul`` vs the per-group int8 kernel (float32) / the int4 pair (bf16) and
-dequantized chunks. Each cell: median of ``--repeats`` calls after warm-up, in µs, the forms interleaved per row
-count so that other load hits all alike. The variant is torch's capability's (``ATEN_CPU_CAPABILITY`` forces it).
-The thresholds in ``service/model/weights/q4_native.py`` and ``q8_table.py`` come from this table.
+dequantized chunks. Dense 3072x576 (eight copies taken in turn, 28-56 MB: read from memory as in a decode step, not
+from the caches) and the dense head 49152x576: ``lp_dense_matmul`` vs ``F.linear`` (torch's GEMM). Each cell:
+median of ``--repeats`` calls after warm-up, in µs, the forms interleaved per row count so that other load hits all
+alike. The variant is torch's capability's (``ATEN_CPU_CAPABILITY`` forces it). The thresholds in
+``service/model/weights/q4_native.py``, ``q8_table.py`` and ``protocol.NATIVE_DENSE_ROWS`` come from this table.
 """
 
 from __future__ import annotations
@@ -65,6 +67,28 @@ def head_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Call
     return {"native": ours.project, eager.kernel_for(1).split(":")[0]: eager.project}
 
 
+def dense_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
+    gen = torch.Generator().manual_seed(2)
+    copies, turn = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(8)], [0]
+
+    def next_copy() -> torch.Tensor:
+        turn[0] = (turn[0] + 1) % len(copies)
+        return copies[turn[0]]
+
+    return {
+        "native": lambda x: kern.dense_matmul(x, next_copy(), dtype),
+        "torch": lambda x: torch.nn.functional.linear(x, next_copy()),
+    }
+
+
+def dense_head_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
+    head = torch.randn(49152, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+    return {
+        "native": lambda x: kern.dense_matmul(x, head, torch.float32),
+        "torch": lambda x: torch.nn.functional.linear(x, head),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -76,7 +100,12 @@ def main() -> None:
         raise SystemExit(f"no native kernels: {native.status()}")
     dtype = getattr(torch, args.dtype)
     print(f"capability {cpu_capability()}, variant {kern.isa}, {torch.get_num_threads()} threads, {args.dtype}")
-    tables = {"q4 projection 3072x576": q4_forms(dtype, kern), "Q8_0 head 49152x576": head_forms(dtype, kern)}
+    tables = {
+        "q4 projection 3072x576": q4_forms(dtype, kern),
+        "Q8_0 head 49152x576": head_forms(dtype, kern),
+        "dense projection 3072x576": dense_forms(dtype, kern),
+        "dense head 49152x576": dense_head_forms(dtype, kern),
+    }
     for title, forms in tables.items():
         print(f"\n{title} (µs per call)\n{'rows':>5} " + " ".join(f"{name:>14}" for name in forms))
         for m in args.rows:

@@ -290,13 +290,13 @@ class _Checker:
         cfg = self.model.cfg
         h, kv, d, length, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 24, cfg.rms_norm_eps
         kernel = f"{ops.name} fused step ops"
-        x, y, w = (
-            self.randn(3, cfg.hidden_size, dtype=torch.float32),
-            self.randn(3, cfg.hidden_size),
-            self.randn(cfg.hidden_size),
-        )
+        n = cfg.hidden_size
+        x, y, w = self.randn(3, n, dtype=torch.float32), self.randn(3, n), self.randn(n)
         ref = F.rms_norm(x + y.float(), w.shape, w.float(), eps)
         checks = [self.record("fused residual add + RMSNorm", kernel, ops.add_rmsnorm(x.clone(), y, w, eps), ref)]
+        proj = self.randn(40, n)  # a dense weight's product of a few rows (protocol.linear)
+        got = ops.dense_matmul(y, proj, torch.float32)
+        checks.append(self.record("dense product of a few rows", kernel, got, y.float() @ proj.float().T))
         gu = self.randn(3, 2 * cfg.intermediate_size) * 4
         gate, up = gu.float().chunk(2, dim=-1)
         checks.append(self.record("fused SiLU*mul", kernel, ops.silu_mul(gu), F.silu(gate) * up))

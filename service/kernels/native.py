@@ -5,8 +5,9 @@
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
 ``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``; Q4 weights in tiles of
-``Q4_TILE`` rows), the fused step ops (``step.cpp``), the batched LoRA shrink/expand of one (layer, site)
-(``lora.cpp``, over a table from ``service.kernels.lora.lora_site``) and the one-call decode step (``decode.cpp``).
+``Q4_TILE`` rows), dense products of a few rows (``dense.cpp``), the fused step ops (``step.cpp``), the batched LoRA
+shrink/expand of one (layer, site) (``lora.cpp``, over a table from ``service.kernels.lora.lora_site``) and the
+one-call decode step (``decode.cpp``).
 
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
@@ -45,6 +46,11 @@ from torch import Tensor
 
 from service.errors import FailedPrecondition
 from service.kernels import KERNEL_DTYPES
+from service.kernels.checks import DTYPE_CODES as _DTYPE_CODES
+from service.kernels.checks import Q4_TILE as _Q4_TILE
+from service.kernels.checks import check_q4 as _check
+from service.kernels.checks import check_step as _check_step
+from service.kernels.checks import raise_for as _raise
 from service.kernels.compile import compile_shared
 from service.kernels.lora import LORA_FIELDS, LoraSite, StackLora
 from service.platform import cpu_capability, cpu_flags
@@ -66,10 +72,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 7  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 8  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
-Q4_TILE = 16  # weight rows side by side in lp_q4_matmul's layout
-SOURCES = tuple(Path(__file__).with_name("src") / name for name in ("blocks.cpp", "step.cpp", "lora.cpp", "decode.cpp"))
+Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
+SOURCES = tuple(Path(__file__).with_name("src") / f"{n}.cpp" for n in ("blocks", "dense", "step", "lora", "decode"))
 HEADERS = (Path(__file__).with_name("src") / "dtypes.h",)  # included by the sources: part of the cache key
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
@@ -83,7 +89,6 @@ BASE_FLAGS = (
 )  # fmt: skip
 BUILD_TIMEOUT_S = 120
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
@@ -115,14 +120,15 @@ class NativeKernels:
             raise FailedPrecondition(f"kernel library {path}: ABI {abi} for {built}, expected {ABI_VERSION} for {isa}")
         lib.lp_q4_matmul.argtypes = [_P, _I, _P, _P, _P, _L, _L, _L, _P, _I, _L]
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
+        lib.lp_dense_matmul.argtypes = [_P, _I, _P, _I, _L, _L, _L, _L, _P, _I, _L]
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
         lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
                                         ctypes.c_float, _P, _P, _L, _L, _P]  # fmt: skip
-        for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_add_rmsnorm, lib.lp_silu_mul, lib.lp_decode_attention,
-                   lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
+        for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_add_rmsnorm, lib.lp_silu_mul,
+                   lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
         if lib.lp_decode_lora_fields() != LORA_FIELDS:
@@ -163,6 +169,19 @@ class NativeKernels:
                                     vocab)  # fmt: skip
         if rc:
             _raise(rc, f"lp_q8_matmul refused x {tuple(x2.shape)} and table [{vocab}, {k}]")
+        return out
+
+    def dense_matmul(self, x2: Tensor, w: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """x2 [M, K] -> [M, N] in ``out_dtype``: ``x2 @ w^T`` for a dense w [N, K]; float32 or bfloat16 each."""
+        (mrows, k), (n, kw) = x2.shape, w.shape
+        _check_step(x2)
+        if k != kw or {w.dtype, out_dtype} - set(KERNEL_DTYPES) or not w.is_contiguous() or w.device.type != "cpu":
+            raise ValueError(f"dense_matmul: x {x2.dtype} {list(x2.shape)}, w {w.dtype} {list(w.shape)}, {out_dtype}")
+        out = torch.empty(mrows, n, dtype=out_dtype)
+        rc = self._lib.lp_dense_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], w.data_ptr(), _DTYPE_CODES[w.dtype],
+                                       mrows, n, k, k, out.data_ptr(), _DTYPE_CODES[out_dtype], n)  # fmt: skip
+        if rc:
+            _raise(rc, f"lp_dense_matmul refused x {tuple(x2.shape)} and weight {tuple(w.shape)}")
         return out
 
     # --- the small ops of a decode step, float32 or bfloat16 (src/step.cpp) --------------------------------
@@ -269,37 +288,6 @@ class NativeKernels:
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_lora_delta refused x {tuple(x.shape)}, out {tuple(out.shape)} for groups {group.tolist()}")
-
-
-def _raise(rc: int, what: str) -> None:
-    if rc == -2:
-        raise MemoryError(f"{what}: no memory for its float32 scratch")
-    raise ValueError(what)
-
-
-def _check(x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, n: int) -> None:
-    scales = (-(-n // Q4_TILE), k // 32, Q4_TILE)  # [tiles, G, 16]; qs [tiles, G, 16 pairs, 16]
-    if k % 32 or x2.dtype not in _DTYPE_CODES:
-        raise ValueError(f"x must be [M, K] with K % 32 == 0 in {tuple(_DTYPE_CODES)}, got {x2.dtype} {list(x2.shape)}")
-    if tuple(qs.shape) != (*scales[:2], 16, Q4_TILE) or qs.dtype != torch.uint8:
-        raise ValueError(f"packed values must be uint8 {[*scales[:2], 16, Q4_TILE]}, got {qs.dtype} {tuple(qs.shape)}")
-    for t in (d, m):
-        if tuple(t.shape) != scales or t.dtype != torch.float32:
-            raise ValueError(f"scales must be float32 {list(scales)}, got {t.dtype} {tuple(t.shape)}")
-    for t in (x2, qs, d, m):
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("native kernels take contiguous CPU tensors")
-
-
-def _check_step(*tensors: Tensor) -> int:
-    """The step ops' dtype code of ``tensors``, which must be contiguous CPU tensors of one of ``KERNEL_DTYPES``."""
-    for t in tensors:
-        if t.dtype not in KERNEL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"native step ops take contiguous float32 / bfloat16 CPU tensors, got {t.dtype} "
-                             f"{tuple(t.shape)}")  # fmt: skip
-        if t.dtype != tensors[0].dtype:
-            raise ValueError(f"native step ops take one dtype, got {tensors[0].dtype} and {t.dtype}")
-    return _DTYPE_CODES[tensors[0].dtype]
 
 
 def _compiler() -> str | None:

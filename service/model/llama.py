@@ -10,17 +10,16 @@ A forward pass runs ``B`` rows that occupy the contiguous cache slots ``[slot_st
 carries its tokens and their absolute positions; K/V are written at those positions, and each query attends to
 the keys of its own slot at positions ``<=`` its own. Right-padded prompts, ``[B, 1]`` decode steps and rollback
 (the engine just lowers its length) follow from that one rule; with ``tree`` the row's tokens are the nodes of a
-Medusa draft tree, written at consecutive cache positions and each attending only to its ancestors (the
-verification step). Values the cache stores are finite and bounded (``kv_cache.finite_kv``), so a row never poisons the
-slot's next occupant.
+Medusa draft tree at consecutive cache positions, each attending only to its ancestors (the verification step).
+Values the cache stores are finite and bounded (``kv_cache.finite_kv``): a row never poisons the slot's next occupant.
 
 ``adapters`` is the seam for per-row adapters (``service.model.hooks``): projections go through ``proj``, norms
 through ``normed``; the embedding and ``logits`` call it too. With ``quantized=True`` the four projections of a layer
 are compact (``service.model.weights``: int8, int4): shape-only ``meta`` placeholders that the loader replaces one by
 one (``set_projection``), never a dense copy; ``proj`` runs them through ``weights.protocol.linear`` with the model's
-one reusable ``scratch``. Weights are seen through ``service.model.weights.protocol`` only: this module knows no
-kind. Embeddings, norms, biases and the ``lm_head`` stay dense. Nothing here implements an adapter, reads a file or
-keeps per-request state.
+one reusable ``scratch`` and, on the CPU, the compiled kernels (``native``: dense products of a few rows too).
+Weights are seen through ``service.model.weights.protocol`` only: this module knows no kind. Embeddings, norms,
+biases and the ``lm_head`` stay dense. Nothing here implements an adapter, reads a file or keeps per-request state.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, Pro
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
 from service.model.step import Step, make_step, native_ops
-from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, linear
+from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, dense_head, linear
 from service.platform import draft_dtype
 
 __all__ = ["PROJ_NAMES", "AdapterHook", "Llama", "ProjName", "proj"]
@@ -56,10 +55,11 @@ def proj(
     adapters: AdapterHook | None,
     *,
     scratch: Scratch | None = None,
+    native: NativeKernels | None = None,
 ) -> Tensor:
     """One linear projection of the decoder (dense or compact ``weight``, see ``protocol.linear``), with the adapter
     delta added when a hook is given."""
-    out = linear(x, weight, bias, scratch=scratch)
+    out = linear(x, weight, bias, scratch=scratch, native=native)
     if adapters is not None:
         out = adapters.add_delta(out, x, layer, name)
     return out
@@ -141,11 +141,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv, d = self.n_head, self.n_kv, self.head_dim
         g = h // kv
-        qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters, scratch=step.scratch)
+        qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters, scratch=step.scratch, native=step.native)
         if step.native is not None and step.pos is not None and step.mask is None:  # one token a row: fused
             cos, sin = step.cos.view(b, d), step.sin.view(b, d)  # RoPE, K/V write and attention in one call
             y = step.native.decode_attention(qkv.reshape(b, h + 2 * kv, d), cos, sin, step.pos, k_cache, v_cache, h)
-            return proj(y.view(b, 1, h * d), self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch)
+            return proj(y.view(b, 1, h * d), self.wo, self.bo, self.layer, "wo", step.adapters,
+                        scratch=step.scratch, native=step.native)  # fmt: skip
         assert step.mask is not None and step.write_index is not None  # an eager step has both
         qkv = qkv.view(b, t, h + 2 * kv, d)
         qk = apply_rope(qkv.narrow(2, 0, h + kv), step.cos, step.sin)  # [B, T, H + KV, D]
@@ -160,7 +161,7 @@ class Attention(nn.Module):
         q = qk.narrow(2, 0, h).view(b, t, kv, g * d).transpose(1, 2).reshape(b, kv, t * g, d)  # [B, KV, T*G, D]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)  # [B, KV, T*G, D]
         y = y.view(b, kv, t, g * d).transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D], head = kv*G + g
-        return proj(y, self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch)
+        return proj(y, self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch, native=step.native)
 
 
 class FeedForward(nn.Module):
@@ -187,13 +188,13 @@ class FeedForward(nn.Module):
         scratch: Scratch | None = None,
         native: NativeKernels | None = None,
     ) -> Tensor:
-        gu = proj(x, self.w13, self.b13, self.layer, "w13", adapters, scratch=scratch)
+        gu = proj(x, self.w13, self.b13, self.layer, "w13", adapters, scratch=scratch, native=native)
         if native is not None:
             act = native.silu_mul(gu.contiguous())
         else:
             gate, up = gu.chunk(2, dim=-1)  # [B, T, I] each
             act = F.silu(gate).mul_(up)
-        return proj(act, self.w2, self.b2, self.layer, "w2", adapters, scratch=scratch)
+        return proj(act, self.w2, self.b2, self.layer, "w2", adapters, scratch=scratch, native=native)
 
 
 class Block(nn.Module):
@@ -320,7 +321,7 @@ class Llama(nn.Module):
     def _project(self, hidden: Tensor, part: HeadPart | None) -> Tensor:
         """``logits`` of ``hidden`` through one head part (its ``index`` unused here; None: the base head)."""
         head = self.lm_head if part is None or part.weight is None else part.weight
-        raw = F.linear(hidden, head) if isinstance(head, Tensor) else head.project(hidden)
+        raw = dense_head(hidden, head, self.native) if isinstance(head, Tensor) else head.project(hidden)
         logits, exact_already = raw.float(), raw.dtype == torch.float32  # float32 from a bf16 model: exact already
         delta = None
         if part is not None and part.a is not None and part.b is not None:

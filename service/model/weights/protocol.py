@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["EmbeddingTable", "ProjWeight", "Scratch", "Weight", "linear", "tensor_nbytes"]
+__all__ = [
+    "NATIVE_DENSE_ROWS", "DenseKernel", "EmbeddingTable", "ProjWeight", "Scratch", "Weight", "dense_head", "linear",
+    "tensor_nbytes",
+]  # fmt: skip
+
+# Up to these rows of x a dense weight's product runs on the compiled kernel (``DenseKernel``), from there on torch's
+# GEMM: at one row torch reads a float32 weight at about 11 GB/s on a 2-core AVX-512 EPYC, the kernel at 20-28; in
+# bf16 torch catches up by 8 rows (bench/README.md, "Dense products of a few rows").
+NATIVE_DENSE_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 
 
 class Weight(Protocol):
@@ -153,15 +161,41 @@ def tensor_nbytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def linear(x: Tensor, w: ProjWeight, bias: Tensor | None = None, *, scratch: Scratch | None = None) -> Tensor:
+class DenseKernel(Protocol):
+    """``service.kernels.native.NativeKernels``' dense product: x2 [M, K] @ w^T in ``out_dtype``, float32 sums of the
+    values as stored, each row's result the same at every M."""
+
+    def dense_matmul(self, x2: Tensor, w: Tensor, out_dtype: torch.dtype) -> Tensor: ...
+
+
+def _on_kernel(x2: Tensor, w: Tensor, native: DenseKernel | None) -> bool:
+    rows = NATIVE_DENSE_ROWS.get(w.dtype, 0)
+    return native is not None and x2.shape[0] <= rows and x2.dtype == w.dtype and w.device.type == "cpu"
+
+
+def dense_head(hidden: Tensor, head: Tensor, native: DenseKernel | None) -> Tensor:
+    """``F.linear(hidden, head)``; on the kernel (few rows) in float32 whatever the model's dtype: exact logits."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if not _on_kernel(h2, head, native) or not head.is_contiguous():
+        return F.linear(hidden, head)
+    return native.dense_matmul(h2.contiguous(), head, torch.float32).view(*hidden.shape[:-1], head.shape[0])  # type: ignore[union-attr]
+
+
+def linear(
+    x: Tensor, w: ProjWeight, bias: Tensor | None = None, *, scratch: Scratch | None = None,
+    native: DenseKernel | None = None,
+) -> Tensor:  # fmt: skip
     """``F.linear(x, w, bias)`` for a dense or compact ``w``; x [..., K] -> [..., N].
 
-    For a compact ``w`` with at least ``w.dense_from_rows`` rows of ``x``: its kept dense copy multiplies, or
-    with a ``scratch`` given the weight is dequantized into the scratch buffer and multiplied densely; otherwise
-    the kind's kernel runs."""
-    if isinstance(w, Tensor):
-        return F.linear(x, w, bias)
+    A dense ``w`` without bias and up to ``NATIVE_DENSE_ROWS`` rows of ``x`` in its dtype multiplies on ``native``'s
+    kernel where given. For a compact ``w`` with at least ``w.dense_from_rows`` rows of ``x``: its kept dense copy
+    multiplies, or with a ``scratch`` given the weight is dequantized into the scratch buffer and multiplied densely;
+    otherwise the kind's kernel runs."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if isinstance(w, Tensor):
+        if bias is not None or not _on_kernel(x2, w, native) or not w.is_contiguous():
+            return F.linear(x, w, bias)
+        return native.dense_matmul(x2.contiguous(), w, w.dtype).view(*x.shape[:-1], w.shape[0])  # type: ignore[union-attr]
     large = x2.shape[0] >= w.dense_from_rows
     if large and w.dense is not None:
         out2 = F.linear(x2, w.dense, bias)

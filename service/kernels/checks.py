@@ -1,0 +1,44 @@
+"""Argument checks shared by ``service.kernels.native``'s wrappers, and the library's dtype codes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from service.kernels import KERNEL_DTYPES
+
+__all__ = ["DTYPE_CODES", "Q4_TILE", "check_q4", "check_step", "raise_for"]
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # src/*.cpp's Dtype
+Q4_TILE = 16  # weight rows side by side in lp_q4_matmul's layout
+
+
+def raise_for(rc: int, what: str) -> None:
+    if rc == -2:
+        raise MemoryError(f"{what}: no memory for its float32 scratch")
+    raise ValueError(what)
+
+
+def check_q4(x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, n: int) -> None:
+    scales = (-(-n // Q4_TILE), k // 32, Q4_TILE)  # [tiles, G, 16]; qs [tiles, G, 16 pairs, 16]
+    if k % 32 or x2.dtype not in DTYPE_CODES:
+        raise ValueError(f"x must be [M, K] with K % 32 == 0 in {tuple(DTYPE_CODES)}, got {x2.dtype} {list(x2.shape)}")
+    if tuple(qs.shape) != (*scales[:2], 16, Q4_TILE) or qs.dtype != torch.uint8:
+        raise ValueError(f"packed values must be uint8 {[*scales[:2], 16, Q4_TILE]}, got {qs.dtype} {tuple(qs.shape)}")
+    for t in (d, m):
+        if tuple(t.shape) != scales or t.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {list(scales)}, got {t.dtype} {tuple(t.shape)}")
+    for t in (x2, qs, d, m):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("native kernels take contiguous CPU tensors")
+
+
+def check_step(*tensors: Tensor) -> int:
+    """The step ops' dtype code of ``tensors``, which must be contiguous CPU tensors of one of ``KERNEL_DTYPES``."""
+    for t in tensors:
+        if t.dtype not in KERNEL_DTYPES or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"native step ops take contiguous float32 / bfloat16 CPU tensors, got {t.dtype} "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        if t.dtype != tensors[0].dtype:
+            raise ValueError(f"native step ops take one dtype, got {tensors[0].dtype} and {t.dtype}")
+    return DTYPE_CODES[tensors[0].dtype]
