@@ -127,6 +127,34 @@ def test_dense_kernel_matches_a_float64_reference_and_is_batch_invariant(
         kern.dense_matmul(x, w[:, :-1].contiguous(), out_dtype)
 
 
+def _dense_in_lanes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """lp_dense_matmul's order, in float32 torch ops: 16 lanes (lane l sums k = l, l + 16, ... in turn, each
+    product rounded, then added), the lanes pairwise (l + 8, then + 4, + 2, + 1), then the tail in order."""
+    x, w = x.float(), w.float()
+    body = x.shape[1] - x.shape[1] % 16
+    acc = torch.zeros(x.shape[0], w.shape[0], 16)
+    for c in range(0, body, 16):
+        acc = acc + x[:, None, c : c + 16] * w[None, :, c : c + 16]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    out = acc[..., 0]
+    for c in range(body, x.shape[1]):
+        out = out + x[:, None, c] * w[None, :, c]
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_kernel_sums_in_one_order_on_every_instruction_set(dtype: torch.dtype) -> None:
+    """Bit-equal to its order written in torch: so avx512, avx2 and generic (the capability reruns) agree bit for
+    bit, at one row (a weight row at a time) and at several (blocks of rows)."""
+    kern = compiled_kernels()
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 75, generator=gen).to(dtype), torch.randn(13, 75, generator=gen).to(dtype)
+    assert torch.equal(kern.dense_matmul(x, w, torch.float32), _dense_in_lanes(x, w))
+    assert torch.equal(kern.dense_matmul(x[:1], w, torch.float32), _dense_in_lanes(x[:1], w))
+
+
 @pytest.mark.numerics
 def test_q4_weight_dequantizes_its_values_and_every_linear_path_agrees() -> None:
     kern = compiled_kernels()
