@@ -20,6 +20,7 @@
 namespace {
 
 using lp::bf16;
+using lp::lane_sum;
 using lp::load16;
 using lp::V16;
 
@@ -30,20 +31,9 @@ constexpr int kW = 4;  // weight rows a pass holds: kX * kW accumulators of 16 l
 #else
 constexpr int kW = 2;  // two registers a V16 on avx2
 #endif
-constexpr int kX = 4;                           // rows of x a pass holds
-constexpr int64_t kParallelMacs = 1 << 16;      // below this many multiply-adds one thread does the call
-constexpr int64_t kAheadBytes = 16384;  // requested ahead of a pass: past its rows, into the next blocks
-
-inline float lane_sum(V16 acc) {
-  using V8 = lp::Lanes<8>::F;
-  using V4 = lp::Lanes<4>::F;
-  using V2 = float __attribute__((vector_size(8)));
-  const V8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-  return h2[0] + h2[1];
-}
+constexpr int kX = 4;                       // rows of x a pass holds
+constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
+constexpr int64_t kAheadBytes = 16384;      // requested ahead of a pass: past its rows, into the next ones
 
 // NX rows of x (float32) against weight rows [n0, n0 + nw), nw <= W (a short block repeats its first row); each
 // weight row requested kAheadBytes ahead once per cache line.

@@ -73,4 +73,14 @@ using V16 = Lanes<16>::F;
 inline V16 load16(const float* p) { return load_lanes<16>(p); }
 inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
 
+// The 16 lanes summed pairwise in a fixed order: lane l + 8, then + 4, + 2, + 1.
+inline float lane_sum(V16 acc) {
+  using V2 = float __attribute__((vector_size(8)));
+  const Lanes<8>::F h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                         __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Lanes<4>::F h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return h2[0] + h2[1];
+}
+
 }  // namespace lp

@@ -101,14 +101,7 @@ inline float dot_fixed(const float* a, const T* b) {
   static_assert(D % kLanes == 0, "whole lanes only");
   V16 acc = {};
   for (int64_t i = 0; i < D; i += kLanes) acc += load16(a + i) * load16(b + i);
-  using V8 = lp::Lanes<8>::F;
-  using V4 = lp::Lanes<4>::F;
-  using V2 = float __attribute__((vector_size(8)));
-  const V8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-  return (h2[0] + h2[1]) + 0.0f;  // + dot's (empty) tail
+  return lp::lane_sum(acc) + 0.0f;  // + dot's (empty) tail
 }
 
 // One head rotated (the HF rotate-half convention, as service.model.rope.apply_rope): with the signed sin table,
