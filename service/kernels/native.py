@@ -72,7 +72,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 8  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 9  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
 SOURCES = tuple(Path(__file__).with_name("src") / f"{n}.cpp" for n in ("blocks", "dense", "step", "lora", "decode"))
@@ -126,7 +126,7 @@ class NativeKernels:
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
         lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
-                                        ctypes.c_float, _P, _P, _L, _L, _P]  # fmt: skip
+                                        ctypes.c_float, _P, _P, _L, _L, _P, _I]  # fmt: skip
         for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_add_rmsnorm, lib.lp_silu_mul,
                    lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
@@ -249,16 +249,17 @@ class NativeKernels:
         """x [T B, hidden] float32 (embedded, ``tokens`` = T a row, token-major; left as the residual stream) ->
         [T B, hidden] final-normed through the layers ``table`` lists; dims (hidden, heads, kv heads, head dim,
         intermediate); rope: cos, sin [T B, D], positions [T B]; K/V into slots ``slot_start ..`` of ``kv`` [L, 2,
-        slots, KV, max_len, D]; ``lora``: compiled LoRA tables. Contiguous float32 (``service.model.decode_stack``)."""
+        slots, KV, max_len, D]; ``lora``: compiled LoRA tables. Contiguous; the norm, rope tables, cache and the
+        output in the model's dtype, float32 or bfloat16 (``service.model.decode_stack``)."""
         cos, sin, pos = rope
         s = kv.stride()
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=final_norm.dtype)
         sites, lo, hi, group = (None, 0, 0, None) if lora is None else (lora.sites, *lora.span, lora.rows.data_ptr())
         rc = self._lib.lp_decode_stack(
             x.data_ptr(), x.shape[0] // tokens, tokens, table, kv.shape[0], (ctypes.c_int64 * 5)(*dims),
             final_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
-            kv.data_ptr() + slot_start * s[2] * 4, s[0], s[1], s[2], s[3], kv.shape[4], 1.0 / math.sqrt(dims[3]),
-            out.data_ptr(), sites, lo, hi, group,
+            kv.data_ptr() + slot_start * s[2] * kv.element_size(), s[0], s[1], s[2], s[3], kv.shape[4],
+            1.0 / math.sqrt(dims[3]), out.data_ptr(), sites, lo, hi, group, _DTYPE_CODES[final_norm.dtype],
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_decode_stack refused {x.shape[0]} rows at positions {pos.tolist()}")

@@ -1,4 +1,5 @@
-"""A whole decode step of a float32 model on 4-bit weights in one compiled call (``lp_decode_stack``).
+"""A whole decode step in one compiled call (``lp_decode_stack``): a float32 model on 4-bit or dense weights, a
+bfloat16 model on dense weights.
 
     DecodeStack(model)                      built once per model; ``invalidate()`` after a projection changes
     stack.plan(step, adapters, rows)        how this pass runs as one call (``Plan``), or None: the per-op path
@@ -12,15 +13,16 @@ entry points in the same order on the same values, so its hidden states are bit-
 (``tests/model/test_decode_stack.py``), and the start-up self-check compares the two on the served model before
 trusting it (``compare``; a mismatch drops to the per-op path).
 
-It takes a pass when: the model is float32 on the CPU with the step ops loaded (``Llama.native``), every projection
-is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks) without a bias, the pass is a decode step (one token a row, no draft
-tree: ``Step.pos``) or a causal chain (T tokens a row at consecutive positions, each seeing those before it: a
-prefill, or a draft chain's verification; run as T decode steps would run, so speculation's output
-is plain decoding's bit for bit), the rows of its products (B, or T B) are below every projection's
-``dense_from_rows`` (from there a dense matmul is faster and the per-op path takes it), and the rows' adapters, if
-any, change only projections, through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures;
-the embedding and the head are handled outside as always; a replaced norm weight is not). Everything else, and a
-model whose table could not be built, is the per-op path.
+It takes a pass when: the model is float32 or bfloat16 on the CPU with the step ops loaded (``Llama.native``), every
+projection is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks; float32 only) or a dense weight of the model's dtype,
+without a bias, the pass is a decode step (one token a row, no draft tree: ``Step.pos``) or a causal chain (T tokens
+a row at consecutive positions, each seeing those before it: a prefill, or a draft chain's verification; run as T
+decode steps would run, so speculation's output is plain decoding's bit for bit), the rows of its products (B, or
+T B) are below every projection's ``dense_from_rows`` (a Q4Native's: from there a dense matmul is faster) or within
+``NATIVE_DENSE_ROWS`` (a dense weight's: from there torch's GEMM; the per-op path takes both), and the rows'
+adapters, if any, change only projections, through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA,
+DoRA, mixtures; the embedding and the head are handled outside as always; a replaced norm weight is not). Everything
+else, and a model whose table could not be built, is the per-op path.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from service.model.config import ModelConfig
 from service.model.hooks import PROJ_NAMES, AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.step import Step
+from service.model.weights.protocol import NATIVE_DENSE_ROWS
 from service.model.weights.q4_native import Q4Native
 
 __all__ = ["DecodeStack", "Plan", "compare"]
@@ -97,7 +100,8 @@ class DecodeStack:
     def _build(self) -> None:
         self._built = True
         model = self.model
-        if model.dtype != torch.float32 or model.device.type != "cpu" or model.native is None:
+        dtype = model.dtype
+        if dtype not in NATIVE_DENSE_ROWS or model.device.type != "cpu" or model.native is None:
             return
         fields: list[int] = []
         max_rows = None
@@ -106,15 +110,20 @@ class DecodeStack:
             if any(bias is not None for bias in (attn.bqkv, attn.bo, ffn.b13, ffn.b2)):
                 return
             norms = (layer.attention_norm.weight, layer.ffn_norm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return
             fields += [w.data_ptr() for w in norms]
             for name in PROJ_NAMES:
                 w = getattr(attn if name in ("wqkv", "wo") else ffn, name)
-                if not isinstance(w, Q4Native) or w.device.type != "cpu":
+                if isinstance(w, Q4Native) and dtype == torch.float32 and w.device.type == "cpu":
+                    fields += [w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr()]
+                    rows = w.dense_from_rows
+                elif isinstance(w, Tensor) and w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu":
+                    fields += [w.data_ptr(), 0, 0]  # a dense weight: protocol.linear's kernel up to its rows
+                    rows = NATIVE_DENSE_ROWS[dtype] + 1
+                else:
                     return
-                fields += [w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr()]
-                max_rows = w.dense_from_rows if max_rows is None else min(max_rows, w.dense_from_rows)
+                max_rows = rows if max_rows is None else min(max_rows, rows)
         if max_rows is None or len(fields) != len(model.blocks) * model.native.decode_fields:
             return
         self._table = (ctypes.c_int64 * len(fields))(*fields)
@@ -133,9 +142,9 @@ class DecodeStack:
 
         x = token_major(x, cfg.hidden_size)  # the residual stream, updated in place
         cos, sin, kv = token_major(step.cos, cfg.head_dim), token_major(step.sin, cfg.head_dim), cache.data
-        for v in (x, cos, sin, kv):
-            if v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu":
-                raise ValueError(f"the decode stack takes contiguous float32 CPU tensors, got {v.dtype} {v.shape}")
+        for v, dtype in ((x, torch.float32), (cos, model.dtype), (sin, model.dtype), (kv, model.dtype)):
+            if v.dtype != dtype or not v.is_contiguous() or v.device.type != "cpu":
+                raise ValueError(f"the decode stack takes contiguous {dtype} CPU tensors here, got {v.dtype} {v.shape}")
         if kv.shape[0] != len(model.blocks) or not 0 <= slot_start <= kv.shape[2] - b or kv.shape[5] != cfg.head_dim:
             raise ValueError(f"the decode stack: slots [{slot_start}, {slot_start + b}) of a cache {tuple(kv.shape)}")
         if pos.shape != (t * b,) or pos.dtype != torch.int64 or not pos.is_contiguous():

@@ -22,8 +22,10 @@ from service.adapters.lora.batch import AdapterBatch, LoraTables
 from service.adapters.lora.types import LoraLayer, LoraModule
 from service.model import KVCache, Llama
 from service.model.decode_stack import DecodeStack
+from service.model.load_folder import load_model
 from service.model.load_gguf import load_gguf_model
 from service.model.step import make_step
+from service.model.weights.protocol import NATIVE_DENSE_ROWS
 from service.model.weights.q4_native import Q4Native
 from service.selfcheck import run_self_check
 
@@ -50,7 +52,7 @@ def _decode(model: Llama, *, stack: bool, rows: int, slot_start: int, steps: int
     """``steps`` decode steps of ``rows`` rows at slots ``slot_start ..`` of a cache holding random values (the
     other slots too): the hidden states of every step and the cache after them."""
     gen = torch.Generator().manual_seed(rows)
-    cache = KVCache(model.cfg, slot_start + rows + 1, 24, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(model.cfg, slot_start + rows + 1, 24, dtype=model.dtype, device=torch.device("cpu"))
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
     start = torch.tensor([3, 11, 0, 7][:rows])[:, None]  # rows at different positions, the first position too
     model.stack.enabled = stack
@@ -74,6 +76,30 @@ def test_one_call_is_the_per_op_path_bit_for_bit(q4_model: Llama, rows: int, slo
     assert q4_model.stack.calls == calls + 4
     assert torch.equal(fused, per_op)
     assert torch.equal(fused_cache, per_op_cache)  # the rows' slots written alike, the other slots untouched
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=str)
+def dense_model(request: pytest.FixtureRequest, tiny_llama_factory: Callable[..., Path]) -> Llama:
+    """A tiny Llama on its dense weights (the model folder), float32 or bfloat16."""
+    compiled_kernels()
+    with kernels_mode("auto"):
+        model: Llama = load_model(tiny_llama_factory(seed=6), dtype=request.param, device="cpu")[0]
+    return model
+
+
+@pytest.mark.parametrize(("rows", "slot_start"), [(1, 0), (3, 2)])
+def test_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(
+    dense_model: Llama, rows: int, slot_start: int
+) -> None:
+    """Dense projections (float32, bf16) take the dense kernel inside the call, as ``protocol.linear`` does up to
+    ``NATIVE_DENSE_ROWS``; beyond, the per-op path and torch's GEMM."""
+    calls = dense_model.stack.calls
+    fused, fused_cache = _decode(dense_model, stack=True, rows=rows, slot_start=slot_start, steps=3)
+    assert dense_model.stack.calls == calls + 3
+    per_op, per_op_cache = _decode(dense_model, stack=False, rows=rows, slot_start=slot_start, steps=3)
+    assert torch.equal(fused, per_op) and torch.equal(fused_cache, per_op_cache)
+    many = NATIVE_DENSE_ROWS[dense_model.dtype] + 1
+    assert dense_model.stack.plan(_step(dense_model, many), None, many) is None
 
 
 # --- LoRA rows: the compiled tables inside the one call ---------------------------------------------------------
@@ -106,33 +132,43 @@ def _lora(cfg: Any, seed: int, modules: tuple[str, ...] = tuple(SHAPES)) -> Lora
 
 
 def _tables(model: Llama) -> LoraTables:
-    return LoraTables(model.cfg, device=CPU, dtype=torch.float32, native=model.lora_native)
+    return LoraTables(model.cfg, device=CPU, dtype=model.dtype, native=model.lora_native)
 
 
-@pytest.mark.parametrize("mode", ["shared", "slots"])
-def test_lora_rows_in_one_call_are_the_per_op_path_bit_for_bit(q4_model: Llama, mode: str) -> None:
-    cfg = q4_model.cfg
+def _lora_rows_both_ways(model: Llama, rows: list[str | None], mode: str) -> None:
+    """Three decode steps of ``rows`` with LoRA tables through the one call and the per-op path (bit-equal), and
+    through the one call without adapters (rows without an adapter unchanged, the others not)."""
+    cfg = model.cfg
     layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("v_proj", "o_proj", "down_proj")), "z": _lora(cfg, 3)}
-    rows: list[str | None] = [None, "x", "y", None, "x", "z"]  # rows without an adapter inside and outside the span
     gen = torch.Generator().manual_seed(7)
     tokens = [torch.randint(0, cfg.vocab_size, (len(rows), 1), generator=gen) for _ in range(3)]
     runs = []
     for stack, adapters in ((True, rows), (False, rows), (True, [None] * len(rows))):
-        tables, calls = _tables(q4_model), q4_model.stack.calls
-        cache = KVCache(cfg, len(rows) + 1, 16, dtype=torch.float32, device=CPU)
-        q4_model.stack.enabled = stack
+        tables, calls = _tables(model), model.stack.calls
+        cache = KVCache(cfg, len(rows) + 1, 16, dtype=model.dtype, device=CPU)
+        model.stack.enabled = stack
         try:
             hidden = []
             for p, tok in enumerate(tokens):
                 batch = AdapterBatch.build(adapters, lambda a, layer: layers[a], tables, slot_start=1, mode=mode)
-                hidden.append(q4_model(tok, torch.full((len(rows), 1), p), cache, 1, batch, kv_len=p + 1))
+                hidden.append(model(tok, torch.full((len(rows), 1), p), cache, 1, batch, kv_len=p + 1))
         finally:
-            q4_model.stack.enabled = True
-        assert q4_model.stack.calls == calls + (len(tokens) if stack else 0)
+            model.stack.enabled = True
+        assert model.stack.calls == calls + (len(tokens) if stack else 0)
         runs.append((torch.cat(hidden, dim=1), cache.data.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     for b, adapter in enumerate(rows):  # against the base model: rows without an adapter unchanged, the others not
         assert torch.equal(runs[0][0][b], runs[2][0][b]) == (adapter is None), b
+
+
+@pytest.mark.parametrize("mode", ["shared", "slots"])
+def test_lora_rows_in_one_call_are_the_per_op_path_bit_for_bit(q4_model: Llama, mode: str) -> None:
+    _lora_rows_both_ways(q4_model, [None, "x", "y", None, "x", "z"], mode)  # rows without one inside and outside
+
+
+@pytest.mark.parametrize("mode", ["shared", "slots"])
+def test_lora_rows_on_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(dense_model: Llama, mode: str) -> None:
+    _lora_rows_both_ways(dense_model, [None, "x", "y", "x"], mode)  # within the dense kernel's rows in bf16 too
 
 
 # --- a draft chain to verify: T tokens a row in one call, as T decode steps -------------------------------------
@@ -237,13 +273,19 @@ def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
 
 
 @pytest.mark.parametrize("variant", ["mixed", "tied"])
-def test_a_model_with_other_weights_keeps_the_per_op_path(
+def test_a_model_with_dense_and_q4_weights_takes_it_and_biases_keep_the_per_op_path(
     variant: str, tiny_llama_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     compiled_kernels()
     model = load_variant(variant, tiny_llama_factory, tmp_path)  # mixed: Q8_0 / F16 projections; tied: biases
-    _decode(model, stack=True, rows=2, slot_start=0, steps=1)
-    assert model.stack.calls == 0
+    fused, fused_cache = _decode(model, stack=True, rows=2, slot_start=0, steps=2)
+    if variant == "tied":  # biases: the per-op path
+        assert model.stack.calls == 0
+        return
+    kinds = {type(model.projection(0, name)).__name__ for name in ("wqkv", "wo", "w13", "w2")}
+    assert kinds == {"Q4Native", "Tensor"} and model.stack.calls == 2  # dense and Q4 side by side in one call
+    per_op, per_op_cache = _decode(model, stack=False, rows=2, slot_start=0, steps=2)
+    assert torch.equal(fused, per_op) and torch.equal(fused_cache, per_op_cache)
 
 
 def test_a_replaced_projection_is_seen(q4_model: Llama) -> None:

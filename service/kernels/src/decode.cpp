@@ -1,4 +1,5 @@
-// loraplex native kernels: a whole decode step of a float32 model on 4-bit weights in one call.
+// loraplex native kernels: a whole decode step in one call, of a float32 model on 4-bit or dense weights or of a
+// bfloat16 model on dense weights.
 //
 //   lp_decode_stack  every layer of one decode step (one token per row): per layer residual add + RMSNorm, the
 //                    fused q/k/v product, RoPE + K/V write + attention, the output product, add + RMSNorm, the
@@ -6,13 +7,15 @@
 //                    per row at consecutive positions (a prefill, a draft chain to verify): the products over all
 //                    T x B rows at once, the attention in one call, each token as its decode step would run
 //
-// It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, step.cpp's
-// lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same values, so its output is
+// It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, dense.cpp's
+// lp_dense_matmul, step.cpp's lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same
+// values, in the model's dtype (the residual stream float32, as there), so its output is
 // bit-identical to that path's; what it removes is the interpreter between them: about 250 calls a step, each
 // paying argument checks, a tensor allocation and a ctypes crossing (about 8 ms of a 20 ms step on an AVX2 EPYC,
 // bench/README.md). LoRA rows take lora.cpp's lp_lora_delta after each product, with the tables the per-op path
-// would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native below
-// its dense threshold, adapters only through the compiled LoRA tables) and lays out the tables of pointers.
+// would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native or a dense
+// weight of the model's dtype below its threshold, adapters only through the compiled LoRA tables) and lays out the
+// tables of pointers.
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +25,8 @@ extern "C" {
 int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
                        int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
                        const int64_t* ahead_bytes, int nahead);
+int lp_dense_matmul(const void* x, int x_dtype, const void* w, int w_dtype, int64_t m, int64_t n, int64_t k,
+                    int64_t ldw, void* out, int out_dtype, int64_t ldo);
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
@@ -35,16 +40,18 @@ int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, 
 
 namespace {
 
-constexpr int F32 = 0;
+constexpr int F32 = 0, BF16 = 1;
 
 // One row of the layer table: the addresses (as integers) of a layer's weights, in this order.
 enum Field : int {
-  kAttnNorm,  // [hidden] float32
-  kFfnNorm,   // [hidden] float32
-  kQkvQs, kQkvD, kQkvM,  // Q4 [(H + 2 KV) D, hidden]: nibble pairs, d, m (see lp_q4_matmul)
-  kWoQs, kWoD, kWoM,     // Q4 [hidden, H D]
-  kW13Qs, kW13D, kW13M,  // Q4 [2 I, hidden]
-  kW2Qs, kW2D, kW2M,     // Q4 [hidden, I]
+  kAttnNorm,  // [hidden] in the model's dtype
+  kFfnNorm,   // [hidden]
+  // Each projection: Q4 nibble pairs, d, m (see lp_q4_matmul; float32 models), or a dense weight [N, K] in the
+  // model's dtype, 0, 0.
+  kQkvQs, kQkvD, kQkvM,  // [(H + 2 KV) D, hidden]
+  kWoQs, kWoD, kWoM,     // [hidden, H D]
+  kW13Qs, kW13D, kW13M,  // [2 I, hidden]
+  kW2Qs, kW2D, kW2M,     // [hidden, I]
   kFields
 };
 
@@ -63,11 +70,13 @@ struct Used {
   int64_t first, last;
 };
 
-// The product of a layer's projection, requesting into the caches as it computes the LoRA tables (``site``, null:
-// none) that the call after it reads: A's extent and each module's Bt over the groups ``used``, in the tables' dtype
-// (float32 or bf16).
-inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t n, int64_t k, float* out,
-              const int64_t* site, Used used) {
+// The product of a layer's projection in ``dtype``: a dense weight's (its d field 0), or a Q4 weight's (float32),
+// requesting into the caches as it computes the LoRA tables (``site``, null: none) that the call after it reads: A's
+// extent and each module's Bt over the groups ``used``, in the tables' dtype (float32 or bf16).
+inline int product(const int64_t* row, int field, const void* x, int dtype, int64_t m, int64_t n, int64_t k, void* out,
+                   const int64_t* site, Used used) {
+  if (row[field + 1] == 0) return lp_dense_matmul(x, dtype, at<void>(row, field), dtype, m, n, k, k, out, dtype, n);
+  if (dtype != F32) return -1;
   const void* ahead[kMaxAhead];
   int64_t bytes[kMaxAhead];
   int nahead = 0;
@@ -87,14 +96,15 @@ inline int q4(const int64_t* row, int field, const float* x, int64_t m, int64_t 
                             n, k, out, F32, n, ahead, bytes, nahead);
 }
 
-// Rows [lo, hi) of out [B, n] += their LoRA deltas from x [B, in] (site null: the projection has none).
-inline int lora(const int64_t* site, const float* x, int64_t in, float* out, int64_t n, int64_t lo, int64_t hi,
-                const int64_t* group) {
+// Rows [lo, hi) of out [B, n] += their LoRA deltas from x [B, in] (site null: the projection has none), both in
+// ``dtype`` (es bytes an element).
+inline int lora(const int64_t* site, const char* x, int64_t in, char* out, int64_t n, int64_t lo, int64_t hi,
+                const int64_t* group, int dtype, int64_t es) {
   if (site == nullptr || hi <= lo) return 0;
-  return lp_lora_delta(x + lo * in, F32, hi - lo, 1, in, group, site[kGroups], at<void>(site, kA), (int)site[kWDtype],
-                       site[kASg], site[kASr], site[kASk], site[kWidth], site[kNseg], at<int64_t>(site, kSeg),
-                       at<const void*>(site, kBt), at<const float*>(site, kScale), at<const void*>(site, kBias),
-                       out + lo * n, n);
+  return lp_lora_delta(x + lo * in * es, dtype, hi - lo, 1, in, group, site[kGroups], at<void>(site, kA),
+                       (int)site[kWDtype], site[kASg], site[kASr], site[kASk], site[kWidth], site[kNseg],
+                       at<int64_t>(site, kSeg), at<const void*>(site, kBt), at<const float*>(site, kScale),
+                       at<const void*>(site, kBias), out + lo * n * es, n);
 }
 
 }  // namespace
@@ -104,39 +114,43 @@ extern "C" {
 int lp_decode_fields() { return kFields; }
 int lp_decode_lora_fields() { return kLoraFields; }
 
-// One decode step of B rows, T tokens each, through ``layers`` layers. x [T, B, hidden] float32 (token-major: token t
-// of every row, then token t + 1): the embedded tokens on entry, the residual stream (before the final add) on return;
-// out [T, B, hidden] float32: the final-normed hidden states. table [layers, kFields]: each layer's weights (Field).
-// dims: hidden, heads, kv heads, head dim, intermediate. cos, sin [T, B, D] and pos [T, B]: each token's rope tables
-// and position (token t + 1 of a row at its token t's position + 1). Every token's K/V is written before any token
-// attends, each to the positions up to its own, so every token's result is the one T decode steps in turn would give:
-// the products are batch-invariant. The cache of layer i holds K of row b, kv head j, position p at
-// kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset (elements, float32).
-// LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s LoraField row (0: no table),
-// applied to rows [lo, hi) of every token with group [hi - lo] (lp_lora_delta's) after the product, as the per-op
-// path's AdapterBatch.add_delta does. Returns 0, or the first failing op's code (-1 a bad argument, -2 out of memory).
+// One decode step of B rows, T tokens each, through ``layers`` layers, in ``dtype`` (float32 or bf16: the weights,
+// norms, rope tables, cache and out; the residual stream x is float32 in either). x [T, B, hidden] float32
+// (token-major: token t of every row, then token t + 1): the embedded tokens on entry, the residual stream (before
+// the final add) on return; out [T, B, hidden]: the final-normed hidden states. table [layers, kFields]: each
+// layer's weights (Field). dims: hidden, heads, kv heads, head dim, intermediate. cos, sin [T, B, D] and pos [T, B]:
+// each token's rope tables and position (token t + 1 of a row at its token t's position + 1). Every token's K/V is
+// written before any token attends, each to the positions up to its own, so every token's result is the one T
+// decode steps in turn would give: the products are batch-invariant. The cache of layer i holds K of row b, kv
+// head j, position p at kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset
+// (elements). LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s LoraField row
+// (0: no table), applied to rows [lo, hi) of every token with group [hi - lo] (lp_lora_delta's) after the product,
+// as the per-op path's AdapterBatch.add_delta does. Returns 0, or the first failing op's code (-1 a bad argument,
+// -2 out of memory).
 int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_t layers, const int64_t* dims,
-                    const float* final_norm, float eps, const float* cos, const float* sin, const int64_t* pos,
-                    float* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
-                    int64_t max_len, float scale, float* out, const int64_t* sites, int64_t lo, int64_t hi,
-                    const int64_t* group) {
+                    const void* final_norm, float eps, const void* cos, const void* sin, const int64_t* pos,
+                    void* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
+                    int64_t max_len, float scale, void* out, const int64_t* sites, int64_t lo, int64_t hi,
+                    const int64_t* group, int dtype) {
   const int64_t hidden = dims[0], heads = dims[1], kv = dims[2], d = dims[3], inter = dims[4];
   if (b <= 0 || t <= 0 || layers <= 0 || hidden <= 0 || heads <= 0 || kv <= 0 || heads % kv || d <= 0 || inter <= 0)
     return -1;
   if (sites != nullptr && (lo < 0 || hi > b || lo > hi || group == nullptr)) return -1;
+  if (dtype != F32 && dtype != BF16) return -1;
+  const int64_t es = dtype == F32 ? 4 : 2;  // bytes an element
   const int64_t width = (heads + 2 * kv) * d, qcols = heads * d, m = t * b;  // m: rows of every product
   // one scratch block: h [M, hidden], y [M, hidden], qkv [M, width], att [M, H D], gu [M, 2 I], act [M, I]
   const int64_t sizes[] = {hidden, hidden, width, qcols, 2 * inter, inter};
   int64_t total = 0;
   for (int64_t s : sizes) total += m * s;
-  float* block = static_cast<float*>(std::malloc(sizeof(float) * total));
+  char* block = static_cast<char*>(std::malloc(es * total));
   if (block == nullptr) return -2;
-  float* h = block;
-  float* y = h + m * hidden;
-  float* qkv = y + m * hidden;
-  float* att = qkv + m * width;
-  float* gu = att + m * qcols;
-  float* act = gu + m * 2 * inter;
+  char* h = block;
+  char* y = h + m * hidden * es;
+  char* qkv = y + m * hidden * es;
+  char* att = qkv + m * width * es;
+  char* gu = att + m * qcols * es;
+  char* act = gu + m * 2 * inter * es;
   // LoRA rows of every token: [lo, (T - 1) B + hi) of the token-major batch, row r's group that of its row r % B
   // (-1, left alone, outside [lo, hi)), so one lp_lora_delta call a product reads each adapter's tables once.
   int64_t lora_hi = hi;
@@ -159,23 +173,23 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
     const int64_t* row = table + i * kFields;
     const int64_t* site[4] = {nullptr, nullptr, nullptr, nullptr};  // wqkv, wo, w13, w2
     for (int j = 0; sites != nullptr && j < 4; ++j) site[j] = reinterpret_cast<const int64_t*>(sites[i * 4 + j]);
-    float* k_cache = kv_base + i * layer_stride;
-    rc = lp_add_rmsnorm(x, i ? y : nullptr, at<float>(row, kAttnNorm), m, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kQkvQs, h, m, width, hidden, qkv, site[0], used);
-    if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, lora_hi, lora_group);
+    char* k_cache = static_cast<char*>(kv_base) + i * layer_stride * es;
+    rc = lp_add_rmsnorm(x, i ? y : nullptr, at<void>(row, kAttnNorm), m, hidden, eps, h, dtype);
+    if (!rc) rc = product(row, kQkvQs, h, dtype, m, width, hidden, qkv, site[0], used);
+    if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, lora_hi, lora_group, dtype, es);
     if (!rc)  // every token's K/V in place before any token attends, each to its own positions
-      rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset, slot_stride,
-                               head_stride, max_len, scale, att, F32);
-    if (!rc) rc = q4(row, kWoQs, att, m, hidden, qcols, y, site[1], used);
-    if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, lora_hi, lora_group);
-    if (!rc) rc = lp_add_rmsnorm(x, y, at<float>(row, kFfnNorm), m, hidden, eps, h, F32);
-    if (!rc) rc = q4(row, kW13Qs, h, m, 2 * inter, hidden, gu, site[2], used);
-    if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, lora_hi, lora_group);
-    if (!rc) rc = lp_silu_mul(gu, m, inter, act, F32);
-    if (!rc) rc = q4(row, kW2Qs, act, m, hidden, inter, y, site[3], used);
-    if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, lora_hi, lora_group);
+      rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset * es, slot_stride,
+                               head_stride, max_len, scale, att, dtype);
+    if (!rc) rc = product(row, kWoQs, att, dtype, m, hidden, qcols, y, site[1], used);
+    if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, lora_hi, lora_group, dtype, es);
+    if (!rc) rc = lp_add_rmsnorm(x, y, at<void>(row, kFfnNorm), m, hidden, eps, h, dtype);
+    if (!rc) rc = product(row, kW13Qs, h, dtype, m, 2 * inter, hidden, gu, site[2], used);
+    if (!rc) rc = lora(site[2], h, hidden, gu, 2 * inter, lo, lora_hi, lora_group, dtype, es);
+    if (!rc) rc = lp_silu_mul(gu, m, inter, act, dtype);
+    if (!rc) rc = product(row, kW2Qs, act, dtype, m, hidden, inter, y, site[3], used);
+    if (!rc) rc = lora(site[3], act, inter, y, hidden, lo, lora_hi, lora_group, dtype, es);
   }
-  if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, m, hidden, eps, out, F32);
+  if (!rc) rc = lp_add_rmsnorm(x, y, final_norm, m, hidden, eps, out, dtype);
   std::free(token_groups);
   std::free(block);
   return rc;
