@@ -78,7 +78,7 @@ def test_only_the_engine_thread_runs_parallel_kernels(tiny_server: Callable[...,
     def probe(_module: object, _args: object) -> None:
         seen[threading.current_thread().name] = torch.get_num_threads()
 
-    hook = loaded.engine.model.blocks[0].attention.register_forward_pre_hook(probe)
+    hook = loaded.engine.model.register_forward_pre_hook(probe)  # every pass, one compiled call or per op
     try:
         with grpc.insecure_channel(srv.target) as channel:
             generation_pb2_grpc.GenerationStub(channel).Generate(text_req("hello there", n=4), timeout=60)
