@@ -155,8 +155,9 @@ class LoraTables:
         step when its keys of ``found`` (the batch's adapters, their layer objects) are still the same objects, or
         built now. A key of ``order`` outside ``found`` keeps the object a kept set had for it, or zeros."""
         sets = self._shared[layer]
+        at = {k: i for i, k in enumerate(order)}
         for i, (keys, refs, kept) in enumerate(sets):
-            if keys == order and same_objects(tuple(refs[keys.index(k)] for k in found), list(found.values())):
+            if keys == order and same_objects(tuple(refs[at[k]] for k in found), list(found.values())):
                 sets.insert(0, sets.pop(i))
                 return kept
         before: dict[Hashable, LoraLayer | None] = {}
