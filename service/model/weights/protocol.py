@@ -168,17 +168,20 @@ class DenseKernel(Protocol):
     def dense_matmul(self, x2: Tensor, w: Tensor, out_dtype: torch.dtype) -> Tensor: ...
 
 
-def _on_kernel(x2: Tensor, w: Tensor, native: DenseKernel | None) -> bool:
+def _kernel_for(x2: Tensor, w: Tensor, native: DenseKernel | None) -> DenseKernel | None:
+    """``native`` where it takes x2 [M, K] @ w^T: up to ``NATIVE_DENSE_ROWS`` rows in w's dtype, w contiguous on the
+    CPU; else None (torch's GEMM)."""
     rows = NATIVE_DENSE_ROWS.get(w.dtype, 0)
-    return native is not None and x2.shape[0] <= rows and x2.dtype == w.dtype and w.device.type == "cpu"
+    fits = x2.shape[0] <= rows and x2.dtype == w.dtype and w.device.type == "cpu" and w.is_contiguous()
+    return native if fits else None
 
 
 def dense_head(hidden: Tensor, head: Tensor, native: DenseKernel | None) -> Tensor:
     """``F.linear(hidden, head)``; on the kernel (few rows) in float32 whatever the model's dtype: exact logits."""
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    if not _on_kernel(h2, head, native) or not head.is_contiguous():
+    if (kernel := _kernel_for(h2, head, native)) is None:
         return F.linear(hidden, head)
-    return native.dense_matmul(h2.contiguous(), head, torch.float32).view(*hidden.shape[:-1], head.shape[0])  # type: ignore[union-attr]
+    return kernel.dense_matmul(h2.contiguous(), head, torch.float32).view(*hidden.shape[:-1], head.shape[0])
 
 
 def linear(
@@ -193,9 +196,9 @@ def linear(
     otherwise the kind's kernel runs."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if isinstance(w, Tensor):
-        if bias is not None or not _on_kernel(x2, w, native) or not w.is_contiguous():
+        if bias is not None or (kernel := _kernel_for(x2, w, native)) is None:
             return F.linear(x, w, bias)
-        return native.dense_matmul(x2.contiguous(), w, w.dtype).view(*x.shape[:-1], w.shape[0])  # type: ignore[union-attr]
+        return kernel.dense_matmul(x2.contiguous(), w, w.dtype).view(*x.shape[:-1], w.shape[0])
     large = x2.shape[0] >= w.dense_from_rows
     if large and w.dense is not None:
         out2 = F.linear(x2, w.dense, bias)
