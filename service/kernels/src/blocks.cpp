@@ -38,7 +38,9 @@ const char* lp_isa() { return LP_ISA; }
 
 namespace {
 
-enum Dtype : int { F32 = 0, BF16 = 1, F16 = 2 };
+using lp::F32;
+using lp::BF16;
+using lp::F16;
 
 constexpr int kGroup = 32;
 

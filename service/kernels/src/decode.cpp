@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "dtypes.h"
+
 extern "C" {
 int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const float* d, const float* mn, int64_t m,
                        int64_t n, int64_t k, void* out, int out_dtype, int64_t ldo, const void* const* ahead,
@@ -40,7 +42,8 @@ int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, 
 
 namespace {
 
-constexpr int F32 = 0, BF16 = 1;
+using lp::F32;
+using lp::BF16;
 
 // One row of the layer table: the addresses (as integers) of a layer's weights, in this order.
 enum Field : int {

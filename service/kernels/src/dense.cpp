@@ -24,7 +24,8 @@ using lp::lane_sum;
 using lp::load16;
 using lp::V16;
 
-enum Dtype : int { F32 = 0, BF16 = 1 };
+using lp::F32;
+using lp::BF16;
 constexpr int kLanes = 16;
 #if defined(__AVX512F__)
 constexpr int kW = 4;  // weight rows a pass holds: kX * kW accumulators of 16 lanes in registers

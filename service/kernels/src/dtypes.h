@@ -11,6 +11,9 @@ namespace lp {
 
 using bf16 = uint16_t;
 
+// The dtype codes the entry points take (service/kernels/checks.py DTYPE_CODES).
+enum Dtype : int { F32 = 0, BF16 = 1, F16 = 2 };
+
 inline float widen(float v) { return v; }
 inline float widen(bf16 h) {
   const uint32_t bits = (uint32_t)h << 16;

@@ -37,7 +37,8 @@ using lp::store;
 using lp::to_bf16;
 using lp::widen;
 
-enum Dtype : int { F32 = 0, BF16 = 1 };
+using lp::F32;
+using lp::BF16;
 
 // A value as the element type T holds it: float32 unchanged, bf16 rounded (still a float).
 template <typename T>
