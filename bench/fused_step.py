@@ -1,15 +1,17 @@
 """The fused step ops (``service/kernels/src/step.cpp``) vs the eager ops they replace: one decode step of the
 default model, same process, same weights, same run.
 
-    .venv/bin/python bench/fused_step.py [--weights gguf folder] [--dtype float32 bfloat16] [--batch 1 8 32]
+    .venv/bin/python bench/fused_step.py [--weights gguf folder pairs] [--dtype float32 bfloat16] [--batch 1 8 32]
                                          [--context 128] [--repeats 30]
 
 Per weight source (``gguf``: the Q4_1 GGUF, on the compiled Q4 kernels in float32 and torch's int4 kernel in
-bfloat16; ``folder``: the dense safetensors), dtype and batch size, one model decodes ``--batch`` rows whose caches
-hold ``--context`` positions: a step is the forward pass of one token a row plus the logits. Each cell is the median
-of ``--repeats`` steps (ms) with ``Llama.native`` on (fused) and off (eager), the two interleaved step by step so
-other load hits both alike; the speed-up is their ratio. Threads: torch's default (``--threads`` to set). The
-variant follows torch's capability (``ATEN_CPU_CAPABILITY`` forces it). Figures: bench/README.md, "Native kernels".
+bfloat16; ``folder``: the dense safetensors; ``pairs``: the same, a bf16 model's projections in pairs,
+``Bf16Pairs``, on the CPU's bf16 dot products where it has them), dtype and batch size, one model decodes
+``--batch`` rows whose caches hold ``--context`` positions: a step is the forward pass of one token a row plus the
+logits. Each cell is the median of ``--repeats`` steps (ms) with ``Llama.native`` on (fused) and off (eager), the
+two interleaved step by step so other load hits both alike; the speed-up is their ratio. Threads: torch's default
+(``--threads`` to set). The variant follows torch's capability (``ATEN_CPU_CAPABILITY`` forces it). Figures:
+bench/README.md, "Native kernels".
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 def load(weights: str, dtype: torch.dtype) -> Llama:
     if weights == "gguf":
         return load_gguf_model(MODEL, GGUF, dtype=dtype)[0]
-    return load_model(MODEL, dtype=dtype, device="cpu")[0]
+    return load_model(MODEL, dtype=dtype, device="cpu", pairs=weights == "pairs")[0]
 
 
 def step_times(model: Llama, batch: int, context: int, repeats: int) -> dict[str, float]:
@@ -67,7 +69,7 @@ def step_times(model: Llama, batch: int, context: int, repeats: int) -> dict[str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", nargs="+", default=["gguf", "folder"], choices=("gguf", "folder"))
+    p.add_argument("--weights", nargs="+", default=["gguf", "folder"], choices=("gguf", "folder", "pairs"))
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=128)

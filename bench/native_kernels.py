@@ -1,12 +1,13 @@
 """loraplex's compiled kernels vs torch's eager paths on the default model's shapes, per row count, same run.
 
-    .venv/bin/python bench/native_kernels.py [--rows 1 2 4 8 16 32 64] [--dtype float32] [--repeats 50]
+    .venv/bin/python bench/native_kernels.py [--rows 1 2 4 8 16 32 64] [--dtype float32] [--repeats 50] [--only dense]
 
 Q4 projection 3072x576 (SmolLM2's ``w13``): ``Q4Native.matmul`` (the compiled kernel) vs torch's int4 kernel
 (``Int4Weight.matmul``), vs dequantizing into a scratch buffer + dense matmul, vs a dense matmul over a kept copy.
 Q8_0 head 49152x576: ``lp_q8_matmul`` vs the per-group int8 kernel (float32) / the int4 pair (bf16) and
 dequantized chunks. Dense 3072x576 (eight copies taken in turn, 28-56 MB: read from memory as in a decode step, not
-from the caches) and the dense head 49152x576: ``lp_dense_matmul`` vs ``F.linear`` (torch's GEMM). Each cell:
+from the caches) and the dense head 49152x576: ``lp_dense_matmul`` vs ``F.linear`` (torch's GEMM), and in bf16 the
+same eight weights and the head in pairs (``Bf16Pairs``, ``PairsTable``: ``lp_pairs_matmul``). Each cell:
 median of ``--repeats`` calls after warm-up, in µs, the forms interleaved per row count so that other load hits all
 alike. The variant is torch's capability's (``ATEN_CPU_CAPABILITY`` forces it). The thresholds in
 ``service/model/weights/q4_native.py``, ``q8_table.py`` and ``protocol.NATIVE_DENSE_ROWS`` come from this table.
@@ -24,6 +25,7 @@ import torch
 from service.kernels import native
 from service.loading.gguf_blocks import Int8Rows
 from service.model.weights import Int4Weight, Q8Table, Scratch, linear
+from service.model.weights.bf16_pairs import Bf16Pairs, PairsTable
 from service.model.weights.q4_native import Q4Native
 from service.platform import cpu_capability
 
@@ -70,28 +72,36 @@ def head_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Call
 def dense_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
     gen = torch.Generator().manual_seed(2)
     copies, turn = [torch.randn(3072, 576, generator=gen).to(dtype) for _ in range(8)], [0]
+    pairs = [Bf16Pairs.pack(w, kern) for w in copies] if dtype == torch.bfloat16 else []
 
-    def next_copy() -> torch.Tensor:
+    def next_turn() -> int:
         turn[0] = (turn[0] + 1) % len(copies)
-        return copies[turn[0]]
+        return turn[0]
 
-    return {
-        "native": lambda x: kern.dense_matmul(x, next_copy(), dtype),
-        "torch": lambda x: torch.nn.functional.linear(x, next_copy()),
+    forms: dict[str, Callable[[torch.Tensor], object]] = {
+        "native": lambda x: kern.dense_matmul(x, copies[next_turn()], dtype),
+        "torch": lambda x: torch.nn.functional.linear(x, copies[next_turn()]),
     }
+    if pairs:  # bf16: the same weights in pairs (lp_pairs_matmul; the portable code where the CPU lacks bf16 dots)
+        forms["pairs"] = lambda x: pairs[next_turn()].matmul(x)
+    return forms
 
 
 def dense_head_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
     head = torch.randn(49152, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
-    return {
+    forms: dict[str, Callable[[torch.Tensor], object]] = {
         "native": lambda x: kern.dense_matmul(x, head, torch.float32),
         "torch": lambda x: torch.nn.functional.linear(x, head),
     }
+    if dtype == torch.bfloat16:  # the head in pairs (PairsTable): float32 logits
+        forms["pairs"] = PairsTable(Bf16Pairs.pack(head, kern)).project
+    return forms
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--only", nargs="+", help="tables whose title starts with one of these (e.g. dense)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=50)
     args = p.parse_args()
@@ -107,6 +117,8 @@ def main() -> None:
         "dense head 49152x576": dense_head_forms(dtype, kern),
     }
     for title, forms in tables.items():
+        if args.only and not any(title.startswith(prefix) for prefix in args.only):
+            continue
         print(f"\n{title} (µs per call)\n{'rows':>5} " + " ".join(f"{name:>14}" for name in forms))
         for m in args.rows:
             x = torch.randn(m, 576).to(dtype)

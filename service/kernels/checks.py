@@ -7,7 +7,7 @@ from torch import Tensor
 
 from service.kernels import KERNEL_DTYPES
 
-__all__ = ["DTYPE_CODES", "Q4_TILE", "check_q4", "check_step", "raise_for"]
+__all__ = ["DTYPE_CODES", "Q4_TILE", "check_pairs", "check_q4", "check_step", "raise_for"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # src/*.cpp's Dtype
 Q4_TILE = 16  # weight rows side by side in lp_q4_matmul's layout
@@ -42,3 +42,14 @@ def check_step(*tensors: Tensor) -> int:
         if t.dtype != tensors[0].dtype:
             raise ValueError(f"native step ops take one dtype, got {tensors[0].dtype} and {t.dtype}")
     return DTYPE_CODES[tensors[0].dtype]
+
+
+def check_pairs(x2: Tensor, w: Tensor, n: int, out_dtype: torch.dtype) -> None:
+    """x2 [M, K] bf16 and a bf16 weight [N, K] in pairs, w [ceil(N / 16), ceil(K / 2), 16, 2]; contiguous, CPU."""
+    check_step(x2)
+    k = x2.shape[1] if x2.dim() == 2 else 0
+    pairs = (-(-n // 16), -(-k // 2), 16, 2)
+    if x2.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or tuple(w.shape) != pairs or k < 1:
+        raise ValueError(f"pairs_matmul: x {x2.dtype} {list(x2.shape)}, w {w.dtype} {list(w.shape)} for {n} rows")
+    if out_dtype not in KERNEL_DTYPES or not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError(f"pairs_matmul: w must be a contiguous CPU tensor and out float32 / bf16, got {out_dtype}")

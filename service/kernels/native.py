@@ -5,26 +5,23 @@
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
 ``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``; Q4 weights in tiles of
-``Q4_TILE`` rows), dense products of a few rows (``dense.cpp``), the fused step ops (``step.cpp``), the batched LoRA
-shrink/expand of one (layer, site) (``lora.cpp``, over a table from ``service.kernels.lora.lora_site``) and the
-one-call decode step (``decode.cpp``).
+``Q4_TILE`` rows), dense products of a few rows (``dense.cpp``), products with bf16 weights in pairs (``pairs.cpp``),
+the fused step ops (``step.cpp``), the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``, over a table
+from ``service.kernels.lora.lora_site``) and the one-call decode step (``decode.cpp``).
 
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
 anything else (older x86, aarch64, POWER) -> ``generic``, plain C++ built without instruction-set flags. Never
-``-march=native``: an image built on one CPU runs on every other.
+``-march=native``: an image built on one CPU runs on every other (an instruction beyond the variant's flags, such as
+``vdpbf16ps``, runs only behind a check of the CPU, with portable code of the same arithmetic beside it).
 
 Built with ``$CXX`` (default ``g++``) into ``<cache>/blocks-<isa>-<hash>.so``, the hash over the source and the
 flags, so a changed source builds anew and a cached library needs no compiler (the image ships all three, built by
 ``loraplex kernels``); written to a temporary name and renamed, so concurrent servers never load a half-written
-file; building one removes the variant's older libraries. Linked ``--as-needed`` against the C runtime and OpenMP
-only.
-
+file; building one removes the variant's older libraries. Linked ``--as-needed`` against the C runtime and OpenMP.
 ``mode="auto"``: a machine without a compiler, or a build that fails, serves on the eager torch paths with one
-warning; ``"native"``: that is an error; ``"eager"``: never built.
-
-The library shares torch's OpenMP runtime (one ``libgomp.so.1`` per process), so ``torch.set_num_threads`` sets its
-threads too. ctypes releases the GIL for each call.
+warning; ``"native"``: that is an error; ``"eager"``: never built. The library shares torch's OpenMP runtime (one
+``libgomp.so.1`` per process), so ``torch.set_num_threads`` sets its threads too. ctypes releases the GIL a call.
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ from service.errors import FailedPrecondition
 from service.kernels import KERNEL_DTYPES
 from service.kernels.checks import DTYPE_CODES as _DTYPE_CODES
 from service.kernels.checks import Q4_TILE as _Q4_TILE
+from service.kernels.checks import check_pairs as _check_pairs
 from service.kernels.checks import check_q4 as _check
 from service.kernels.checks import check_step as _check_step
 from service.kernels.checks import raise_for as _raise
@@ -72,11 +70,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 9  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 10  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
-SOURCES = tuple(Path(__file__).with_name("src") / f"{n}.cpp" for n in ("blocks", "dense", "step", "lora", "decode"))
-HEADERS = (Path(__file__).with_name("src") / "dtypes.h",)  # included by the sources: part of the cache key
+_SRC = Path(__file__).with_name("src")
+SOURCES = tuple(_SRC / f"{n}.cpp" for n in ("blocks", "dense", "pairs", "step", "lora", "decode"))
+HEADERS = (_SRC / "dtypes.h",)  # included by the sources: part of the cache key
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
@@ -121,15 +120,17 @@ class NativeKernels:
         lib.lp_q4_matmul.argtypes = [_P, _I, _P, _P, _P, _L, _L, _L, _P, _I, _L]
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
         lib.lp_dense_matmul.argtypes = [_P, _I, _P, _I, _L, _L, _L, _L, _P, _I, _L]
+        lib.lp_pairs_matmul.argtypes = [_P, _P, _L, _L, _L, _P, _I, _L]
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
         lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
                                         ctypes.c_float, _P, _P, _L, _L, _P, _I]  # fmt: skip
-        for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_add_rmsnorm, lib.lp_silu_mul,
-                   lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
+        for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_pairs_matmul, lib.lp_add_rmsnorm,
+                   lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
             fn.restype = ctypes.c_int
+        self.bf16_dot = bool(lib.lp_bf16_dot())  # pairs_matmul on the CPU's bf16 dot products (else portable code)
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
         if lib.lp_decode_lora_fields() != LORA_FIELDS:
             raise FailedPrecondition(f"kernel library {path}: its LoRA fields are not {LORA_FIELDS}")
@@ -182,6 +183,16 @@ class NativeKernels:
                                        mrows, n, k, k, out.data_ptr(), _DTYPE_CODES[out_dtype], n)  # fmt: skip
         if rc:
             _raise(rc, f"lp_dense_matmul refused x {tuple(x2.shape)} and weight {tuple(w.shape)}")
+        return out
+
+    def pairs_matmul(self, x2: Tensor, w: Tensor, n: int, out_dtype: torch.dtype) -> Tensor:
+        """x2 [M, K] bf16 -> [M, N] in ``out_dtype``: ``x2 @ W^T`` for a bf16 W [N, K] kept in pairs, w [ceil(N / 16),
+        ceil(K / 2), 16, 2] (``service.model.weights.bf16_pairs``)."""
+        _check_pairs(x2, w, n, out_dtype)
+        out = torch.empty(x2.shape[0], n, dtype=out_dtype)
+        if self._lib.lp_pairs_matmul(x2.data_ptr(), w.data_ptr(), *x2.shape[:1], n, x2.shape[1], out.data_ptr(),
+                                     _DTYPE_CODES[out_dtype], n):  # fmt: skip
+            raise ValueError(f"lp_pairs_matmul refused x {tuple(x2.shape)} and weight [{n}, {x2.shape[1]}]")
         return out
 
     # --- the small ops of a decode step, float32 or bfloat16 (src/step.cpp) --------------------------------

@@ -1,5 +1,5 @@
 """A whole decode step in one compiled call (``lp_decode_stack``): a float32 model on 4-bit or dense weights, a
-bfloat16 model on dense weights.
+bfloat16 model on dense weights or weights in pairs.
 
     DecodeStack(model)                      built once per model; ``invalidate()`` after a projection changes
     stack.plan(step, adapters, rows)        how this pass runs as one call (``Plan``), or None: the per-op path
@@ -14,15 +14,16 @@ entry points in the same order on the same values, so its hidden states are bit-
 trusting it (``compare``; a mismatch drops to the per-op path).
 
 It takes a pass when: the model is float32 or bfloat16 on the CPU with the step ops loaded (``Llama.native``), every
-projection is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks; float32 only) or a dense weight of the model's dtype,
-without a bias, the pass is a decode step (one token a row, no draft tree: ``Step.pos``) or a causal chain (T tokens
-a row at consecutive positions, each seeing those before it: a prefill, or a draft chain's verification; run as T
-decode steps would run, so speculation's output is plain decoding's bit for bit), the rows of its products (B, or
-T B) are below every projection's ``dense_from_rows`` (a Q4Native's: from there a dense matmul is faster) or within
-``NATIVE_DENSE_ROWS`` (a dense weight's: from there torch's GEMM; the per-op path takes both), and the rows'
-adapters, if any, change only projections, through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA,
-DoRA, mixtures; the embedding and the head are handled outside as always; a replaced norm weight is not). Everything
-else, and a model whose table could not be built, is the per-op path.
+projection is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks; float32 only), a ``Bf16Pairs`` (bfloat16 only) or a dense
+weight of the model's dtype, without a bias, the pass is a decode step (one token a row, no draft tree:
+``Step.pos``) or a causal chain (T tokens a row at consecutive positions, each seeing those before it: a prefill, or
+a draft chain's verification; run as T decode steps would run, so speculation's output is plain decoding's bit for
+bit), the rows of its products (B, or T B) are below every projection's ``dense_from_rows`` (a Q4Native's: from
+there a dense matmul is faster; a Bf16Pairs's is never reached) or within ``NATIVE_DENSE_ROWS`` (a dense weight's:
+from there torch's GEMM; the per-op path takes both), and the rows' adapters, if any, change only projections,
+through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are
+handled outside as always; a replaced norm weight is not). Everything else, and a model whose table could not be
+built, is the per-op path.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ from service.model.config import ModelConfig
 from service.model.hooks import PROJ_NAMES, AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.step import Step
+from service.model.weights.bf16_pairs import Bf16Pairs
 from service.model.weights.protocol import NATIVE_DENSE_ROWS
 from service.model.weights.q4_native import Q4Native
 
 __all__ = ["DecodeStack", "Plan", "compare"]
+
+PAIRS_FIELD = 1  # a projection's third field when its weight is a Bf16Pairs (decode.cpp's kPairs)
 
 
 class Model(Protocol):
@@ -117,6 +121,9 @@ class DecodeStack:
                 w = getattr(attn if name in ("wqkv", "wo") else ffn, name)
                 if isinstance(w, Q4Native) and dtype == torch.float32 and w.device.type == "cpu":
                     fields += [w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr()]
+                    rows = w.dense_from_rows
+                elif isinstance(w, Bf16Pairs) and dtype == torch.bfloat16 and w.device.type == "cpu":
+                    fields += [w.packed.data_ptr(), 0, PAIRS_FIELD]
                     rows = w.dense_from_rows
                 elif isinstance(w, Tensor) and w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu":
                     fields += [w.data_ptr(), 0, 0]  # a dense weight: protocol.linear's kernel up to its rows

@@ -9,7 +9,10 @@ naming the tensor and its file, raised before any tensor data is read.
 
 With ``quantize`` (``"int8"`` / ``"int4"``) the whole plan is validated first, the dense tensors are streamed in
 place, and then each fused projection in turn is streamed into one float32 staging buffer (the size of the largest
-projection, reused) and quantized into the model: the dense projections are never all resident at once.
+projection, reused) and quantized into the model: the dense projections are never all resident at once. A bf16
+model on a CPU whose kernels have bf16 dot products loads its projections the same way into ``Bf16Pairs`` (the
+checkpoint's values, kept in pairs for ``lp_pairs_matmul``; ``service.model.weights.bf16_pairs``), and its output
+head (with a tied embedding) into a ``PairsTable``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +30,11 @@ from service.errors import TensorMismatch
 from service.loading import CheckpointIndex, LoadMode, LoadStats, check_plan, load_tensors
 from service.model.config import ModelConfig
 from service.model.llama import PROJ_NAMES, Llama, ProjName
-from service.model.weights.kinds import QuantKind, quantize
+from service.model.step import native_ops
+from service.model.weights.bf16_pairs import Bf16Pairs, PairsTable, pairs_wanted
+from service.model.weights.kinds import QuantKind
+from service.model.weights.kinds import quantize as kind_quantize
+from service.model.weights.protocol import Weight
 
 __all__ = ["build_load_plan", "load_model", "projection_parts"]
 
@@ -84,11 +92,13 @@ def _load_quantized(
     model: Llama,
     plan: dict[str, Tensor],
     ignore: list[str],
-    kind: QuantKind,
+    kind: QuantKind | None,
     group_size: int,
     mode: LoadMode,
+    make: Callable[[Tensor], Weight],
 ) -> LoadStats:
-    """Validate everything, load the dense tensors, then stream + quantize one projection at a time."""
+    """Validate everything, load the dense tensors, then stream one projection at a time and ``make`` its compact
+    form (``kind``'s quantizer, or ``Bf16Pairs.pack``)."""
     check_plan(index, plan, unexpected="error", ignore_unexpected=tuple(ignore))
     projections = [(i, name) for i in range(model.cfg.num_layers) for name in PROJ_NAMES]
     for i, name in projections:
@@ -102,7 +112,7 @@ def _load_quantized(
         parts = projection_parts(model.cfg, i, name)
         part = load_tensors(index, {f"{hf}.weight": buf if r is None else buf[r] for hf, r in parts}, mode=mode)
         t0 = time.perf_counter()
-        model.set_projection(i, name, quantize(buf.to(model.device), kind, group_size, dtype=model.dtype))
+        model.set_projection(i, name, make(buf.to(model.device)))
         stats = dataclasses.replace(
             stats,
             read_seconds=stats.read_seconds + part.read_seconds,
@@ -114,7 +124,7 @@ def _load_quantized(
 
 
 def _check_quantizable(
-    index: CheckpointIndex, model: Llama, layer: int, name: ProjName, kind: QuantKind, group_size: int
+    index: CheckpointIndex, model: Llama, layer: int, name: ProjName, kind: QuantKind | None, group_size: int
 ) -> None:
     """Refuse, naming the tensor and its file, a projection the kernel cannot take (before any byte is read)."""
     if kind != "int4":
@@ -147,24 +157,35 @@ def load_model(
     mode: LoadMode = "stream",
     quantize: QuantKind | None = None,
     group_size: int = 32,
+    pairs: bool | None = None,
 ) -> tuple[Llama, ModelConfig, LoadStats]:
     """Parse the config, read the headers, allocate the model on ``device`` and stream the weights into it.
 
     ``quantize`` makes the four projections of every layer int8 or int4 (group-wise, ``group_size``) while
-    streaming (see the module docstring). The returned stats count header parsing (``CheckpointIndex.open``) in
-    ``header_seconds`` and this whole call (config, allocation, headers, reads) in ``total_seconds``; the caller
-    records them (``service.bootstrap.record_load``).
+    streaming (see the module docstring). ``pairs``: a bf16 model's projections as ``Bf16Pairs`` (None: where
+    ``pairs_wanted``; True: wherever the kernels are loaded, their portable code included; False: never). The
+    returned stats count header parsing (``CheckpointIndex.open``) in ``header_seconds`` and this whole call (config,
+    allocation, headers, reads) in ``total_seconds``; the caller records them (``service.bootstrap.record_load``).
     """
     t0 = time.perf_counter()
     folder = Path(folder)
     cfg = ModelConfig.from_hf(folder)
     index = CheckpointIndex.open(folder)
-    model = Llama(cfg, dtype=dtype, device=torch.device(device), quantized=quantize is not None)
+    native = native_ops(dtype, torch.device(device))
+    want = pairs_wanted(dtype, torch.device(device), native) if pairs is None else pairs and dtype == torch.bfloat16
+    packer = native if quantize is None and want else None
+    model = Llama(cfg, dtype=dtype, device=torch.device(device), quantized=quantize is not None or packer is not None)
     plan, ignore = build_load_plan(model)
-    if quantize is None:
-        stats = load_tensors(index, plan, mode=mode, unexpected="error", ignore_unexpected=tuple(ignore))
+    if quantize is not None:
+        kind = quantize
+        stats = _load_quantized(index, model, plan, ignore, kind, group_size, mode,
+                                lambda w: kind_quantize(w, kind, group_size, dtype=dtype))  # fmt: skip
+    elif packer is not None:
+        stats = _load_quantized(index, model, plan, ignore, None, group_size, mode, lambda w: Bf16Pairs.pack(w, packer))
+        head = PairsTable(Bf16Pairs.pack(_dense(model.lm_head), packer))  # the tied embedding's rows gathered from it
+        model.set_embeddings(head if cfg.tie_word_embeddings else _dense(model.tok_embeddings), head)
     else:
-        stats = _load_quantized(index, model, plan, ignore, quantize, group_size, mode)
+        stats = load_tensors(index, plan, mode=mode, unexpected="error", ignore_unexpected=tuple(ignore))
     model.eval()
     # Headers were parsed by CheckpointIndex.open; count them, and make `total` this whole call.
     stats = dataclasses.replace(

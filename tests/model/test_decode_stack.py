@@ -25,6 +25,7 @@ from service.model.decode_stack import DecodeStack
 from service.model.load_folder import load_model
 from service.model.load_gguf import load_gguf_model
 from service.model.step import make_step
+from service.model.weights.bf16_pairs import Bf16Pairs
 from service.model.weights.protocol import NATIVE_DENSE_ROWS
 from service.model.weights.q4_native import Q4Native
 from service.selfcheck import run_self_check
@@ -54,7 +55,7 @@ def _decode(model: Llama, *, stack: bool, rows: int, slot_start: int, steps: int
     gen = torch.Generator().manual_seed(rows)
     cache = KVCache(model.cfg, slot_start + rows + 1, 24, dtype=model.dtype, device=torch.device("cpu"))
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
-    start = torch.tensor([3, 11, 0, 7][:rows])[:, None]  # rows at different positions, the first position too
+    start = torch.tensor([3, 11, 0, 7, 5, 2, 9][:rows])[:, None]  # rows at different positions, the first position too
     model.stack.enabled = stack
     try:
         hidden = []
@@ -78,28 +79,35 @@ def test_one_call_is_the_per_op_path_bit_for_bit(q4_model: Llama, rows: int, slo
     assert torch.equal(fused_cache, per_op_cache)  # the rows' slots written alike, the other slots untouched
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=str)
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16, "bf16 pairs"], ids=str)
 def dense_model(request: pytest.FixtureRequest, tiny_llama_factory: Callable[..., Path]) -> Llama:
-    """A tiny Llama on its dense weights (the model folder), float32 or bfloat16."""
+    """A tiny Llama on its dense weights (the model folder), float32 or bfloat16, or bf16 in pairs (``Bf16Pairs``,
+    on the CPU's bf16 dot products or the portable code of the same arithmetic)."""
     compiled_kernels()
+    pairs = request.param == "bf16 pairs"
+    dtype = torch.bfloat16 if pairs else request.param
     with kernels_mode("auto"):
-        model: Llama = load_model(tiny_llama_factory(seed=6), dtype=request.param, device="cpu")[0]
+        model: Llama = load_model(tiny_llama_factory(seed=6), dtype=dtype, device="cpu", pairs=pairs)[0]
+    assert isinstance(model.projection(0, "wqkv"), Bf16Pairs) == pairs
     return model
 
 
-@pytest.mark.parametrize(("rows", "slot_start"), [(1, 0), (3, 2)])
+@pytest.mark.parametrize(("rows", "slot_start"), [(1, 0), (3, 2), (7, 1)])
 def test_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(
     dense_model: Llama, rows: int, slot_start: int
 ) -> None:
     """Dense projections (float32, bf16) take the dense kernel inside the call, as ``protocol.linear`` does up to
-    ``NATIVE_DENSE_ROWS``; beyond, the per-op path and torch's GEMM."""
+    ``NATIVE_DENSE_ROWS``; beyond, the per-op path and torch's GEMM. Weights in pairs take their kernel at every
+    row count, in the call and out of it."""
+    pairs = isinstance(dense_model.projection(0, "wqkv"), Bf16Pairs)
+    one_call = pairs or rows <= NATIVE_DENSE_ROWS[dense_model.dtype]
     calls = dense_model.stack.calls
     fused, fused_cache = _decode(dense_model, stack=True, rows=rows, slot_start=slot_start, steps=3)
-    assert dense_model.stack.calls == calls + 3
+    assert dense_model.stack.calls == calls + (3 if one_call else 0)
     per_op, per_op_cache = _decode(dense_model, stack=False, rows=rows, slot_start=slot_start, steps=3)
     assert torch.equal(fused, per_op) and torch.equal(fused_cache, per_op_cache)
     many = NATIVE_DENSE_ROWS[dense_model.dtype] + 1
-    assert dense_model.stack.plan(_step(dense_model, many), None, many) is None
+    assert (dense_model.stack.plan(_step(dense_model, many), None, many) is None) != pairs
 
 
 # --- LoRA rows: the compiled tables inside the one call ---------------------------------------------------------

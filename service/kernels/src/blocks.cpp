@@ -31,7 +31,7 @@
 extern "C" {
 
 // Bumped whenever a signature or a layout below changes; the wrapper refuses a library with another version.
-int lp_abi_version() { return 9; }
+int lp_abi_version() { return 10; }
 const char* lp_isa() { return LP_ISA; }
 
 }  // extern "C"

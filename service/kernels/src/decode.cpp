@@ -1,5 +1,5 @@
 // loraplex native kernels: a whole decode step in one call, of a float32 model on 4-bit or dense weights or of a
-// bfloat16 model on dense weights.
+// bfloat16 model on dense weights or weights in pairs.
 //
 //   lp_decode_stack  every layer of one decode step (one token per row): per layer residual add + RMSNorm, the
 //                    fused q/k/v product, RoPE + K/V write + attention, the output product, add + RMSNorm, the
@@ -8,13 +8,13 @@
 //                    T x B rows at once, the attention in one call, each token as its decode step would run
 //
 // It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, dense.cpp's
-// lp_dense_matmul, step.cpp's lp_add_rmsnorm, lp_decode_attention and lp_silu_mul) in the same order on the same
-// values, in the model's dtype (the residual stream float32, as there), so its output is
-// bit-identical to that path's; what it removes is the interpreter between them: about 250 calls a step, each
+// lp_dense_matmul, pairs.cpp's lp_pairs_matmul, step.cpp's lp_add_rmsnorm, lp_decode_attention and lp_silu_mul)
+// in the same order on the same values, in the model's dtype (the residual stream float32, as there), so its output
+// is bit-identical to that path's; what it removes is the interpreter between them: about 250 calls a step, each
 // paying argument checks, a tensor allocation and a ctypes crossing (about 8 ms of a 20 ms step on an AVX2 EPYC,
 // bench/README.md). LoRA rows take lora.cpp's lp_lora_delta after each product, with the tables the per-op path
-// would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native or a dense
-// weight of the model's dtype below its threshold, adapters only through the compiled LoRA tables) and lays out the
+// would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native, a
+// Bf16Pairs or a dense weight of the model's dtype below its threshold, adapters only through the compiled LoRA tables) and lays out the
 // tables of pointers.
 
 #include <algorithm>
@@ -29,6 +29,8 @@ int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const floa
                        const int64_t* ahead_bytes, int nahead);
 int lp_dense_matmul(const void* x, int x_dtype, const void* w, int w_dtype, int64_t m, int64_t n, int64_t k,
                     int64_t ldw, void* out, int out_dtype, int64_t ldo);
+int lp_pairs_matmul(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
+                    int64_t ldo);
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
@@ -49,8 +51,8 @@ using lp::BF16;
 enum Field : int {
   kAttnNorm,  // [hidden] in the model's dtype
   kFfnNorm,   // [hidden]
-  // Each projection: Q4 nibble pairs, d, m (see lp_q4_matmul; float32 models), or a dense weight [N, K] in the
-  // model's dtype, 0, 0.
+  // Each projection: Q4 nibble pairs, d, m (see lp_q4_matmul; float32 models), a dense weight [N, K] in the
+  // model's dtype, 0, 0, or a bf16 weight in pairs (see lp_pairs_matmul; bf16 models), 0, kPairs.
   kQkvQs, kQkvD, kQkvM,  // [(H + 2 KV) D, hidden]
   kWoQs, kWoD, kWoM,     // [hidden, H D]
   kW13Qs, kW13D, kW13M,  // [2 I, hidden]
@@ -60,6 +62,8 @@ enum Field : int {
 
 // One (layer, projection) LoRA table as lp_lora_delta reads it (service.kernels.lora.LoraSite.fields), in this order.
 enum LoraField : int { kA, kWDtype, kASg, kASr, kASk, kWidth, kNseg, kSeg, kBt, kScale, kBias, kGroups, kLoraFields };
+
+constexpr int64_t kPairs = 1;  // a projection's third field when its weight is in pairs
 
 template <typename T>
 inline const T* at(const int64_t* row, int field) {
@@ -73,11 +77,14 @@ struct Used {
   int64_t first, last;
 };
 
-// The product of a layer's projection in ``dtype``: a dense weight's (its d field 0), or a Q4 weight's (float32),
-// requesting into the caches as it computes the LoRA tables (``site``, null: none) that the call after it reads: A's
-// extent and each module's Bt over the groups ``used``, in the tables' dtype (float32 or bf16).
+// The product of a layer's projection in ``dtype``: a dense weight's (its d field 0, m field 0), a bf16 weight's in
+// pairs (d 0, m 1), or a Q4 weight's (float32), requesting into the caches as it computes the LoRA tables (``site``,
+// null: none) that the call after it reads: A's extent and each module's Bt over the groups ``used``, in the tables'
+// dtype (float32 or bf16).
 inline int product(const int64_t* row, int field, const void* x, int dtype, int64_t m, int64_t n, int64_t k, void* out,
                    const int64_t* site, Used used) {
+  if (row[field + 1] == 0 && row[field + 2] == kPairs)
+    return dtype == BF16 ? lp_pairs_matmul(x, at<void>(row, field), m, n, k, out, dtype, n) : -1;
   if (row[field + 1] == 0) return lp_dense_matmul(x, dtype, at<void>(row, field), dtype, m, n, k, k, out, dtype, n);
   if (dtype != F32) return -1;
   const void* ahead[kMaxAhead];

@@ -5,6 +5,8 @@
   quantized projections, made by ``kinds.quantize`` (the table of quantizers) or from stored blocks (GGUF);
 - ``Q4Native`` (``q4``, ``q4_native``): a GGUF's 4-bit blocks as stored, multiplied in float32 by loraplex's
   compiled kernel (``service.kernels.native``);
+- ``Bf16Pairs`` (``bf16_pairs``): a bf16 model's dense projections, as stored, kept in pairs for the compiled
+  kernel's bf16 dot products (lossless; chosen at load where the CPU has them), and ``PairsTable``, its head;
 - ``Q8Table`` (``q8_table``): a GGUF Q8_0 embedding / output head, an ``EmbeddingTable``;
 - dense copies: any kind's ``with_dense_copy``, and ``dense_copies.keep_dense_copies`` (a model's, within a
   budget).
@@ -16,6 +18,7 @@ reads a file or records a metric.
 
 from __future__ import annotations
 
+from service.model.weights.bf16_pairs import Bf16Pairs, PairsTable
 from service.model.weights.dispatch import DENSE_COPY_FROM_ROWS, DENSE_FROM_ROWS, NEVER, dense_from_rows
 from service.model.weights.int4 import Int4Weight
 from service.model.weights.int8 import Int8Weight
@@ -29,9 +32,11 @@ __all__ = [
     "DENSE_FROM_ROWS",
     "NEVER",
     "QUANTIZERS",
+    "Bf16Pairs",
     "EmbeddingTable",
     "Int4Weight",
     "Int8Weight",
+    "PairsTable",
     "ProjWeight",
     "Q4Native",
     "Q8Table",

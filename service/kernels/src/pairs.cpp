@@ -1,0 +1,207 @@
+// loraplex native kernels: products with a bfloat16 weight kept in pairs (a bf16 model's projections on a CPU with
+// bf16 dot products), any number of rows.
+//
+//   lp_pairs_matmul  out [M, N] (ldo) = x [M, K] W^T; x bf16, W in pairs, out float32 or bf16
+//   lp_bf16_dot      1 where the CPU runs it on its bf16 dot-product instruction (vdpbf16ps), 0 where portable code
+//                    does the same arithmetic
+//
+// The layout (service/model/weights/bf16_pairs.py packs it): W [N, K] as [ceil(N / 16)][ceil(K / 2)][16][2], block
+// b holding rows 16 b .. 16 b + 15, pair p of a row its inputs 2 p and 2 p + 1; padding rows and the odd K's last
+// input are zeros. One load gives 16 rows' pair p, the operand of one vdpbf16ps against x's pair p broadcast: an
+// outer product, no reduction across lanes, each weight block read once for 4 rows of x (torch's GEMM reads a
+// row-major bf16 weight at ~110-150 G multiply-adds/s at 16-32 rows on a 2-vCPU Zen 4, this ~220).
+//
+// Numerics: each output is one float32 sum over the pairs in order; pair p adds the product of inputs 2 p + 1, then
+// of 2 p, each sum rounded (the product of two bf16 is exact in float32): the instruction's arithmetic, which the
+// portable code repeats (-ffp-contract=off), so every variant gives the same bits, except that the instruction
+// flushes subnormal inputs and sums (below 1.2e-38) to zero. The output rounded once to its dtype (bf16: to nearest
+// even). A row's result does not depend on M, its place among the rows, or the thread: batch-invariant.
+// Threads: OpenMP over (a group of weight blocks, 4 rows of x), the groups split between the threads.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "dtypes.h"
+
+namespace {
+
+using lp::bf16;
+using lp::V16;
+using lp::BF16;
+using lp::F32;
+
+constexpr int kRows = 16;   // weight rows a block holds: one 16-lane accumulator a row of x
+constexpr int kX = 4;       // rows of x a tile holds
+constexpr int kGroup = 4;   // weight blocks a tile reads (2 for one row of x: more groups for the threads)
+constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
+constexpr int64_t kAheadBytes = 16384;       // one row of x streams its blocks: each line requested this far ahead
+
+// x's pair p of a row, as the 32 bits of two bf16; ``Last``: an odd K's last input alone (the second half zero).
+template <bool Last>
+inline uint32_t pair_at(const bf16* row, int64_t p) {
+  uint32_t v = row[2 * p];
+  if (!Last) std::memcpy(&v, row + 2 * p, sizeof v);
+  return v;
+}
+
+// Portable: pair p of 16 weight rows split into the widened even and odd inputs (a bf16 is the high half of its
+// float32), each lane adding its odd product, then its even one.
+template <int NX, int NB, bool Last>
+inline void lanes_pair(const bf16* const* x, const bf16* w, int64_t block_stride, int64_t p, V16 (&acc)[NX][NB]) {
+  using U16 = lp::Lanes<16>::W;
+  V16 we[NB], wo[NB];
+  for (int b = 0; b < NB; ++b) {
+    U16 u;
+    std::memcpy(&u, w + b * block_stride + p * 2 * kRows, sizeof u);
+    const U16 e = u << 16, o = u & 0xffff0000u;
+    std::memcpy(&we[b], &e, sizeof e);
+    std::memcpy(&wo[b], &o, sizeof o);
+  }
+  for (int r = 0; r < NX; ++r) {
+    const uint32_t v = pair_at<Last>(x[r], p);
+    const float xe = lp::widen((bf16)(v & 0xffffu)), xo = lp::widen((bf16)(v >> 16));
+    for (int b = 0; b < NB; ++b) {
+      acc[r][b] += xo * wo[b];
+      acc[r][b] += xe * we[b];
+    }
+  }
+}
+
+template <int NX, int NB>
+void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&acc)[NX][NB]) {
+  for (int64_t p = 0; p < k / 2; ++p) lanes_pair<NX, NB, false>(x, w, block_stride, p, acc);
+  if (k % 2) lanes_pair<NX, NB, true>(x, w, block_stride, k / 2, acc);
+}
+
+#if defined(__AVX512F__)
+// The same on vdpbf16ps (built for it alone: the variant's flags lack avx512bf16; run only where the CPU has it).
+#define LP_BF16_DOT __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
+
+template <int NX, int NB, bool Last>
+LP_BF16_DOT __attribute__((always_inline)) inline void dot_pair(const bf16* const* x, const bf16* w,
+                                                                int64_t block_stride, int64_t p, __m512 (&acc)[NX][NB]) {
+  __m512bh wv[NB];
+  for (int b = 0; b < NB; ++b) {
+    const bf16* at = w + b * block_stride + p * 2 * kRows;
+    if (NX == 1) __builtin_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes);
+    wv[b] = (__m512bh)_mm512_loadu_si512(at);
+  }
+  for (int r = 0; r < NX; ++r) {
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair_at<Last>(x[r], p));
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+  }
+}
+
+template <int NX, int NB>
+LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&out)[NX][NB]) {
+  __m512 acc[NX][NB];
+  for (int r = 0; r < NX; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) dot_pair<NX, NB, false>(x, w, block_stride, p, acc);
+  if (k % 2) dot_pair<NX, NB, true>(x, w, block_stride, k / 2, acc);
+  for (int r = 0; r < NX; ++r)
+    for (int b = 0; b < NB; ++b) std::memcpy(&out[r][b], &acc[r][b], sizeof(V16));
+}
+
+bool has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#else
+bool has_bf16_dot() { return false; }
+#endif
+
+// 16 sums stored: float32 as they are, bf16 each rounded to nearest even as lp::to_bf16 does (NaN kept quiet).
+inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(bf16* p, V16 v) {
+  using U16 = lp::Lanes<16>::W;
+  U16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const U16 nan = (U16)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const U16 near = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+  const lp::Lanes<16>::H h = __builtin_convertvector((quiet & nan) | (near & ~nan), lp::Lanes<16>::H);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// One tile: NX rows of x against NB weight blocks, written to out's rows (n columns, the last block's lanes past n
+// dropped).
+template <int NX, int NB, typename O>
+void tile(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n, O* const* out) {
+  V16 acc[NX][NB] = {};
+#if defined(__AVX512F__)
+  if (has_bf16_dot())
+    tile_dot<NX, NB>(x, k, w, block_stride, acc);
+  else
+#endif
+    tile_lanes<NX, NB>(x, k, w, block_stride, acc);
+  for (int r = 0; r < NX; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t col = col0 + b * kRows;
+      if (col + kRows <= n) {
+        store16(out[r] + col, acc[r][b]);
+        continue;
+      }
+      for (int l = 0; col + l < n; ++l) lp::store(out[r], col + l, acc[r][b][l]);
+    }
+}
+
+template <int NX, typename O>
+void tile_nb(int nb, const bf16* const* x, int64_t k, const bf16* w, int64_t stride, int64_t col0, int64_t n,
+             O* const* out) {
+  switch (nb) {
+    case 1: return tile<NX, 1>(x, k, w, stride, col0, n, out);
+    case 2: return tile<NX, 2>(x, k, w, stride, col0, n, out);
+    case 3: return tile<NX, 3>(x, k, w, stride, col0, n, out);
+    default: return tile<NX, 4>(x, k, w, stride, col0, n, out);
+  }
+}
+
+template <typename O>
+void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out, int64_t ldo) {
+  const int64_t blocks = (n + kRows - 1) / kRows, stride = (k + 1) / 2 * 2 * kRows;  // bf16 a block
+  const int64_t per = m == 1 ? 2 : kGroup, groups = (blocks + per - 1) / per, tiles = (m + kX - 1) / kX;
+#pragma omp parallel for schedule(static) if (m * n * k >= kParallelMacs)
+  for (int64_t item = 0; item < groups * tiles; ++item) {
+    const int64_t g = item / tiles, r0 = item % tiles * kX, b0 = g * per;
+    const int nx = (int)std::min<int64_t>(kX, m - r0), nb = (int)std::min<int64_t>(per, blocks - b0);
+    const bf16* xs[kX];
+    O* outs[kX];
+    for (int r = 0; r < kX; ++r) {
+      xs[r] = x + (r0 + std::min(r, nx - 1)) * k;
+      outs[r] = out + (r0 + std::min(r, nx - 1)) * ldo;
+    }
+    const bf16* wb = w + b0 * stride;
+    switch (nx) {
+      case 1: tile_nb<1>(nb, xs, k, wb, stride, b0 * kRows, n, outs); break;
+      case 2: tile_nb<2>(nb, xs, k, wb, stride, b0 * kRows, n, outs); break;
+      case 3: tile_nb<3>(nb, xs, k, wb, stride, b0 * kRows, n, outs); break;
+      default: tile_nb<kX>(nb, xs, k, wb, stride, b0 * kRows, n, outs);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for a bad argument.
+int lp_pairs_matmul(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
+                    int64_t ldo) {
+  if (m < 0 || n < 0 || k <= 0 || ldo < n || (out_dtype != F32 && out_dtype != BF16)) return -1;
+  if (m == 0 || n == 0) return 0;
+  const bf16 *xs = static_cast<const bf16*>(x), *ws = static_cast<const bf16*>(w);
+  if (out_dtype == BF16)
+    pairs(xs, m, k, ws, n, static_cast<bf16*>(out), ldo);
+  else
+    pairs(xs, m, k, ws, n, static_cast<float*>(out), ldo);
+  return 0;
+}
+
+int lp_bf16_dot() { return has_bf16_dot() ? 1 : 0; }
+
+}  // extern "C"
