@@ -119,6 +119,19 @@ def test_silu_mul_matches_float64_at_the_edges_of_exp() -> None:
     assert kern.silu_mul(torch.tensor([[math.nan, 1.0]]))[0].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_mul_gives_a_value_the_same_bits_16_at_a_time_and_alone(dtype: torch.dtype) -> None:
+    """The vector body (16 lanes) and the scalar tail compute each value alike: 320 gates in one row (all in the
+    body) and in 320 rows of one (all in the tail), the edges of exp among them."""
+    kern = compiled_kernels()
+    gate = torch.cat((torch.linspace(-100.0, 100.0, 314), torch.tensor([0.0, -0.0, 1e-30, -88.5, 88.5, 87.1])))
+    up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(7))
+    gate, up = gate.to(dtype), up.to(dtype)
+    body = kern.silu_mul(torch.cat((gate, up))[None])[0]
+    alone = kern.silu_mul(torch.stack((gate, up), dim=1))[:, 0]
+    assert torch.equal(body, alone)
+
+
 def test_a_tiny_llama_decodes_the_same_fused_and_eager(tiny_llama_factory: Callable[..., Path]) -> None:
     compiled_kernels()
     folder = tiny_llama_factory()

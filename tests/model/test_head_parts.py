@@ -17,13 +17,18 @@ from service.model.load_folder import load_model
 pytestmark = pytest.mark.numerics
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_project_through_their_own_heads(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
-    model, cfg, _ = load_model(tiny_llama_dir, dtype=dtype, device="cpu")
+@pytest.mark.parametrize(
+    ("dtype", "pairs"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["fp32", "bf16", "bf16-pairs"],
+)  # fmt: skip
+def test_rows_project_through_their_own_heads(tiny_llama_dir: Path, dtype: torch.dtype, pairs: bool) -> None:
+    """The base head dense, or in pairs (``PairsTable``: float32 logits from the compiled kernel)."""
+    model, cfg, _ = load_model(tiny_llama_dir, dtype=dtype, device="cpu", pairs=pairs)
     g = torch.Generator().manual_seed(5)
     vocab, hidden, r = cfg.vocab_size, cfg.hidden_size, 4
-    base = model.lm_head
-    assert isinstance(base, torch.Tensor)
+    head = model.lm_head
+    assert isinstance(head, torch.Tensor) != pairs
+    base = head if isinstance(head, torch.Tensor) else head.dequantize()
     a = (torch.randn(r, hidden, generator=g) / hidden**0.5).to(dtype)
     b = (0.5 * torch.randn(vocab, r, generator=g)).to(dtype)
     replaced = (base.float() + 0.05 * torch.randn(vocab, hidden, generator=g)).to(dtype)

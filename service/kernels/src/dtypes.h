@@ -76,6 +76,34 @@ using V16 = Lanes<16>::F;
 inline V16 load16(const float* p) { return load_lanes<16>(p); }
 inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
 
+// 16 lanes rounded to bf16 as to_bf16 rounds each (to nearest even, NaN kept quiet): the bf16 bits in the low half
+// of each 32-bit lane.
+inline Lanes<16>::W bf16_bits16(V16 v) {
+  using U16 = Lanes<16>::W;
+  U16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const U16 nan = (U16)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const U16 near = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+  return (quiet & nan) | (near & ~nan);
+}
+
+// 16 values stored from p: float32 as they are, bf16 each rounded as lp::store rounds.
+inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(bf16* p, V16 v) {
+  const Lanes<16>::H h = __builtin_convertvector(bf16_bits16(v), Lanes<16>::H);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// 16 values as T holds them: float32 unchanged, bf16 rounded (widened back: still float32 lanes).
+template <typename T>
+inline V16 held16(V16 v) {
+  if constexpr (sizeof(T) == sizeof(bf16)) {
+    const Lanes<16>::W bits = bf16_bits16(v) << 16;
+    std::memcpy(&v, &bits, sizeof v);
+  }
+  return v;
+}
+
 // The 16 lanes summed pairwise in a fixed order: lane l + 8, then + 4, + 2, + 1.
 inline float lane_sum(V16 acc) {
   using V2 = float __attribute__((vector_size(8)));

@@ -9,7 +9,7 @@
 // b holding rows 16 b .. 16 b + 15, pair p of a row its inputs 2 p and 2 p + 1; padding rows and the odd K's last
 // input are zeros. One load gives 16 rows' pair p, the operand of one vdpbf16ps against x's pair p broadcast: an
 // outer product, no reduction across lanes, each weight block read once for 4 rows of x (torch's GEMM reads a
-// row-major bf16 weight at ~110-150 G multiply-adds/s at 16-32 rows on a 2-vCPU Zen 4, this ~220).
+// row-major bf16 weight at ~110-150 G multiply-adds/s at 16-32 rows on a 2-vCPU Zen 4, this at ~175-210).
 //
 // Numerics: each output is one float32 sum over the pairs in order; pair p adds the product of inputs 2 p + 1, then
 // of 2 p, each sum rounded (the product of two bf16 is exact in float32): the instruction's arithmetic, which the
@@ -44,9 +44,14 @@ constexpr int64_t kAheadBytes = 16384;       // one row of x streams its blocks:
 // x's pair p of a row, as the 32 bits of two bf16; ``Last``: an odd K's last input alone (the second half zero).
 template <bool Last>
 inline uint32_t pair_at(const bf16* row, int64_t p) {
-  uint32_t v = row[2 * p];
-  if (!Last) std::memcpy(&v, row + 2 * p, sizeof v);
+  if (Last) return row[2 * p];
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  uint32_t v;  // one load: the even input in the low half, as the instruction reads a pair
+  std::memcpy(&v, row + 2 * p, sizeof v);
   return v;
+#else
+  return row[2 * p] | (uint32_t)row[2 * p + 1] << 16;
+#endif
 }
 
 // Portable: pair p of 16 weight rows split into the widened even and odd inputs (a bf16 is the high half of its
@@ -116,18 +121,6 @@ bool has_bf16_dot() {
 bool has_bf16_dot() { return false; }
 #endif
 
-// 16 sums stored: float32 as they are, bf16 each rounded to nearest even as lp::to_bf16 does (NaN kept quiet).
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
-inline void store16(bf16* p, V16 v) {
-  using U16 = lp::Lanes<16>::W;
-  U16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const U16 nan = (U16)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
-  const U16 near = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
-  const lp::Lanes<16>::H h = __builtin_convertvector((quiet & nan) | (near & ~nan), lp::Lanes<16>::H);
-  std::memcpy(p, &h, sizeof h);
-}
-
 // One tile: NX rows of x against NB weight blocks, written to out's rows (n columns, the last block's lanes past n
 // dropped).
 template <int NX, int NB, typename O>
@@ -143,7 +136,7 @@ void tile(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, 
     for (int b = 0; b < NB; ++b) {
       const int64_t col = col0 + b * kRows;
       if (col + kRows <= n) {
-        store16(out[r] + col, acc[r][b]);
+        lp::store16(out[r] + col, acc[r][b]);
         continue;
       }
       for (int l = 0; col + l < n; ++l) lp::store(out[r], col + l, acc[r][b][l]);
