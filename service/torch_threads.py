@@ -74,6 +74,8 @@ async def in_own_thread(fn: Callable[[], T], *, threads: int, name: str) -> T:
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    result = await done  # fn's error, or CancelledError (the thread then finishes on its own, unwaited)
-    await asyncio.to_thread(thread.join)  # the workers are gone once the thread has exited
-    return result
+    try:
+        return await done  # fn's result or error, or CancelledError (the thread then finishes on its own, unwaited)
+    finally:
+        if not done.cancelled():  # returned or raised: the thread is exiting, and its workers are gone once it has
+            await asyncio.to_thread(thread.join)
