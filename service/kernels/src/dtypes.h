@@ -104,6 +104,28 @@ inline V16 held16(V16 v) {
   return v;
 }
 
+// The even and odd elements of 32 bf16, widened (a bf16 is the high half of its float32): the operands of the bf16
+// pair order (pairs.cpp) in portable code.
+inline void halves(const bf16* p, V16& even, V16& odd) {
+  using U16 = Lanes<16>::W;
+  U16 u;
+  std::memcpy(&u, p, sizeof u);
+  const U16 e = u << 16, o = u & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof even);
+  std::memcpy(&odd, &o, sizeof odd);
+}
+
+// Whether this CPU has vdpbf16ps (AVX-512 BF16); the avx512 variant calls it only behind this check (its flags
+// lack avx512bf16: functions that use it carry the target themselves). False in the other variants.
+inline bool has_bf16_dot() {
+#if defined(__AVX512F__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // The 16 lanes summed pairwise in a fixed order: lane l + 8, then + 4, + 2, + 1.
 inline float lane_sum(V16 acc) {
   using V2 = float __attribute__((vector_size(8)));

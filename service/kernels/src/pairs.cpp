@@ -58,15 +58,8 @@ inline uint32_t pair_at(const bf16* row, int64_t p) {
 // float32), each lane adding its odd product, then its even one.
 template <int NX, int NB, bool Last>
 inline void lanes_pair(const bf16* const* x, const bf16* w, int64_t block_stride, int64_t p, V16 (&acc)[NX][NB]) {
-  using U16 = lp::Lanes<16>::W;
   V16 we[NB], wo[NB];
-  for (int b = 0; b < NB; ++b) {
-    U16 u;
-    std::memcpy(&u, w + b * block_stride + p * 2 * kRows, sizeof u);
-    const U16 e = u << 16, o = u & 0xffff0000u;
-    std::memcpy(&we[b], &e, sizeof e);
-    std::memcpy(&wo[b], &o, sizeof o);
-  }
+  for (int b = 0; b < NB; ++b) lp::halves(w + b * block_stride + p * 2 * kRows, we[b], wo[b]);
   for (int r = 0; r < NX; ++r) {
     const uint32_t v = pair_at<Last>(x[r], p);
     const float xe = lp::widen((bf16)(v & 0xffffu)), xo = lp::widen((bf16)(v >> 16));
@@ -113,12 +106,6 @@ LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_
     for (int b = 0; b < NB; ++b) std::memcpy(&out[r][b], &acc[r][b], sizeof(V16));
 }
 
-bool has_bf16_dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-#else
-bool has_bf16_dot() { return false; }
 #endif
 
 // One tile: NX rows of x against NB weight blocks, written to out's rows (n columns, the last block's lanes past n
@@ -127,7 +114,7 @@ template <int NX, int NB, typename O>
 void tile(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n, O* const* out) {
   V16 acc[NX][NB] = {};
 #if defined(__AVX512F__)
-  if (has_bf16_dot())
+  if (lp::has_bf16_dot())
     tile_dot<NX, NB>(x, k, w, block_stride, acc);
   else
 #endif
@@ -195,6 +182,6 @@ int lp_pairs_matmul(const void* x, const void* w, int64_t m, int64_t n, int64_t 
   return 0;
 }
 
-int lp_bf16_dot() { return has_bf16_dot() ? 1 : 0; }
+int lp_bf16_dot() { return lp::has_bf16_dot() ? 1 : 0; }
 
 }  // extern "C"

@@ -17,7 +17,9 @@
 // eager torch rounds to bf16 is rounded here at the same point (round to nearest even): RoPE's two products and
 // their sum, the K/V written, SiLU before its product, each op's output. Everything else is float32: the residual
 // stream (float32 in every model, see Llama.forward), the norm, the scores, the softmax and the sum over V (eager's
-// attention rounds its probabilities to bf16 before that sum; this does not).
+// attention rounds its probabilities to bf16 before that sum; this does not). A bf16 score sums exact products of
+// the bf16 query and key in pairs, vdpbf16ps's order, on that instruction where the CPU has it (AVX-512 BF16) and
+// in the same arithmetic elsewhere, so the variants agree bit for bit (but for subnormals, which it flushes).
 
 #include <cmath>
 #include <cstdint>
@@ -25,6 +27,10 @@
 #include <cstring>
 
 #include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "dtypes.h"
 
@@ -185,21 +191,96 @@ int silu_mul(const T* gu, int64_t rows, int64_t inter, T* out) {
   return 0;
 }
 
+// bf16 keys: a score is a sum in pairs (pairs.cpp's order, vdpbf16ps's): lane l of each chunk of 32 adds the
+// product of element 2l + 1, then of 2l (the last chunk padded with zeros), the lanes pairwise (lp::lane_sum). The
+// query's values are bf16 (RoPE's output is held in bf16), so every product is exact in float32, as in the lane
+// order; on AVX-512 BF16 one instruction a chunk, elsewhere the same arithmetic in lanes.
+template <int64_t D>
+inline float pair_dot(const V16 (&qe)[(D + 31) / 32], const V16 (&qo)[(D + 31) / 32], const bf16* kp) {
+  V16 acc = {};
+  for (int64_t c = 0; c < (D + 31) / 32; ++c) {
+    V16 ke, ko;
+    if (D % 32 == 0 || c + 1 < (D + 31) / 32) {
+      lp::halves(kp + 32 * c, ke, ko);
+    } else {
+      bf16 pad[32] = {};
+      std::memcpy(pad, kp + 32 * c, sizeof(bf16) * (D % 32));
+      lp::halves(pad, ke, ko);
+    }
+    acc += qo[c] * ko;
+    acc += qe[c] * ke;
+  }
+  return lp::lane_sum(acc);
+}
+
+#if defined(__AVX512F__)
+template <int64_t D, int G>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void scores_dpbf16(
+    const bf16 (&qb)[G][D], const bf16* k, int64_t n, float scale, float* s, float* top) {
+  static_assert(D % 32 == 0, "whole chunks only");
+  __m512bh qv[G][D / 32];
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < D / 32; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qb[g] + 32 * c);
+  for (int64_t p = 0; p < n; ++p) {
+    __m512bh kv[D / 32];
+    for (int64_t c = 0; c < D / 32; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + p * D + 32 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
+      V16 lanes;
+      std::memcpy(&lanes, &acc, sizeof lanes);
+      const float score = lp::lane_sum(lanes) * scale;
+      s[g * n + p] = score;
+      top[g] = score > top[g] ? score : top[g];
+    }
+  }
+}
+#endif
+
+// The G heads' scores over n positions of bf16 keys [n, D] in pairs (``pair_dot``), times ``scale``, into s [G][n];
+// top[g]: the running maximum.
+template <int64_t D, int G>
+void scores_in_pairs(const float* q, const bf16* k, int64_t n, float scale, float* s, float* top) {
+  constexpr int64_t kChunks = (D + 31) / 32;
+  bf16 qb[G][kChunks * 32] = {};
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) qb[g][i] = lp::to_bf16(q[g * D + i]);  // exact: the values are bf16's
+#if defined(__AVX512F__)
+  if constexpr (D % 32 == 0) {
+    if (lp::has_bf16_dot()) return scores_dpbf16<D, G>(qb, k, n, scale, s, top);
+  }
+#endif
+  V16 qe[G][kChunks], qo[G][kChunks];
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < kChunks; ++c) lp::halves(qb[g] + 32 * c, qe[g][c], qo[g][c]);
+  for (int64_t p = 0; p < n; ++p)
+    for (int g = 0; g < G; ++g) {
+      const float score = pair_dot<D>(qe[g], qo[g], k + p * D) * scale;
+      s[g * n + p] = score;
+      top[g] = score > top[g] ? score : top[g];
+    }
+}
+
 // Softmax attention of one query token's heads q [G][D] (rotated) over the n positions of one KV head (k, v
 // [n, D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
-// each head's sums run in the one-head order (``dot``'s lanes; then positions in turn for the maximum, the
-// exponentials' total and the sum over V), so a head's result does not depend on G. D and G fixed at compile time
-// keep a head's accumulators in registers.
+// each head's sums run in the one-head order (``dot``'s lanes, or for bf16 keys ``pair_dot``'s pairs; then positions
+// in turn for the maximum, the exponentials' total and the sum over V), so a head's result does not depend on G. D
+// and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16 lanes, each element's
+// products and sums as one float at a time would run them).
 template <typename T, int64_t D, int G>
 void attend(const float* q, const T* k, const T* v, int64_t n, float scale, float* s, T* out) {
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
-  for (int64_t p = 0; p < n; ++p) {
-    const T* kp = k + p * D;
-    for (int g = 0; g < G; ++g) {
-      const float score = dot_fixed<D>(q + g * D, kp) * scale;
-      s[g * n + p] = score;
-      top[g] = score > top[g] ? score : top[g];
+  if constexpr (sizeof(T) == sizeof(bf16)) {
+    scores_in_pairs<D, G>(q, k, n, scale, s, top);
+  } else {
+    for (int64_t p = 0; p < n; ++p) {
+      const T* kp = k + p * D;
+      for (int g = 0; g < G; ++g) {
+        const float score = dot_fixed<D>(q + g * D, kp) * scale;
+        s[g * n + p] = score;
+        top[g] = score > top[g] ? score : top[g];
+      }
     }
   }
   float total[G];
@@ -210,16 +291,34 @@ void attend(const float* q, const T* k, const T* v, int64_t n, float scale, floa
     for (int64_t p = 0; p < n; ++p) t += sg[p];
     total[g] = t;
   }
-  float acc[G][D] = {};
+  V16 acc[G][D / kLanes] = {};
   for (int64_t p = 0; p < n; ++p) {
-    const T* vp = v + p * D;
+    V16 vv[D / kLanes];
+    for (int64_t c = 0; c < D / kLanes; ++c) vv[c] = load16(v + p * D + c * kLanes);
     for (int g = 0; g < G; ++g) {
       const float w = s[g * n + p];
-      for (int64_t i = 0; i < D; ++i) acc[g][i] += w * widen(vp[i]);
+      for (int64_t c = 0; c < D / kLanes; ++c) acc[g][c] += w * vv[c];
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int64_t i = 0; i < D; ++i) store(out + g * D, i, acc[g][i] / total[g]);
+    for (int64_t c = 0; c < D / kLanes; ++c) lp::store16(out + g * D + c * kLanes, acc[g][c] / total[g]);
+}
+
+// ``pair_dot`` for any (even) head size d: chunks of 32, the last padded with zeros; q as float (bf16 values).
+inline float pair_dot_any(const float* q, const bf16* kp, int64_t d) {
+  V16 acc = {};
+  for (int64_t c = 0; c < d; c += 32) {
+    bf16 qb[32] = {}, kb[32] = {};
+    const int64_t w = d - c < 32 ? d - c : 32;
+    for (int64_t i = 0; i < w; ++i) qb[i] = lp::to_bf16(q[c + i]);
+    std::memcpy(kb, kp + c, sizeof(bf16) * w);
+    V16 qe, qo, ke, ko;
+    lp::halves(qb, qe, qo);
+    lp::halves(kb, ke, ko);
+    acc += qo * ko;
+    acc += qe * ke;
+  }
+  return lp::lane_sum(acc);
 }
 
 // ``attend`` for any head size up to kMaxHeadDim, one head at a time.
@@ -227,7 +326,10 @@ template <typename T>
 void attend_any(const float* q, const T* k, const T* v, int64_t d, int64_t n, float scale, float* s, T* out) {
   float top = -INFINITY;
   for (int64_t p = 0; p < n; ++p) {
-    s[p] = dot(q, k + p * d, d) * scale;
+    if constexpr (sizeof(T) == sizeof(bf16))
+      s[p] = pair_dot_any(q, k + p * d, d) * scale;
+    else
+      s[p] = dot(q, k + p * d, d) * scale;
     top = s[p] > top ? s[p] : top;
   }
   for (int64_t p = 0; p < n; ++p) s[p] = exp_poly(s[p] - top);
