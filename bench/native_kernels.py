@@ -1,13 +1,15 @@
 """loraplex's compiled kernels vs torch's eager paths on the default model's shapes, per row count, same run.
 
-    .venv/bin/python bench/native_kernels.py [--rows 1 2 4 8 16 32 64] [--dtype float32] [--repeats 50] [--only dense]
+    .venv/bin/python bench/native_kernels.py [--rows 1 2 4 8 16 32 64] [--dtype float32] [--repeats 50]
+                                             [--only dense decode]
 
 Q4 projection 3072x576 (SmolLM2's ``w13``): ``Q4Native.matmul`` (the compiled kernel) vs torch's int4 kernel
 (``Int4Weight.matmul``), vs dequantizing into a scratch buffer + dense matmul, vs a dense matmul over a kept copy.
 Q8_0 head 49152x576: ``lp_q8_matmul`` vs the per-group int8 kernel (float32) / the int4 pair (bf16) and
 dequantized chunks. Dense 3072x576 (eight copies taken in turn, 28-56 MB: read from memory as in a decode step, not
 from the caches) and the dense head 49152x576: ``lp_dense_matmul`` vs ``F.linear`` (torch's GEMM), and in bf16 the
-same eight weights and the head in pairs (``Bf16Pairs``, ``PairsTable``: ``lp_pairs_matmul``). Each cell:
+same eight weights and the head in pairs (``Bf16Pairs``, ``PairsTable``: ``lp_pairs_matmul``). Decode attention
+(rows = batch rows at position 256): ``lp_decode_attention`` vs torch's SDPA over the same cache. Each cell:
 median of ``--repeats`` calls after warm-up, in µs, the forms interleaved per row count so that other load hits all
 alike. The variant is torch's capability's (``ATEN_CPU_CAPABILITY`` forces it). The thresholds in
 ``service/model/weights/q4_native.py``, ``q8_table.py`` and ``protocol.NATIVE_DENSE_ROWS`` come from this table.
@@ -98,6 +100,33 @@ def dense_head_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str
     return forms
 
 
+def attention_forms(dtype: torch.dtype, kern: native.NativeKernels) -> dict[str, Callable[[torch.Tensor], object]]:
+    """SmolLM2's decode attention (9 query heads on 3 KV heads of 64) at position 256 for x's rows: the compiled op
+    (RoPE, the K/V write and softmax over the slot cache) vs torch's SDPA over the same cache (no RoPE, no write)."""
+    heads, kv, d, length, at = 9, 3, 64, 512, 256
+    made: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def inputs(b: int) -> tuple[torch.Tensor, ...]:
+        if b not in made:
+            gen = torch.Generator().manual_seed(b)
+            qkv = torch.randn(b, heads + 2 * kv, d, generator=gen).to(dtype)
+            cos, sin = (torch.randn(b, d, generator=gen).to(dtype) for _ in range(2))
+            k_cache, v_cache = (torch.randn(b, kv, length, d, generator=gen).to(dtype) for _ in range(2))
+            made[b] = (qkv, cos, sin, torch.full((b,), at, dtype=torch.int64), k_cache, v_cache)
+        return made[b]
+
+    def ours(x: torch.Tensor) -> object:
+        return kern.decode_attention(*inputs(x.shape[0]), heads)
+
+    def eager(x: torch.Tensor) -> object:
+        qkv, _, _, _, k_cache, v_cache = inputs(x.shape[0])
+        q = qkv[:, :heads, None]  # [B, H, 1, D]
+        k, v = (c[:, :, : at + 1].repeat_interleave(heads // kv, dim=1) for c in (k_cache, v_cache))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return {"native": ours, "torch sdpa": eager}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -115,6 +144,7 @@ def main() -> None:
         "Q8_0 head 49152x576": head_forms(dtype, kern),
         "dense projection 3072x576": dense_forms(dtype, kern),
         "dense head 49152x576": dense_head_forms(dtype, kern),
+        "decode attention 9/3 heads at 256 positions": attention_forms(dtype, kern),
     }
     for title, forms in tables.items():
         if args.only and not any(title.startswith(prefix) for prefix in args.only):
