@@ -62,22 +62,27 @@ inline float bounded(float v) {  // finite_kv: NaN -> 0, everything else clamped
   return v < -kKvLimit ? -kKvLimit : (v > kKvLimit ? kKvLimit : v);
 }
 
-inline float exp_poly(float x) {
-  // exp(x) = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2 (ln 2 split in two for an exact r).
-  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// e^r for r = xc - n ln 2 (ln 2 in two parts, so r is exact; |r| <= ln 2 / 2): float, or V16 lane by lane.
+template <typename F>
+inline F exp_reduced(F xc, F n) {
+  const F r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3333519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float e = p * (r * r) + r + 1.0f;
+  return p * (r * r) + r + 1.0f;
+}
+
+inline float exp_poly(float x) {
+  // exp(x) = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2.
+  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
   const int32_t bits = ((int32_t)n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  float y = e * scale;
+  float y = exp_reduced(xc, n) * scale;
   y = x < -87.0f ? 0.0f : y;
   y = x > 88.0f ? INFINITY : y;
   return x != x ? x : y;
@@ -90,21 +95,12 @@ inline V16 exp_poly16(V16 x) {
   const V16 zero = {}, lo = zero - 87.0f, hi = zero + 88.0f;
   const V16 xc = x < lo ? lo : (x > hi ? hi : x);  // a NaN lane stays NaN here and is returned as x below
   const V16 t = xc * 1.44269504088896341f + 0.5f;
-  const I16 ti = __builtin_convertvector(t, I16);
-  V16 n = __builtin_convertvector(ti, V16);
+  V16 n = __builtin_convertvector(__builtin_convertvector(t, I16), V16);
   n = n > t ? n - 1.0f : n;
-  const V16 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  V16 p = zero + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3333519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const V16 e = p * (r * r) + r + 1.0f;
   const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
   V16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  V16 y = e * scale;
+  V16 y = exp_reduced(xc, n) * scale;
   y = x < lo ? zero : y;
   y = x > hi ? zero + INFINITY : y;
   return x != x ? x : y;
