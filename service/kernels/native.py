@@ -189,10 +189,10 @@ class NativeKernels:
         """x2 [M, K] bf16 -> [M, N] in ``out_dtype``: ``x2 @ W^T`` for a bf16 W [N, K] kept in pairs, w [ceil(N / 16),
         ceil(K / 2), 16, 2] (``service.model.weights.bf16_pairs``)."""
         _check_pairs(x2, w, n, out_dtype)
-        out = torch.empty(x2.shape[0], n, dtype=out_dtype)
-        if self._lib.lp_pairs_matmul(x2.data_ptr(), w.data_ptr(), *x2.shape[:1], n, x2.shape[1], out.data_ptr(),
-                                     _DTYPE_CODES[out_dtype], n):  # fmt: skip
-            raise ValueError(f"lp_pairs_matmul refused x {tuple(x2.shape)} and weight [{n}, {x2.shape[1]}]")
+        (m, k), code = x2.shape, _DTYPE_CODES[out_dtype]
+        out = torch.empty(m, n, dtype=out_dtype)
+        if self._lib.lp_pairs_matmul(x2.data_ptr(), w.data_ptr(), m, n, k, out.data_ptr(), code, n):
+            raise ValueError(f"lp_pairs_matmul refused x {tuple(x2.shape)} and weight [{n}, {k}]")
         return out
 
     # --- the small ops of a decode step, float32 or bfloat16 (src/step.cpp) --------------------------------
