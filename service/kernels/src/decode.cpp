@@ -14,8 +14,8 @@
 // paying argument checks, a tensor allocation and a ctypes crossing (about 8 ms of a 20 ms step on an AVX2 EPYC,
 // bench/README.md). LoRA rows take lora.cpp's lp_lora_delta after each product, with the tables the per-op path
 // would pass. service/model/decode_stack.py decides when it applies (no bias, every projection a Q4Native, a
-// Bf16Pairs or a dense weight of the model's dtype below its threshold, adapters only through the compiled LoRA tables) and lays out the
-// tables of pointers.
+// Bf16Pairs or a dense weight of the model's dtype below its threshold, adapters only through the compiled LoRA
+// tables) and lays out the tables of pointers.
 
 #include <algorithm>
 #include <cstdint>

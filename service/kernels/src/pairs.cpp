@@ -81,8 +81,8 @@ void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_st
 #define LP_BF16_DOT __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
 
 template <int NX, int NB, bool Last>
-LP_BF16_DOT __attribute__((always_inline)) inline void dot_pair(const bf16* const* x, const bf16* w,
-                                                                int64_t block_stride, int64_t p, __m512 (&acc)[NX][NB]) {
+LP_BF16_DOT __attribute__((always_inline)) inline void dot_pair(
+    const bf16* const* x, const bf16* w, int64_t block_stride, int64_t p, __m512 (&acc)[NX][NB]) {
   __m512bh wv[NB];
   for (int b = 0; b < NB; ++b) {
     const bf16* at = w + b * block_stride + p * 2 * kRows;
@@ -111,10 +111,11 @@ LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_
 // One tile: NX rows of x against NB weight blocks, written to out's rows (n columns, the last block's lanes past n
 // dropped).
 template <int NX, int NB, typename O>
-void tile(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n, O* const* out) {
+void tile(bool dot, const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n,
+          O* const* out) {
   V16 acc[NX][NB] = {};
 #if defined(__AVX512F__)
-  if (lp::has_bf16_dot())
+  if (dot)
     tile_dot<NX, NB>(x, k, w, block_stride, acc);
   else
 #endif
@@ -131,13 +132,13 @@ void tile(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, 
 }
 
 template <int NX, typename O>
-void tile_nb(int nb, const bf16* const* x, int64_t k, const bf16* w, int64_t stride, int64_t col0, int64_t n,
-             O* const* out) {
+void tile_nb(int nb, bool dot, const bf16* const* x, int64_t k, const bf16* w, int64_t stride, int64_t col0,
+             int64_t n, O* const* out) {
   switch (nb) {
-    case 1: return tile<NX, 1>(x, k, w, stride, col0, n, out);
-    case 2: return tile<NX, 2>(x, k, w, stride, col0, n, out);
-    case 3: return tile<NX, 3>(x, k, w, stride, col0, n, out);
-    default: return tile<NX, 4>(x, k, w, stride, col0, n, out);
+    case 1: return tile<NX, 1>(dot, x, k, w, stride, col0, n, out);
+    case 2: return tile<NX, 2>(dot, x, k, w, stride, col0, n, out);
+    case 3: return tile<NX, 3>(dot, x, k, w, stride, col0, n, out);
+    default: return tile<NX, 4>(dot, x, k, w, stride, col0, n, out);
   }
 }
 
@@ -145,6 +146,7 @@ template <typename O>
 void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out, int64_t ldo) {
   const int64_t blocks = (n + kRows - 1) / kRows, stride = (k + 1) / 2 * 2 * kRows;  // bf16 a block
   const int64_t per = m == 1 ? 2 : kGroup, groups = (blocks + per - 1) / per, tiles = (m + kX - 1) / kX;
+  const bool dot = lp::has_bf16_dot();
 #pragma omp parallel for schedule(static) if (m * n * k >= kParallelMacs)
   for (int64_t item = 0; item < groups * tiles; ++item) {
     const int64_t g = item / tiles, r0 = item % tiles * kX, b0 = g * per;
@@ -157,10 +159,10 @@ void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out
     }
     const bf16* wb = w + b0 * stride;
     switch (nx) {
-      case 1: tile_nb<1>(nb, xs, k, wb, stride, b0 * kRows, n, outs); break;
-      case 2: tile_nb<2>(nb, xs, k, wb, stride, b0 * kRows, n, outs); break;
-      case 3: tile_nb<3>(nb, xs, k, wb, stride, b0 * kRows, n, outs); break;
-      default: tile_nb<kX>(nb, xs, k, wb, stride, b0 * kRows, n, outs);
+      case 1: tile_nb<1>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs); break;
+      case 2: tile_nb<2>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs); break;
+      case 3: tile_nb<3>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs); break;
+      default: tile_nb<kX>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs);
     }
   }
 }

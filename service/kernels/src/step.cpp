@@ -190,19 +190,15 @@ int silu_mul(const T* gu, int64_t rows, int64_t inter, T* out) {
 // bf16 keys: a score is a sum in pairs (pairs.cpp's order, vdpbf16ps's): lane l of each chunk of 32 adds the
 // product of element 2l + 1, then of 2l (the last chunk padded with zeros), the lanes pairwise (lp::lane_sum). The
 // query's values are bf16 (RoPE's output is held in bf16), so every product is exact in float32, as in the lane
-// order; on AVX-512 BF16 one instruction a chunk, elsewhere the same arithmetic in lanes.
+// order; on AVX-512 BF16 one instruction a chunk, elsewhere the same arithmetic in lanes. D: whole chunks (``attend``
+// is built for 64 and 128; other sizes take ``pair_dot_any``).
 template <int64_t D>
-inline float pair_dot(const V16 (&qe)[(D + 31) / 32], const V16 (&qo)[(D + 31) / 32], const bf16* kp) {
+inline float pair_dot(const V16 (&qe)[D / 32], const V16 (&qo)[D / 32], const bf16* kp) {
+  static_assert(D % 32 == 0, "whole chunks only");
   V16 acc = {};
-  for (int64_t c = 0; c < (D + 31) / 32; ++c) {
+  for (int64_t c = 0; c < D / 32; ++c) {
     V16 ke, ko;
-    if (D % 32 == 0 || c + 1 < (D + 31) / 32) {
-      lp::halves(kp + 32 * c, ke, ko);
-    } else {
-      bf16 pad[32] = {};
-      std::memcpy(pad, kp + 32 * c, sizeof(bf16) * (D % 32));
-      lp::halves(pad, ke, ko);
-    }
+    lp::halves(kp + 32 * c, ke, ko);
     acc += qo[c] * ko;
     acc += qe[c] * ke;
   }
@@ -237,18 +233,15 @@ __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void scores_dpbf
 // top[g]: the running maximum.
 template <int64_t D, int G>
 void scores_in_pairs(const float* q, const bf16* k, int64_t n, float scale, float* s, float* top) {
-  constexpr int64_t kChunks = (D + 31) / 32;
-  bf16 qb[G][kChunks * 32] = {};
+  bf16 qb[G][D];
   for (int g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; ++i) qb[g][i] = lp::to_bf16(q[g * D + i]);  // exact: the values are bf16's
 #if defined(__AVX512F__)
-  if constexpr (D % 32 == 0) {
-    if (lp::has_bf16_dot()) return scores_dpbf16<D, G>(qb, k, n, scale, s, top);
-  }
+  if (lp::has_bf16_dot()) return scores_dpbf16<D, G>(qb, k, n, scale, s, top);
 #endif
-  V16 qe[G][kChunks], qo[G][kChunks];
+  V16 qe[G][D / 32], qo[G][D / 32];
   for (int g = 0; g < G; ++g)
-    for (int64_t c = 0; c < kChunks; ++c) lp::halves(qb[g] + 32 * c, qe[g][c], qo[g][c]);
+    for (int64_t c = 0; c < D / 32; ++c) lp::halves(qb[g] + 32 * c, qe[g][c], qo[g][c]);
   for (int64_t p = 0; p < n; ++p)
     for (int g = 0; g < G; ++g) {
       const float score = pair_dot<D>(qe[g], qo[g], k + p * D) * scale;
