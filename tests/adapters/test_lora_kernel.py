@@ -4,7 +4,8 @@ Tables as the batch lays them out: A [G, R, in] (also given as a strided view of
 Bt [G, r, out_m], a DoRA scale and a trained bias on some modules; mixed ranks, modules some groups lack (zeros),
 a group with no row, rows with no adapter inside the span, one row, several tokens a row. The reference is computed
 in float64 from the tables as stored. Isolation and batch invariance are checked bit for bit: a NaN adapter reaches
-only its own rows, and a row's result does not depend on its neighbours, its place or A's strides.
+only its own rows, and a row's result does not depend on its neighbours, its place or A's strides. bf16 inputs on
+bf16 tables follow one order of sums written out in torch ops (``_in_pairs``), bit for bit on every instruction set.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support.native import compiled_kernels
 from torch import Tensor
 
@@ -104,6 +106,48 @@ def test_kernel_matches_a_float64_reference(layout: str, tables_dtype: torch.dty
     assert torch.equal(got[..., sum(OUTS) :], out[..., sum(OUTS) :]), "columns past the modules stay untouched"
 
 
+def _in_pairs(tables: Tables, out: Tensor, x: Tensor, group: list[int]) -> Tensor:
+    """lp_lora_delta's arithmetic for bf16 x on bf16 tables in float32 torch ops. h: per row of A, lane l of each
+    chunk of 32 inputs adds the product of input 2 l + 1, then of 2 l (the last chunk padded with zeros), the 16
+    lanes summed pairwise (l + 8, + 4, + 2, + 1). Per module and column: 0 + the rank's products in order, + bias,
+    added to out in float32 (then times the DoRA scale) and rounded once to bf16."""
+    ref = out.float().clone()
+    t = x.shape[1]
+    for row, g in enumerate(group):
+        if g < 0:
+            continue
+        pad = -IN % 32
+        xp = F.pad(x[row].float(), (0, pad)).view(t, 1, -1, 16, 2)
+        ap = F.pad(tables.a[g].float(), (0, pad)).view(1, sum(RANKS), -1, 16, 2)
+        acc = torch.zeros(t, sum(RANKS), 16)
+        for c in range(xp.shape[2]):
+            acc = acc + xp[:, :, c, :, 1] * ap[:, :, c, :, 1]
+            acc = acc + xp[:, :, c, :, 0] * ap[:, :, c, :, 0]
+        for w in (8, 4, 2, 1):
+            acc = acc[..., :w] + acc[..., w : 2 * w]
+        h = acc[..., 0]  # [T, R]
+        for seg in tables.segments():
+            r, n = seg.bt.shape[1:]
+            d = torch.zeros(t, n)
+            for q in range(r):
+                d = d + h[:, seg.start + q, None] * seg.bt[g][q].float()
+            if seg.bias is not None:
+                d = d + seg.bias[g].float()
+            cols = ref[row, :, seg.col : seg.col + n]
+            cols.copy_(cols + d if seg.scale is None else (cols + d) * seg.scale[g])
+    return ref.to(out.dtype)
+
+
+@pytest.mark.parametrize("layout", ["rows", "strided"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_bf16_on_bf16_tables_sums_in_pairs_on_every_instruction_set(layout: str, t: int) -> None:
+    k = compiled_kernels()
+    tables = Tables(5, torch.bfloat16)
+    group = [2, -1, 0, 2, 4, -1, 1, 0, 2]
+    x, out = _inputs(len(group), t, torch.bfloat16)
+    assert torch.equal(_run(k, tables.site(k, layout), out, x, group), _in_pairs(tables, out, x, group))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_row_and_no_row(dtype: torch.dtype) -> None:
     k = compiled_kernels()
@@ -119,12 +163,13 @@ def test_one_row_and_no_row(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("layout", ["rows", "strided"])
 @pytest.mark.parametrize("where", ["a", "bt", "bias"])
-def test_a_nan_adapter_reaches_only_its_own_rows(layout: str, where: str) -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_nan_adapter_reaches_only_its_own_rows(layout: str, where: str, dtype: torch.dtype) -> None:
     k = compiled_kernels()
-    healthy, broken = Tables(4, torch.float32), Tables(4, torch.float32)
+    healthy, broken = Tables(4, dtype), Tables(4, dtype)
     {"a": broken.a, "bt": broken.bt[0], "bias": broken.bias}[where][2].fill_(math.nan)
     group = [0, 2, -1, 1, 2, 3, 0]
-    x, out = _inputs(len(group), 2, torch.float32)
+    x, out = _inputs(len(group), 2, dtype)
     want = _run(k, healthy.site(k, layout), out, x, group)
     got = _run(k, broken.site(k, layout), out, x, group)
     for row, g in enumerate(group):

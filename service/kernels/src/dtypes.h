@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace lp {
 
 using bf16 = uint16_t;
@@ -65,6 +69,14 @@ inline typename Lanes<N>::F load_lanes(const float* p) {
 }
 template <int N>
 inline typename Lanes<N>::F load_lanes(const bf16* p) {
+#if defined(__AVX512F__)
+  if constexpr (N == 16) {  // one widening load and the shift (GCC's convertvector splits the load in halves)
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+    typename Lanes<N>::F v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+#endif
   typename Lanes<N>::H h;
   std::memcpy(&h, p, sizeof h);
   const typename Lanes<N>::W bits = __builtin_convertvector(h, typename Lanes<N>::W) << 16;
@@ -76,23 +88,31 @@ using V16 = Lanes<16>::F;
 inline V16 load16(const float* p) { return load_lanes<16>(p); }
 inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
 
-// 16 lanes rounded to bf16 as to_bf16 rounds each (to nearest even, NaN kept quiet): the bf16 bits in the low half
+// N lanes rounded to bf16 as to_bf16 rounds each (to nearest even, NaN kept quiet): the bf16 bits in the low half
 // of each 32-bit lane.
-inline Lanes<16>::W bf16_bits16(V16 v) {
-  using U16 = Lanes<16>::W;
-  U16 bits;
+template <int N>
+inline typename Lanes<N>::W bf16_bits(typename Lanes<N>::F v) {
+  using U = typename Lanes<N>::W;
+  U bits;
   std::memcpy(&bits, &v, sizeof bits);
-  const U16 nan = (U16)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
-  const U16 near = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+  const U nan = (U)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const U near = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
   return (quiet & nan) | (near & ~nan);
 }
+inline Lanes<16>::W bf16_bits16(V16 v) { return bf16_bits<16>(v); }
 
-// 16 values stored from p: float32 as they are, bf16 each rounded as lp::store rounds.
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
-inline void store16(bf16* p, V16 v) {
-  const Lanes<16>::H h = __builtin_convertvector(bf16_bits16(v), Lanes<16>::H);
+// N values stored from p: float32 as they are, bf16 each rounded as lp::store rounds.
+template <int N>
+inline void store_lanes(float* p, typename Lanes<N>::F v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <int N>
+inline void store_lanes(bf16* p, typename Lanes<N>::F v) {
+  const typename Lanes<N>::H h = __builtin_convertvector(bf16_bits<N>(v), typename Lanes<N>::H);
   std::memcpy(p, &h, sizeof h);
 }
+inline void store16(float* p, V16 v) { store_lanes<16>(p, v); }
+inline void store16(bf16* p, V16 v) { store_lanes<16>(p, v); }
 
 // 16 values as T holds them: float32 unchanged, bf16 rounded (widened back: still float32 lanes).
 template <typename T>
@@ -104,16 +124,18 @@ inline V16 held16(V16 v) {
   return v;
 }
 
-// The even and odd elements of 32 bf16, widened (a bf16 is the high half of its float32): the operands of the bf16
-// pair order (pairs.cpp) in portable code.
-inline void halves(const bf16* p, V16& even, V16& odd) {
-  using U16 = Lanes<16>::W;
-  U16 u;
+// The even and odd elements of 2 N bf16, widened (a bf16 is the high half of its float32): the operands of the bf16
+// pair order (pairs.cpp) in portable code, N lanes at a time.
+template <int N>
+inline void halves_lanes(const bf16* p, typename Lanes<N>::F& even, typename Lanes<N>::F& odd) {
+  using U = typename Lanes<N>::W;
+  U u;
   std::memcpy(&u, p, sizeof u);
-  const U16 e = u << 16, o = u & 0xffff0000u;
+  const U e = u << 16, o = u & 0xffff0000u;
   std::memcpy(&even, &e, sizeof even);
   std::memcpy(&odd, &o, sizeof odd);
 }
+inline void halves(const bf16* p, V16& even, V16& odd) { halves_lanes<16>(p, even, odd); }
 
 // Whether this CPU has vdpbf16ps (AVX-512 BF16); the avx512 variant calls it only behind this check (its flags
 // lack avx512bf16: functions that use it carry the target themselves). False in the other variants.

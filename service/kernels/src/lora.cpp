@@ -16,10 +16,11 @@
 // over the rank in order) whichever rows share its group, its call or its thread, and whichever table holds A.
 // Numerics: the values as stored (bf16 widened by a shift). The shrink keeps h within a few float32 roundings of the
 // exact dot product (see dot_pass: float32 FMAs over short blocks summed in double on avx2 / avx512, products in
-// double on generic) and rounds it once to float32; the expand sums float32 over the rank in order (no fused
-// multiply-add: -ffp-contract=off and dtypes.h's V16, so every instruction set gets the same delta from the same h);
-// the delta is added in float32 and rounded once to the output dtype (bf16: to nearest even), as torch's
-// `out += delta` does.
+// double on generic) and rounds it once to float32; bf16 x on bf16 tables sums in pairs instead (pair_rows: exact
+// products, float32 sums, as torch's bf16 GEMM accumulates; vdpbf16ps where the CPU has it, the same bits elsewhere).
+// The expand sums float32 over the rank in order (no fused multiply-add: -ffp-contract=off, so every instruction set
+// gets the same delta from the same h); the delta is added in float32 and rounded once to the output dtype (bf16: to
+// nearest even), as torch's `out += delta` does.
 // Threads: OpenMP (torch's runtime) over work items, the shrink's (group, 4 rows of A) then the expand's (group,
 // module, 256 columns), each prefetching the next item's weights; scratch stays allocated per thread between calls.
 
@@ -37,6 +38,7 @@
 
 namespace {
 
+using lp::bf16;
 using lp::V16;
 using lp::load16;
 using lp::store;
@@ -76,6 +78,10 @@ using DV = double __attribute__((vector_size(4 * kW)));
 template <typename W>
 inline FV load_f(const W* p) {
   return lp::load_lanes<kW>(p);
+}
+template <typename W>
+inline void store_f(W* p, FV v) {
+  lp::store_lanes<kW>(p, v);
 }
 inline DV widen_d(FH v) {  // exact
 #if defined(__AVX512F__)
@@ -165,19 +171,109 @@ inline void dot_rows(const float* const* x, const W* const* a, int64_t n, float 
     for (int q0 = 0; q0 < kRows; q0 += kPassRows) dot_pass<kT, kPassRows>(x + t0, a, n, out + t0, q0);
 }
 
-// acc [kCols] = h [rank] @ w, w's rows ``ws`` elements apart (float32 or bf16, read in place): per column the sum
-// over the rank in order, kSub columns at a time in registers.
-template <typename W>
-inline void expand_block(const float* h, const W* w, int64_t ws, int64_t rank, float* acc) {
-  constexpr int kVecs = kSub / kLanes;
-  for (int64_t c0 = 0; c0 < kCols; c0 += kSub) {
-    V16 part[kVecs] = {};
-    for (int64_t q = 0; q < rank; ++q) {
-      const V16 hv = V16{} + h[q];
-      for (int v = 0; v < kVecs; ++v) part[v] += hv * load16(w + q * ws + c0 + v * kLanes);
+// bf16 x and bf16 tables: h in pairs, pairs.cpp's order (vdpbf16ps's): lane l of each chunk of 32 inputs adds the
+// product of input 2 l + 1, then of 2 l (the last chunk padded with zeros), each product exact in float32, each sum
+// rounded; the lanes pairwise (lp::lane_sum). On AVX-512 BF16 one instruction a chunk, a row of A and a token; the
+// same arithmetic in lanes elsewhere, so every variant gives the same h (subnormals aside: the instruction flushes
+// them). Rows a[q0 .. q0 + R) against tokens x[0 .. NT).
+constexpr int64_t kChunk = 32;
+
+template <int NT, int R>
+inline void pair_pass_lanes(const bf16* const* x, const bf16* const* a, int64_t n, float (*out)[kRows], int q0) {
+  FV acc[NT][R][kFV] = {};  // lanes 16 at a time, kW a vector
+  for (int64_t c = 0; c < n; c += kChunk) {
+    bf16 pad[NT + R][kChunk] = {};  // the last chunk's inputs, zeros past n
+    const bool tail = c + kChunk > n;
+    auto chunk = [&](const bf16* row, int i) -> const bf16* {
+      if (!tail) return row + c;
+      std::memcpy(pad[i], row + c, sizeof(bf16) * (n - c));
+      return pad[i];
+    };
+    for (int v = 0; v < kFV; ++v) {
+      FV xe[NT], xo[NT];
+      for (int t = 0; t < NT; ++t) lp::halves_lanes<kW>(chunk(x[t], t) + 2 * kW * v, xe[t], xo[t]);
+      for (int q = 0; q < R; ++q) {
+        FV ae, ao;
+        lp::halves_lanes<kW>(chunk(a[q0 + q], NT + q) + 2 * kW * v, ae, ao);
+        for (int t = 0; t < NT; ++t) {
+          acc[t][q][v] += xo[t] * ao;
+          acc[t][q][v] += xe[t] * ae;
+        }
+      }
     }
-    std::memcpy(acc + c0, part, sizeof part);
   }
+  for (int t = 0; t < NT; ++t)
+    for (int q = 0; q < R; ++q) {
+      V16 lanes;
+      std::memcpy(&lanes, acc[t][q], sizeof lanes);
+      out[t][q0 + q] = lp::lane_sum(lanes);
+    }
+}
+
+#if defined(__AVX512F__)
+template <int NT>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void pair_rows_dot(
+    const bf16* const* x, const bf16* const* a, int64_t n, float (*out)[kRows]) {
+  __m512 acc[NT][kRows];
+  for (int t = 0; t < NT; ++t)
+    for (int q = 0; q < kRows; ++q) acc[t][q] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const __mmask32 keep = c + kChunk <= n ? ~__mmask32{0} : (__mmask32)((1u << (n - c)) - 1);
+    __m512bh xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(keep, x[t] + c);
+    for (int q = 0; q < kRows; ++q) {
+      const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(keep, a[q] + c);
+      for (int t = 0; t < NT; ++t) acc[t][q] = _mm512_dpbf16_ps(acc[t][q], xv[t], av);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int q = 0; q < kRows; ++q) {
+      V16 lanes;
+      std::memcpy(&lanes, &acc[t][q], sizeof lanes);
+      out[t][q] = lp::lane_sum(lanes);
+    }
+}
+#endif
+
+template <int NT>
+inline void pair_rows(bool dot, const bf16* const* x, const bf16* const* a, int64_t n, float (*out)[kRows]) {
+#if defined(__AVX512F__)
+  if (dot) return pair_rows_dot<NT>(x, a, n, out);
+#endif
+  (void)dot;
+  constexpr int kT = NT < kPassTokens ? NT : kPassTokens;
+  for (int t0 = 0; t0 < NT; t0 += kT)
+    for (int q0 = 0; q0 < kRows; q0 += kPassRows) pair_pass_lanes<kT, kPassRows>(x + t0, a, n, out + t0, q0);
+}
+
+// Per token t < NT, acc[t] [v0, v0 + NV) = h[t] [rank] @ w [rank, NV kW], w's rows ``ws`` elements apart (float32
+// or bf16, read in place): per column the sum over the rank in order, each row of w loaded once for the NT tokens.
+// In the variant's own vectors (kW lanes): a column's arithmetic does not depend on them.
+constexpr int64_t kColVecs = kCols / kW;
+
+template <int NT, int NV, typename W>
+inline void expand_vecs(const float* const* h, const W* w, int64_t ws, int64_t rank, FV (*acc)[kColVecs], int64_t v0) {
+  FV part[NT][NV] = {};
+  for (int64_t q = 0; q < rank; ++q) {
+    FV wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load_f(w + q * ws + v * kW);
+    for (int t = 0; t < NT; ++t) {
+      const FV hv = FV{} + h[t][q];
+      for (int v = 0; v < NV; ++v) part[t][v] += hv * wv[v];
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v0 + v] = part[t][v];
+}
+
+// expand_vecs over ``nvec`` vectors of columns, kSub at a time.
+template <int NT, typename W>
+inline void expand_block(const float* const* h, const W* w, int64_t ws, int64_t rank, int64_t nvec,
+                         FV (*acc)[kColVecs]) {
+  constexpr int kVecs = kSub / kW;
+  int64_t v0 = 0;
+  for (; v0 + kVecs <= nvec; v0 += kVecs) expand_vecs<NT, kVecs>(h, w + v0 * kW, ws, rank, acc, v0);
+  for (; v0 < nvec; ++v0) expand_vecs<NT, 1>(h, w + v0 * kW, ws, rank, acc, v0);
 }
 
 // Asks for [p, p + bytes) ahead of its use: the next work item's weights load while this one computes.
@@ -237,7 +333,10 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
   for (int64_t r = 0; r < b; ++r) active += group[r] >= 0;
   if (active == 0) return 0;
   const int64_t tokens = active * t;
-  const bool widen_x = !std::is_same<X, float>::value;  // float32 x is read in place
+  // bf16 x against bf16 tables: h in pairs (pair_rows), x read in place; otherwise float32 lanes (dot_rows), bf16 x
+  // widened first.
+  constexpr bool kInPairs = std::is_same<X, bf16>::value && std::is_same<W, bf16>::value;
+  const bool widen_x = !std::is_same<X, float>::value && !kInPairs, dot = kInPairs && lp::has_bf16_dot();
   const Scratch order_(0, (size_t)active * sizeof(int64_t)), spans_(1, (size_t)active * sizeof(Span));
   const Scratch h_(2, (size_t)tokens * width * sizeof(float)), xf_(3, widen_x ? (size_t)tokens * in * sizeof(float) : 1);
   int64_t* order = order_.as<int64_t>();
@@ -290,6 +389,26 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         const int64_t next_r0 = ((item + 1) % quads) * kRows, rows = std::min<int64_t>(kRows, width - next_r0);
         prefetch(a + spans[(item + 1) / quads].group * a_sg + next_r0 * a_sr, rows * a_sr * (int64_t)sizeof(W));
       }
+      const int64_t j1 = (s.first + s.count) * t;
+      if constexpr (kInPairs) {
+        const bf16* rows[kRows];  // A's rows in place (contiguous), or gathered into buf (strided)
+        for (int q = 0; q < kRows; ++q) {  // a short last quad repeats its last row
+          rows[q] = a + s.group * a_sg + (r0 + std::min<int64_t>(q, nr - 1)) * a_sr;
+          if (a_sk != 1) {
+            bf16* row = reinterpret_cast<bf16*>(buf) + q * in;
+            for (int64_t k = 0; k < in; ++k) row[k] = rows[q][k * a_sk];
+            rows[q] = row;
+          }
+        }
+        for (int64_t j = s.first * t; j < j1; j += 2) {  // tokens in pairs
+          const bf16* xs[2] = {x + at(j) * in, j + 1 < j1 ? x + at(j + 1) * in : nullptr};
+          float hq[2][kRows];
+          j + 1 < j1 ? pair_rows<2>(dot, xs, rows, in, hq) : pair_rows<1>(dot, xs, rows, in, hq);
+          for (int64_t u = 0; u < 2 && j + u < j1; ++u)
+            for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
+        }
+        continue;
+      }
       const W* direct[kRows];  // A's rows in place (contiguous), or widened into buf (strided)
       const float* wide[kRows];
       for (int q = 0; q < kRows; ++q) {  // a short last quad repeats its last row
@@ -300,7 +419,6 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
           wide[q] = buf + q * in;
         }
       }
-      const int64_t j1 = (s.first + s.count) * t;
       for (int64_t j = s.first * t; j < j1; j += 2) {  // tokens in pairs
         const float* xs[2] = {x_row(j), j + 1 < j1 ? x_row(j + 1) : nullptr};
         float hq[2][kRows];
@@ -323,11 +441,12 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       const int64_t start = seg[4 * m], rank = seg[4 * m + 1], col = seg[4 * m + 2], n = seg[4 * m + 3];
       const int64_t c0 = blk * kCols, nc = std::min(kCols, n - c0);
       const W* bt = (const W*)bt_[m] + s.group * rank * n + c0;  // Bt[g, j, c0 + c] at bt[j * n + c]
-      // A whole block is read in place; a last, partial one widened into buf with zeros past its last column.
-      const bool in_place = nc == kCols;
-      for (int64_t j = 0; j < rank && !in_place; ++j) {
-        for (int64_t c = 0; c < nc; ++c) buf[j * kCols + c] = widen(bt[j * n + c]);
-        for (int64_t c = nc; c < kCols; ++c) buf[j * kCols + c] = 0.0f;
+      // Whole vectors of columns are read in place; the last columns (nc % kW) widened into buf [rank][kW], zeros
+      // past the last column.
+      const int64_t nvec = nc / kW, rest = nc % kW;
+      for (int64_t j = 0; j < rank && rest; ++j) {
+        const W* tail = bt + j * n + nvec * kW;
+        for (int64_t c = 0; c < kW; ++c) buf[j * kW + c] = c < rest ? widen(tail[c]) : 0.0f;
       }
       if (item + 1 < nspans * blocks) {  // the next item's block of Bt
         int64_t nm = 0, nblk = (item + 1) % blocks;
@@ -338,17 +457,30 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       }
       const W* bias = bias_[m] == nullptr ? nullptr : (const W*)bias_[m] + s.group * n + c0;
       const float* sc = scale[m] == nullptr ? nullptr : scale[m] + s.group * n + c0;
-      for (int64_t j = s.first * t; j < (s.first + s.count) * t; ++j) {
-        const float* hj = h + j * width + start;
-        float acc[kCols];
-        in_place ? expand_block(hj, bt, n, rank, acc) : expand_block(hj, (const float*)buf, kCols, rank, acc);
-        if (bias != nullptr)
-          for (int64_t c = 0; c < nc; ++c) acc[c] += widen(bias[c]);
-        X* o = out + at(j) * out_cols + col + c0;
-        if (sc == nullptr) {
-          for (int64_t c = 0; c < nc; ++c) store(o, c, widen(o[c]) + acc[c]);
+      const int64_t j1 = (s.first + s.count) * t;
+      for (int64_t j = s.first * t; j < j1; j += 2) {  // tokens in pairs: each vector of Bt loaded once for both
+        const int nt = j + 1 < j1 ? 2 : 1;
+        const float* hs[2] = {h + j * width + start, h + (j + nt - 1) * width + start};
+        FV acc[2][kColVecs];
+        if (nt == 2) {
+          expand_block<2>(hs, bt, n, rank, nvec, acc);
+          if (rest) expand_vecs<2, 1>(hs, (const float*)buf, kW, rank, acc, nvec);
         } else {
-          for (int64_t c = 0; c < nc; ++c) store(o, c, (widen(o[c]) + acc[c]) * sc[c]);
+          expand_block<1>(hs, bt, n, rank, nvec, acc);
+          if (rest) expand_vecs<1, 1>(hs, (const float*)buf, kW, rank, acc, nvec);
+        }
+        for (int u = 0; u < nt; ++u) {  // the delta (+ bias) added in float32, rounded once to X (or scaled first)
+          X* o = out + at(j + u) * out_cols + col + c0;
+          for (int64_t v = 0; v < nvec; ++v) {
+            const int64_t c = v * kW;
+            const FV d = bias == nullptr ? acc[u][v] : acc[u][v] + load_f(bias + c);
+            store_f(o + c, sc == nullptr ? load_f(o + c) + d : (load_f(o + c) + d) * load_f(sc + c));
+          }
+          for (int64_t l = 0; l < rest; ++l) {
+            const int64_t c = nvec * kW + l;
+            const float d = bias == nullptr ? acc[u][nvec][l] : acc[u][nvec][l] + widen(bias[c]);
+            store(o, c, sc == nullptr ? widen(o[c]) + d : (widen(o[c]) + d) * sc[c]);
+          }
         }
       }
     }
