@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ahead.h"
 #include "dtypes.h"
 
 #ifndef LP_ISA
@@ -39,6 +40,7 @@ const char* lp_isa() { return LP_ISA; }
 namespace {
 
 using lp::F32;
+using lp::Stream;
 using lp::BF16;
 using lp::F16;
 
@@ -322,30 +324,6 @@ constexpr int64_t kTileGroupBytes = kGroup / 2 * kTile;
 constexpr int64_t kAheadGroups = 4;  // how far ahead of the group being read its bytes are requested
 constexpr int64_t kAheadBytes = kAheadGroups * kTileGroupBytes;
 
-// Cache lines of other memory (the ranges of lp_q4_matmul_ahead) requested a few at a time as a tile's groups go by,
-// so the requests spread over the product instead of queueing at once. Work item ``task`` of ``tasks`` takes the same
-// fraction of every range (its ``task``-th share of each in turn): the LoRA kernel after the product splits its
-// groups among the threads in order too, so each core mostly finds its share of the tables in its own caches.
-struct Stream {
-  const void* const* ranges = nullptr;
-  const int64_t* bytes = nullptr;
-  int count = 0;
-  int64_t task = 0, tasks = 1;
-  int64_t per_group = 0;  // lines to request per group of a tile
-  int range = -1;
-  int64_t line = 0, end = 0;  // within ``range``
-  void next() {
-    for (int64_t i = 0; i < per_group; ++i, ++line) {
-      while (line >= end) {
-        if (++range >= count) return;
-        const int64_t lines = (bytes[range] + 63) / 64;
-        line = lines * task / tasks, end = lines * (task + 1) / tasks;
-      }
-      __builtin_prefetch(static_cast<const char*>(ranges[range]) + line * 64, 0, 3);
-    }
-  }
-};
-
 // One tile (16 weight rows) against R rows of x. Tile layout (see lp_q4_matmul): qs [G, 16, 16] bytes, d and m
 // [G, 16]. Every lane: s = sum_j q_j x_j over a group in input order (from zero, one multiply-add each), then
 // acc = d s + acc, acc = m xsum_g + acc; out [R][16]. (Two tiles at once at one row measured slower on an AVX2
@@ -509,16 +487,13 @@ int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const floa
   const Widened w(x, x_dtype, m, k);
   if (!w.ok()) return -2;
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask, passes = (m + kPassRows - 1) / kPassRows;
-  int64_t lines = 0;  // cache lines to request, all ranges together
-  for (int i = 0; i < nahead; ++i) lines += (ahead_bytes[i] + 63) / 64;
+  const int64_t lines = lp::lines_of(ahead_bytes, nahead);  // cache lines to request, all ranges together
   const int64_t visits = (tiles * passes + tasks - 1) / tasks * groups;  // group visits of a work item, at most
 #pragma omp parallel for schedule(static)
   for (int64_t task = 0; task < tasks; ++task) {
     float acc[kPassRows * kTile];
     const int64_t t1 = (task + 1) * kTilesPerTask < tiles ? (task + 1) * kTilesPerTask : tiles;
-    Stream slice;
-    slice.ranges = ahead, slice.bytes = ahead_bytes, slice.count = nahead, slice.task = task, slice.tasks = tasks;
-    slice.per_group = (lines / tasks + nahead + visits - 1) / visits;
+    Stream slice(ahead, ahead_bytes, nahead, lines, task, tasks, visits);
     Stream* stream = lines > 0 ? &slice : nullptr;
     for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
       const int rows = m - r0 < kPassRows ? (int)(m - r0) : kPassRows;

@@ -29,8 +29,8 @@ int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const floa
                        const int64_t* ahead_bytes, int nahead);
 int lp_dense_matmul(const void* x, int x_dtype, const void* w, int w_dtype, int64_t m, int64_t n, int64_t k,
                     int64_t ldw, void* out, int out_dtype, int64_t ldo);
-int lp_pairs_matmul(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
-                    int64_t ldo);
+int lp_pairs_matmul_ahead(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
+                          int64_t ldo, const void* const* ahead, const int64_t* ahead_bytes, int nahead);
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
@@ -78,15 +78,15 @@ struct Used {
 };
 
 // The product of a layer's projection in ``dtype``: a dense weight's (its d field 0, m field 0), a bf16 weight's in
-// pairs (d 0, m 1), or a Q4 weight's (float32), requesting into the caches as it computes the LoRA tables (``site``,
-// null: none) that the call after it reads: A's extent and each module's Bt over the groups ``used``, in the tables'
+// pairs (d 0, m 1), or a Q4 weight's (float32); the last two requesting into the caches as they compute the LoRA
+// tables (``site``, null: none) that the call after it reads: A's extent and each module's Bt over the groups ``used``, in the tables'
 // dtype (float32 or bf16).
 inline int product(const int64_t* row, int field, const void* x, int dtype, int64_t m, int64_t n, int64_t k, void* out,
                    const int64_t* site, Used used) {
-  if (row[field + 1] == 0 && row[field + 2] == kPairs)
-    return dtype == BF16 ? lp_pairs_matmul(x, at<void>(row, field), m, n, k, out, dtype, n) : -1;
-  if (row[field + 1] == 0) return lp_dense_matmul(x, dtype, at<void>(row, field), dtype, m, n, k, k, out, dtype, n);
-  if (dtype != F32) return -1;
+  const bool pairs = row[field + 1] == 0 && row[field + 2] == kPairs;
+  if (row[field + 1] == 0 && !pairs)
+    return lp_dense_matmul(x, dtype, at<void>(row, field), dtype, m, n, k, k, out, dtype, n);
+  if (dtype != (pairs ? BF16 : F32)) return -1;
   const void* ahead[kMaxAhead];
   int64_t bytes[kMaxAhead];
   int nahead = 0;
@@ -102,6 +102,7 @@ inline int product(const int64_t* row, int field, const void* x, int dtype, int6
       bytes[nahead++] = groups * group_bytes;
     }
   }
+  if (pairs) return lp_pairs_matmul_ahead(x, at<void>(row, field), m, n, k, out, dtype, n, ahead, bytes, nahead);
   return lp_q4_matmul_ahead(x, F32, at<uint8_t>(row, field), at<float>(row, field + 1), at<float>(row, field + 2), m,
                             n, k, out, F32, n, ahead, bytes, nahead);
 }

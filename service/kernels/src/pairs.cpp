@@ -2,6 +2,7 @@
 // bf16 dot products), any number of rows.
 //
 //   lp_pairs_matmul  out [M, N] (ldo) = x [M, K] W^T; x bf16, W in pairs, out float32 or bf16
+//   lp_pairs_matmul_ahead  the same, requesting other memory into the caches as it goes (ahead.h)
 //   lp_bf16_dot      1 where the CPU runs it on its bf16 dot-product instruction (vdpbf16ps), 0 where portable code
 //                    does the same arithmetic
 //
@@ -26,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ahead.h"
 #include "dtypes.h"
 
 namespace {
@@ -40,6 +42,7 @@ constexpr int kX = 4;       // rows of x a tile holds
 constexpr int kGroup = 4;   // weight blocks a tile reads (2 for one row of x: more groups for the threads)
 constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
 constexpr int64_t kAheadBytes = 16384;       // one row of x streams its blocks: each line requested this far ahead
+constexpr int64_t kVisitPairs = 16;          // pairs between two requests of other memory (lp::Stream::next)
 
 // x's pair p of a row, as the 32 bits of two bf16; ``Last``: an odd K's last input alone (the second half zero).
 template <bool Last>
@@ -71,8 +74,13 @@ inline void lanes_pair(const bf16* const* x, const bf16* w, int64_t block_stride
 }
 
 template <int NX, int NB>
-void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&acc)[NX][NB]) {
-  for (int64_t p = 0; p < k / 2; ++p) lanes_pair<NX, NB, false>(x, w, block_stride, p, acc);
+void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&acc)[NX][NB],
+                lp::Stream* stream) {
+  for (int64_t p0 = 0; p0 < k / 2; p0 += kVisitPairs) {
+    if (stream != nullptr) stream->next();
+    const int64_t p1 = std::min(p0 + kVisitPairs, k / 2);
+    for (int64_t p = p0; p < p1; ++p) lanes_pair<NX, NB, false>(x, w, block_stride, p, acc);
+  }
   if (k % 2) lanes_pair<NX, NB, true>(x, w, block_stride, k / 2, acc);
 }
 
@@ -96,11 +104,16 @@ LP_BF16_DOT __attribute__((always_inline)) inline void dot_pair(
 }
 
 template <int NX, int NB>
-LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&out)[NX][NB]) {
+LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&out)[NX][NB],
+                          lp::Stream* stream) {
   __m512 acc[NX][NB];
   for (int r = 0; r < NX; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) dot_pair<NX, NB, false>(x, w, block_stride, p, acc);
+  for (int64_t p0 = 0; p0 < k / 2; p0 += kVisitPairs) {
+    if (stream != nullptr) stream->next();
+    const int64_t p1 = std::min(p0 + kVisitPairs, k / 2);
+    for (int64_t p = p0; p < p1; ++p) dot_pair<NX, NB, false>(x, w, block_stride, p, acc);
+  }
   if (k % 2) dot_pair<NX, NB, true>(x, w, block_stride, k / 2, acc);
   for (int r = 0; r < NX; ++r)
     for (int b = 0; b < NB; ++b) std::memcpy(&out[r][b], &acc[r][b], sizeof(V16));
@@ -112,14 +125,14 @@ LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_
 // dropped).
 template <int NX, int NB, typename O>
 void tile(bool dot, const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n,
-          O* const* out) {
+          O* const* out, lp::Stream* stream) {
   V16 acc[NX][NB] = {};
 #if defined(__AVX512F__)
   if (dot)
-    tile_dot<NX, NB>(x, k, w, block_stride, acc);
+    tile_dot<NX, NB>(x, k, w, block_stride, acc, stream);
   else
 #endif
-    tile_lanes<NX, NB>(x, k, w, block_stride, acc);
+    tile_lanes<NX, NB>(x, k, w, block_stride, acc, stream);
   for (int r = 0; r < NX; ++r)
     for (int b = 0; b < NB; ++b) {
       const int64_t col = col0 + b * kRows;
@@ -133,22 +146,27 @@ void tile(bool dot, const bf16* const* x, int64_t k, const bf16* w, int64_t bloc
 
 template <int NX, typename O>
 void tile_nb(int nb, bool dot, const bf16* const* x, int64_t k, const bf16* w, int64_t stride, int64_t col0,
-             int64_t n, O* const* out) {
+             int64_t n, O* const* out, lp::Stream* stream) {
   switch (nb) {
-    case 1: return tile<NX, 1>(dot, x, k, w, stride, col0, n, out);
-    case 2: return tile<NX, 2>(dot, x, k, w, stride, col0, n, out);
-    case 3: return tile<NX, 3>(dot, x, k, w, stride, col0, n, out);
-    default: return tile<NX, 4>(dot, x, k, w, stride, col0, n, out);
+    case 1: return tile<NX, 1>(dot, x, k, w, stride, col0, n, out, stream);
+    case 2: return tile<NX, 2>(dot, x, k, w, stride, col0, n, out, stream);
+    case 3: return tile<NX, 3>(dot, x, k, w, stride, col0, n, out, stream);
+    default: return tile<NX, 4>(dot, x, k, w, stride, col0, n, out, stream);
   }
 }
 
 template <typename O>
-void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out, int64_t ldo) {
+void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out, int64_t ldo,
+           const void* const* ahead, const int64_t* ahead_bytes, int nahead) {
   const int64_t blocks = (n + kRows - 1) / kRows, stride = (k + 1) / 2 * 2 * kRows;  // bf16 a block
   const int64_t per = m == 1 ? 2 : kGroup, groups = (blocks + per - 1) / per, tiles = (m + kX - 1) / kX;
   const bool dot = lp::has_bf16_dot();
+  const int64_t lines = lp::lines_of(ahead_bytes, nahead);
+  const int64_t visits = std::max<int64_t>(1, (k / 2 + kVisitPairs - 1) / kVisitPairs);  // of a work item
 #pragma omp parallel for schedule(static) if (m * n * k >= kParallelMacs)
   for (int64_t item = 0; item < groups * tiles; ++item) {
+    lp::Stream slice(ahead, ahead_bytes, nahead, lines, item, groups * tiles, visits);
+    lp::Stream* stream = lines > 0 ? &slice : nullptr;
     const int64_t g = item / tiles, r0 = item % tiles * kX, b0 = g * per;
     const int nx = (int)std::min<int64_t>(kX, m - r0), nb = (int)std::min<int64_t>(per, blocks - b0);
     const bf16* xs[kX];
@@ -159,10 +177,10 @@ void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out
     }
     const bf16* wb = w + b0 * stride;
     switch (nx) {
-      case 1: tile_nb<1>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs); break;
-      case 2: tile_nb<2>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs); break;
-      case 3: tile_nb<3>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs); break;
-      default: tile_nb<kX>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs);
+      case 1: tile_nb<1>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs, stream); break;
+      case 2: tile_nb<2>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs, stream); break;
+      case 3: tile_nb<3>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs, stream); break;
+      default: tile_nb<kX>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs, stream);
     }
   }
 }
@@ -171,17 +189,25 @@ void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out
 
 extern "C" {
 
-// Returns 0, or -1 for a bad argument.
-int lp_pairs_matmul(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
-                    int64_t ldo) {
-  if (m < 0 || n < 0 || k <= 0 || ldo < n || (out_dtype != F32 && out_dtype != BF16)) return -1;
+// lp_pairs_matmul, also requesting the cache lines of ``nahead`` byte ranges (ahead[i], ahead_bytes[i] long) into
+// the caches as it goes, each work item its share, a few lines every kVisitPairs pairs: the LoRA tables the next
+// call reads (src/decode.cpp) stream in while the cores multiply. Returns 0, or -1 for a bad argument.
+int lp_pairs_matmul_ahead(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
+                          int64_t ldo, const void* const* ahead, const int64_t* ahead_bytes, int nahead) {
+  if (m < 0 || n < 0 || k <= 0 || ldo < n || (out_dtype != F32 && out_dtype != BF16) || nahead < 0) return -1;
   if (m == 0 || n == 0) return 0;
   const bf16 *xs = static_cast<const bf16*>(x), *ws = static_cast<const bf16*>(w);
   if (out_dtype == BF16)
-    pairs(xs, m, k, ws, n, static_cast<bf16*>(out), ldo);
+    pairs(xs, m, k, ws, n, static_cast<bf16*>(out), ldo, ahead, ahead_bytes, nahead);
   else
-    pairs(xs, m, k, ws, n, static_cast<float*>(out), ldo);
+    pairs(xs, m, k, ws, n, static_cast<float*>(out), ldo, ahead, ahead_bytes, nahead);
   return 0;
+}
+
+// Returns 0, or -1 for a bad argument.
+int lp_pairs_matmul(const void* x, const void* w, int64_t m, int64_t n, int64_t k, void* out, int out_dtype,
+                    int64_t ldo) {
+  return lp_pairs_matmul_ahead(x, w, m, n, k, out, out_dtype, ldo, nullptr, nullptr, 0);
 }
 
 int lp_bf16_dot() { return lp::has_bf16_dot() ? 1 : 0; }
