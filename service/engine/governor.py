@@ -29,7 +29,9 @@ Measuring costs steps of the losing kind, so it is kept small:
   than a probe costs;
 - a probe faster than the chosen kind's average starts a trial: ``min_samples`` steps of the probed kind, so one
   probe's news moves its average far enough to change the choice where it should (a single sample moves it by
-  ``alpha`` only, and the next probe is ``probe_every`` steps away).
+  ``alpha`` only, and the next probe is ``probe_every`` steps away). A trial that keeps the choice doubles the
+  interval (up to ``max_probe_every``): its probe was luck (Medusa heads that gain 1.2 tokens a step accept a long
+  draft now and then), and each such trial costs ``min_samples`` slow steps.
 
 Greedy output is the same either way; only speed depends on the choice.
 """
@@ -49,6 +51,7 @@ class _Rates:
     interval: int = 0  # steps between probes now (0: not set yet, probe_every)
     trial: int = 0  # steps of ``trial_kind`` still to take after a surprising probe
     trial_kind: bool = False
+    trial_from: bool | None = None  # the choice when the running trial began
 
 
 class SpeculationGovernor:
@@ -128,8 +131,12 @@ class SpeculationGovernor:
         if before is None or after is None or r.plain is None or r.spec is None:
             return
         chosen = r.spec if before else r.plain
-        if speculative != before and r.trial == 0 and rate > chosen:  # a probe beat the choice: try that kind
-            r.trial, r.trial_kind = self.min_samples, speculative
+        if r.trial_from is not None and r.trial == 0:  # the trial's last step
+            if after == r.trial_from:  # it kept the choice: the probe was luck (a long accepted draft), probe rarer
+                r.interval = min(2 * r.interval, self.max_probe_every)
+            r.trial_from = None
+        elif speculative != before and r.trial == 0 and rate > chosen:  # a probe beat the choice: try that kind
+            r.trial, r.trial_kind, r.trial_from = self.min_samples, speculative, before
         if after != before:
             r.interval, r.since_probe = self.probe_every, 0
         elif after and not speculative and r.plain < (1 - self.margin) * r.spec:

@@ -328,6 +328,25 @@ def test_a_probe_that_beats_the_choice_starts_a_trial_that_can_change_it() -> No
     assert gov.rates(1)[1] > 30
 
 
+def test_a_lucky_probe_whose_trial_keeps_the_choice_makes_probes_rarer() -> None:
+    """A speculative probe that accepted a long draft beats plain once; its trial of slow steps keeps plain, and the
+    next probe comes twice as late (a drafter that wins now and then by luck costs ever less); a trial that changes
+    the choice resets the interval."""
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
+    _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 3)  # plain chosen; the next step is a probe
+    assert gov.choose(1) is True
+    gov.record(1, True, 1.0, 60)  # the probe accepted a long draft: faster than plain, a trial of 2 follows
+    picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=2)
+    assert picks == [True, True] and gov.rates(1)[1] < 30  # the trial's steps are slow: plain stays
+    assert gov.probe_interval(1) == 8
+    assert [i for i, p in enumerate(_decide(gov, 1, spec_rate=10, plain_rate=30, steps=16)) if p] == [7, 15]
+    assert gov.choose(1) is False
+    _decide(gov, 1, spec_rate=90, plain_rate=30, steps=8)  # the next probe wins and its trial switches
+    assert gov.choose(1) is True and gov.probe_interval(1) == 4
+
+
 def test_a_probe_within_the_margin_keeps_the_interval() -> None:
     from service.engine.governor import SpeculationGovernor
 
