@@ -183,18 +183,17 @@ inline void pair_pass_lanes(const bf16* const* x, const bf16* const* a, int64_t 
   FV acc[NT][R][kFV] = {};  // lanes 16 at a time, kW a vector
   for (int64_t c = 0; c < n; c += kChunk) {
     bf16 pad[NT + R][kChunk] = {};  // the last chunk's inputs, zeros past n
-    const bool tail = c + kChunk > n;
-    auto chunk = [&](const bf16* row, int i) -> const bf16* {
-      if (!tail) return row + c;
-      std::memcpy(pad[i], row + c, sizeof(bf16) * (n - c));
-      return pad[i];
-    };
+    const bf16* rows[NT + R];  // the chunk of each token, then of each row of A
+    for (int i = 0; i < NT + R; ++i) {
+      rows[i] = (i < NT ? x[i] : a[q0 + i - NT]) + c;
+      if (c + kChunk > n) rows[i] = static_cast<const bf16*>(std::memcpy(pad[i], rows[i], sizeof(bf16) * (n - c)));
+    }
     for (int v = 0; v < kFV; ++v) {
       FV xe[NT], xo[NT];
-      for (int t = 0; t < NT; ++t) lp::halves_lanes<kW>(chunk(x[t], t) + 2 * kW * v, xe[t], xo[t]);
+      for (int t = 0; t < NT; ++t) lp::halves_lanes<kW>(rows[t] + 2 * kW * v, xe[t], xo[t]);
       for (int q = 0; q < R; ++q) {
         FV ae, ao;
-        lp::halves_lanes<kW>(chunk(a[q0 + q], NT + q) + 2 * kW * v, ae, ao);
+        lp::halves_lanes<kW>(rows[NT + q] + 2 * kW * v, ae, ao);
         for (int t = 0; t < NT; ++t) {
           acc[t][q][v] += xo[t] * ao;
           acc[t][q][v] += xe[t] * ae;
