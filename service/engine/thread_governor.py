@@ -26,7 +26,10 @@ for the whole engine, since contention is a property of the machine, not of the 
   contention is noticed too.
   A probe that loses doubles the interval (up to ``max_probe_every``): under lasting contention probes with
   more threads are the expensive ones, and on a quiet machine the probes with fewer threads are pure cost, so
-  both get rare while they keep losing; a switch resets the interval;
+  both get rare while they keep losing; a switch resets the interval. A periodic probe waits until the step's
+  key has ``min_samples`` steps at the current count, and a probe step of a key without them gives no verdict:
+  a batch size's first step runs cold (a fresh server's first request: ~20x slower), and against that alone one
+  thread looked faster, so a fresh server served its first requests on one thread;
 * a probe faster than the current count's estimate for the same key by ``margin`` switches to it; during the
   first ``min_samples`` steps after a switch, two steps in a row below the previous count's estimate switch
   back (one lucky probe costs two slow steps, not many; one outlier in the trial does not undo a good switch);
@@ -106,6 +109,7 @@ class ThreadGovernor:
         self.switches = 0
         self._est: dict[tuple[Hashable, int], _Estimate] = {}
         self._probe: int | None = None  # the count the next step tries
+        self._collapse = False  # the probe follows a collapse: compared with the replaced estimate
         self._since_probe = 0
         self._probes = 0
         self._previous: int | None = None  # the count before the last switch, during its trial
@@ -126,9 +130,11 @@ class ThreadGovernor:
         rate = rows / seconds
         if threads == self._probe:
             self._probe = None
-            base = self.estimate(key, self.current)
+            held = self._est.get((key, self.current))
             self._est[(key, threads)] = _Estimate(rate, 1)  # what it did before contention changed is stale
-            if base is not None and rate > base * (1 + self.margin):
+            if held is None or (held.n < self.min_samples and not self._collapse):
+                return  # a step of a key without a settled estimate here (its first steps run cold): no verdict
+            if rate > held.value * (1 + self.margin):
                 self._switch(threads)
             else:
                 self.interval = min(2 * self.interval, self.max_probe_every)
@@ -153,11 +159,11 @@ class ThreadGovernor:
         if slow and self.current > 1:
             e.value, e.n = rate, 1  # the machine changed: what it did before says nothing now
             self._slow = 0
-            self._probe = self._neighbour(down=True)
-        elif self._since_probe >= self.interval:
+            self._probe, self._collapse = self._neighbour(down=True), True
+        elif self._since_probe >= self.interval and e.n >= self.min_samples:  # against a settled estimate only
             self._since_probe = 0
             self._probes += 1
-            self._probe = self._neighbour(down=self._probes % 2 == 1)
+            self._probe, self._collapse = self._neighbour(down=self._probes % 2 == 1), False
 
     def hint(self, threads: int) -> None:
         """Continue at the largest level <= ``threads``. Not a measured switch: no trial, estimates and the probe

@@ -131,6 +131,25 @@ def test_the_end_of_contention_is_noticed_and_a_lucky_probe_costs_two_steps() ->
     assert gov.current == 2
 
 
+def test_a_new_keys_cold_first_step_decides_nothing() -> None:
+    """A batch size's first step runs cold (about 20x slower at a fresh server's first request): a probe due then
+    waits until that key's estimate is settled, and a probe step of a key without one gives no verdict."""
+    gov = ThreadGovernor(2, min_samples=4, probe_every=10)
+    small = step_key(1, False)
+    feed(gov, 1000.0, 9)
+    feed(gov, 7.6, key=small, rows=1)  # the 10th step: a probe is due, but batch 1 has one cold sample
+    assert gov.choose(small) == 2
+    feed(gov, 150.0, 3, key=small, rows=1)  # settled: now the probe
+    assert gov.choose(small) == 1
+    feed(gov, 64.0, key=small, rows=1)  # one thread is slower than batch 1's settled estimate: stay
+    assert (gov.current, gov.switches) == (2, 0)
+    fresh = ThreadGovernor(2, min_samples=4, probe_every=10)
+    feed(fresh, 1000.0, 10)  # a probe is due: the next step tries one thread
+    assert fresh.choose(KEY) == 1
+    feed(fresh, 900.0, key=step_key(2, False), rows=2)  # but the next step is of a batch size never seen
+    assert (fresh.current, fresh.switches, fresh.interval) == (2, 0, 10)  # no verdict either way
+
+
 def test_the_level_is_global_and_estimates_are_per_key() -> None:
     gov = ThreadGovernor(4, min_samples=2, probe_every=50)
     small = step_key(1, False)
