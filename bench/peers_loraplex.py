@@ -5,7 +5,9 @@ A configuration is a name and extra ``loraplex serve`` flags (``--dtype bfloat16
 whose flags this server does not have (``serve --help`` lacks them) is skipped, named, with the missing flags. The
 server is started by this process, registers the LoRAs with ``--adapter-dir`` and is stopped after its rows; its
 peak RSS (VmHWM) is read just before it stops. Each row sends all its requests at once, streams them, and checks
-that every request got exactly ``NEW_TOKENS`` tokens.
+that every request got exactly ``NEW_TOKENS`` tokens. Every row is warmed up once, then the measured runs take the
+rows in turn (run 1 of every row, then run 2, ...), so that the VM's drift hits every row alike and ratios between
+rows of one server (LoRA against base-only) compare like with like.
 """
 
 from __future__ import annotations
@@ -141,14 +143,15 @@ def run_config(
     log = work / f"loraplex-{config.name}.log"
     server = Server(model, config.expanded(paths), adapter_dir, free_port(), log)
     results: dict[str, Any] = {}
+    names = [p.name for p in loras]
     try:
+        first = {row.key: asyncio.run(batch_wall(server.target, row, names))[1] for row in rows}  # warm-ups
+        walls: dict[str, list[float]] = {row.key: [] for row in rows}
+        for _ in range(runs):  # the rows in turn, run by run: the machine's drift hits each row alike
+            for row in rows:
+                walls[row.key].append(asyncio.run(batch_wall(server.target, row, names))[0])
         for row in rows:
-            walls = []
-            for run in range(runs + 1):  # run 0 warms up (and loads this row's adapters)
-                wall, first_ids = asyncio.run(batch_wall(server.target, row, [p.name for p in loras]))
-                if run:
-                    walls.append(wall)
-            results[row.key] = summarise(walls, NEW_TOKENS * row.requests, first_ids)
+            results[row.key] = summarise(walls[row.key], NEW_TOKENS * row.requests, first[row.key])
             print(f"loraplex {config.name} {row.key}: {results[row.key]['tok_s']:.1f} tok/s", flush=True)
         rss = server.peak_rss()
     finally:
