@@ -79,8 +79,8 @@ struct Used {
 
 // The product of a layer's projection in ``dtype``: a dense weight's (its d field 0, m field 0), a bf16 weight's in
 // pairs (d 0, m 1), or a Q4 weight's (float32); the last two requesting into the caches as they compute the LoRA
-// tables (``site``, null: none) that the call after it reads: A's extent and each module's Bt over the groups ``used``, in the tables'
-// dtype (float32 or bf16).
+// tables (``site``, null: none) that the call after it reads: A's extent and each module's Bt over the groups
+// ``used``, in the tables' dtype (float32 or bf16).
 inline int product(const int64_t* row, int field, const void* x, int dtype, int64_t m, int64_t n, int64_t k, void* out,
                    const int64_t* site, Used used) {
   const bool pairs = row[field + 1] == 0 && row[field + 2] == kPairs;

@@ -137,8 +137,18 @@ inline void halves_lanes(const bf16* p, typename Lanes<N>::F& even, typename Lan
 }
 inline void halves(const bf16* p, V16& even, V16& odd) { halves_lanes<16>(p, even, odd); }
 
+// One pair of inputs into acc in the bf16 pair order (vdpbf16ps's arithmetic, which pairs.cpp, step.cpp's bf16
+// scores and lora.cpp's bf16 shrink share): the odd inputs' product added first, then the even ones', each product
+// of two bf16 exact in float32 and each sum rounded. F: V16 or another lanes type; X: F, or a float for every lane.
+template <typename F, typename X>
+inline void pair_madd(F& acc, X xe, X xo, F we, F wo) {
+  acc += xo * wo;
+  acc += xe * we;
+}
+
 // Whether this CPU has vdpbf16ps (AVX-512 BF16); the avx512 variant calls it only behind this check (its flags
-// lack avx512bf16: functions that use it carry the target themselves). False in the other variants.
+// lack avx512bf16: functions that use it carry the target themselves, LP_BF16_DOT). False in the other variants.
+#define LP_BF16_DOT __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
 inline bool has_bf16_dot() {
 #if defined(__AVX512F__)
   static const bool has = __builtin_cpu_supports("avx512bf16");

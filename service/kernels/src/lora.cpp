@@ -195,8 +195,7 @@ inline void pair_pass_lanes(const bf16* const* x, const bf16* const* a, int64_t 
         FV ae, ao;
         lp::halves_lanes<kW>(rows[NT + q] + 2 * kW * v, ae, ao);
         for (int t = 0; t < NT; ++t) {
-          acc[t][q][v] += xo[t] * ao;
-          acc[t][q][v] += xe[t] * ae;
+          lp::pair_madd(acc[t][q][v], xe[t], xo[t], ae, ao);
         }
       }
     }
@@ -211,7 +210,7 @@ inline void pair_pass_lanes(const bf16* const* x, const bf16* const* a, int64_t 
 
 #if defined(__AVX512F__)
 template <int NT>
-__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void pair_rows_dot(
+LP_BF16_DOT void pair_rows_dot(
     const bf16* const* x, const bf16* const* a, int64_t n, float (*out)[kRows]) {
   __m512 acc[NT][kRows];
   for (int t = 0; t < NT; ++t)
@@ -337,7 +336,8 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
   constexpr bool kInPairs = std::is_same<X, bf16>::value && std::is_same<W, bf16>::value;
   const bool widen_x = !std::is_same<X, float>::value && !kInPairs, dot = kInPairs && lp::has_bf16_dot();
   const Scratch order_(0, (size_t)active * sizeof(int64_t)), spans_(1, (size_t)active * sizeof(Span));
-  const Scratch h_(2, (size_t)tokens * width * sizeof(float)), xf_(3, widen_x ? (size_t)tokens * in * sizeof(float) : 1);
+  const Scratch h_(2, (size_t)tokens * width * sizeof(float));
+  const Scratch xf_(3, widen_x ? (size_t)tokens * in * sizeof(float) : 1);
   int64_t* order = order_.as<int64_t>();
   Span* spans = spans_.as<Span>();
   float* h = h_.as<float>();  // [tokens, width] in span order

@@ -66,10 +66,7 @@ inline void lanes_pair(const bf16* const* x, const bf16* w, int64_t block_stride
   for (int r = 0; r < NX; ++r) {
     const uint32_t v = pair_at<Last>(x[r], p);
     const float xe = lp::widen((bf16)(v & 0xffffu)), xo = lp::widen((bf16)(v >> 16));
-    for (int b = 0; b < NB; ++b) {
-      acc[r][b] += xo * wo[b];
-      acc[r][b] += xe * we[b];
-    }
+    for (int b = 0; b < NB; ++b) lp::pair_madd(acc[r][b], xe, xo, we[b], wo[b]);
   }
 }
 
@@ -86,7 +83,6 @@ void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_st
 
 #if defined(__AVX512F__)
 // The same on vdpbf16ps (built for it alone: the variant's flags lack avx512bf16; run only where the CPU has it).
-#define LP_BF16_DOT __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
 
 template <int NX, int NB, bool Last>
 LP_BF16_DOT __attribute__((always_inline)) inline void dot_pair(

@@ -199,15 +199,14 @@ inline float pair_dot(const V16 (&qe)[D / 32], const V16 (&qo)[D / 32], const bf
   for (int64_t c = 0; c < D / 32; ++c) {
     V16 ke, ko;
     lp::halves(kp + 32 * c, ke, ko);
-    acc += qo[c] * ko;
-    acc += qe[c] * ke;
+    lp::pair_madd(acc, qe[c], qo[c], ke, ko);
   }
   return lp::lane_sum(acc);
 }
 
 #if defined(__AVX512F__)
 template <int64_t D, int G>
-__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f"))) void scores_dpbf16(
+LP_BF16_DOT void scores_dpbf16(
     const bf16 (&qb)[G][D], const bf16* k, int64_t n, float scale, float* s, float* top) {
   static_assert(D % 32 == 0, "whole chunks only");
   __m512bh qv[G][D / 32];
@@ -304,8 +303,7 @@ inline float pair_dot_any(const float* q, const bf16* kp, int64_t d) {
     V16 qe, qo, ke, ko;
     lp::halves(qb, qe, qo);
     lp::halves(kb, ke, ko);
-    acc += qo * ko;
-    acc += qe * ke;
+    lp::pair_madd(acc, qe, qo, ke, ko);
   }
   return lp::lane_sum(acc);
 }
