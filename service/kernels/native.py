@@ -75,7 +75,7 @@ KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
 _SRC = Path(__file__).with_name("src")
 SOURCES = tuple(_SRC / f"{n}.cpp" for n in ("blocks", "dense", "pairs", "step", "lora", "decode"))
-HEADERS = (_SRC / "dtypes.h", _SRC / "ahead.h")  # included by the sources: part of the cache key
+HEADERS = (_SRC / "dtypes.h", _SRC / "ahead.h", _SRC / "shares.h")  # included by the sources: part of the cache key
 ISA_FLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),

@@ -179,6 +179,53 @@ def test_lora_rows_on_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(
     _lora_rows_both_ways(dense_model, [None, "x", "y", "x"], mode)  # within the dense kernel's rows in bf16 too
 
 
+def _steps_with_lora(model: Llama, rows: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two decode steps of ``rows`` (some with LoRA tables) through the one call: hidden states and the cache."""
+    cfg = model.cfg
+    layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("q_proj", "gate_proj", "down_proj"))}
+    gen = torch.Generator().manual_seed(5)
+    cache = KVCache(cfg, len(rows), 24, dtype=model.dtype, device=CPU)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    start = torch.tensor([3, 11, 0, 7, 5, 2, 9, 4, 6][: len(rows)])[:, None]
+    tables, calls, hidden = _tables(model), model.stack.calls, []
+    for i in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (len(rows), 1), generator=gen)
+        batch = AdapterBatch.build(rows, lambda a, layer: layers[a], tables)
+        hidden.append(model(tokens, start + i, cache, 0, batch, kv_len=int(start.max()) + i + 1))
+    assert model.stack.calls == calls + 2
+    return torch.cat(hidden, dim=1), cache.data.clone()
+
+
+def _same_bits_at(model: Llama, threads: int) -> None:
+    dense = not isinstance(model.projection(0, "wqkv"), (Q4Native, Bf16Pairs))  # in the call up to its rows
+    n = NATIVE_DENSE_ROWS[model.dtype] if dense else 9
+    rows = ["x", None, "y", "x", "y", "y", None, "x", "x"][:n]
+    want = _decode(model, stack=True, rows=min(n, 7), slot_start=0, steps=2), _steps_with_lora(model, rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            got = _decode(model, stack=True, rows=min(n, 7), slot_start=0, steps=2), _steps_with_lora(model, rows)
+            for (w_hidden, w_cache), (g_hidden, g_cache) in zip(want, got, strict=True):
+                assert torch.equal(w_hidden, g_hidden) and torch.equal(w_cache, g_cache)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_same_bits_at_any_thread_count(q4_model: Llama, threads: int) -> None:
+    """The kernels share a call's work items among its threads (src/shares.h: each thread its static share in
+    order, then items from the back of the others'): which thread runs an item never changes a result. One thread
+    takes every share (the others' from their backs); three threads on this machine's cores take each other's
+    items whenever one waits for a core."""
+    _same_bits_at(q4_model, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_same_bits_at_any_thread_count_on_dense_weights(dense_model: Llama, threads: int) -> None:
+    _same_bits_at(dense_model, threads)
+
+
 # --- a draft chain to verify: T tokens a row in one call, as T decode steps -------------------------------------
 
 

@@ -10,8 +10,8 @@ namespace lp {
 // item's inner steps go by (``next``, ``visits`` calls an item at most), so the requests spread over the product
 // instead of queueing at once. Work item ``task`` of ``tasks`` takes the same fraction of every range (its
 // ``task``-th share of each in turn): the LoRA kernel after the product splits its groups among the threads in order
-// too, and a static schedule gives each thread its items in order, so each core mostly finds its share of the
-// tables in its own caches.
+// too, and lp::Shares gives each thread its static share of the items in order, so each core mostly finds its share
+// of the tables in its own caches.
 struct Stream {
   Stream(const void* const* ranges_, const int64_t* bytes_, int count_, int64_t lines, int64_t task_, int64_t tasks_,
          int64_t visits)

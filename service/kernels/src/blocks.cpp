@@ -24,6 +24,7 @@
 
 #include "ahead.h"
 #include "dtypes.h"
+#include "shares.h"
 
 #ifndef LP_ISA
 #define LP_ISA "generic"
@@ -364,6 +365,7 @@ constexpr int kPassRows = 8;  // rows of x per pass over a tile (their sums held
 constexpr int kPassRows = 4;
 #endif
 constexpr int64_t kTilesPerTask = 2;  // tiles per OpenMP work item
+constexpr int64_t kGrainTiles = 16;   // tiles a thread takes at once at one pass (lp::Shares' grain)
 
 // ``rows`` (1..kPassRows) rows of x against one tile: q4_tile with the count fixed.
 inline void q4_pass(int rows, const uint8_t* qs, const float* d, const float* mn, int64_t groups, const float* xf,
@@ -489,8 +491,9 @@ int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const floa
   const int64_t tasks = (tiles + kTilesPerTask - 1) / kTilesPerTask, passes = (m + kPassRows - 1) / kPassRows;
   const int64_t lines = lp::lines_of(ahead_bytes, nahead);  // cache lines to request, all ranges together
   const int64_t visits = (tiles * passes + tasks - 1) / tasks * groups;  // group visits of a work item, at most
-#pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < tasks; ++task) {
+  lp::Shares shares(tasks, kGrainTiles / kTilesPerTask / passes);  // a grain below 1 takes one task at a time
+#pragma omp parallel
+  shares.run([&](int64_t task) {
     float acc[kPassRows * kTile];
     const int64_t t1 = (task + 1) * kTilesPerTask < tiles ? (task + 1) * kTilesPerTask : tiles;
     Stream slice(ahead, ahead_bytes, nahead, lines, task, tasks, visits);
@@ -506,7 +509,7 @@ int lp_q4_matmul_ahead(const void* x, int x_dtype, const uint8_t* qs, const floa
             store_scalar(out, (r0 + r) * ldo + t * kTile + i, acc[r * kTile + i], out_dtype);
       }
     }
-  }
+  });
   return 0;
 }
 

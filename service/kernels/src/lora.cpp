@@ -35,6 +35,7 @@
 #endif
 
 #include "dtypes.h"
+#include "shares.h"
 
 namespace {
 
@@ -358,6 +359,8 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
   for (int64_t m = 0; m < nseg; ++m) rank_sum += seg[4 * m + 1], blocks += (seg[4 * m + 3] + kCols - 1) / kCols;
   const int64_t macs = tokens * (in * width + rank_sum * out_cols / nseg);
   int failed = 0;
+  const int64_t quads = (width + kRows - 1) / kRows;  // shrink items per group
+  lp::Shares shrink(nspans * quads), expand(nspans * blocks);
 
 #pragma omp parallel if (macs >= kParallelMacs)
   {
@@ -378,13 +381,11 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
       return widen_x ? xf + j * in : (const float*)(const void*)(x + at(j) * in);
     };
     // Shrink: one work item per (group, kRows rows of A): those rows once (widened where needed), for each token.
-    const int64_t quads = (width + kRows - 1) / kRows;
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < nspans * quads; ++item) {
-      if (buf == nullptr) continue;
+    shrink.run([&](int64_t item) {
+      if (buf == nullptr) return;
       const Span& s = spans[item / quads];
       const int64_t r0 = (item % quads) * kRows, nr = std::min<int64_t>(kRows, width - r0);
-      if (a_sk == 1 && item + 1 < nspans * quads) {  // the next item's rows (within this thread's chunk)
+      if (a_sk == 1 && item + 1 < nspans * quads) {  // the next item's rows (next in this thread's share)
         const int64_t next_r0 = ((item + 1) % quads) * kRows, rows = std::min<int64_t>(kRows, width - next_r0);
         prefetch(a + spans[(item + 1) / quads].group * a_sg + next_r0 * a_sr, rows * a_sr * (int64_t)sizeof(W));
       }
@@ -406,7 +407,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
           for (int64_t u = 0; u < 2 && j + u < j1; ++u)
             for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
         }
-        continue;
+        return;
       }
       const W* direct[kRows];  // A's rows in place (contiguous), or widened into buf (strided)
       const float* wide[kRows];
@@ -429,11 +430,11 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
         for (int64_t u = 0; u < 2 && j + u < j1; ++u)
           for (int64_t q = 0; q < nr; ++q) h[(j + u) * width + r0 + q] = hq[u][q];
       }
-    }
+    });
+#pragma omp barrier
     // Expand: one work item per (group, module, block of kCols columns): that block of Bt once for all tokens.
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < nspans * blocks; ++item) {
-      if (buf == nullptr) continue;
+    expand.run([&](int64_t item) {
+      if (buf == nullptr) return;
       const Span& s = spans[item / blocks];
       int64_t m = 0, blk = item % blocks;
       while (blk >= (seg[4 * m + 3] + kCols - 1) / kCols) blk -= (seg[4 * m + 3] + kCols - 1) / kCols, ++m;
@@ -482,7 +483,7 @@ int lora_delta(const X* x, int64_t b, int64_t t, int64_t in, const int64_t* grou
           }
         }
       }
-    }
+    });
   }
   return failed ? -2 : 0;
 }

@@ -29,6 +29,7 @@
 
 #include "ahead.h"
 #include "dtypes.h"
+#include "shares.h"
 
 namespace {
 
@@ -159,8 +160,9 @@ void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out
   const bool dot = lp::has_bf16_dot();
   const int64_t lines = lp::lines_of(ahead_bytes, nahead);
   const int64_t visits = std::max<int64_t>(1, (k / 2 + kVisitPairs - 1) / kVisitPairs);  // of a work item
-#pragma omp parallel for schedule(static) if (m * n * k >= kParallelMacs)
-  for (int64_t item = 0; item < groups * tiles; ++item) {
+  lp::Shares shares(groups * tiles);
+#pragma omp parallel if (m * n * k >= kParallelMacs)
+  shares.run([&](int64_t item) {
     lp::Stream slice(ahead, ahead_bytes, nahead, lines, item, groups * tiles, visits);
     lp::Stream* stream = lines > 0 ? &slice : nullptr;
     const int64_t g = item / tiles, r0 = item % tiles * kX, b0 = g * per;
@@ -178,7 +180,7 @@ void pairs(const bf16* x, int64_t m, int64_t k, const bf16* w, int64_t n, O* out
       case 3: tile_nb<3>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs, stream); break;
       default: tile_nb<kX>(nb, dot, xs, k, wb, stride, b0 * kRows, n, outs, stream);
     }
-  }
+  });
 }
 
 }  // namespace

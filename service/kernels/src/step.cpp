@@ -33,6 +33,7 @@
 #endif
 
 #include "dtypes.h"
+#include "shares.h"
 
 namespace {
 
@@ -369,6 +370,7 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
   if (b * kv * ((group + chunk - 1) / chunk) < 2 * (int64_t)omp_get_max_threads()) chunk = 1;
   const int64_t chunks = (group + chunk - 1) / chunk;
   int failed = 0;
+  lp::Shares shares(b * kv * chunks);
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -382,8 +384,7 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
         store(v_cache, at + i, bounded(widen(v[i])));
       }
     }  // the implicit barrier: every row's new K/V is in place before any query reads it
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < b * kv * chunks; ++t) {
+    shares.run([&](int64_t t) {
       const int64_t r = t / (kv * chunks), j = t / chunks % kv, c = t % chunks, n = pos[r] + 1;
       const int64_t head = j * group + c * chunk, heads = group - c * chunk < chunk ? group - c * chunk : chunk;
       const int64_t base = r % slots * slot_stride + j * head_stride;
@@ -394,11 +395,11 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
       if (s == nullptr) {
 #pragma omp atomic write
         failed = 1;
-        continue;
+        return;
       }
       attend_heads(heads, d, q, k_cache + base, v_cache + base, n, scale, s, out + r * h * d + head * d);
       std::free(s);
-    }
+    });
   }
   return failed ? -2 : 0;
 }
