@@ -75,7 +75,8 @@ class Runner:
         if self.mixer is None or self.tables is None:
             return None
         keys = [r.request.deltas_key if r.deltas else None for r in rows]
-        return AdapterBatch.build(keys, self.mixer.layer, self.tables, slot_start=slot_start)
+        owners = [r.request for r in rows]  # a row holds its adapter while it lives: one stack serves its steps
+        return AdapterBatch.build(keys, self.mixer.layer, self.tables, slot_start=slot_start, owners=owners)
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def prefill(self, rows: Sequence[Row], grants: Sequence[int], start: int, draft: bool) -> None:

@@ -179,6 +179,45 @@ def test_lora_rows_on_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(
     _lora_rows_both_ways(dense_model, [None, "x", "y", "x"], mode)  # within the dense kernel's rows in bf16 too
 
 
+@pytest.mark.parametrize("mode", ["slots", "shared"])
+def test_the_same_rows_reuse_their_compiled_stack_until_a_table_changes(q4_model: Llama, mode: str) -> None:
+    """The engine's batches name their rows' owners (requests): a batch of the same owners on unchanged tables
+    takes the last step's compiled stack without looking up a layer; a table written in between (another batch's
+    adapter in their slot, another set built) or other owners make it sync again, and every result is the one a
+    fresh batch gives."""
+    cfg, top = q4_model.cfg, q4_model.cfg.num_layers
+    layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("v_proj", "down_proj")), "z": _lora(cfg, 3)}
+    looked: list[int] = []
+
+    def lookup(adapter: str, layer: int) -> LoraLayer:
+        looked.append(layer)
+        return layers[adapter]
+
+    tables = _tables(q4_model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 1), generator=torch.Generator().manual_seed(9))
+
+    def step(rows: list[str], owners: tuple[object, ...] | None) -> torch.Tensor:
+        looked.clear()
+        cache = KVCache(cfg, 2, 8, dtype=torch.float32, device=CPU)
+        batch = AdapterBatch.build(rows, lookup, tables, mode=mode, owners=owners)  # type: ignore[arg-type]
+        return q4_model(tokens[: len(rows)], torch.full((len(rows), 1), 3), cache, 0, batch, kv_len=4)
+
+    def layers_looked() -> int:
+        return sum(layer < top for layer in looked)
+
+    first, second = object(), object()
+    want = step(["x", "y"], (first, second))
+    assert layers_looked() > 0 and tables.stack_cache is not None
+    stack = tables.stack_cache[2]
+    assert torch.equal(step(["x", "y"], (first, second)), want)
+    assert layers_looked() == 0 and tables.stack_cache[2] is stack  # reused: no layer looked up
+    step(["z"], None)  # z's weights written into slot 0 (or a set of z built) by a batch that keeps no stack
+    assert torch.equal(step(["x", "y"], (first, second)), want)
+    assert layers_looked() > 0  # synced again
+    assert torch.equal(step(["x", "y"], (object(), second)), want)
+    assert layers_looked() > 0  # another owner: synced again
+
+
 def _steps_with_lora(model: Llama, rows: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Two decode steps of ``rows`` (some with LoRA tables) through the one call: hidden states and the cache."""
     cfg = model.cfg

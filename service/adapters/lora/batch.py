@@ -88,8 +88,10 @@ class AdapterBatch:
         rows: int,
         slot_start: int,
         mode: Mode,
+        owners: Sequence[object] | None = None,
     ) -> None:
         self.tables = tables
+        self._owners = None if owners is None else tuple(owners)  # see ``build``
         self.rows = rows  # B: the batch rows the model will pass
         self.span = (lo, lo + len(span_ids))  # [lo, hi): first to last row with an adapter
         self.slot_start = slot_start
@@ -131,6 +133,7 @@ class AdapterBatch:
         slot_start: int = 0,
         rows_per_item: int | Sequence[int] = 1,
         mode: Mode = "auto",
+        owners: Sequence[object] | None = None,
     ) -> AdapterBatch | None:
         """The batch for rows ``[slot_start, slot_start + B)`` of the KV cache, or ``None`` if no row has an adapter.
 
@@ -140,6 +143,10 @@ class AdapterBatch:
         device (``None`` if the adapter leaves the layer alone); it is called once per distinct adapter and layer,
         the first time the forward pass reaches the layer. ``mode`` forces the per-slot or shared layout
         (tests, benchmarks); ``"auto"`` picks by the number of rows per distinct adapter.
+
+        ``owners`` (one object per item, e.g. its request) lets consecutive batches of the same items share one
+        compiled stack (``stack_lora``): each item's ``layer_lookup`` must return the same objects for as long as
+        the item lives (its adapter held), as the engine's rows do. Without it every batch syncs every layer.
         """
         counts = [rows_per_item] * len(row_adapters) if isinstance(rows_per_item, int) else list(rows_per_item)
         if len(counts) != len(row_adapters) or any(c < 0 for c in counts):
@@ -152,7 +159,11 @@ class AdapterBatch:
             return None
         lo, hi = used[0], used[-1] + 1
         span = per_row[lo:hi]
-        return cls(tables, layer_lookup, span, lo=lo, rows=len(per_row), slot_start=slot_start, mode=mode)
+        if owners is not None and len(owners) != len(row_adapters):
+            raise ValueError(f"{len(owners)} owners for {len(row_adapters)} items")
+        return cls(
+            tables, layer_lookup, span, lo=lo, rows=len(per_row), slot_start=slot_start, mode=mode, owners=owners
+        )
 
     def _sync(self, layer: int) -> None:
         """Bring the layer's tables up to date on the first visit of this forward pass."""
@@ -289,6 +300,10 @@ class AdapterBatch:
         rows, layers = self._kernel_rows, self.tables.num_layers
         if self.tables.native is None or rows is None or any(NORMS & p.saved.keys() for p in self._model().values()):
             return None
+        key = self._stack_key()
+        cached = self.tables.stack_cache
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[2]
         sites, keep = (ctypes.c_int64 * (layers * len(PROJ_NAMES)))(), []
         for layer in range(layers):
             if not self._synced[layer]:
@@ -302,7 +317,19 @@ class AdapterBatch:
                         table.kernel = lora_site(*self._kernel_table(table))
                     sites[layer * len(PROJ_NAMES) + j] = ctypes.addressof(table.kernel.fields)
                     keep.append(table.kernel)
-        return StackLora(sites, self.span, rows, tuple(keep))
+        stack = StackLora(sites, self.span, rows, tuple(keep))
+        if key is not None and self._owners is not None:
+            self.tables.stack_cache = (self._stack_key() or (), self._owners, stack)  # the count after the syncs
+        return stack
+
+    def _stack_key(self) -> tuple[Hashable, ...] | None:
+        """What a compiled stack depends on, beside the items' layer objects (``build``'s ``owners``): the tables'
+        generation, the rows' keys and slots, the layout and its groups. None without owners."""
+        if self._owners is None:
+            return None
+        owners = tuple(id(o) for o in self._owners)
+        return (self.tables.generation, owners, tuple(self._span_ids), self.slot_start, self.span, self.rows,
+                self.shared, self._groups)  # fmt: skip
 
     # --- the embedding, the norms and the head (LoRA on embed_tokens / lm_head, modules_to_save) ------------------
 

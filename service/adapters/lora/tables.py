@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import torch
 
@@ -55,6 +55,9 @@ from service.kernels import KERNEL_DTYPES
 from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
+
+if TYPE_CHECKING:
+    from service.kernels.lora import StackLora
 
 SHARED_SETS_KEPT: Final = 2  # adapter sets whose shared tables are kept per layer
 
@@ -86,6 +89,9 @@ class LoraTables:
         self.compute_dtype = torch.float32 if eager_cpu_half else dtype  # the tables' dtype
         self.modules = module_layout(cfg)
         self.stats = TableStats()
+        # Counts every change to what a table holds or where (a slot written, a table grown or reallocated, a shared
+        # set built, everything dropped): a compiled stack made at one count reads the same tables at that count.
+        self.generation = 0
         self.clear()
 
     @property
@@ -106,6 +112,10 @@ class LoraTables:
     def clear(self) -> None:
         """Drop every table (e.g. when the engine goes idle); the next batch rebuilds what it needs."""
         self._capacity = 0
+        self.generation += 1
+        # The last batch's compiled stack (``AdapterBatch.stack_lora``): its key (the generation, the batch's rows
+        # and their layout), the rows' owners (held so that their ids stay theirs) and the stack.
+        self.stack_cache: tuple[tuple[Hashable, ...], tuple[object, ...], StackLora] | None = None
         self.slot_tables: list[dict[str, SlotTable]] = [{} for _ in range(self.num_layers)]  # [layer][site]
         self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
         # The adapter keys of the last few shared sets, most recent first, and per layer their tables with the
@@ -166,6 +176,7 @@ class LoraTables:
                 before.setdefault(k, None if ref is None else ref())
         distinct = [found[k] if k in found else before.get(k) for k in order]
         tables: dict[str, SharedTable] = {}
+        self.generation += 1
         for site in SITES:
             table = self._stack(site, distinct)
             if table is not None:
@@ -232,6 +243,7 @@ class LoraTables:
         if slots <= self._capacity:
             return
         grow = slots - self._capacity
+        self.generation += 1
         for layer, tables in enumerate(self.slot_tables):
             for table in tables.values():
                 table.kernel = None
@@ -270,6 +282,7 @@ class LoraTables:
     def _mark_dirty(self, layer: int) -> None:
         """A table of ``layer`` was reallocated: slots holding an adapter must be rewritten (zero slots stay)."""
         self.stats.relayouts += 1
+        self.generation += 1
         owners = self._owners[layer]
         for slot, owner in enumerate(owners):
             if owner is not None:
@@ -301,6 +314,7 @@ class LoraTables:
 
     def _write(self, tables: dict[str, SlotTable], slot: int, lora: LoraLayer | None) -> None:
         """Copy one adapter layer (or zeros) into row ``slot`` of every per-slot table of the layer."""
+        self.generation += 1
         for table in tables.values():
             a = table.a[slot]  # [R, in]
             for name, width in table.ranks.items():
