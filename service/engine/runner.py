@@ -303,12 +303,15 @@ class Runner:
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor, masks: PendingMasks | None = None) -> None:
         """Sample every row's next token from ``logits`` [B, V], after ``masks`` (begun for these rows) removed
         what each constrained row's grammar does not allow."""
-        finite = torch.isfinite(logits.amax(dim=-1))  # [B]: the max is NaN if any logit is, inf if any is +inf
+        top = logits.max(dim=-1)  # [B]: the max is NaN if any logit is, inf if any is +inf; its first index the argmax
+        finite = torch.isfinite(top.values)
+        argmax: torch.Tensor | None = top.indices  # while the logits are unmasked
         dead: list[int] = []
         if masks is not None and self.masks is not None:  # rows needing only their argmax are masked if it is refused
             only = [p.greedy and not p.penalized and not p.logprobs for p in (r.request.sampling for r in rows)]
-            tops = greedy(logits).tolist() if any(only) else [None] * len(rows)
+            tops = top.indices.tolist() if any(only) else [None] * len(rows)
             dead = self.masks.apply(masks, logits, [t if o else None for t, o in zip(tops, only, strict=True)])
+            argmax = None
         if dead or not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
             ok = finite.tolist()
             for b in dead:
@@ -316,13 +319,15 @@ class Runner:
                     self.outputs.dead_end(rows[b])
             keep = [b for b, fine in enumerate(ok) if (fine or self._fail(rows[b])) and b not in dead]
             rows = [rows[b] for b in keep]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            kept = torch.tensor(keep, dtype=torch.long, device=logits.device)
+            logits = logits[kept]
+            argmax = None if argmax is None else argmax[kept]
             if not rows:
                 return
         params = [r.request.sampling for r in rows]
         needs_history = any(p.repetition_penalty != 1.0 for p in params)
         result = self.sampler.sample(
-            logits, params, [r.generator for r in rows], [r.ids for r in rows] if needs_history else None
+            logits, params, [r.generator for r in rows], [r.ids for r in rows] if needs_history else None, argmax
         )
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         self.outputs.emit_all(rows, result.tokens.tolist(), logprobs)

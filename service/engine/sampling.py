@@ -143,19 +143,21 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[Generator | None] | None = None,
         history: History | None = None,
+        argmax: Tensor | None = None,
     ) -> SampleResult:
         """Pick the next token of every row.
 
         logits: [B, V] fp32 (other float dtypes are upcast). ``params[i]`` and ``generators[i]`` belong to row i;
         a sampled row without a generator draws from torch's default generator (not reproducible). ``history[i]``
         holds the ids (prompt + generated) the repetition penalty looks at; it is only read for penalized rows.
+        ``argmax`` [B]: ``greedy(logits)`` where the caller has it already (one pass over the logits less).
         """
         b = logits.shape[0]
         if len(params) != b:
             raise ValueError(f"got {len(params)} SamplingParams for a batch of {b} rows")
         want_logprobs = any(p.logprobs for p in params)
         if all(p.greedy and not p.penalized for p in params):
-            tokens = greedy(logits)  # [B]
+            tokens = greedy(logits) if argmax is None else argmax  # [B]
             if not want_logprobs:
                 return SampleResult(tokens)
             x = logits.float()  # [B, V]
