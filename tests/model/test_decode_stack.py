@@ -197,20 +197,24 @@ def test_the_same_rows_reuse_their_compiled_stack_until_a_table_changes(q4_model
     tokens = torch.randint(0, cfg.vocab_size, (2, 1), generator=torch.Generator().manual_seed(9))
 
     def step(rows: list[str], owners: tuple[object, ...] | None) -> torch.Tensor:
+        nonlocal stack
         looked.clear()
         cache = KVCache(cfg, 2, 8, dtype=torch.float32, device=CPU)
         batch = AdapterBatch.build(rows, lookup, tables, mode=mode, owners=owners)  # type: ignore[arg-type]
-        return q4_model(tokens[: len(rows)], torch.full((len(rows), 1), 3), cache, 0, batch, kv_len=4)
+        out = q4_model(tokens[: len(rows)], torch.full((len(rows), 1), 3), cache, 0, batch, kv_len=4)
+        assert batch is not None
+        stack = batch.stack_lora()  # what the step took (kept: no layer looked up again)
+        return out
 
     def layers_looked() -> int:
         return sum(layer < top for layer in looked)
 
-    first, second = object(), object()
+    first, second, stack = object(), object(), None
     want = step(["x", "y"], (first, second))
-    assert layers_looked() > 0 and tables.stack_cache is not None
-    stack = tables.stack_cache[2]
+    assert layers_looked() > 0 and stack is not None
+    made = stack
     assert torch.equal(step(["x", "y"], (first, second)), want)
-    assert layers_looked() == 0 and tables.stack_cache[2] is stack  # reused: no layer looked up
+    assert layers_looked() == 0 and stack is made  # reused: no layer looked up
     step(["z"], None)  # z's weights written into slot 0 (or a set of z built) by a batch that keeps no stack
     assert torch.equal(step(["x", "y"], (first, second)), want)
     assert layers_looked() > 0  # synced again

@@ -63,7 +63,7 @@ from torch import Tensor
 from service.adapters.lora.layouts import SITES, ModuleSpec, SharedTable, SlotTable, module_layout
 from service.adapters.lora.tables import LoraTables
 from service.adapters.lora.types import LoraLayer
-from service.kernels.lora import LoraSegment, StackLora, lora_site
+from service.kernels.lora import StackLora
 from service.model.hooks import PROJ_NAMES, HeadPart, NormName, NormWith, ProjName
 
 # Shared mode while each distinct adapter has at least this many rows on average (bench/README.md, "LoRA on every
@@ -142,11 +142,9 @@ class AdapterBatch:
         ``layer_lookup(adapter_id, layer)`` returns that adapter's ``LoraLayer`` for ``layer`` on the tables'
         device (``None`` if the adapter leaves the layer alone); it is called once per distinct adapter and layer,
         the first time the forward pass reaches the layer. ``mode`` forces the per-slot or shared layout
-        (tests, benchmarks); ``"auto"`` picks by the number of rows per distinct adapter.
-
-        ``owners`` (one object per item, e.g. its request) lets consecutive batches of the same items share one
-        compiled stack (``stack_lora``): each item's ``layer_lookup`` must return the same objects for as long as
-        the item lives (its adapter held), as the engine's rows do. Without it every batch syncs every layer.
+        (tests, benchmarks); ``"auto"`` picks by the number of rows per distinct adapter. ``owners`` (one object
+        per item, e.g. its request) lets batches of the same items share one compiled stack (``stack_lora``): an
+        item's ``layer_lookup`` must give the same objects while it lives (its adapter held), as the engine's do.
         """
         counts = [rows_per_item] * len(row_adapters) if isinstance(rows_per_item, int) else list(rows_per_item)
         if len(counts) != len(row_adapters) or any(c < 0 for c in counts):
@@ -161,9 +159,8 @@ class AdapterBatch:
         span = per_row[lo:hi]
         if owners is not None and len(owners) != len(row_adapters):
             raise ValueError(f"{len(owners)} owners for {len(row_adapters)} items")
-        return cls(
-            tables, layer_lookup, span, lo=lo, rows=len(per_row), slot_start=slot_start, mode=mode, owners=owners
-        )
+        b = len(per_row)
+        return cls(tables, layer_lookup, span, lo=lo, rows=b, slot_start=slot_start, mode=mode, owners=owners)
 
     def _sync(self, layer: int) -> None:
         """Bring the layer's tables up to date on the first visit of this forward pass."""
@@ -193,28 +190,12 @@ class AdapterBatch:
             return out
         native, rows = self.tables.native, self._kernel_rows
         if native is not None and rows is not None and out.is_contiguous() and x.dtype == out.dtype:
-            if table.kernel is None:
-                table.kernel = lora_site(*self._kernel_table(table))
-            native.lora_delta(table.kernel, out[lo:hi], x[lo:hi].contiguous(), rows)
+            native.lora_delta(self.tables.kernel_of(table), out[lo:hi], x[lo:hi].contiguous(), rows)
         elif isinstance(table, SharedTable):
             self._add_shared(out[lo:hi], x[lo:hi], table)
         else:
             self._add_slots(out[lo:hi], x[lo:hi], table)
         return out
-
-    def _kernel_table(self, table: SharedTable | SlotTable) -> tuple[Tensor, list[LoraSegment]]:
-        """A table as the compiled kernel reads it: A [G, R, in] and one segment per module."""
-
-        def col(module: str) -> int:
-            return self.tables.modules[module].cols[0]
-
-        if isinstance(table, SharedTable):
-            return table.a, [LoraSegment(s.start, col(s.module), s.bt, s.scale, s.bias) for s in table.segs]
-        segs = [
-            LoraSegment(table.offsets[m], col(m), table.bt[m], table.scale.get(m), table.bias.get(m))
-            for m in table.ranks
-        ]
-        return table.a, segs
 
     def _add_slots(self, out: Tensor, x: Tensor, table: SlotTable) -> None:
         # x [b, T, in], out [b, T, out_fused]: views of the span's rows
@@ -301,9 +282,8 @@ class AdapterBatch:
         if self.tables.native is None or rows is None or any(NORMS & p.saved.keys() for p in self._model().values()):
             return None
         key = self._stack_key()
-        cached = self.tables.stack_cache
-        if key is not None and cached is not None and cached[0] == key:
-            return cached[2]
+        if (kept := self.tables.kept_stack(key)) is not None:
+            return kept
         sites, keep = (ctypes.c_int64 * (layers * len(PROJ_NAMES)))(), []
         for layer in range(layers):
             if not self._synced[layer]:
@@ -313,23 +293,20 @@ class AdapterBatch:
             tables = self._shared_of[layer] if self.shared else self.tables.slot_tables[layer]
             for j, name in enumerate(PROJ_NAMES):
                 if (table := tables.get(name)) is not None:
-                    if table.kernel is None:
-                        table.kernel = lora_site(*self._kernel_table(table))
-                    sites[layer * len(PROJ_NAMES) + j] = ctypes.addressof(table.kernel.fields)
-                    keep.append(table.kernel)
+                    site = self.tables.kernel_of(table)
+                    sites[layer * len(PROJ_NAMES) + j] = ctypes.addressof(site.fields)
+                    keep.append(site)
         stack = StackLora(sites, self.span, rows, tuple(keep))
-        if key is not None and self._owners is not None:
-            self.tables.stack_cache = (self._stack_key() or (), self._owners, stack)  # the count after the syncs
+        self.tables.keep_stack(key, self._owners, stack)
         return stack
 
     def _stack_key(self) -> tuple[Hashable, ...] | None:
-        """What a compiled stack depends on, beside the items' layer objects (``build``'s ``owners``): the tables'
-        generation, the rows' keys and slots, the layout and its groups. None without owners."""
+        """What a compiled stack depends on beside the tables (their generation) and the items' layer objects
+        (``build``'s ``owners``): the rows, their keys and slots, the layout. None without owners."""
         if self._owners is None:
             return None
         owners = tuple(id(o) for o in self._owners)
-        return (self.tables.generation, owners, tuple(self._span_ids), self.slot_start, self.span, self.rows,
-                self.shared, self._groups)  # fmt: skip
+        return owners, tuple(self._span_ids), self.slot_start, self.span, self.rows, self.shared, self._groups
 
     # --- the embedding, the norms and the head (LoRA on embed_tokens / lm_head, modules_to_save) ------------------
 

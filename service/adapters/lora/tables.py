@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import torch
 
@@ -52,12 +52,10 @@ from service.adapters.lora.layouts import (
 from service.adapters.lora.types import MODULES, LoraLayer, LoraModule
 from service.errors import InvalidAdapter
 from service.kernels import KERNEL_DTYPES
+from service.kernels.lora import LoraSegment, LoraSite, StackLora, lora_site
 from service.kernels.native import NativeKernels
 from service.model.config import ModelConfig
 from service.model.llama import ProjName
-
-if TYPE_CHECKING:
-    from service.kernels.lora import StackLora
 
 SHARED_SETS_KEPT: Final = 2  # adapter sets whose shared tables are kept per layer
 
@@ -113,9 +111,9 @@ class LoraTables:
         """Drop every table (e.g. when the engine goes idle); the next batch rebuilds what it needs."""
         self._capacity = 0
         self.generation += 1
-        # The last batch's compiled stack (``AdapterBatch.stack_lora``): its key (the generation, the batch's rows
-        # and their layout), the rows' owners (held so that their ids stay theirs) and the stack.
-        self.stack_cache: tuple[tuple[Hashable, ...], tuple[object, ...], StackLora] | None = None
+        # The last batch's compiled stack (``AdapterBatch.stack_lora``): the generation and the batch's key, its
+        # rows' owners (held so that their ids stay theirs) and the stack.
+        self._kept_stack: tuple[tuple[int, Hashable], tuple[object, ...] | None, StackLora] | None = None
         self.slot_tables: list[dict[str, SlotTable]] = [{} for _ in range(self.num_layers)]  # [layer][site]
         self._owners: list[list[_Owner]] = [[] for _ in range(self.num_layers)]
         # The adapter keys of the last few shared sets, most recent first, and per layer their tables with the
@@ -126,6 +124,35 @@ class LoraTables:
         self._shared: list[list[tuple[tuple[Hashable, ...], Refs, dict[str, SharedTable]]]] = [
             [] for _ in range(self.num_layers)
         ]
+
+    # --- the compiled kernel's view ---------------------------------------------------------------------------
+
+    def kernel_of(self, table: SharedTable | SlotTable) -> LoraSite:
+        """``table`` as the compiled kernel reads it (A [G, R, in] and one segment per module), made on first use."""
+        if table.kernel is None:
+
+            def col(module: str) -> int:
+                return self.modules[module].cols[0]
+
+            if isinstance(table, SharedTable):
+                segs = [LoraSegment(s.start, col(s.module), s.bt, s.scale, s.bias) for s in table.segs]
+            else:
+                segs = [
+                    LoraSegment(table.offsets[m], col(m), table.bt[m], table.scale.get(m), table.bias.get(m))
+                    for m in table.ranks
+                ]
+            table.kernel = lora_site(table.a, segs)
+        return table.kernel
+
+    def kept_stack(self, key: Hashable | None) -> StackLora | None:
+        """The stack ``keep_stack`` kept for ``key`` if no table changed since (same generation), else None."""
+        kept = self._kept_stack
+        return kept[2] if key is not None and kept is not None and kept[0] == (self.generation, key) else None
+
+    def keep_stack(self, key: Hashable | None, owners: tuple[object, ...] | None, stack: StackLora) -> None:
+        """Keep a batch's compiled stack for the next batch of the same ``key`` (None: keep nothing)."""
+        if key is not None:
+            self._kept_stack = ((self.generation, key), owners, stack)
 
     # --- shared tables -------------------------------------------------------------------------------------
 
