@@ -200,7 +200,7 @@ def test_the_same_rows_reuse_their_compiled_stack_until_a_table_changes(q4_model
         nonlocal stack
         looked.clear()
         cache = KVCache(cfg, 2, 8, dtype=torch.float32, device=CPU)
-        batch = AdapterBatch.build(rows, lookup, tables, mode=mode, owners=owners)  # type: ignore[arg-type]
+        batch = AdapterBatch.build(rows, lookup, tables, mode=mode, owners=owners)
         out = q4_model(tokens[: len(rows)], torch.full((len(rows), 1), 3), cache, 0, batch, kv_len=4)
         assert batch is not None
         stack = batch.stack_lora()  # what the step took (kept: no layer looked up again)

@@ -20,19 +20,26 @@ namespace lp {
 // thread ran it.
 class Shares {
  public:
-  // ``n`` items (fewer than 2^32) split among ``omp_get_max_threads()`` shares; a thread takes up to ``grain`` items
-  // at a time (for items short enough that one atomic operation each would show). Call ``run`` from every thread of
-  // the region: a team of any size (a share without its thread is taken by the others).
+  // ``n`` items split among ``omp_get_max_threads()`` shares; a thread takes up to ``grain`` items at a time (for
+  // items short enough that one atomic operation each would show). Call ``run`` from every thread of the region: a
+  // team of any size (a share without its thread is taken by the others). A share's bounds are packed in 32 bits
+  // each: 2^32 items or more (no product here comes near) run as schedule(static) does.
   explicit Shares(int64_t n, int64_t grain = 1)
-      : count_(omp_get_max_threads() < 1 ? 1 : omp_get_max_threads()), grain_(grain < 1 ? 1 : grain) {
+      : count_(omp_get_max_threads() < 1 ? 1 : omp_get_max_threads()), grain_(grain < 1 ? 1 : grain), n_(n) {
     slots_.reset(new Slot[count_]);
-    for (int i = 0; i < count_; ++i)
+    for (int i = 0; i < count_ && !wide(); ++i)
       slots_[i].span.store(pack(n * i / count_, n * (i + 1) / count_), std::memory_order_relaxed);
   }
 
   // Calls ``f(item)`` for items of this thread's share, then for items taken from the others, until none is left.
   template <typename F>
   void run(F&& f) {
+    if (wide()) {  // this thread's static share of the team's
+      const int64_t t = omp_get_num_threads(), i = omp_get_thread_num(), per = n_ / t, extra = n_ % t;
+      const int64_t first = i * per + (i < extra ? i : extra), end = first + per + (i < extra ? 1 : 0);
+      for (int64_t item = first; item < end; ++item) f(item);
+      return;
+    }
     const int me = omp_get_thread_num() % count_;
     int64_t lo, hi;
     while (take(me, true, lo, hi))
@@ -47,6 +54,7 @@ class Shares {
     std::atomic<uint64_t> span{0};
   };
   static uint64_t pack(int64_t front, int64_t back) { return (uint64_t)back << 32 | (uint64_t)front; }
+  bool wide() const { return n_ > (int64_t)0xffffffffLL; }
 
   // Up to ``grain_`` items [lo, hi) of share ``s``, from its front (its owner) or its back (another thread); false
   // when it has none left.
@@ -63,7 +71,7 @@ class Shares {
   }
 
   int count_;
-  int64_t grain_;
+  int64_t grain_, n_;
   std::unique_ptr<Slot[]> slots_;
 };
 
