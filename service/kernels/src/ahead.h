@@ -11,17 +11,19 @@ namespace lp {
 // instead of queueing at once. Work item ``task`` of ``tasks`` takes the same fraction of every range (its
 // ``task``-th share of each in turn): the LoRA kernel after the product splits its groups among the threads in order
 // too, and lp::Shares gives each thread its static share of the items in order, so each core mostly finds its share
-// of the tables in its own caches.
+// of the tables in its own caches. ``to_l2``: request the lines into the core's L2 only (memory the next work item
+// reads, too large for L1 beside the current one's).
 struct Stream {
   Stream(const void* const* ranges_, const int64_t* bytes_, int count_, int64_t lines, int64_t task_, int64_t tasks_,
-         int64_t visits)
+         int64_t visits, bool to_l2_ = false)
       : ranges(ranges_), bytes(bytes_), count(count_), task(task_), tasks(tasks_),
-        per_visit((lines / tasks_ + count_ + visits - 1) / visits) {}
+        per_visit((lines / tasks_ + count_ + visits - 1) / visits), to_l2(to_l2_) {}
   const void* const* ranges;
   const int64_t* bytes;
   int count;
   int64_t task, tasks;
   int64_t per_visit;  // lines to request per call of next
+  bool to_l2;
   int range = -1;
   int64_t line = 0, end = 0;  // within ``range``
   void next() {
@@ -31,7 +33,11 @@ struct Stream {
         const int64_t all = (bytes[range] + 63) / 64;
         line = all * task / tasks, end = all * (task + 1) / tasks;
       }
-      __builtin_prefetch(static_cast<const char*>(ranges[range]) + line * 64, 0, 3);
+      const char* at = static_cast<const char*>(ranges[range]) + line * 64;
+      if (to_l2)
+        __builtin_prefetch(at, 0, 2);
+      else
+        __builtin_prefetch(at, 0, 3);
     }
   }
 };
