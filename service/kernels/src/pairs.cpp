@@ -82,15 +82,31 @@ inline void lanes_pair(const bf16* const* x, const bf16* w, int64_t block_stride
   }
 }
 
-template <int NX, int NB>
-void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&acc)[NX][NB],
-                Ahead& ahead) {
+// A tile's sums into out's rows (n columns, the last block's lanes past n dropped).
+template <int NX, int NB, typename O>
+inline void store_tile(const V16 (&acc)[NX][NB], int64_t col0, int64_t n, O* const* out) {
+  for (int r = 0; r < NX; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t col = col0 + b * kRows;
+      if (col + kRows <= n) {
+        lp::store16(out[r] + col, acc[r][b]);
+        continue;
+      }
+      for (int l = 0; col + l < n; ++l) lp::store(out[r], col + l, acc[r][b][l]);
+    }
+}
+
+template <int NX, int NB, typename O>
+void tile_lanes(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n,
+                O* const* out, Ahead& ahead) {
+  V16 acc[NX][NB] = {};
   for (int64_t p0 = 0; p0 < k / 2; p0 += kVisitPairs) {
     ahead.next();
     const int64_t p1 = std::min(p0 + kVisitPairs, k / 2);
     for (int64_t p = p0; p < p1; ++p) lanes_pair<NX, NB, false>(x, w, block_stride, p, acc);
   }
   if (k % 2) lanes_pair<NX, NB, true>(x, w, block_stride, k / 2, acc);
+  store_tile(acc, col0, n, out);
 }
 
 #if defined(__AVX512F__)
@@ -111,9 +127,9 @@ LP_BF16_DOT __attribute__((always_inline)) inline void dot_pair(
   }
 }
 
-template <int NX, int NB>
-LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, V16 (&out)[NX][NB],
-                          Ahead& ahead) {
+template <int NX, int NB, typename O>
+LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0,
+                          int64_t n, O* const* out, Ahead& ahead) {
   __m512 acc[NX][NB];
   for (int r = 0; r < NX; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -123,33 +139,23 @@ LP_BF16_DOT void tile_dot(const bf16* const* x, int64_t k, const bf16* w, int64_
     for (int64_t p = p0; p < p1; ++p) dot_pair<NX, NB, false>(x, w, block_stride, p, acc);
   }
   if (k % 2) dot_pair<NX, NB, true>(x, w, block_stride, k / 2, acc);
+  V16 sums[NX][NB];
   for (int r = 0; r < NX; ++r)
-    for (int b = 0; b < NB; ++b) std::memcpy(&out[r][b], &acc[r][b], sizeof(V16));
+    for (int b = 0; b < NB; ++b) std::memcpy(&sums[r][b], &acc[r][b], sizeof(V16));
+  store_tile(sums, col0, n, out);
 }
 
 #endif
 
-// One tile: NX rows of x against NB weight blocks, written to out's rows (n columns, the last block's lanes past n
-// dropped).
+// One tile: NX rows of x against NB weight blocks, written to out's rows.
 template <int NX, int NB, typename O>
 void tile(bool dot, const bf16* const* x, int64_t k, const bf16* w, int64_t block_stride, int64_t col0, int64_t n,
           O* const* out, Ahead& ahead) {
-  V16 acc[NX][NB] = {};
 #if defined(__AVX512F__)
-  if (dot)
-    tile_dot<NX, NB>(x, k, w, block_stride, acc, ahead);
-  else
+  if (dot) return tile_dot<NX, NB>(x, k, w, block_stride, col0, n, out, ahead);
 #endif
-    tile_lanes<NX, NB>(x, k, w, block_stride, acc, ahead);
-  for (int r = 0; r < NX; ++r)
-    for (int b = 0; b < NB; ++b) {
-      const int64_t col = col0 + b * kRows;
-      if (col + kRows <= n) {
-        lp::store16(out[r] + col, acc[r][b]);
-        continue;
-      }
-      for (int l = 0; col + l < n; ++l) lp::store(out[r], col + l, acc[r][b][l]);
-    }
+  (void)dot;
+  tile_lanes<NX, NB>(x, k, w, block_stride, col0, n, out, ahead);
 }
 
 template <int NX, typename O>
