@@ -300,12 +300,8 @@ class _Checker:
         gu = self.randn(3, 2 * cfg.intermediate_size) * 4
         gate, up = gu.float().chunk(2, dim=-1)
         checks.append(self.record("fused SiLU*mul", kernel, ops.silu_mul(gu), F.silu(gate) * up))
-        qkv, cos, sin, cache = (
-            self.randn(2, h + 2 * kv, d),
-            self.randn(2, d),
-            self.randn(2, d),
-            self.randn(2, 2, kv, length, d),
-        )
+        qkv, cos, sin = self.randn(2, h + 2 * kv, d), self.randn(2, d), self.randn(2, d)
+        cache = self.randn(2, 2, kv, length, d)
         pos = torch.tensor([length - 1, length - 10])  # the second row is shorter: keys past it unread
         out = ops.decode_attention(qkv, cos, sin, pos, cache[0], cache[1], h)
         qk = apply_rope(qkv.float()[:, None, : h + kv], cos.float()[:, None, None], sin.float()[:, None, None])[:, 0]
@@ -318,6 +314,12 @@ class _Checker:
         scores.masked_fill_(torch.arange(length)[None, None, None, :] > pos[:, None, None, None], -math.inf)
         ref = (scores.softmax(-1) @ v).reshape(2, h * d)
         checks.append(self.record("fused decode attention", kernel, out, ref))
+        logits = self.randn(4, 1000, dtype=torch.float32)
+        logits[1, 700] = logits[1, 300] = logits[1].max() + 1  # a tie (the first column), +inf, a row of -inf
+        logits[2, 5], logits[3] = math.inf, -math.inf
+        (values, indices), top = ops.row_top(logits), logits.max(dim=-1)
+        same = torch.equal(values, top.values) and torch.equal(indices, top.indices)  # sampling's argmax: exact
+        checks.append(self.record("row max and argmax", kernel, torch.tensor([[1.0 + (not same)]]), torch.ones(1, 1)))
         if all(c.ok for c in checks):
             return self.decode_stack(kernel)
         self.model.native = None
@@ -334,12 +336,9 @@ class _Checker:
 
     def drafting(self) -> None:
         dtype = draft_dtype(self.model.dtype, self.device)
-        w = self.randn(512, self.model.cfg.hidden_size, dtype=dtype)
-        x = self.randn(4, self.model.cfg.hidden_size, dtype=dtype)
-        self.record(
-            "Medusa draft head", f"dense matmul ({_name(dtype)})", F.linear(x, w), F.linear(x.float(), w.float()),
-            TOLERANCE[dtype],
-        )  # fmt: skip
+        w, x = (self.randn(rows, self.model.cfg.hidden_size, dtype=dtype) for rows in (512, 4))
+        ref = F.linear(x.float(), w.float())
+        self.record("Medusa draft head", f"dense matmul ({_name(dtype)})", F.linear(x, w), ref, TOLERANCE[dtype])
         self._fail_any("Medusa draft head")
 
     def _fail_any(self, prefix: str) -> None:

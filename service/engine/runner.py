@@ -303,13 +303,13 @@ class Runner:
     def _sample(self, rows: Sequence[Row], logits: torch.Tensor, masks: PendingMasks | None = None) -> None:
         """Sample every row's next token from ``logits`` [B, V], after ``masks`` (begun for these rows) removed
         what each constrained row's grammar does not allow."""
-        top = logits.max(dim=-1)  # [B]: the max is NaN if any logit is, inf if any is +inf; its first index the argmax
-        finite = torch.isfinite(top.values)
-        argmax: torch.Tensor | None = top.indices  # while the logits are unmasked
+        values, indices = self._top(logits)  # [B]: NaN if any logit is, inf if any is +inf; its first index the argmax
+        finite = torch.isfinite(values)
+        argmax: torch.Tensor | None = indices  # while the logits are unmasked
         dead: list[int] = []
         if masks is not None and self.masks is not None:  # rows needing only their argmax are masked if it is refused
             only = [p.greedy and not p.penalized and not p.logprobs for p in (r.request.sampling for r in rows)]
-            tops = top.indices.tolist() if any(only) else [None] * len(rows)
+            tops = indices.tolist() if any(only) else [None] * len(rows)
             dead = self.masks.apply(masks, logits, [t if o else None for t, o in zip(tops, only, strict=True)])
             argmax = None
         if dead or not bool(finite.all()):  # fail those rows alone; the sampler never sees their NaN or inf
@@ -331,6 +331,14 @@ class Runner:
         )
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         self.outputs.emit_all(rows, result.tokens.tolist(), logprobs)
+
+    def _top(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits.max(dim=-1)``'s values and indices: in one parallel pass on the compiled kernels (CPU float32)."""
+        native = self.model.native
+        if native is not None and logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2:
+            return native.row_top(logits)
+        top = logits.max(dim=-1)
+        return top.values, top.indices
 
     def _fail(self, row: Row) -> bool:
         """Fail a row with non-finite logits; False, so a filter drops it."""

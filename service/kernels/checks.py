@@ -7,7 +7,16 @@ from torch import Tensor
 
 from service.kernels import KERNEL_DTYPES
 
-__all__ = ["DTYPE_CODES", "Q4_TILE", "check_pairs", "check_q4", "check_step", "raise_for"]
+__all__ = [
+    "DTYPE_CODES",
+    "Q4_TILE",
+    "check_attention",
+    "check_pairs",
+    "check_q4",
+    "check_q8",
+    "check_step",
+    "raise_for",
+]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # src/*.cpp's Dtype
 Q4_TILE = 16  # weight rows side by side in lp_q4_matmul's layout
@@ -53,3 +62,32 @@ def check_pairs(x2: Tensor, w: Tensor, n: int, out_dtype: torch.dtype) -> None:
         raise ValueError(f"pairs_matmul: x {x2.dtype} {list(x2.shape)}, w {w.dtype} {list(w.shape)} for {n} rows")
     if out_dtype not in KERNEL_DTYPES or not w.is_contiguous() or w.device.type != "cpu":
         raise ValueError(f"pairs_matmul: w must be a contiguous CPU tensor and out float32 / bf16, got {out_dtype}")
+
+
+def check_q8(x2: Tensor, q: Tensor, d: Tensor) -> None:
+    """x2 [M, K] and a group-major Q8_0 table q [K / 32, V, 32] int8, d [K / 32, V]; contiguous, CPU."""
+    groups, vocab, group = q.shape
+    if group != 32 or groups * 32 != x2.shape[1] or q.dtype != torch.int8 or tuple(d.shape) != (groups, vocab):
+        raise ValueError(f"q8 table q {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)} do not fit x {list(x2.shape)}")
+    for t in (x2, q, d):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("native kernels take contiguous CPU tensors")
+
+
+def check_attention(
+    qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: tuple[Tensor, Tensor], heads: int
+) -> int:
+    """decode_attention's arguments (see there); the dtype code."""
+    (b, width, d), (k_cache, v_cache) = qkv.shape, caches
+    kv, max_len = k_cache.shape[1], k_cache.shape[2]
+    code = check_step(qkv, cos, sin)
+    if width != heads + 2 * kv or tuple(cos.shape) != (b, d) or tuple(sin.shape) != (b, d):
+        raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {heads} heads, cos {tuple(cos.shape)}")
+    if pos.dtype != torch.int64 or tuple(pos.shape) != (b,) or not pos.is_contiguous():
+        raise ValueError(f"decode_attention: positions must be int64 [{b}], got {pos.dtype} {tuple(pos.shape)}")
+    for c in (k_cache, v_cache):
+        if c.dtype != qkv.dtype or c.shape != (b, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
+            raise ValueError(f"decode_attention: a cache of {c.dtype} {tuple(c.shape)} {c.stride()}")
+    if k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("decode_attention: K and V caches of different strides")
+    return code

@@ -45,8 +45,10 @@ from service.errors import FailedPrecondition
 from service.kernels import KERNEL_DTYPES
 from service.kernels.checks import DTYPE_CODES as _DTYPE_CODES
 from service.kernels.checks import Q4_TILE as _Q4_TILE
+from service.kernels.checks import check_attention as _check_attention
 from service.kernels.checks import check_pairs as _check_pairs
 from service.kernels.checks import check_q4 as _check
+from service.kernels.checks import check_q8 as _check_q8
 from service.kernels.checks import check_step as _check_step
 from service.kernels.checks import raise_for as _raise
 from service.kernels.compile import compile_shared
@@ -70,7 +72,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 10  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 11  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
 _SRC = Path(__file__).with_name("src")
@@ -123,12 +125,14 @@ class NativeKernels:
         lib.lp_pairs_matmul.argtypes = [_P, _P, _L, _L, _L, _P, _I, _L]
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
+        lib.lp_row_top.argtypes = [_P, _L, _L, _P, _P]
         lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P, _I]
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
         lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
                                         ctypes.c_float, _P, _P, _L, _L, _P, _I]  # fmt: skip
         for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_pairs_matmul, lib.lp_add_rmsnorm,
-                   lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack):  # fmt: skip
+                   lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack,
+                   lib.lp_row_top):  # fmt: skip
             fn.restype = ctypes.c_int
         self.bf16_dot = bool(lib.lp_bf16_dot())  # pairs_matmul on the CPU's bf16 dot products (else portable code)
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
@@ -157,13 +161,8 @@ class NativeKernels:
     def q8_matmul(self, x2: Tensor, q: Tensor, d: Tensor, out_dtype: torch.dtype) -> Tensor:
         """x2 [M, K] -> [M, V]: ``x2 @ T^T`` for a group-major Q8_0 table, q [K / 32, V, 32] int8, d [K / 32, V]
         (float32, bfloat16 or float16): ``T[v, 32 g + j] = d[g, v] q[g, v, j]``."""
-        mrows, k = x2.shape
-        groups, vocab, group = q.shape
-        if group != 32 or groups * 32 != k or q.dtype != torch.int8 or tuple(d.shape) != (groups, vocab):
-            raise ValueError(f"q8 table q {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)} do not fit x {list(x2.shape)}")
-        for t in (x2, q, d):
-            if not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("native kernels take contiguous CPU tensors")
+        _check_q8(x2, q, d)
+        (mrows, k), vocab = x2.shape, q.shape[1]
         out = torch.empty(mrows, vocab, dtype=out_dtype)
         rc = self._lib.lp_q8_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], q.data_ptr(), d.data_ptr(),
                                     _DTYPE_CODES[d.dtype], mrows, vocab, k, out.data_ptr(), _DTYPE_CODES[out_dtype],
@@ -230,18 +229,8 @@ class NativeKernels:
         """One query token per row: qkv [B, H + 2 KV, D], cos / sin [B, D] at ``pos`` [B] int64; k_cache, v_cache
         [B, KV, max_len, D] (the rows' slots, written at ``pos``) -> [B, H * D]; all float32 or all bfloat16. See
         ``lp_decode_attention``."""
-        b, width, d = qkv.shape
-        kv, max_len = k_cache.shape[1], k_cache.shape[2]
-        code = _check_step(qkv, cos, sin)
-        if width != heads + 2 * kv or tuple(cos.shape) != (b, d) or tuple(sin.shape) != (b, d):
-            raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {heads} heads, cos {tuple(cos.shape)}")
-        if pos.dtype != torch.int64 or tuple(pos.shape) != (b,) or not pos.is_contiguous():
-            raise ValueError(f"decode_attention: positions must be int64 [{b}], got {pos.dtype} {tuple(pos.shape)}")
-        for c in (k_cache, v_cache):
-            if c.dtype != qkv.dtype or c.shape != (b, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
-                raise ValueError(f"decode_attention: a cache of {c.dtype} {tuple(c.shape)} {c.stride()}")
-        if k_cache.stride(0) != v_cache.stride(0):
-            raise ValueError("decode_attention: K and V caches of different strides")
+        code = _check_attention(qkv, cos, sin, pos, (k_cache, v_cache), heads)
+        (b, _, d), kv, max_len = qkv.shape, k_cache.shape[1], k_cache.shape[2]
         out = qkv.new_empty(b, heads * d)
         rc = self._lib.lp_decode_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, b, heads, kv, d, k_cache.data_ptr(),
@@ -250,6 +239,16 @@ class NativeKernels:
         if rc:
             _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
         return out
+
+    def row_top(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, N] float32 logits -> (values [B] float32, indices [B] int64): ``x.max(dim=-1)``, the first column
+        holding a row's largest value (a row holding NaN: NaN at its first NaN), in one parallel pass."""
+        if x.dim() != 2 or x.shape[1] < 1 or x.dtype != torch.float32 or not x.is_contiguous() or x.is_cuda:
+            raise ValueError(f"row_top takes contiguous float32 CPU logits [B, N], got {x.dtype} {tuple(x.shape)}")
+        values, indices = x.new_empty(x.shape[0]), torch.empty(x.shape[0], dtype=torch.int64)
+        if self._lib.lp_row_top(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), indices.data_ptr()):
+            raise ValueError(f"lp_row_top refused logits {tuple(x.shape)}")
+        return values, indices
 
     # --- a whole decode step of a float32 model on Q4 weights (src/decode.cpp) ------------------------------
 

@@ -252,6 +252,28 @@ def test_the_step_ops_take_one_dtype_and_a_float32_stream() -> None:
         kern.silu_mul(torch.zeros(1, 8, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 49152])
+def test_row_top_is_torchs_max_ties_nan_and_inf_included(n: int) -> None:
+    """Sampling's argmax and finiteness check in one pass (``lp_row_top``): each row's largest value and the first
+    column holding it, as ``max(dim=-1)`` gives them, through the 16-lane body and the tail, in parallel or not."""
+    kern = compiled_kernels()
+    x = torch.randn(9, n, generator=torch.Generator().manual_seed(n))
+    x[1] = 0.0  # every column tied: the first
+    x[2, n // 2] = x[2, n - 1] = 1e30  # two tied maxima: the first
+    x[3, n - 1] = x[3, n // 3] = math.nan  # NaN wins, at its first column
+    x[4, n // 2], x[5] = math.inf, -math.inf
+    x[6, n - 1] = 50.0  # the largest in the last column (the tail, where there is one)
+    x[7, 0] = -1e30
+    values, indices = kern.row_top(x)
+    ref = x.max(dim=-1)
+    torch.testing.assert_close(values, ref.values, rtol=0, atol=0, equal_nan=True)
+    assert indices.tolist() == ref.indices.tolist()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kern.row_top(x.bfloat16())
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kern.row_top(torch.zeros(9, 2 * n)[:, ::2])
+
+
 def test_a_tiny_bf16_llama_decodes_near_the_eager_path(tiny_llama_factory: Callable[..., Path]) -> None:
     compiled_kernels()
     folder = tiny_llama_factory()

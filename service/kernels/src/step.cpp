@@ -5,6 +5,8 @@
 //   lp_silu_mul          SwiGLU's middle: out = silu(gate) * up over the fused [gate; up] projection
 //   lp_decode_attention  one query token per row: RoPE on q and k, K/V bounded (finite_kv) and written into the slot
 //                        cache at the row's position, then softmax(q k^T / sqrt(D)) v over positions 0..pos
+//   lp_row_top           each row's largest logit and its first column (greedy sampling's argmax and the logits'
+//                        finiteness in one pass: torch's max(dim=-1) over a 32-row step's logits took ~1 ms)
 //
 // Plain C++ in lanes of 16 that the compiler vectorizes for each variant's instruction set (the same -m flags as
 // blocks.cpp; built with -ffp-contract=off, so a * b + c * d rounds as torch's separate ops do: RoPE and the cache
@@ -404,6 +406,43 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
   return failed ? -2 : 0;
 }
 
+// Row x [n] float32: its largest value and the first column holding it, as torch's max(dim=-1) gives them. 16
+// lanes, lane l over columns l, l + 16, ... in order, a strictly greater value taking the lane; then the largest of
+// the lanes and, among the lanes holding it, the smallest column; the tail after. A row holding NaN gives NaN at its
+// first NaN; a row of -inf gives -inf at column 0.
+void row_top(const float* x, int64_t n, float* value, int64_t* index) {
+  using F = lp::Lanes<kLanes>::F;
+  using I = int32_t __attribute__((vector_size(4 * kLanes)));
+  F best = F{} - INFINITY;
+  I at = I{} - 1, col = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, nan = I{};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes, col += kLanes) {
+    F v;
+    std::memcpy(&v, x + c, sizeof v);
+    const I gt = v > best;
+    best = gt ? v : best;
+    at = gt ? col : at;
+    nan |= v != v;
+  }
+  float top = -INFINITY;
+  int64_t where = -1;
+  for (int l = 0; l < kLanes; ++l)
+    if (at[l] >= 0 && (best[l] > top || (best[l] == top && at[l] < where))) top = best[l], where = at[l];
+  bool has_nan = false;
+  for (int l = 0; l < kLanes; ++l) has_nan |= nan[l] != 0;
+  for (; c < n; ++c) {
+    has_nan |= x[c] != x[c];
+    if (x[c] > top) top = x[c], where = c;
+  }
+  if (has_nan) {
+    for (c = 0; x[c] == x[c]; ++c) {
+    }
+    top = x[c], where = c;
+  }
+  *value = top;
+  *index = where < 0 ? 0 : where;
+}
+
 }  // namespace
 
 extern "C" {
@@ -442,6 +481,15 @@ int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const
     return decode_attention((const bf16*)qkv, (const bf16*)cos, (const bf16*)sin, pos, b, slots, h, kv, d,
                             (bf16*)k_cache, (bf16*)v_cache, slot_stride, head_stride, max_len, scale, (bf16*)out);
   return -1;
+}
+
+// x [m, n] float32, contiguous: value[r] and index[r] of row r's largest logit (row_top). Returns 0, -1 on a bad
+// argument.
+int lp_row_top(const float* x, int64_t m, int64_t n, float* value, int64_t* index) {
+  if (m < 0 || n <= 0 || n > INT32_MAX - kLanes) return -1;
+#pragma omp parallel for schedule(static) if (m * n >= (int64_t(1) << 18))
+  for (int64_t r = 0; r < m; ++r) row_top(x + r * n, n, value + r, index + r);
+  return 0;
 }
 
 }  // extern "C"
