@@ -143,6 +143,21 @@ def test_wrong_fused_step_ops_fall_back_to_the_eager_ones_and_answer_right(
     torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-4)
 
 
+def test_a_wrong_row_top_falls_back_to_torchs_max(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling's one-pass argmax (``lp_row_top``) answering the last column of every row: the self-check finds it
+    and the model keeps no compiled step ops, so the sampler takes torch's max."""
+    compiled_kernels()
+    model = load_ours(tiny_llama_dir)
+
+    def last(self: native.NativeKernels, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[:, -1].clone(), torch.full((x.shape[0],), x.shape[1] - 1, dtype=torch.int64)
+
+    monkeypatch.setattr(native.NativeKernels, "row_top", last)
+    report = run_self_check(model)
+    assert [c.path for c in report.checks if c.status.startswith("fallback")] == ["row max and argmax"]
+    assert model.native is None
+
+
 def _prefill_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     cache = KVCache(model.cfg, 1, ids.shape[1], dtype=torch.float32, device=model.device)
     return model.logits(model(ids, torch.arange(ids.shape[1])[None, :], cache, 0))
