@@ -17,7 +17,8 @@
 // portable code repeats (-ffp-contract=off), so every variant gives the same bits, except that the instruction
 // flushes subnormal inputs and sums (below 1.2e-38) to zero. The output rounded once to its dtype (bf16: to nearest
 // even). A row's result does not depend on M, its place among the rows, or the thread: batch-invariant.
-// Threads: OpenMP over (a group of weight blocks, 4 rows of x), the groups split between the threads.
+// Threads: OpenMP over (a group of weight blocks, 4 rows of x), the groups split between the threads; a group's
+// tiles request the next group's weights into L2 as they go.
 
 #include <algorithm>
 #include <cstdint>
