@@ -28,6 +28,11 @@ def raise_for(rc: int, what: str) -> None:
     raise ValueError(what)
 
 
+def _contiguous_cpu(*tensors: Tensor) -> None:
+    if any(not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+        raise ValueError("native kernels take contiguous CPU tensors")
+
+
 def check_q4(x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, n: int) -> None:
     scales = (-(-n // Q4_TILE), k // 32, Q4_TILE)  # [tiles, G, 16]; qs [tiles, G, 16 pairs, 16]
     if k % 32 or x2.dtype not in DTYPE_CODES:
@@ -37,9 +42,7 @@ def check_q4(x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, *, k: int, n: int) ->
     for t in (d, m):
         if tuple(t.shape) != scales or t.dtype != torch.float32:
             raise ValueError(f"scales must be float32 {list(scales)}, got {t.dtype} {tuple(t.shape)}")
-    for t in (x2, qs, d, m):
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("native kernels take contiguous CPU tensors")
+    _contiguous_cpu(x2, qs, d, m)
 
 
 def check_step(*tensors: Tensor) -> int:
@@ -69,9 +72,7 @@ def check_q8(x2: Tensor, q: Tensor, d: Tensor) -> None:
     groups, vocab, group = q.shape
     if group != 32 or groups * 32 != x2.shape[1] or q.dtype != torch.int8 or tuple(d.shape) != (groups, vocab):
         raise ValueError(f"q8 table q {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)} do not fit x {list(x2.shape)}")
-    for t in (x2, q, d):
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("native kernels take contiguous CPU tensors")
+    _contiguous_cpu(x2, q, d)
 
 
 def check_attention(
