@@ -1,7 +1,9 @@
 """Which threads of the process run torch's parallel kernels: the engine's, and the model load's while it lasts.
 
     set_threads(n)                    the calling thread runs torch with ``n`` intra-op threads, from now on
-    serial_torch()                    set_threads(1) (a thread initializer)
+    serial_torch()                    set_threads(1)
+    name_os_thread()                  the calling thread's name in the OS too (``top -H``, ``perf``, py-spy)
+    pool_thread()                     a pool's initializer: both of the above
     await in_own_thread(fn, threads)  fn() on a new thread with ``threads`` intra-op threads; the thread then exits
 
 Why: torch's OpenMP runtime (libgomp) keeps the workers of every thread that has run a parallel region until that
@@ -23,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-__all__ = ["in_own_thread", "serial_torch", "set_threads"]
+__all__ = ["in_own_thread", "name_os_thread", "pool_thread", "serial_torch", "set_threads"]
 
 T = TypeVar("T")
 
@@ -43,6 +47,33 @@ def set_threads(n: int) -> None:
 def serial_torch() -> None:
     """Run torch single-threaded on the calling thread: it never starts OpenMP workers of its own."""
     set_threads(1)
+
+
+_PR_SET_NAME = 15  # linux/prctl.h
+_OS_NAME_BYTES = 15  # the kernel keeps 15 bytes of a thread's name
+
+
+def os_name(name: str) -> str:
+    """A thread's OS name for its Python name: ``loraplex-engine`` -> ``lp-engine``, at most 15 bytes."""
+    short = "lp-" + name.removeprefix("loraplex-") if name.startswith("loraplex-") else name
+    return short.encode()[:_OS_NAME_BYTES].decode(errors="ignore")
+
+
+def name_os_thread() -> None:
+    """Give the calling thread its Python name (``os_name``) in the OS as well, where ``top -H``, ``ps -L``,
+    ``perf`` and /proc/PID/task/*/comm show it; threads it starts later inherit it (the engine's OpenMP workers
+    show as ``lp-engine`` too). Linux only; elsewhere, or if the call fails, nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    name = os_name(threading.current_thread().name).encode()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name, 0, 0, 0)
+
+
+def pool_thread() -> None:
+    """A worker pool's initializer: the thread named in the OS (``name_os_thread``) and torch serial on it."""
+    name_os_thread()
+    serial_torch()
 
 
 async def in_own_thread(fn: Callable[[], T], *, threads: int, name: str) -> T:
@@ -64,6 +95,7 @@ async def in_own_thread(fn: Callable[[], T], *, threads: int, name: str) -> T:
             loop.call_soon_threadsafe(settle, result, error)
 
     def run() -> None:
+        name_os_thread()
         set_threads(threads)
         try:
             result = fn()

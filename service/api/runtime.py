@@ -30,7 +30,7 @@ from service.errors import LoraplexError, Unavailable
 from service.model.config import ModelConfig
 from service.selfcheck import SelfCheckReport
 from service.tokenizer import Tokenizer
-from service.torch_threads import serial_torch
+from service.torch_threads import pool_thread
 
 log = logging.getLogger("loraplex.runtime")
 
@@ -65,7 +65,7 @@ class Runtime:
         self.draining = False
         self.load_error: BaseException | None = None
         self._pool = ThreadPoolExecutor(
-            max_workers=TOKENIZE_WORKERS, thread_name_prefix="loraplex-tokenize", initializer=serial_torch
+            max_workers=TOKENIZE_WORKERS, thread_name_prefix="loraplex-tokenize", initializer=pool_thread
         )
         self._closing = threading.Lock()  # close vs the end of a load running on another thread
         self._closed = False

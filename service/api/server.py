@@ -43,7 +43,7 @@ from service.cpu_budget import read_cpu_budget
 from service.engine.engine import Engine
 from service.frontend import Frontend
 from service.heap import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
-from service.torch_threads import in_own_thread, serial_torch
+from service.torch_threads import in_own_thread, pool_thread, serial_torch
 
 log = logging.getLogger("loraplex.server")
 
@@ -296,7 +296,7 @@ def serial_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Called on the thread that will run ``loop``: it and the threads behind ``asyncio.to_thread`` run torch
     serially, so only the engine thread starts parallel kernels (service.torch_threads)."""
     serial_torch()
-    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loraplex-io", initializer=serial_torch))
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loraplex-io", initializer=pool_thread))
 
 
 def run(settings: Settings) -> NoReturn:

@@ -21,6 +21,7 @@ from service import metrics
 from service.constraints.backend import Backend, Grammar
 from service.constraints.spec import Constraint
 from service.errors import LoraplexError
+from service.torch_threads import name_os_thread
 
 FAILED_BYTES = 4 << 10  # what a remembered compile error is charged
 COMPILE_WORKERS = 2  # one hostile compile never holds up every other one
@@ -54,7 +55,9 @@ class GrammarCache:
         with self._lock:
             entry = self._entries.get(constraint.key)
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="loraplex-grammar")
+                self._pool = ThreadPoolExecutor(
+                    COMPILE_WORKERS, thread_name_prefix="loraplex-grammar", initializer=name_os_thread
+                )
             pool = self._pool
         if entry is not None and not isinstance(entry, _Failed):
             done: Future[Grammar] = Future()

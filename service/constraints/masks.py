@@ -21,6 +21,7 @@ import torch
 
 from service import metrics
 from service.constraints.backend import Backend, Matcher
+from service.torch_threads import name_os_thread
 
 __all__ = ["Masks", "PendingMasks"]
 
@@ -64,7 +65,7 @@ class Masks:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-masks")
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-masks", initializer=name_os_thread)
             return self._pool
 
     def _fill(self, rows: list[tuple[int, Matcher]]) -> float:

@@ -51,6 +51,7 @@ from service.errors import AdapterNotFound, EngineStepFailed, InvalidRequest, Qu
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 from service.tokenizer import Tokenizer
+from service.torch_threads import name_os_thread
 
 log = logging.getLogger("loraplex.engine")
 
@@ -233,6 +234,7 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        name_os_thread()  # before its first parallel kernel: its OpenMP workers take the name too
         self.threads.start()
         with torch.inference_mode():
             while not self._stop.is_set():

@@ -34,7 +34,7 @@ import torch
 
 from service.errors import HeaderError
 from service.loading.plan import Job, Piece, host_bytes, pieces, segments
-from service.torch_threads import serial_torch
+from service.torch_threads import name_os_thread, pool_thread
 
 __all__ = ["StreamResult", "populate", "pread_into", "stream_to_host"]
 
@@ -239,6 +239,7 @@ class _Readahead:
         self._thread.join()
 
     def _run(self) -> None:
+        name_os_thread()
         issued = 0
         for fd, start, end in self._ranges:
             for lo in range(start, end, READAHEAD_WINDOW):
@@ -276,7 +277,7 @@ def _run_threaded(items: Iterator[_Item], n_threads: int, result: StreamResult, 
                 failed.set()
                 raise
 
-    with ThreadPoolExecutor(n_threads, thread_name_prefix="loraplex-load", initializer=serial_torch) as pool:
+    with ThreadPoolExecutor(n_threads, thread_name_prefix="loraplex-load", initializer=pool_thread) as pool:
         workers = [pool.submit(drain) for _ in range(n_threads)]
         done, _ = wait(workers, return_when=FIRST_EXCEPTION)
     for future in (*done, *workers):  # the failures that stopped the pool first, then any later one

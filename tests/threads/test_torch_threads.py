@@ -6,8 +6,10 @@ with the last count any thread set: the engine ran single-threaded behind a seri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,7 +18,7 @@ import torch
 from loraplex.v1 import generation_pb2_grpc
 from support.servers import text_req
 
-from service.torch_threads import in_own_thread, serial_torch, set_threads
+from service.torch_threads import in_own_thread, name_os_thread, os_name, serial_torch, set_threads
 
 
 def _in_thread(first: Callable[[], None], then: Callable[[], None]) -> int:
@@ -96,6 +98,47 @@ def test_only_the_engine_thread_runs_parallel_kernels(tiny_server: Callable[...,
 
     assert srv.call(elsewhere()) == {"loop": 1, "to_thread": 1, "tokenize pool": 1}
     assert not [t for t in threading.enumerate() if t.name == "loraplex-model-load"]
+
+
+def _os_names() -> list[str]:
+    """The OS names (comm) of this process's threads."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return names
+
+
+def test_os_names_are_the_python_names_shortened() -> None:
+    assert os_name("loraplex-engine") == "lp-engine"
+    assert os_name("loraplex-tokenize_0") == "lp-tokenize_0"
+    assert os_name("loraplex-grammar_12345") == "lp-grammar_1234"  # the kernel keeps 15 bytes
+    assert os_name("probe") == "probe"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+def test_a_thread_takes_its_name_in_the_os() -> None:
+    seen: list[str] = []
+
+    def run() -> None:
+        name_os_thread()
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
+
+    thread = threading.Thread(target=run, name="loraplex-probe")
+    thread.start()
+    thread.join()
+    assert seen == ["lp-probe"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+def test_the_servers_threads_are_named_in_the_os(tiny_server: Callable[..., Any]) -> None:
+    """``top -H``, ``perf`` and py-spy tell the engine (and its OpenMP workers) from the pools."""
+    srv = tiny_server(threads=2, adaptive_threads=False)
+    with grpc.insecure_channel(srv.target) as channel:
+        generation_pb2_grpc.GenerationStub(channel).Generate(text_req("hello there", n=4), timeout=60)
+    names = _os_names()
+    assert "lp-engine" in names
+    assert any(n.startswith("lp-tokenize") for n in names)
 
 
 def test_in_own_thread_outliving_its_loop_ends_quietly() -> None:
