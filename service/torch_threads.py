@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["in_own_thread", "name_os_thread", "pool_thread", "serial_torch", "set_threads"]
+__all__ = ["in_own_thread", "name_os_thread", "os_name", "pool_thread", "serial_torch", "set_threads"]
 
 T = TypeVar("T")
 
