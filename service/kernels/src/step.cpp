@@ -261,10 +261,22 @@ void scores_in_pairs(const float* q, const bf16* k, int64_t n, float scale, floa
     }
 }
 
+// The exponentials' total over n positions: in 16 lanes, then pairwise, then the tail in turn (independent adds,
+// not one chain of n additions a latency each).
+inline float softmax_total(const float* e, int64_t n) {
+  V16 lanes = {};
+  int64_t p = 0;
+  for (; p + kLanes <= n; p += kLanes) lanes += load16(e + p);
+  float t = lp::lane_sum(lanes);
+  for (; p < n; ++p) t += e[p];
+  return t;
+}
+
 // Softmax attention of one query token's heads q [G][D] (rotated) over the n positions of one KV head (k, v
 // [n, D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
 // each head's sums run in the one-head order (``dot``'s lanes, or for bf16 keys ``pair_dot``'s pairs; then positions
-// in turn for the maximum, the exponentials' total and the sum over V), so a head's result does not depend on G. D
+// in turn for the maximum and the sum over V, the exponentials' total in 16 lanes then pairwise and the tail in
+// turn), so a head's result does not depend on G. D
 // and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16 lanes, each element's
 // products and sums as one float at a time would run them).
 template <typename T, int64_t D, int G>
@@ -287,9 +299,7 @@ void attend(const float* q, const T* k, const T* v, int64_t n, float scale, floa
   for (int g = 0; g < G; ++g) {
     float* sg = s + g * n;
     for (int64_t p = 0; p < n; ++p) sg[p] = exp_poly(sg[p] - top[g]);  // no reduction here: vectorized
-    float t = 0.0f;
-    for (int64_t p = 0; p < n; ++p) t += sg[p];
-    total[g] = t;
+    total[g] = softmax_total(sg, n);
   }
   V16 acc[G][D / kLanes] = {};
   for (int64_t p = 0; p < n; ++p) {
@@ -332,8 +342,7 @@ void attend_any(const float* q, const T* k, const T* v, int64_t d, int64_t n, fl
     top = s[p] > top ? s[p] : top;
   }
   for (int64_t p = 0; p < n; ++p) s[p] = exp_poly(s[p] - top);
-  float total = 0.0f;
-  for (int64_t p = 0; p < n; ++p) total += s[p];
+  const float total = softmax_total(s, n);
   float acc[kMaxHeadDim] = {};
   for (int64_t p = 0; p < n; ++p) {
     const T* vp = v + p * d;
