@@ -275,10 +275,9 @@ inline float softmax_total(const float* e, int64_t n) {
 // Softmax attention of one query token's heads q [G][D] (rotated) over the n positions of one KV head (k, v
 // [n, D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
 // each head's sums run in the one-head order (``dot``'s lanes, or for bf16 keys ``pair_dot``'s pairs; then positions
-// in turn for the maximum and the sum over V, the exponentials' total in 16 lanes then pairwise and the tail in
-// turn), so a head's result does not depend on G. D
-// and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16 lanes, each element's
-// products and sums as one float at a time would run them).
+// in turn for the maximum and the sum over V, and ``softmax_total`` for the exponentials' total), so a head's result
+// does not depend on G. D and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16
+// lanes, each element's products and sums as one float at a time would run them).
 template <typename T, int64_t D, int G>
 void attend(const float* q, const T* k, const T* v, int64_t n, float scale, float* s, T* out) {
   float top[G];
