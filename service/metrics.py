@@ -119,6 +119,12 @@ PREFILL_PASS_SECONDS = _histogram(
     "Wall time of each prefill pass: what the running streams wait for between two decode steps.",
     buckets=LATENCY_BUCKETS,
 )
+HEAD_SCREEN_ROWS = _counter(
+    "loraplex_head_screen_rows_total",
+    "Rows of greedy steps whose argmax the Q8_0 head found with its int8 screen (outcome=screened: a few logits "
+    "computed exactly) or, the screen unable to rule, from every logit (outcome=full).",
+    ["outcome"],
+)
 GENERATED_TOKENS = _counter("loraplex_generated_tokens_total", "Tokens generated.")
 RUNNING_REQUESTS = _gauge("loraplex_running_requests", "Requests in the running batch.")
 WAITING_REQUESTS = _gauge("loraplex_waiting_requests", "Requests queued for admission.")

@@ -7,8 +7,9 @@ the server says SERVING, ``run_self_check`` runs, for the loaded model in its se
 - each kind and shape of projection weight: the quantized kernel and the dequantized dense path on a probe weight
   built from known values (truth computed in float32 from those values), then on the model's own weight the kernel
   against its dequantized form, and a kept dense copy against both;
-- the output head (dense, or a GGUF Q8_0 table with its int4 pair, chunked and dense-copy paths) and a compact
-  embedding's gather, on a sample of vocabulary rows;
+- the output head (dense, or a GGUF Q8_0 table with its int4 pair, chunked and dense-copy paths, and its int8
+  screen of a greedy step's argmax, which must agree exactly) and a compact embedding's gather, on a sample of
+  vocabulary rows;
 - the batched LoRA math, per-slot and shared, on random adapters (a base-only row must stay bit-identical), eager
   and on the compiled kernel when the model has one (``Llama.lora_native``): a wrong kernel sends the adapter
   tables back to the eager math;
@@ -33,7 +34,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ from service.model.weights.dispatch import NEVER
 from service.model.weights.protocol import Weight
 from service.platform import cpu_capability, draft_dtype
 from service.selfcheck_lora import in_features, out_features, random_lora, reference_delta
+from service.selfcheck_report import PathCheck, SelfCheckReport, exact_top, rel_error
 
 __all__ = ["TOLERANCE", "PathCheck", "SelfCheckFailed", "SelfCheckReport", "run_self_check"]
 
@@ -67,41 +68,6 @@ REF_ROWS = 512
 
 class SelfCheckFailed(FailedPrecondition):
     """A compute path disagrees with its float32 reference and has no correct fallback."""
-
-
-@dataclass(frozen=True)
-class PathCheck:
-    path: str  # what computes, e.g. "int4 projection 3072x576: dequantized dense"
-    kernel: str  # how, e.g. "torch int4 kernel"
-    error: float  # largest per-row relative error against the float32 reference
-    tolerance: float
-    status: str  # "ok", "fallback: ..." or "failed"
-
-    @property
-    def ok(self) -> bool:
-        return self.error <= self.tolerance
-
-
-@dataclass(frozen=True)
-class SelfCheckReport:
-    capability: str  # torch.backends.cpu.get_cpu_capability() on CPU, the GPU's name on CUDA
-    dtype: str
-    checks: tuple[PathCheck, ...]
-    seconds: float
-
-    @property
-    def kernels(self) -> dict[str, str]:
-        """Each checked path -> the kernel it runs (``ModelInfo``)."""
-        return {c.path: c.kernel for c in self.checks}
-
-
-def rel_error(y: Tensor, ref: Tensor) -> float:
-    """Largest per-row relative error of ``y`` against ``ref`` (rows = all but the last dim); inf if not finite."""
-    y2, r2 = y.float().reshape(-1, y.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
-    if not bool(torch.isfinite(y2).all()):
-        return math.inf
-    err = (y2 - r2).norm(dim=1) / r2.norm(dim=1).clamp_min(1e-12)
-    return float(err.max())
 
 
 class _Checker:
@@ -207,6 +173,11 @@ class _Checker:
             path = f"output head, {m} row{'s' if m > 1 else ''}"
             ref = F.linear(x.float(), ref_rows)
             check = self.record(path, head.kernel_for(m), head.project(x)[:, rows], ref)
+            if (top := head.top(x)) is not None:  # a greedy step's argmax without every logit: exactly project's
+                want = exact_top(*head.project(x).float().max(dim=-1))
+                if not self.record(f"{path}, argmax", "int8 screen", exact_top(*top[:2]), want, 0).ok:
+                    head.screen = False
+                    self.fallback(self.checks[-1], "the max of the full product")
             if check.ok:
                 continue
             kernel = head.kernel_for(m)
@@ -317,9 +288,7 @@ class _Checker:
         logits = self.randn(4, 1000, dtype=torch.float32)
         logits[1, 700] = logits[1, 300] = logits[1].max() + 1  # a tie (the first column), +inf, a row of -inf
         logits[2, 5], logits[3] = math.inf, -math.inf
-        (values, indices), top = ops.row_top(logits), logits.max(dim=-1)
-        exact = ((values, indices), top)  # NaN and +-inf as distinct finite values, so the error is 0 only if equal
-        got, want = (torch.stack((v.double().nan_to_num(7e6, 8e6, -8e6), i.double())) for v, i in exact)
+        got, want = exact_top(*ops.row_top(logits)), exact_top(*logits.max(dim=-1))
         checks.append(self.record("row max and argmax", kernel, got, want, 0))  # sampling's argmax: exact
         if all(c.ok for c in checks):
             return self.decode_stack(kernel)

@@ -24,6 +24,7 @@ from service.adapters.lora.mix import AdapterLookup, Mixer
 from service.config import Settings
 from service.constraints.masks import Masks, PendingMasks
 from service.engine.constrained import ConstrainedWalk, trim_draft
+from service.engine.head import Top, project
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
 from service.engine.row import Row
@@ -113,12 +114,12 @@ class Runner:
         if not done:
             return
         final = hidden[torch.tensor(done, device=self.device), last]  # [C, H]: each completed row's last token
-        logits = self.model.logits(final, batch, done)  # [C, V]
         completed = [rows[b] for b in done]
+        logits, top = project(self.model, completed, final, batch, masks, done)  # [C, V], or the rows' argmax alone
         for b, r in zip(done, completed, strict=True):
             self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
         metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
-        self._sample(completed, logits, masks)
+        self._sample(completed, logits, masks, top)
         self._draft(completed, final, draft)
 
     def _start_rows(self, fresh: Sequence[tuple[Row, int]]) -> None:
@@ -182,10 +183,10 @@ class Runner:
         batch = self._adapter_batch(rows, 0)
         masks = self._begin_masks(rows)  # filled beside the forward pass
         hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
-        logits = self.model.logits(hidden[:, -1], batch)  # [B, V]
+        logits, top = project(self.model, rows, hidden[:, -1], batch, masks)  # [B, V], or the rows' argmax alone
         for r in rows:
             r.length += 1
-        self._sample(rows, logits, masks)
+        self._sample(rows, logits, masks, top)
         self._draft(rows, hidden[:, -1], draft)
 
     def _decode_speculative(self, rows: list[Row], draft: bool) -> None:
@@ -215,7 +216,7 @@ class Runner:
             sub = [rows[b] for b in plain]
             for r in sub:
                 r.length += 1
-            self._sample(sub, logits[torch.tensor(plain, device=self.device), 0], self._begin_masks(sub))
+            self._sample(sub, logits[torch.tensor(plain, device=self.device), 0], self._begin_masks(sub), None)
         self._fail_non_finite_paths(rows, logits, valid)
         last = self._accept(rows, fed, greedy(logits).tolist(), valid, logits)
         at = torch.tensor(last, device=self.device)
@@ -300,15 +301,21 @@ class Runner:
     def _begin_masks(self, rows: Sequence[Row]) -> PendingMasks | None:
         return self.masks.begin(rows) if self.masks is not None else None
 
-    def _sample(self, rows: Sequence[Row], logits: torch.Tensor, masks: PendingMasks | None = None) -> None:
+    def _sample(
+        self, rows: Sequence[Row], logits: torch.Tensor | None, masks: PendingMasks | None, top: Top | None
+    ) -> None:
         """Sample every row's next token from ``logits`` [B, V], after ``masks`` (begun for these rows) removed
-        what each constrained row's grammar does not allow."""
-        values, indices = self._top(logits)  # [B]: NaN if any logit is, inf if any is +inf; its first index the argmax
+        what each constrained row's grammar does not allow; or, rows needing only their argmax, take ``top``."""
+        if top is None:
+            if logits is None:
+                raise ValueError("_sample takes the logits or their top")
+            top = self._top(logits)
+        values, indices = top  # [B]: NaN if a logit is, inf if one is +inf; the first argmax
         finite = torch.isfinite(values)
         argmax: torch.Tensor | None = indices  # while the logits are unmasked
         dead: list[int] = []
-        if masks is not None and self.masks is not None:  # rows needing only their argmax are masked if it is refused
-            only = [p.greedy and not p.penalized and not p.logprobs for p in (r.request.sampling for r in rows)]
+        if masks is not None and self.masks is not None and logits is not None:  # rows needing only their argmax:
+            only = [r.request.sampling.argmax_only for r in rows]  # masked only if the grammar refuses their argmax
             tops = indices.tolist() if any(only) else [None] * len(rows)
             dead = self.masks.apply(masks, logits, [t if o else None for t, o in zip(tops, only, strict=True)])
             argmax = None
@@ -319,11 +326,13 @@ class Runner:
                     self.outputs.dead_end(rows[b])
             keep = [b for b, fine in enumerate(ok) if (fine or self._fail(rows[b])) and b not in dead]
             rows = [rows[b] for b in keep]
-            kept = torch.tensor(keep, dtype=torch.long, device=logits.device)
-            logits = logits[kept]
+            kept = torch.tensor(keep, dtype=torch.long, device=indices.device)
+            logits = None if logits is None else logits[kept]
             argmax = None if argmax is None else argmax[kept]
             if not rows:
                 return
+        if logits is None:  # ``top``: every row takes its argmax (no masks, so ``argmax`` is the kept rows')
+            return self.outputs.emit_all(rows, (indices if argmax is None else argmax).tolist(), None)
         params = [r.request.sampling for r in rows]
         needs_history = any(p.repetition_penalty != 1.0 for p in params)
         result = self.sampler.sample(

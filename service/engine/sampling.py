@@ -81,6 +81,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """The next token is the logits' argmax and nothing else of them is needed."""
+        return self.greedy and not self.penalized and not self.logprobs
+
     def validate(self) -> None:
         """Raise ``InvalidRequest`` naming the first bad field, its value and the accepted range."""
         t = self.temperature

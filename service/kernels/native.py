@@ -4,10 +4,11 @@
     kernels() -> NativeKernels | None           the loaded library, or None: eager torch paths (see ``status``)
     build(isa, cache_dir) -> Path               compile one variant (the image pre-warms all: ``loraplex kernels``)
 
-``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products (``blocks.cpp``; Q4 weights in tiles of
-``Q4_TILE`` rows), dense products of a few rows (``dense.cpp``), products with bf16 weights in pairs (``pairs.cpp``),
-the fused step ops (``step.cpp``), the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``, over a table
-from ``service.kernels.lora.lora_site``) and the one-call decode step (``decode.cpp``).
+``NativeKernels`` wraps each source's entry points: the Q4 / Q8 products and the Q8 head's screened argmax
+(``blocks.cpp``, through ``native_blocks.BlockProducts``; Q4 weights in tiles of ``Q4_TILE`` rows), dense products
+of a few rows (``dense.cpp``), products with bf16 weights in pairs (``pairs.cpp``), the fused step ops
+(``step.cpp``), the batched LoRA shrink/expand of one (layer, site) (``lora.cpp``, over a table from
+``service.kernels.lora.lora_site``) and the one-call decode step (``decode.cpp``).
 
 The variant follows torch's CPU capability (``service.platform.cpu_capability``), so ``ATEN_CPU_CAPABILITY=default``
 or ``avx2`` runs the generic or AVX2 code as it does torch's: AVX512 -> ``avx512``, AVX2 (with F16C) -> ``avx2``,
@@ -47,12 +48,11 @@ from service.kernels.checks import DTYPE_CODES as _DTYPE_CODES
 from service.kernels.checks import Q4_TILE as _Q4_TILE
 from service.kernels.checks import check_attention as _check_attention
 from service.kernels.checks import check_pairs as _check_pairs
-from service.kernels.checks import check_q4 as _check
-from service.kernels.checks import check_q8 as _check_q8
 from service.kernels.checks import check_step as _check_step
 from service.kernels.checks import raise_for as _raise
 from service.kernels.compile import compile_shared
 from service.kernels.lora import LORA_FIELDS, LoraSite, StackLora
+from service.kernels.native_blocks import BlockProducts
 from service.platform import cpu_capability, cpu_flags
 
 __all__ = [
@@ -72,7 +72,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 11  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 12  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
 _SRC = Path(__file__).with_name("src")
@@ -107,7 +107,7 @@ def isa_for(capability: str, flags: frozenset[str] | None) -> str:
     return "generic"
 
 
-class NativeKernels:
+class NativeKernels(BlockProducts):
     """The loaded library of one variant. Every method takes contiguous CPU tensors and checks what it passes."""
 
     def __init__(self, path: Path, isa: str) -> None:
@@ -121,6 +121,7 @@ class NativeKernels:
             raise FailedPrecondition(f"kernel library {path}: ABI {abi} for {built}, expected {ABI_VERSION} for {isa}")
         lib.lp_q4_matmul.argtypes = [_P, _I, _P, _P, _P, _L, _L, _L, _P, _I, _L]
         lib.lp_q8_matmul.argtypes = [_P, _I, _P, _P, _I, _L, _L, _L, _P, _I, _L]
+        lib.lp_q8_top.argtypes = [_P, _I, _P, _P, _P, _I, _P, _L, _L, _L, _L, _P, _P, _P, _P]
         lib.lp_dense_matmul.argtypes = [_P, _I, _P, _I, _L, _L, _L, _L, _P, _I, _L]
         lib.lp_pairs_matmul.argtypes = [_P, _P, _L, _L, _L, _P, _I, _L]
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
@@ -132,8 +133,9 @@ class NativeKernels:
                                         ctypes.c_float, _P, _P, _L, _L, _P, _I]  # fmt: skip
         for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_pairs_matmul, lib.lp_add_rmsnorm,
                    lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack,
-                   lib.lp_row_top):  # fmt: skip
+                   lib.lp_row_top, lib.lp_q8_top):  # fmt: skip
             fn.restype = ctypes.c_int
+        self.q8_screen = bool(lib.lp_q8_top_supported())  # q8_top can screen (AVX-512 VNNI)
         self.bf16_dot = bool(lib.lp_bf16_dot())  # pairs_matmul on the CPU's bf16 dot products (else portable code)
         self.decode_fields = int(lib.lp_decode_fields())  # pointers per layer in lp_decode_stack's table
         if lib.lp_decode_lora_fields() != LORA_FIELDS:
@@ -143,33 +145,6 @@ class NativeKernels:
     @property
     def name(self) -> str:
         return f"loraplex {self.isa}"
-
-    def q4_matmul(self, x2: Tensor, qs: Tensor, d: Tensor, m: Tensor, n: int, out_dtype: torch.dtype) -> Tensor:
-        """x2 [M, K] -> [M, N] in ``out_dtype``: ``x2 @ W^T`` with ``W[n, 32 g + j] = d[n, g] q + m[n, g]``, in tiles
-        of 16 rows (``Q4_TILE``; N rounded up): qs [tiles, K / 32, 16, 16] uint8, byte (t, g, p, i) holding row
-        16 t + i's q at input 32 g + 2 p (low nibble) and 32 g + 2 p + 1 (high); d and m [tiles, K / 32, 16]
-        float32."""
-        mrows, k = x2.shape
-        _check(x2, qs, d, m, k=k, n=n)
-        out = torch.empty(mrows, n, dtype=out_dtype)
-        rc = self._lib.lp_q4_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], qs.data_ptr(), d.data_ptr(), m.data_ptr(),
-                                    mrows, n, k, out.data_ptr(), _DTYPE_CODES[out_dtype], n)  # fmt: skip
-        if rc:
-            _raise(rc, f"lp_q4_matmul refused x {tuple(x2.shape)} and weight [{n}, {k}]")
-        return out
-
-    def q8_matmul(self, x2: Tensor, q: Tensor, d: Tensor, out_dtype: torch.dtype) -> Tensor:
-        """x2 [M, K] -> [M, V]: ``x2 @ T^T`` for a group-major Q8_0 table, q [K / 32, V, 32] int8, d [K / 32, V]
-        (float32, bfloat16 or float16): ``T[v, 32 g + j] = d[g, v] q[g, v, j]``."""
-        _check_q8(x2, q, d)
-        (mrows, k), vocab = x2.shape, q.shape[1]
-        out = torch.empty(mrows, vocab, dtype=out_dtype)
-        rc = self._lib.lp_q8_matmul(x2.data_ptr(), _DTYPE_CODES[x2.dtype], q.data_ptr(), d.data_ptr(),
-                                    _DTYPE_CODES[d.dtype], mrows, vocab, k, out.data_ptr(), _DTYPE_CODES[out_dtype],
-                                    vocab)  # fmt: skip
-        if rc:
-            _raise(rc, f"lp_q8_matmul refused x {tuple(x2.shape)} and table [{vocab}, {k}]")
-        return out
 
     def dense_matmul(self, x2: Tensor, w: Tensor, out_dtype: torch.dtype) -> Tensor:
         """x2 [M, K] -> [M, N] in ``out_dtype``: ``x2 @ w^T`` for a dense w [N, K]; float32 or bfloat16 each."""

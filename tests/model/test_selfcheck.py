@@ -31,6 +31,7 @@ from service.kernels import native
 from service.model import KVCache
 from service.model.load_gguf import load_gguf_model
 from service.model.weights import NEVER, Int4Weight, int4, int4_layout, protocol
+from service.model.weights.q8_table import SCREEN_MIN_ROWS
 from service.platform import cpu_capability
 from service.selfcheck import SelfCheckFailed, run_self_check
 
@@ -67,9 +68,13 @@ def test_a_gguf_models_head_embedding_and_blocks_pass(
     model = load_gguf_model(served_tiny_dir, tiny_gguf, dtype=dtype)[0]
     report = run_self_check(model)
     assert all(c.status == "ok" for c in report.checks), report.checks
-    heads = [c for c in report.checks if c.path.startswith("output head")]
+    heads = [c for c in report.checks if c.path.startswith("output head") and not c.path.endswith("argmax")]
     assert len(heads) == 4 and any(c.path == "embedding gather" for c in report.checks)
     loaded = native.kernels()
+    screened = [(c.path, c.kernel, c.tolerance) for c in report.checks if c.path.endswith("rows, argmax")]
+    screens = loaded is not None and loaded.q8_screen and dtype == torch.float32
+    want = [(f"output head, {m} rows, argmax", "int8 screen", 0) for m in (9, 16) if m >= SCREEN_MIN_ROWS]
+    assert screened == (want if screens else [])
     if loaded is not None:  # one row: the native kernel in either dtype
         assert heads[0].kernel == f"{loaded.name} q8 kernel"
     elif dtype == torch.bfloat16:
@@ -100,6 +105,26 @@ def test_a_wrong_native_kernel_falls_back_to_torchs_and_answers_right(
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     got, want = (_prefill_logits(m, ids) for m in (model, reference))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_wrong_argmax_screen_is_turned_off_and_the_head_answers_in_full(
+    served_tiny_dir: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A screen that names the wrong token disagrees with the full product's max: the self-check turns it off."""
+    if not compiled_kernels().q8_screen:
+        pytest.skip("no int8 screen on this CPU (AVX-512 VNNI)")
+    model = load_gguf_model(served_tiny_dir, tiny_gguf, dtype=torch.float32)[0]
+    real = native.NativeKernels.q8_top
+
+    def off_by_one(self: native.NativeKernels, *args: Any) -> tuple[torch.Tensor, ...]:
+        values, indices, found = real(self, *args)
+        return values, (indices + 1) % args[1].shape[1], found
+
+    monkeypatch.setattr(native.NativeKernels, "q8_top", off_by_one)
+    report = run_self_check(model)
+    fallbacks = [c.path for c in report.checks if c.status.startswith("fallback")]
+    assert fallbacks and all(p.endswith("rows, argmax") for p in fallbacks), fallbacks
+    assert not model.lm_head.screen and model.lm_head.top(torch.randn(16, model.cfg.hidden_size)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

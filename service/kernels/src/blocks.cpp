@@ -9,11 +9,14 @@
 //
 // Numerics: every product is float32 with float32 accumulation over exact inputs (fp16 scales converted exactly,
 // bf16 / fp16 activations widened exactly); only the output is rounded, once, to the output dtype (round to nearest
-// even). The weights are never requantized and activations are never quantized.
+// even). The weights are never requantized and the products never use quantized activations: the greedy argmax's
+// int8 screen (lp_q8_top, at the end) only rules logits out, with a rigorous bound, and computes the rest exactly.
 //
 // Threads: OpenMP over output rows, sharing torch's runtime (libgomp.so.1 is loaded once per process), so
 // torch.set_num_threads governs these kernels too.
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
@@ -33,7 +36,7 @@
 extern "C" {
 
 // Bumped whenever a signature or a layout below changes; the wrapper refuses a library with another version.
-int lp_abi_version() { return 11; }
+int lp_abi_version() { return 12; }
 const char* lp_isa() { return LP_ISA; }
 
 }  // extern "C"
@@ -532,6 +535,300 @@ int lp_q8_matmul(const void* x, int x_dtype, const int8_t* q, const void* d, int
     }
   }
   return 0;
+}
+
+}  // extern "C"
+
+// --- the argmax of a Q8_0 head's logits, screened in int8 ------------------------------------------------------
+//
+// A greedy decode step needs of each row's logits z = T x only the largest and its index. lp_q8_top finds them
+// without computing every logit exactly: each group of x is quantized to int8 p (one scale t_g a group, shared by
+// the rows), the table's int8 values multiply it with VNNI dot products, and z_hat = sum_g d t_g (q . p) comes with
+// a bound E >= |fl(z) - z_hat|, fl(z) being lp_q8_matmul's value:
+//   E_v = sum_g c[g, v] e_g,  c = |d| ||q||_2 (the caller's, rounded up),
+//   e_g = (||x_g - t_g p_g||_2 + g1 ||x_g||_2 + g2 127 sqrt(32) t_g) (1 + 2^-10)
+// by Cauchy-Schwarz: the quantization of x, then float32's rounding in lp_q8_matmul (g1 covers its longest chain of
+// products and sums) and in z_hat's own sums (g2), and 2^-20 (|z_hat| + E) more for the rounding of z_hat +- E. A
+// row's candidates are the v with z_hat + E >= L = max_u (z_hat - E): every other v has fl(z_v) < L <= the largest
+// fl(z), so the argmax is among them. The candidates' logits are computed exactly (q8_block, the bits of
+// lp_q8_matmul), the largest wins, the first on a tie, as lp_row_top. A row with a non-finite value, one far larger
+// than the others, a non-finite bound or more than ``cap`` candidates is not screened (found 0): the caller
+// computes it in full.
+//
+// The screen reads the table's int8 values from a copy laid out for VNNI, ``qs`` [G, V / 16, 8, 16, 4] uint8 (q +
+// 128; the last V % 16 rows are read from q): for group g and block b of 16 rows, slice j holds bytes 4 j .. 4 j + 3
+// of each of the 16 rows, so one vpdpbusd against x's bytes 4 j .. 4 j + 3 (broadcast) adds a four-byte dot product
+// into each row's own lane, and eight of them leave each row's group dot in its lane: no horizontal sums, one scale
+// vector a block.
+
+namespace {
+
+constexpr int kScreenRows = 4;  // rows of x a pass
+constexpr int kLaneRows = 16;   // table rows a block: one a lane
+// A bound E above this says the logits' terms may sum past float32's range (E >= g1 sum |terms|, g1 >= 2^-20):
+// such a row is computed in full, where its infinities show.
+constexpr float kBoundLimit = 1e30f;
+constexpr float kOutlier = 16.f;  // a row whose largest magnitude is past this times the rows' median: in full
+
+#if defined(__AVX512F__)
+inline bool has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+template <int DT>
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const void* d, int64_t i) {
+  if (DT == F32) return _mm512_loadu_ps(static_cast<const float*>(d) + i);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(d) + i));
+  if (DT == F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Blocks [b0, b0 + NB) of 16 table rows against R rows of p (x's int8 values, row stride k; ``base``: -128 times
+// each group's sum of p, [R][G]): upper bounds z_hat + E into up (row stride vocab), the largest z_hat - E into
+// low[r]. vpdpbusd adds (q + 128) p over four bytes a lane into -128 sum(p): each lane holds its exact sum of q p.
+template <int NB, int R, int DT>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni"))) void screen_block(
+    const uint8_t* qs, const void* d, const float* c, int64_t groups, int64_t vocab, int64_t b0, const int8_t* p,
+    const int32_t* base, int64_t k, const float* t, const float* e, float* up, float* low) {
+  const int64_t blocks = vocab / kLaneRows, v0 = b0 * kLaneRows;
+  __m512 acc[NB][R];
+  for (int n = 0; n < NB; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[NB][R];
+    for (int r = 0; r < R; ++r)
+      for (int n = 0; n < NB; ++n) dot[n][r] = _mm512_set1_epi32(base[r * groups + g]);
+    const uint8_t* wg = qs + (g * blocks + b0) * (8 * 64);
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[NB];
+      for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_si512(wg + (n * 8 + j) * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x4 = _mm512_set1_epi32(four_bytes(p + r * k + g * kGroup + 4 * j));
+        for (int n = 0; n < NB; ++n) dot[n][r] = _mm512_dpbusd_epi32(dot[n][r], w[n], x4);
+      }
+    }
+    for (int n = 0; n < NB; ++n) {
+      const __m512 scale = _mm512_mul_ps(load16<DT>(d, g * vocab + v0 + n * kLaneRows), _mm512_set1_ps(t[g]));
+      for (int r = 0; r < R; ++r) acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[n][r]), scale, acc[n][r]);
+    }
+  }
+  const __m512 tiny = _mm512_set1_ps(0x1p-20f), limit = _mm512_set1_ps(kBoundLimit), inf = _mm512_set1_ps(INFINITY);
+  for (int n = 0; n < NB; ++n)
+    for (int r = 0; r < R; ++r) {
+      __m512 bound = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g)
+        bound = _mm512_fmadd_ps(_mm512_loadu_ps(c + g * vocab + v0 + n * kLaneRows), _mm512_set1_ps(e[r * groups + g]),
+                                bound);
+      const __m512 z = acc[n][r];
+      const __m512 b = _mm512_fmadd_ps(tiny, _mm512_add_ps(_mm512_abs_ps(z), bound), bound);
+      const __mmask16 over = _mm512_cmp_ps_mask(bound, limit, _CMP_NLE_UQ);  // past the limit, or NaN: in full
+      _mm512_storeu_ps(up + r * vocab + v0 + n * kLaneRows, _mm512_mask_blend_ps(over, _mm512_add_ps(z, b), inf));
+      low[r] = std::fmax(low[r], _mm512_reduce_max_ps(_mm512_sub_ps(z, b)));
+    }
+}
+
+// The same for one table row (from q) and one row of p, in scalar code: the vocabulary's last V % 16 rows.
+template <int DT>
+inline void screen_one(const int8_t* q, const void* d, const float* c, int64_t groups, int64_t vocab, int64_t v,
+                       const int8_t* p, const float* t, const float* e, float* up, float* low) {
+  float z = 0.f, b0 = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* qg = q + (g * vocab + v) * kGroup;
+    int32_t dot = 0;
+    for (int j = 0; j < kGroup; ++j) dot += (int32_t)p[g * kGroup + j] * (int32_t)qg[j];
+    z = std::fma(load_scalar(d, g * vocab + v, DT) * t[g], (float)dot, z);
+    b0 = std::fma(c[g * vocab + v], e[g], b0);
+  }
+  const float b = b0 + 0x1p-20f * (std::fabs(z) + b0);
+  up[v] = b0 <= kBoundLimit ? z + b : INFINITY;
+  *low = std::fmax(*low, z - b);
+}
+
+// Table rows [v0, end) (v0 a multiple of 16) against R rows of p: pairs of 16-row blocks, a last single block, then
+// the rows past the last whole block one by one.
+template <int R, int DT>
+void screen_span(const int8_t* q, const uint8_t* qs, const void* d, const float* c, int64_t groups, int64_t vocab,
+                 int64_t v0, int64_t end, const int8_t* p, const int32_t* base, int64_t k, const float* t,
+                 const float* e, float* up, float* low) {
+  const int64_t b1 = std::min(end, vocab / kLaneRows * kLaneRows) / kLaneRows;
+  int64_t b = v0 / kLaneRows;
+  for (; b + 2 <= b1; b += 2) screen_block<2, R, DT>(qs, d, c, groups, vocab, b, p, base, k, t, e, up, low);
+  if (b < b1) screen_block<1, R, DT>(qs, d, c, groups, vocab, b++, p, base, k, t, e, up, low);
+  for (int64_t v = std::max(v0, b1 * kLaneRows); v < end; ++v)
+    for (int r = 0; r < R; ++r)
+      screen_one<DT>(q, d, c, groups, vocab, v, p + r * k, t, e + r * groups, up + r * vocab, low + r);
+}
+
+template <int DT>
+void screen_rows(const int8_t* q, const uint8_t* qs, const void* d, const float* c, int64_t groups, int64_t vocab,
+                 int64_t v0, int64_t end, const int8_t* p, const int32_t* base, int64_t k, int64_t m, const float* t,
+                 const float* e, float* up, float* low) {
+  int64_t r = 0;
+  for (; r + kScreenRows <= m; r += kScreenRows)
+    screen_span<kScreenRows, DT>(q, qs, d, c, groups, vocab, v0, end, p + r * k, base + r * groups, k, t,
+                                 e + r * groups, up + r * vocab, low + r);
+  for (; r < m; ++r)
+    screen_span<1, DT>(q, qs, d, c, groups, vocab, v0, end, p + r * k, base + r * groups, k, t, e + r * groups,
+                       up + r * vocab, low + r);
+}
+#endif
+
+// ok[r]: row r takes part in the screen: every value finite, and its largest magnitude at most kOutlier times the
+// rows' median (the groups' scales are shared: one row far larger than the others would leave them no resolution,
+// so it is computed in full instead). ``amax``: scratch, 2 m floats.
+void screen_rows_ok(const float* xf, int64_t m, int64_t k, bool* ok, float* amax) {
+  for (int64_t r = 0; r < m; ++r) {
+    float top = 0.f;
+    for (int64_t i = 0; i < k; ++i) {
+      const float x = xf[r * k + i];
+      top = std::isnan(x) ? INFINITY : std::fmax(top, std::fabs(x));
+    }
+    amax[r] = top;
+  }
+  float* sorted = amax + m;
+  std::memcpy(sorted, amax, sizeof(float) * m);
+  std::nth_element(sorted, sorted + m / 2, sorted + m);
+  const float limit = sorted[m / 2] * kOutlier;
+  for (int64_t r = 0; r < m; ++r) ok[r] = amax[r] <= 3.4e38f && amax[r] <= limit;
+}
+
+// x's int8 values into p, -128 times each group's sum of them into base, a scale per group shared by the rows
+// marked ok into t, and each row's e_g (see above) into e; a row not ok gets zeros.
+void screen_quantize(const float* xf, int64_t m, int64_t k, const bool* ok, int8_t* p, int32_t* base, float* t,
+                     float* e) {
+  const int64_t groups = k / kGroup;
+  const double g1 = (2.0 * k + 4.0 * groups + 64.0) * 0x1p-24, g2 = (4.0 * groups + 64.0) * 0x1p-24;
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.f;
+    for (int64_t r = 0; r < m; ++r)
+      for (int j = 0; ok[r] && j < kGroup; ++j) amax = std::fmax(amax, std::fabs(xf[r * k + g * kGroup + j]));
+    t[g] = amax / 127.f;
+    for (int64_t r = 0; r < m; ++r) {
+      double dx2 = 0.0, x2 = 0.0;
+      int32_t sum = 0;
+      for (int j = 0; j < kGroup; ++j) {
+        const float x = xf[r * k + g * kGroup + j];
+        long v = ok[r] && t[g] > 0.f ? std::lrint(x / t[g]) : 0;
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        p[r * k + g * kGroup + j] = (int8_t)v;
+        sum += (int32_t)v;
+        const double dx = (double)x - (double)t[g] * (double)v;
+        dx2 += dx * dx;
+        x2 += (double)x * (double)x;
+      }
+      base[r * groups + g] = -128 * sum;
+      const double bound = (std::sqrt(dx2) + g1 * std::sqrt(x2) + g2 * 127.0 * std::sqrt(32.0) * t[g]) * (1 + 0x1p-10);
+      e[r * groups + g] = ok[r] ? std::nextafter((float)bound, INFINITY) : 0.f;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when lp_q8_top can screen on this CPU (this variant built with AVX-512, the CPU with VNNI), else 0.
+int lp_q8_top_supported() {
+#if defined(__AVX512F__)
+  return has_vnni() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// For each row r of x [M, K] (x_dtype) against a group-major Q8_0 table (q [K / 32, V, 32] int8, its VNNI copy qs
+// [K / 32, V / 16, 8, 16, 4] uint8 (see above), d [K / 32, V] in d_dtype, c [K / 32, V] float32 >= |d| ||q||_2):
+// the largest of lp_q8_matmul's float32 logits into values[r] and its first index into index[r], and found[r] =
+// the candidates computed exactly (0: not screened, see above; the caller computes that row in full). ``up`` is
+// scratch, M * V float32. Returns 0, -1 on a bad argument, -2 when out of memory, -3 when this CPU cannot screen
+// (lp_q8_top_supported).
+int lp_q8_top(const void* x, int x_dtype, const int8_t* q, const uint8_t* qs, const void* d, int d_dtype,
+              const float* c, int64_t m, int64_t vocab, int64_t k, int64_t cap, float* up, float* values,
+              int64_t* index, int32_t* found) {
+  if (m < 0 || vocab < 1 || k <= 0 || k % kGroup || cap < 1 || x_dtype < F32 || x_dtype > F16 || d_dtype < F32 ||
+      d_dtype > F16)
+    return -1;
+#if defined(__AVX512F__)
+  if (!has_vnni()) return -3;
+  if (m == 0) return 0;
+  const int64_t groups = k / kGroup, tasks = (vocab + kVocabPerTask - 1) / kVocabPerTask;
+  const Widened w(x, x_dtype, m, k);
+  int8_t* p = static_cast<int8_t*>(std::malloc(m * k));
+  int32_t* base = static_cast<int32_t*>(std::malloc(sizeof(int32_t) * m * groups));
+  float* t = static_cast<float*>(std::malloc(sizeof(float) * groups));
+  float* e = static_cast<float*>(std::malloc(sizeof(float) * m * (groups < 2 ? 2 : groups)));
+  float* low = static_cast<float*>(std::malloc(sizeof(float) * m * tasks));
+  bool* ok = static_cast<bool*>(std::malloc(m));
+  int rc = 0;
+  if (!w.ok() || !p || !base || !t || !e || !low || !ok) {
+    rc = -2;
+  } else {
+    screen_rows_ok(w.xf, m, k, ok, e);  // e: scratch here
+    screen_quantize(w.xf, m, k, ok, p, base, t, e);
+    for (int64_t i = 0; i < m * tasks; ++i) low[i] = -INFINITY;
+    lp::Shares shares(tasks);
+#pragma omp parallel
+    shares.run([&](int64_t task) {
+      const int64_t v0 = task * kVocabPerTask, end = std::min<int64_t>(v0 + kVocabPerTask, vocab);
+      float* lows = low + task * m;
+      switch (d_dtype) {
+        case BF16: screen_rows<BF16>(q, qs, d, c, groups, vocab, v0, end, p, base, k, m, t, e, up, lows); break;
+        case F16: screen_rows<F16>(q, qs, d, c, groups, vocab, v0, end, p, base, k, m, t, e, up, lows); break;
+        default: screen_rows<F32>(q, qs, d, c, groups, vocab, v0, end, p, base, k, m, t, e, up, lows);
+      }
+    });
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      float floor = -INFINITY;
+      for (int64_t i = 0; i < tasks; ++i) floor = std::fmax(floor, low[i * m + r]);
+      const float* row = up + r * vocab;
+      int64_t n = 0, wild = 0;
+      for (int64_t v = 0; v < vocab; ++v) {  // branch-free: vectorized
+        wild += !(std::fabs(row[v]) <= 3.4e38f);
+        n += row[v] >= floor;
+      }
+      found[r] = 0;
+      if (!ok[r] || !(std::fabs(floor) <= 3.4e38f) || wild || n > cap) continue;
+      float best = -INFINITY;
+      int64_t at = -1;
+      for (int64_t v = 0; v < vocab; ++v) {
+        if (!(row[v] >= floor)) continue;
+        float z;
+        switch (d_dtype) {
+          case BF16: q8_block<1, 1, BF16>(q, d, groups, vocab, v, w.xf + r * k, k, &z); break;
+          case F16: q8_block<1, 1, F16>(q, d, groups, vocab, v, w.xf + r * k, k, &z); break;
+          default: q8_block<1, 1, F32>(q, d, groups, vocab, v, w.xf + r * k, k, &z);
+        }
+        if (!(std::fabs(z) <= 3.4e38f)) {
+          at = -1;
+          break;
+        }
+        if (at < 0 || z > best) best = z, at = v;
+      }
+      if (at < 0) continue;
+      values[r] = best;
+      index[r] = at;
+      found[r] = (int32_t)n;
+    }
+  }
+  std::free(p);
+  std::free(base);
+  std::free(t);
+  std::free(e);
+  std::free(low);
+  std::free(ok);
+  return rc;
+#else
+  (void)x, (void)q, (void)qs, (void)d, (void)c, (void)up, (void)values, (void)index, (void)found;
+  return -3;
+#endif
 }
 
 }  // extern "C"

@@ -115,6 +115,7 @@ class PairsTable:
     def __init__(self, weight: Bf16Pairs) -> None:
         self.weight = weight
         self.dense: Tensor | None = None  # [vocab, hidden] bf16, kept by ``keep_dense``: projected by torch's GEMM
+        self.screen = False  # no int8 screen of a bf16 table (``top``)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -129,6 +130,10 @@ class PairsTable:
         flat, cols = tokens.reshape(-1), self.weight.cols
         picked = self.weight.packed[flat // PAIR_ROWS, :, flat % PAIR_ROWS]  # [n, K / 2, 2]
         return picked.reshape(flat.numel(), -1)[:, :cols].reshape(*tokens.shape, cols)
+
+    def top(self, hidden: Tensor) -> None:
+        """``EmbeddingTable.top``: never screened, the caller takes the max of ``project``."""
+        return None
 
     def project(self, hidden: Tensor) -> Tensor:
         """hidden [..., hidden] -> [..., vocab]: float32 from the kernel (bf16 from the kept dense copy)."""

@@ -95,6 +95,8 @@ class Weight(Protocol):
 class EmbeddingTable(Protocol):
     """A [vocab, hidden] embedding / output head kept in a compact form (``service.model.weights.q8_table``)."""
 
+    screen: bool  # ``top`` may screen; the self-check turns it off where it disagrees with ``project``
+
     @property
     def nbytes(self) -> int: ...
 
@@ -108,6 +110,12 @@ class EmbeddingTable(Protocol):
     def project(self, hidden: Tensor) -> Tensor:
         """hidden [..., hidden] -> [..., vocab]: the table as the output head, in the model dtype, or in float32
         where the path computes float32 logits exactly from the table as stored (no rescoring needed)."""
+        ...
+
+    def top(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """hidden [M, hidden] -> the row max and first argmax of ``project``'s logits, exactly, without computing
+        them all where the table can (a greedy step needs nothing else), and the logits computed per row (0: all);
+        None where it cannot."""
         ...
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:

@@ -6,18 +6,29 @@ through ``protocol.EmbeddingTable`` only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from service.kernels.native import NativeKernels
+from service.kernels.native_blocks import q8_lanes
 from service.loading.gguf_blocks import GROUP, Int8Rows
 from service.model.weights.dispatch import dense_from_rows
 from service.model.weights.int4 import Int4Weight
 from service.model.weights.int4_layout import chunks_concatenate, pack_cpu
 from service.model.weights.protocol import tensor_nbytes
 
-__all__ = ["HEAD_CHUNK_ROWS", "NATIVE_MAX_ROWS", "PAIR_CHUNK_ROWS", "PAIR_MAX_ROWS", "Q8Table"]
+__all__ = [
+    "HEAD_CHUNK_ROWS",
+    "NATIVE_MAX_ROWS",
+    "PAIR_CHUNK_ROWS",
+    "PAIR_MAX_ROWS",
+    "SCREEN_CAP",
+    "SCREEN_MIN_ROWS",
+    "Q8Table",
+]
 
 # Vocabulary rows the head dequantizes at a time when it projects several hidden states (``Q8Table.project``).
 HEAD_CHUNK_ROWS = 4096
@@ -31,6 +42,10 @@ PAIR_MAX_ROWS = 8
 # in float32 1.4-1.9x the dense matmul over dequantized chunks at 16-32 rows (it converts a block of the table once
 # for 4 rows); beyond, the pair and dense matmuls win (bench/README.md, "Native kernels").
 NATIVE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}
+# From this many hidden states on (up to NATIVE_MAX_ROWS), ``top`` screens the logits in int8 where the CPU has
+# AVX-512 VNNI: 1.25x the full product and its max at 6 rows, 2.2x at 32, even at 4 (bench/head_screen.py).
+SCREEN_MIN_ROWS = 6
+SCREEN_CAP = 256  # logits a screened row computes exactly at most; a row with more candidates is computed in full
 
 
 class Q8Table:
@@ -67,6 +82,10 @@ class Q8Table:
         self.dense: Tensor | None = None  # [V, hidden] in the compute dtype, see keep_dense
         self.pair: tuple[Int4Weight, Int4Weight] | None = None  # (lo, hi), see pair_for_head
         self.native = native
+        self.screen = True  # ``top`` may screen (the self-check turns it off if it disagrees with ``project``)
+        self._bounds: Tensor | None = None  # [G, V] float32, >= |d| ||q||_2 of each group (``top``)
+        self._lanes: Tensor | None = None  # q + 128 laid out for the screen's VNNI products (``q8_lanes``)
+        self._scratch = torch.empty(0)  # ``top``'s float32 upper bounds, reused
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,7 +94,8 @@ class Q8Table:
     @property
     def nbytes(self) -> int:
         pair = 0 if self.pair is None else sum(w.nbytes for w in self.pair)
-        return self.q.numel() + tensor_nbytes(self.d) + tensor_nbytes(self.dense) + pair
+        screen = tensor_nbytes(self._bounds) + tensor_nbytes(self._lanes) + tensor_nbytes(self._scratch)
+        return self.q.numel() + tensor_nbytes(self.d) + tensor_nbytes(self.dense) + pair + screen
 
     def gather(self, tokens: Tensor) -> Tensor:
         """tokens [...] int64 -> [..., hidden] in the compute dtype."""
@@ -101,6 +121,38 @@ class Q8Table:
         for g in range(1, self.q.shape[0]):
             out += torch._weight_int8pack_mm(x2[:, g * GROUP : (g + 1) * GROUP].contiguous(), self.q[g], self.d[g])
         return out.view(*hidden.shape[:-1], -1)
+
+    def top(self, hidden: Tensor, min_rows: int = SCREEN_MIN_ROWS) -> tuple[Tensor, Tensor, Tensor] | None:
+        """hidden [M, hidden] -> (values [M] float32, indices [M] int64, found [M] int32): ``project(hidden).max(
+        dim=-1)`` exactly (the first index on a tie; NaN and infinities as ``NativeKernels.row_top``) from an int8
+        screen that computes only the logits it cannot rule out (``NativeKernels.q8_top``: found[r] of them); a row
+        it cannot screen is projected in full (found 0).
+        None where the screen does not apply (no AVX-512 VNNI, fewer than ``min_rows`` rows, a path other than the
+        native kernel's): the caller takes the max of ``project``."""
+        m, native = hidden.shape[0], self.native
+        if native is None or not native.q8_screen or not self.screen or hidden.dim() != 2:
+            return None
+        if not min_rows <= m <= NATIVE_MAX_ROWS[self.dtype]:
+            return None
+        if self._bounds is None or self._lanes is None:
+            self._bounds, self._lanes = self._screen_bounds(), q8_lanes(self.q)
+        if self._scratch.numel() < m * self.shape[0]:
+            self._scratch = torch.empty(NATIVE_MAX_ROWS[self.dtype] * self.shape[0], dtype=torch.float32)
+        x2 = hidden.to(self.dtype).contiguous()
+        values, indices, found = native.q8_top(x2, self.q, self._lanes, self.d, self._bounds, SCREEN_CAP, self._scratch)
+        full = (found == 0).nonzero().flatten()
+        if full.numel():
+            values[full], indices[full] = native.row_top(self.project(x2.index_select(0, full)).float().contiguous())
+        return values, indices, found
+
+    def _screen_bounds(self) -> Tensor:
+        """[G, V] float32: ``|d| ||q||_2`` of each group, rounded up (float64, then to the next float32 above)."""
+        out = torch.empty(self.q.shape[:2], dtype=torch.float32)
+        for g in range(self.q.shape[0]):  # a group at a time: no float64 copy of the table
+            exact = self.q[g].double().square().sum(-1).sqrt_().mul_(self.d[g].double().abs())
+            near = exact.float()
+            out[g] = torch.where(near.double() < exact, torch.nextafter(near, torch.tensor(math.inf)), near)
+        return out
 
     def _project_chunks(self, x2: Tensor) -> Tensor:
         """x2 [M, K] -> [M, V]: each chunk of vocabulary rows dequantized (as ``dequantize``) and multiplied."""

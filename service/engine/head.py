@@ -1,0 +1,45 @@
+"""The vocabulary projection of a step's rows: their logits, or only each row's argmax where that is all they need.
+
+A greedy row without a repetition penalty, logprobs or a grammar needs of its logits only the largest and its index
+(``SamplingParams.argmax_only``). When every row of a step is such a row and projects through the base head, a head
+that can find them without computing every logit (``EmbeddingTable.top``: the Q8_0 head's int8 screen,
+``service.model.weights.q8_table``) gives them exactly; the runner then samples nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from service import metrics
+from service.adapters.lora.batch import AdapterBatch
+from service.engine.row import Row
+from service.model.llama import Llama
+
+__all__ = ["Top", "project"]
+
+Top = tuple[torch.Tensor, torch.Tensor]  # each row's largest logit [B] float32 and its first index [B] int64
+
+
+def project(
+    model: Llama,
+    rows: Sequence[Row],
+    hidden: torch.Tensor,
+    batch: AdapterBatch | None,
+    masks: object | None,
+    index: list[int] | None = None,
+) -> tuple[torch.Tensor | None, Top | None]:
+    """``(logits [B, V], None)`` of ``rows``' hidden states [B, H] (state ``i`` of batch row ``index[i]``; None:
+    ``i``), or ``(None, top)`` when every row needs only its argmax, none is constrained (``masks`` None), the batch
+    uses the base head alone and the head finds the argmax itself."""
+    head = model.lm_head
+    if masks is None and not isinstance(head, torch.Tensor) and all(r.request.sampling.argmax_only for r in rows):
+        base_only = batch is None or batch.head_parts(index, len(rows)) is None
+        if base_only and (top := head.top(hidden)) is not None:
+            values, indices, found = top
+            screened = int((found > 0).sum())
+            metrics.HEAD_SCREEN_ROWS.labels("screened").inc(screened)
+            metrics.HEAD_SCREEN_ROWS.labels("full").inc(len(rows) - screened)
+            return None, (values, indices)
+    return model.logits(hidden, batch, index), None
