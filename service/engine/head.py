@@ -17,7 +17,7 @@ from service.adapters.lora.batch import AdapterBatch
 from service.engine.row import Row
 from service.model.llama import Llama
 
-__all__ = ["Top", "project"]
+__all__ = ["Top", "project", "row_top"]
 
 Top = tuple[torch.Tensor, torch.Tensor]  # each row's largest logit [B] float32 and its first index [B] int64
 
@@ -27,14 +27,15 @@ def project(
     rows: Sequence[Row],
     hidden: torch.Tensor,
     batch: AdapterBatch | None,
-    masks: object | None,
+    unconstrained: bool,
     index: list[int] | None = None,
-) -> tuple[torch.Tensor | None, Top | None]:
-    """``(logits [B, V], None)`` of ``rows``' hidden states [B, H] (state ``i`` of batch row ``index[i]``; None:
-    ``i``), or ``(None, top)`` when every row needs only its argmax, none is constrained (``masks`` None), the batch
-    uses the base head alone and the head finds the argmax itself."""
+) -> tuple[torch.Tensor | None, Top]:
+    """``(logits [N, V], top)`` of the hidden states [N, H] of ``rows`` (state ``i`` of ``rows[i]``, batch row
+    ``index[i]``; None: ``i``), ``top`` their row max and first argmax; or ``(None, top)`` when every row needs
+    only its argmax, no grammar needs the logits (``unconstrained``), the batch uses the base head alone and the
+    head finds the argmax itself."""
     head = model.lm_head
-    if masks is None and not isinstance(head, torch.Tensor) and all(r.request.sampling.argmax_only for r in rows):
+    if unconstrained and not isinstance(head, torch.Tensor) and all(r.request.sampling.argmax_only for r in rows):
         base_only = batch is None or batch.head_parts(index, len(rows)) is None
         if base_only and (top := head.top(hidden)) is not None:
             values, indices, found = top
@@ -42,4 +43,15 @@ def project(
             metrics.HEAD_SCREEN_ROWS.labels("screened").inc(screened)
             metrics.HEAD_SCREEN_ROWS.labels("full").inc(len(rows) - screened)
             return None, (values, indices)
-    return model.logits(hidden, batch, index), None
+    logits = model.logits(hidden, batch, index)
+    return logits, row_top(model, logits)
+
+
+def row_top(model: Llama, logits: torch.Tensor) -> Top:
+    """``logits.max(dim=-1)``'s values and indices [N] of logits [N, V]: NaN where a row holds NaN, +inf where it
+    holds +inf, the first index of the largest; in one parallel pass on the compiled kernels (CPU float32)."""
+    native = model.native
+    if native is not None and logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2:
+        return native.row_top(logits)
+    top = logits.max(dim=-1)
+    return top.values, top.indices

@@ -24,11 +24,11 @@ from service.adapters.lora.mix import AdapterLookup, Mixer
 from service.config import Settings
 from service.constraints.masks import Masks, PendingMasks
 from service.engine.constrained import ConstrainedWalk, trim_draft
-from service.engine.head import Top, project
+from service.engine.head import Top, project, row_top
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
 from service.engine.row import Row
-from service.engine.sampling import Sampler, greedy
+from service.engine.sampling import Sampler
 from service.model.kv_cache import KVCache
 from service.model.llama import Llama
 
@@ -115,7 +115,9 @@ class Runner:
             return
         final = hidden[torch.tensor(done, device=self.device), last]  # [C, H]: each completed row's last token
         completed = [rows[b] for b in done]
-        logits, top = project(self.model, completed, final, batch, masks, done)  # [C, V], or the rows' argmax alone
+        logits, top = project(
+            self.model, completed, final, batch, masks is None, done
+        )  # [C, V], or the rows' argmax alone
         for b, r in zip(done, completed, strict=True):
             self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
         metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
@@ -183,7 +185,7 @@ class Runner:
         batch = self._adapter_batch(rows, 0)
         masks = self._begin_masks(rows)  # filled beside the forward pass
         hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
-        logits, top = project(self.model, rows, hidden[:, -1], batch, masks)  # [B, V], or the rows' argmax alone
+        logits, top = project(self.model, rows, hidden[:, -1], batch, masks is None)  # [B, V] or None; the argmax
         for r in rows:
             r.length += 1
         self._sample(rows, logits, masks, top)
@@ -210,15 +212,20 @@ class Runner:
         batch = self._adapter_batch(rows, 0)
         kv_len = max(r.length for r in rows) + width
         hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree)
-        logits = self.model.logits(hidden, batch)  # [B, T, V]
+        n = len(rows)
+        index = [i for i in range(n) for _ in range(width)]  # node states row by row: each verified as a plain row
+        free = all(r.drafter is not None and r.matcher is None for r in rows)  # the logits themselves unneeded
+        flat, top = project(self.model, [rows[i] for i in index], hidden.reshape(n * width, -1), batch, free, index)
+        logits = None if flat is None else flat.view(n, width, -1)  # [B, T, V]
         plain = [b for b, r in enumerate(rows) if r.drafter is None]
-        if plain:  # sampled rows: one token from node 0, as a plain step
+        if plain and logits is not None:  # sampled rows: one token from node 0, as a plain step
             sub = [rows[b] for b in plain]
             for r in sub:
                 r.length += 1
             self._sample(sub, logits[torch.tensor(plain, device=self.device), 0], self._begin_masks(sub), None)
-        self._fail_non_finite_paths(rows, logits, valid)
-        last = self._accept(rows, fed, greedy(logits).tolist(), valid, logits)
+        best, predicted = (v.view(n, width) for v in top)  # [B, T]: each node's max and first argmax
+        self._fail_non_finite_paths(rows, best, valid)
+        last = self._accept(rows, fed, predicted.tolist(), valid, logits)
         at = torch.tensor(last, device=self.device)
         self._draft(rows, hidden[torch.arange(len(rows), device=self.device), at], draft)  # after the last kept token
 
@@ -228,10 +235,11 @@ class Runner:
         fed: list[list[int]],
         predicted: list[list[int]],
         valid: list[int],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
     ) -> list[int]:
         """Walk each drafting row's tree along the model's argmax ``predicted`` [B, T] (a constrained row: the
-        argmax its grammar allows, from ``logits`` [B, T, V]); keep and emit the path. Returns per row the node
+        argmax its grammar allows, from ``logits`` [B, T, V], given when a row has a grammar); keep and emit the
+        path. Returns per row the node
         whose hidden state drafts next."""
         last = [0] * len(rows)
         drafted = kept = 0
@@ -239,7 +247,7 @@ class Runner:
             if row.drafter is None or row.done:
                 continue
             tree = row.draft.tree if row.draft is not None else None
-            if row.matcher is not None and self.masks is not None:  # the walk follows the grammar's argmax
+            if row.matcher is not None and self.masks is not None and logits is not None:  # the grammar's argmax
                 walk = ConstrainedWalk(self.masks, row.matcher, logits[b])
                 path = tree.accept(fed[b], walk.predict, valid[b]) if tree is not None else []
                 final = walk.picked[-1] if walk.picked else walk.predict(0)
@@ -309,7 +317,7 @@ class Runner:
         if top is None:
             if logits is None:
                 raise ValueError("_sample takes the logits or their top")
-            top = self._top(logits)
+            top = row_top(self.model, logits)
         values, indices = top  # [B]: NaN if a logit is, inf if one is +inf; the first argmax
         finite = torch.isfinite(values)
         argmax: torch.Tensor | None = indices  # while the logits are unmasked
@@ -341,23 +349,15 @@ class Runner:
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         self.outputs.emit_all(rows, result.tokens.tolist(), logprobs)
 
-    def _top(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits.max(dim=-1)``'s values and indices: in one parallel pass on the compiled kernels (CPU float32)."""
-        native = self.model.native
-        if native is not None and logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2:
-            return native.row_top(logits)
-        top = logits.max(dim=-1)
-        return top.values, top.indices
-
     def _fail(self, row: Row) -> bool:
         """Fail a row with non-finite logits; False, so a filter drops it."""
         self.outputs.fail_non_finite(row)
         return False
 
-    def _fail_non_finite_paths(self, rows: Sequence[Row], logits: torch.Tensor, valid: Sequence[int]) -> None:
-        """Fail the drafting rows whose verified nodes' logits [B, T, V] hold NaN or inf (plain rows of the step
-        are checked where they are sampled)."""
-        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # [B, T]: NaN or +inf anywhere makes the max so
+    def _fail_non_finite_paths(self, rows: Sequence[Row], best: torch.Tensor, valid: Sequence[int]) -> None:
+        """Fail the drafting rows whose verified nodes' logits hold NaN or inf, from their max ``best`` [B, T] (NaN
+        or +inf anywhere makes it so; plain rows of the step are checked where they are sampled)."""
+        finite = torch.isfinite(best).tolist()  # [B, T]
         for b, row in enumerate(rows):
             if row.drafter is not None and not row.done and not all(finite[b][: valid[b]]):
                 self.outputs.fail_non_finite(row)

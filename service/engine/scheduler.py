@@ -197,11 +197,9 @@ class Scheduler:
             row.deltas = binding.deltas
             row.kv_key = row.adapter.kv_key()
             drafter = binding.drafter if binding.drafter is not None else drafter
-        sampling = row.request.sampling
         # Speculation serves greedy rows (output identical to plain greedy); sampled, penalized or logprob rows
         # decode one token per step, so their distribution and logprobs are exactly the plain ones.
-        plain_greedy = sampling.greedy and not sampling.penalized and not sampling.logprobs
-        if row.request.speculate is not False and plain_greedy:
+        if row.request.speculate is not False and row.request.sampling.argmax_only:
             row.drafter = drafter
 
     def drafting(self, batch: int) -> bool:

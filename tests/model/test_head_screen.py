@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.drafters import Oracle
 from support.gguf_files import write_tiny_gguf
 from support.native import compiled_kernels
 
 from service import metrics
 from service.config import Settings
+from service.drafters.registry import SERVER_DRAFTERS
 from service.engine.engine import Engine
 from service.engine.request import GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
@@ -211,3 +213,36 @@ def test_a_greedy_batch_decodes_the_same_tokens_screened_or_not(served_tiny_dir:
         head.screen = True
     mixed = run_batch(Engine(model, tokenizer, settings), prompts, [SamplingParams(logprobs=True), *greedy[1:]])
     assert screened == full == mixed and all(len(t) == 10 for t in screened)
+
+
+def test_verified_drafts_take_their_argmax_from_the_screen_and_stay_plain_greedy(
+    served_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows with a drafter that knows the answer (4 nodes a row verified a step, the last one wrong) on a
+    Q8_0 head: the nodes take their argmax from the screen where the CPU can, and the tokens are plain greedy
+    decoding's, screened or not."""
+    gguf = write_tiny_gguf(served_tiny_dir, tmp_path / "model.gguf", types={"token_embd": "Q8_0", "output.": "Q8_0"})
+    model = load_gguf_model(served_tiny_dir, gguf, dtype=torch.float32)[0]
+    tokenizer = Tokenizer.from_folder(served_tiny_dir)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (9,), generator=gen).tolist() for _ in range(2)]
+    greedy = [SamplingParams()] * 2
+    plain = Settings(model=served_tiny_dir, dtype="float32", max_batch_size=4)
+    expected = run_batch(Engine(model, tokenizer, plain), prompts, greedy)
+    oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, k=4)
+    monkeypatch.setitem(SERVER_DRAFTERS, "oracle", lambda settings: oracle)
+    settings = plain.replace(draft="oracle", speculate_adaptive=False, speculate_max_batch=16)
+    before, accepted = screened_rows(), metrics.SPECULATIVE_ACCEPTED._value.get()
+    assert run_batch(Engine(model, tokenizer, settings), prompts, greedy) == expected
+    assert metrics.SPECULATIVE_ACCEPTED._value.get() > accepted
+    assert (screened_rows() > before) == head_screens(model)  # 2 rows x 4 nodes: 8 states a step
+    model.lm_head.screen = False
+    try:
+        assert run_batch(Engine(model, tokenizer, settings), prompts, greedy) == expected
+    finally:
+        model.lm_head.screen = True
+
+
+def head_screens(model: torch.nn.Module) -> bool:
+    native = model.lm_head.native
+    return native is not None and native.q8_screen
