@@ -8,9 +8,9 @@ screen sees the candidates a served step sees. Per row count, interleaved call b
 ``Q8Table.project`` then ``NativeKernels.row_top`` (what a greedy step computed before), ``screened`` =
 ``Q8Table.top`` at every row count (served, it screens from ``SCREEN_MIN_ROWS``: where this table says it wins).
 Each cell is the median of ``--repeats`` calls in ms; the table also gives the candidates the screen computed
-exactly per row (median and largest) and the rows it left to the full product. Every screened result is checked
-against the full one (value bits and index). Needs AVX-512 VNNI for the screen (the report says when the CPU has
-none: both columns are then the full path).
+exactly per row (median and largest; the JSON adds the rows counted) and the rows it left to the full product. Every
+screened result is checked against the full one (value bits and index). Needs AVX-512 VNNI for the screen (the
+report says when the CPU has none: both columns are then the full path).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def main() -> None:
         cand = f"{statistics.median(found):.0f} / {max(found)}" if found else "-"
         in_full = sum(1 for f in found_all if f == 0)
         print(f"| {rows} | {full:.2f} | {screened:.2f} | {full / screened:.2f} | {cand} | {in_full} |", flush=True)
-        results.append({"rows": rows, "full_ms": full, "screened_ms": screened, "candidates": found,
+        summary = {"median": statistics.median(found), "max": max(found), "rows": len(found)} if found else None
+        results.append({"rows": rows, "full_ms": full, "screened_ms": screened, "candidates": summary,
                         "rows_in_full": in_full})  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"machine": line(), "screen": kern.q8_screen, "results": results}, indent=1))

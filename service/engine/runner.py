@@ -115,9 +115,7 @@ class Runner:
             return
         final = hidden[torch.tensor(done, device=self.device), last]  # [C, H]: each completed row's last token
         completed = [rows[b] for b in done]
-        logits, top = project(
-            self.model, completed, final, batch, masks is None, done
-        )  # [C, V], or the rows' argmax alone
+        logits, top = project(self.model, completed, final, batch, masks is None, done)  # [C, V] or None; the argmax
         for b, r in zip(done, completed, strict=True):
             self.prefix.insert(r.request.prompt_ids, r.kv_key, start + b, r.length)
         metrics.PREFIX_CACHE_BLOCKS.set(self.prefix.blocks_used)
@@ -239,8 +237,7 @@ class Runner:
     ) -> list[int]:
         """Walk each drafting row's tree along the model's argmax ``predicted`` [B, T] (a constrained row: the
         argmax its grammar allows, from ``logits`` [B, T, V], given when a row has a grammar); keep and emit the
-        path. Returns per row the node
-        whose hidden state drafts next."""
+        path. Returns per row the node whose hidden state drafts next."""
         last = [0] * len(rows)
         drafted = kept = 0
         for b, row in enumerate(rows):
