@@ -172,9 +172,10 @@ class _Checker:
             x = self.randn(m, hidden)
             path = f"output head, {m} row{'s' if m > 1 else ''}"
             ref = F.linear(x.float(), ref_rows)
-            check = self.record(path, head.kernel_for(m), head.project(x)[:, rows], ref)
+            logits = head.project(x)
+            check = self.record(path, head.kernel_for(m), logits[:, rows], ref)
             if (top := head.top(x)) is not None:  # a greedy step's argmax without every logit: exactly project's
-                want = exact_top(*head.project(x).float().max(dim=-1))
+                want = exact_top(*logits.float().max(dim=-1))
                 if not self.record(f"{path}, argmax", "int8 screen", exact_top(*top[:2]), want, 0).ok:
                     head.screen = False
                     self.fallback(self.checks[-1], "the max of the full product")

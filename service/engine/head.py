@@ -20,6 +20,7 @@ from service.model.llama import Llama
 __all__ = ["Top", "project", "row_top"]
 
 Top = tuple[torch.Tensor, torch.Tensor]  # each row's largest logit [B] float32 and its first index [B] int64
+_SCREENED, _IN_FULL = (metrics.HEAD_SCREEN_ROWS.labels(outcome) for outcome in ("screened", "full"))
 
 
 def project(
@@ -35,13 +36,14 @@ def project(
     only its argmax, no grammar needs the logits (``unconstrained``), the batch uses the base head alone and the
     head finds the argmax itself."""
     head = model.lm_head
-    if unconstrained and not isinstance(head, torch.Tensor) and all(r.request.sampling.argmax_only for r in rows):
+    argmax_only = unconstrained and all(r.request.sampling.argmax_only for r in rows)
+    if argmax_only and not isinstance(head, torch.Tensor) and head.screen:  # a bf16 head: logits, nothing more asked
         base_only = batch is None or batch.head_parts(index, len(rows)) is None
         if base_only and (top := head.top(hidden)) is not None:
             values, indices, found = top
             screened = int((found > 0).sum())
-            metrics.HEAD_SCREEN_ROWS.labels("screened").inc(screened)
-            metrics.HEAD_SCREEN_ROWS.labels("full").inc(len(rows) - screened)
+            _SCREENED.inc(screened)
+            _IN_FULL.inc(len(rows) - screened)
             return None, (values, indices)
     logits = model.logits(hidden, batch, index)
     return logits, row_top(model, logits)
