@@ -6,6 +6,7 @@ between chosen steps, so each run is the same.
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from collections.abc import Iterator
@@ -262,7 +263,7 @@ def test_a_cancelled_request_frees_its_queue_place_at_once(served_tiny_dir: Path
 def test_speculation_governor_measures_then_picks_the_faster_and_probes() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, probe_budget=1)
     seen = []
     for _ in range(4):  # 2 speculative steps, then 2 plain ones
         spec = gov.choose(1)
@@ -280,7 +281,8 @@ def test_speculation_governor_measures_then_picks_the_faster_and_probes() -> Non
 
 def _decide(gov: object, batch: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
     """``steps`` steps of ``batch`` rows where speculative steps run at ``spec_rate`` tok/s and plain ones at
-    ``plain_rate``: the governor's choices."""
+    ``plain_rate``, each step taking one second: the governor's choices. (The tests of probe intervals give the
+    governor ``probe_budget=1``: a probe's cost never spaces them further; see the test of that below.)"""
     from service.engine.governor import SpeculationGovernor
 
     assert isinstance(gov, SpeculationGovernor)
@@ -295,7 +297,7 @@ def _decide(gov: object, batch: int, spec_rate: float, plain_rate: float, steps:
 def test_plain_probes_that_confirm_speculation_come_ever_rarer_and_a_change_resets_them() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16, probe_budget=1)
     picks = _decide(gov, 1, spec_rate=90, plain_rate=30, steps=4 + 60)
     assert picks[:4] == [True, True, False, False]  # measuring: speculative first
     probes = [i - 4 for i, p in enumerate(picks) if not p and i >= 4]
@@ -309,7 +311,7 @@ def test_plain_probes_that_confirm_speculation_come_ever_rarer_and_a_change_rese
 def test_speculative_probes_keep_their_interval_while_plain_wins() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16, probe_budget=1)
     picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 16)
     assert [i - 4 for i, p in enumerate(picks) if p and i >= 4] == [3, 7, 11, 15]  # a drafter's worth can change
     assert gov.probe_interval(1) == 4
@@ -318,7 +320,7 @@ def test_speculative_probes_keep_their_interval_while_plain_wins() -> None:
 def test_a_probe_that_beats_the_choice_starts_a_trial_that_can_change_it() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, probe_budget=1)
     picks = _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 4)  # plain wins; one speculative probe
     assert picks == [True, True, False, False, False, False, False, True]
     # The text starts copying the prompt: drafts pay. The next probe is faster than plain: a trial of 2 speculative
@@ -334,7 +336,7 @@ def test_a_lucky_probe_whose_trial_keeps_the_choice_makes_probes_rarer() -> None
     the choice resets the interval."""
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, max_probe_every=16, probe_budget=1)
     _decide(gov, 1, spec_rate=10, plain_rate=30, steps=4 + 3)  # plain chosen; the next step is a probe
     assert gov.choose(1) is True
     gov.record(1, True, 1.0, 60)  # the probe accepted a long draft: faster than plain, a trial of 2 follows
@@ -350,7 +352,7 @@ def test_a_lucky_probe_whose_trial_keeps_the_choice_makes_probes_rarer() -> None
 def test_a_probe_within_the_margin_keeps_the_interval() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4, margin=0.2)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, margin=0.2, probe_budget=1)
     picks = _decide(gov, 1, spec_rate=33, plain_rate=30, steps=4 + 12)  # speculation 10 % faster: not clear
     assert [i - 4 for i, p in enumerate(picks) if not p and i >= 4] == [3, 7, 11]
     assert gov.probe_interval(1) == 4
@@ -359,26 +361,54 @@ def test_a_probe_within_the_margin_keeps_the_interval() -> None:
 def test_a_new_batch_size_starts_from_its_decided_neighbours() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    gov = SpeculationGovernor(min_samples=2, probe_every=4)
+    gov = SpeculationGovernor(min_samples=2, probe_every=4, probe_budget=1)
     _decide(gov, 2, spec_rate=10, plain_rate=30, steps=4)  # batch 2: plain wins
     assert _decide(gov, 8, spec_rate=10, plain_rate=30, steps=3) == [False, False, False]  # larger: plain at once
     assert gov.choose(1) is True  # smaller: no neighbour says anything, measured from speculation
     _decide(gov, 1, spec_rate=50, plain_rate=30, steps=4)  # batch 1: speculation wins
     assert gov.rates(1) == (30.0, 50.0)
-    fresh = SpeculationGovernor(min_samples=2, probe_every=4)
+    fresh = SpeculationGovernor(min_samples=2, probe_every=4, probe_budget=1)
     _decide(fresh, 16, spec_rate=50, plain_rate=30, steps=4)  # speculation wins at 16: it wins below
     assert _decide(fresh, 4, spec_rate=50, plain_rate=30, steps=3) == [True, True, True]
     assert gov.choose(4) is False  # batch 1 won, batch 2 lost: for 4 only batch 2's loss speaks
-    disagree = SpeculationGovernor(min_samples=2, probe_every=4)
+    disagree = SpeculationGovernor(min_samples=2, probe_every=4, probe_budget=1)
     for batch, spec_rate in ((2, 10), (8, 50)):  # speculation lost at 2 but won at 8 (noise, another drafter)
         for spec in (True, True, False, False):
             disagree.record(batch, spec, 1.0, spec_rate if spec else 30)
     assert _decide(disagree, 4, spec_rate=50, plain_rate=30, steps=3) == [True, True, False]  # measured itself
 
 
+def test_costly_probes_come_rarer_so_that_they_take_at_most_the_budget() -> None:
+    """A speculative probe of 4 rows x 9 positions takes 6x a plain step (80 against 13.3 ms) and emits 5 tokens
+    against the plain step's 4: it loses 80 - 5 / 300 tok/s = 63 ms. At a 3 % budget of 13.3 ms plain steps, probes
+    come 159 steps apart, not 8: their share of the decode time stays near 3 %."""
+    from service.engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=8, max_probe_every=1024, probe_budget=0.03)
+    for spec in (True, True, False, False):
+        assert gov.choose(4) is spec
+        gov.record(4, spec, 0.080 if spec else 0.0133, 5 if spec else 4)
+    assert gov.probe_interval(4) == math.ceil((0.080 - 5 * 0.0133 / 4) / (0.03 * 0.0133)) == 159
+    picks = [gov.choose(4) for _ in range(400)]
+    assert [i for i, p in enumerate(picks) if p] == [158, 317]
+    lost = 2 * (0.080 - 5 * 0.0133 / 4)
+    assert lost / (398 * 0.0133 + 2 * 0.080) < 0.03
+    # A probe that costs little keeps the interval: plain probes while speculation is clearly faster at batch 1
+    # (plain 7.4 ms for 1 token, a verification 24 ms for 5) lose 7.4 - 24 / 5 = 2.6 ms each: 26 steps apart at 3 %
+    # of 24 ms, less than the interval of 64, so 64 it stays.
+    cheap = SpeculationGovernor(min_samples=2, probe_every=64, probe_budget=0.03)
+    for spec in (True, True, False, False):
+        cheap.record(1, spec, 0.024 if spec else 0.0074, 5 if spec else 1)
+    assert cheap.choose(1) is True and cheap.probe_interval(1) == 64
+    fresh = SpeculationGovernor(probe_budget=0.03)
+    assert fresh.probe_interval(2) == fresh.probe_every  # nothing measured: the interval as set
+
+
 def test_the_governor_refuses_settings_that_cannot_work() -> None:
     from service.engine.governor import SpeculationGovernor
 
-    for kwargs in ({"min_samples": 0}, {"probe_every": 1}, {"probe_every": 64, "max_probe_every": 32}, {"margin": 1}):
+    bad = ({"min_samples": 0}, {"probe_every": 1}, {"probe_every": 64, "max_probe_every": 32}, {"margin": 1},
+           {"probe_budget": 0}, {"probe_budget": 1.5})  # fmt: skip
+    for kwargs in bad:
         with pytest.raises(ValueError):
             SpeculationGovernor(**kwargs)  # type: ignore[arg-type]
