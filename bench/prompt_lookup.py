@@ -1,16 +1,29 @@
-"""Prompt-lookup drafting vs plain greedy decoding in the serving engine: decode tok/s, acceptance, identity.
+"""Prompt-lookup drafting vs plain greedy decoding in the serving engine, per batch size: decode tok/s, identity.
 
     .venv/bin/python bench/prompt_lookup.py [--model models/SmolLM2-135M-Instruct] [--dtype float32]
-        [--gguf models/SmolLM2-135M-Instruct.Q4_1.gguf] [--max-new 96] [--runs 3] [--ngram 3] [--tokens 8]
-        [--threads 0] [--json OUT]
+        [--gguf models/SmolLM2-135M-Instruct.Q4_1.gguf] [--batch 1 4 8 16] [--workload copy chat]
+        [--max-new 96] [--runs 3] [--ngram 3] [--tokens 8] [--threads 0] [--json OUT]
 
-Code- and retrieval-like chat prompts (the answer copies much of the prompt: a function to return with one name
-changed, a passage to quote) go one at a time through the engine in this process (``service.engine.Engine``,
-no gRPC), greedy, in three modes: ``plain``; ``lookup`` (``--draft prompt-lookup``, drafting at every step);
-``auto`` (the same, with the server's default speculation governor choosing plain or speculative steps). The
-modes alternate within each run so that other load on the machine hits all alike; each figure is the median over
-``--runs``. Decode tok/s counts each request's tokens after its first over the time from its first token to its
-last (the prefill is excluded). Every drafted output is compared with the plain one (identical / prompts).
+Two workloads: ``copy``, code- and retrieval-like chat prompts whose answer copies much of the prompt (a function
+to return with one name changed, a passage to quote: where lookup pays), and ``chat``, the held-out chat prompts
+of ``bench/medusa.py``, whose answers copy little (where drafts mostly fail and the governor must keep plain
+steps). Each goes through the engine in this process (``service.engine.Engine``, no gRPC), greedy, in chunks of
+``batch`` concurrent requests (the workload's prompts cycled to fill a chunk), in four modes:
+
+- ``plain``: no drafter;
+- ``lookup``: ``--draft prompt-lookup``, drafting at every step, whatever the batch size;
+- ``auto``: the server's defaults, the speculation governor choosing plain or speculative steps at batch sizes up to
+  ``--speculate-max-batch`` (4), plain above;
+- ``governed``: the governor alone at every batch size (``--speculate-max-batch`` = the batch): whether the cap
+  could be lifted.
+
+The modes alternate within each run, each run starting one mode later, so that other load on the machine (and
+the last mode's idle threads) hits all alike; each figure is the median
+over ``--runs``. Every request runs ``--max-new`` tokens (EOS ignored); decode tok/s counts the tokens a chunk emits
+after its last request's first token and until its first request's last, over that time: every row decoding, no
+prefill in the window, and no tail where rows that accepted more drafts have finished and the batch runs smaller
+(a server refills it). Every output is compared with plain's (identical rows / rows): in
+float32 they must all be.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +41,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from train_medusa_heads import HELD_OUT_PROMPTS  # noqa: E402
 
 from bench.machine import describe, line  # noqa: E402
-from service import metrics  # noqa: E402
 from service.bootstrap import WEIGHT_FORMATS  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
@@ -51,12 +67,13 @@ PASSAGE = (
     "or verifies drafts. The output processor turns new tokens into events. Adapters load on their own threads, "
     "so a cold adapter never stalls the step; a row waits in the queue until its adapter is resident."
 )
-PROMPTS = (
+COPY_PROMPTS = (
     f"Rename the function load_adapter to load_lora and return the whole code, unchanged otherwise:\n\n{CODE}",
     f"Here is a passage:\n\n{PASSAGE}\n\nQuote the passage word for word.",
     f"Add a docstring to this function and return the full code:\n\n{CODE}",
 )
-MODES = ("plain", "lookup", "auto")
+WORKLOADS = {"copy": COPY_PROMPTS, "chat": HELD_OUT_PROMPTS}
+MODES = ("plain", "lookup", "auto", "governed")
 
 
 def main() -> None:
@@ -64,6 +81,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--gguf", type=Path, default=None, help="serve this GGUF's weights (the model folder's config)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--workload", nargs="+", default=["copy"], choices=tuple(WORKLOADS))
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ngram", type=int, default=Settings().draft_ngram)
@@ -78,94 +97,118 @@ def main() -> None:
     load = WEIGHT_FORMATS["folder" if args.gguf is None else "gguf"]
     model = load(Settings(model=args.model, gguf=args.gguf), dtype, torch.device("cpu"))[0]
     tok = Tokenizer.from_folder(args.model)
-    prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in PROMPTS]
     print(f"{line()}; torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}")
-    engines = {mode: make_engine(model, tok, args, mode) for mode in MODES}
-    try:
-        results = measure(engines, prompts, args)
-    finally:
-        for engine in engines.values():
-            engine.stop(5)
-    report(results)
+    print(f"{'workload':>8} {'batch':>5} {'mode':>8} {'tok/s':>7} {'vs plain':>8} {'accepted/token':>14} "
+          f"{'identical':>9}")  # fmt: skip
+    results = []
+    for workload in args.workload:
+        prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}])) for p in WORKLOADS[workload]]
+        for batch in args.batch:
+            engines = {mode: make_engine(model, tok, args, mode, batch) for mode in MODES}
+            try:
+                rows = measure(engines, prompts, batch, args)
+            finally:
+                for engine in engines.values():
+                    engine.stop(5)
+            for row in rows:
+                row.update(workload=workload, batch=batch)
+                print(f"{workload:>8} {batch:>5} {row['mode']:>8} {row['decode_tok_s_median']:7.1f} "
+                      f"{row['speed_up']:8.2f} {row['accepted_per_token']:14.2f} {row['identical']:>9}",
+                      flush=True)  # fmt: skip
+            results += rows
     if args.json is not None:
         meta = {"machine": describe(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                 "dtype": args.dtype, "gguf": None if args.gguf is None else args.gguf.name, "max_new": args.max_new,
-                "runs": args.runs, "ngram": args.ngram,
-                "tokens": args.tokens}  # fmt: skip
+                "runs": args.runs, "ngram": args.ngram, "tokens": args.tokens,
+                "speculate_max_batch": Settings().speculate_max_batch}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 
 
-def make_engine(model: Any, tok: Tokenizer, args: argparse.Namespace, mode: str) -> Engine:
+def make_engine(model: Any, tok: Tokenizer, args: argparse.Namespace, mode: str, batch: int) -> Engine:
     settings = Settings(
         model=args.model,
-        max_batch_size=1,
+        max_batch_size=batch,
         max_total_tokens=1024,
         max_prompt_tokens=512,
         prefix_cache_bytes=0,  # every run prefills alike
         draft="none" if mode == "plain" else "prompt-lookup",
         draft_ngram=args.ngram,
         draft_tokens=args.tokens,
-        speculate_adaptive=mode == "auto",
+        speculate_adaptive=mode in ("auto", "governed"),
+        speculate_max_batch=Settings().speculate_max_batch if mode == "auto" else batch,
     )
     engine = Engine(model, tok, settings)
     engine.start()
     return engine
 
 
-def one(engine: Engine, prompt: tuple[int, ...], max_new: int, rid: str) -> tuple[list[int], int, float]:
-    """(tokens, decode tokens, first -> last token seconds) of one greedy request."""
-    times: list[float] = []
-
-    def timed(event: TokenEvent) -> None:
-        times.append(time.perf_counter())
-        sink(event)
-
-    events: list[TokenEvent] = []
-    sink = events.append
-    request = GenerationRequest(request_id=rid, prompt_ids=prompt, max_new_tokens=max_new, ignore_eos=True)
-    engine.submit(request, timed)
-    while not events or events[-1].finish is None:
-        time.sleep(0.001)
-    tokens = [t for e in events for t in e.token_ids]
-    first = next(i for i, e in enumerate(events) if e.token_ids)
-    return tokens, len(tokens) - 1, times[-1] - times[first]
+def chunks(prompts: list[tuple[int, ...]], batch: int) -> list[list[tuple[int, ...]]]:
+    """At least ``len(prompts)`` requests in chunks of ``batch``, the prompts cycled to fill the last chunk."""
+    n = -(-len(prompts) // batch) * batch
+    cycled = [prompts[i % len(prompts)] for i in range(n)]
+    return [cycled[i : i + batch] for i in range(0, n, batch)]
 
 
-def measure(engines: dict[str, Engine], prompts: list[tuple[int, ...]], args: argparse.Namespace) -> dict[str, Any]:
+def run_batch(engine: Engine, prompts: list[tuple[int, ...]], max_new: int) -> tuple[list[list[int]], int, int, float]:
+    """All prompts at once, each for ``max_new`` tokens: (tokens per prompt, tokens emitted while every row was
+    decoding, drafted tokens accepted, the seconds from the last row's first token to the first row's last)."""
+    done = threading.Semaphore(0)
+    events: list[list[tuple[float, TokenEvent]]] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+
+        def sink(e: TokenEvent, i: int = i) -> None:
+            events[i].append((time.perf_counter(), e))
+            if e.finish is not None:
+                done.release()
+
+        request = GenerationRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+        engine.submit(request, sink)
+    for _ in prompts:
+        if not done.acquire(timeout=600):
+            raise TimeoutError("a request did not finish")
+    start = max(next(t for t, e in ev if e.token_ids) for ev in events)  # every row has its first token
+    end = min(ev[-1][0] for ev in events)  # then rows that accepted more drafts finish first and the batch shrinks
+    decoded = sum(len(e.token_ids) for ev in events for t, e in ev if start < t <= end)
+    accepted = sum(ev[-1][1].accepted_draft_tokens for ev in events)
+    return [[t for _, e in ev for t in e.token_ids] for ev in events], decoded, accepted, end - start
+
+
+def measure(
+    engines: dict[str, Engine], prompts: list[tuple[int, ...]], batch: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     per_run: dict[str, list[float]] = {mode: [] for mode in MODES}
     accepted: dict[str, list[float]] = {mode: [] for mode in MODES}
-    identical = {mode: 0 for mode in MODES}
-    reference: dict[int, list[int]] = {}  # plain greedy tokens per prompt (the first run's)
+    outs: dict[str, list[list[int]]] = {}  # each mode's tokens per request (its first run's)
+    reference: list[list[int]] = []  # plain greedy's
+    work = chunks(prompts, batch)
+    for engine in engines.values():
+        run_batch(engine, work[0], 8)  # warm-up
     for run in range(args.runs):
-        for mode in MODES:
-            decode, seconds = 0, 0.0
-            before = metrics.SPECULATIVE_ACCEPTED._value.get()
-            for i, p in enumerate(prompts):
-                tokens, n, s = one(engines[mode], p, args.max_new, f"{mode}-{run}-{i}")
-                decode, seconds = decode + n, seconds + s
-                if run == 0:
-                    reference.setdefault(i, tokens)  # plain runs first
-                    identical[mode] += tokens == reference[i]
+        for mode in MODES[run % len(MODES) :] + MODES[: run % len(MODES)]:  # each run starts one mode later
+            decode, seconds, drafted = 0, 0.0, 0
+            outputs: list[list[int]] = []
+            for chunk in work:
+                tokens, n, a, s = run_batch(engines[mode], chunk, args.max_new)
+                decode, seconds, drafted = decode + n, seconds + s, drafted + a
+                outputs += tokens
+            if mode == "plain":
+                reference = reference or outputs
+            outs[mode] = outs.get(mode) or outputs
             per_run[mode].append(decode / seconds)
-            accepted[mode].append((metrics.SPECULATIVE_ACCEPTED._value.get() - before) / decode)
-            print(f"run {run} {mode:>6}: {decode / seconds:7.1f} tok/s, accepted {accepted[mode][-1]:.2f} per token")
-    return {
-        mode: {
+            accepted[mode].append(drafted / (len(work) * batch * (args.max_new - 1)))
+    identical = {mode: sum(a == b for a, b in zip(outs[mode], reference, strict=True)) for mode in MODES}
+    plain = statistics.median(per_run["plain"])
+    return [
+        {
+            "mode": mode,
             "decode_tok_s_median": statistics.median(per_run[mode]),
             "decode_tok_s_runs": per_run[mode],
+            "speed_up": statistics.median(per_run[mode]) / plain,
             "accepted_per_token": statistics.median(accepted[mode]),
-            "identical": f"{identical[mode]}/{len(prompts)}",
+            "identical": f"{identical[mode]}/{len(reference)}",
         }
         for mode in MODES
-    }
-
-
-def report(results: dict[str, Any]) -> None:
-    plain = results["plain"]["decode_tok_s_median"]
-    print(f"{'mode':>6} {'tok/s (median)':>14} {'speed-up':>8} {'accepted/token':>14} {'identical':>9}")
-    for mode, r in results.items():
-        print(f"{mode:>6} {r['decode_tok_s_median']:14.1f} {r['decode_tok_s_median'] / plain:8.2f} "
-              f"{r['accepted_per_token']:14.2f} {r['identical']:>9}")  # fmt: skip
+    ]
 
 
 if __name__ == "__main__":
