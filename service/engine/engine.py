@@ -346,6 +346,8 @@ class Engine:
         self.runner.decode(rows, draft)
         seconds = time.perf_counter() - start
         self.threads.after_step(key, threads, seconds, n)
+        if self.runner.depth is not None:  # what a verification's further positions cost, per batch size
+            self.runner.depth.step(n, self.runner.positions, seconds, speculative)
         if spec_governed:  # what the speculation governor learns from: output tokens / s of each kind of step
             self.scheduler.governor.record(n, speculative, seconds, sum(r.generated for r in rows) - before)
 

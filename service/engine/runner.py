@@ -24,6 +24,7 @@ from service.adapters.lora.mix import AdapterLookup, Mixer
 from service.config import Settings
 from service.constraints.masks import Masks, PendingMasks
 from service.engine.constrained import ConstrainedWalk, trim_draft
+from service.engine.draft_depth import DraftDepth
 from service.engine.head import Top, project, row_top
 from service.engine.outputs import OutputProcessor
 from service.engine.prefix import PrefixCache
@@ -61,6 +62,8 @@ class Runner:
         )
         self.prefix = PrefixCache(cache, settings.prefix_cache_bytes, settings.prefix_block_tokens)
         self.masks = masks  # token masks of constrained rows (None: this runner serves no constraints)
+        self.depth = DraftDepth() if settings.speculate_adaptive else None  # how deep a step verifies drafts
+        self.positions = 0  # positions the last decode step fed (rows x width)
 
     def reset(self) -> None:
         """Drop the caches that outlive rows (prefix blocks, LoRA tables): after a failed step they may be half
@@ -183,6 +186,7 @@ class Runner:
         batch = self._adapter_batch(rows, 0)
         masks = self._begin_masks(rows)  # filled beside the forward pass
         hidden = self.model(tokens.to(self.device), positions.to(self.device), self.cache, 0, batch)  # [B, 1, H]
+        self.positions = len(rows)
         logits, top = project(self.model, rows, hidden[:, -1], batch, masks is None)  # [B, V] or None; the argmax
         for r in rows:
             r.length += 1
@@ -211,6 +215,7 @@ class Runner:
         kv_len = max(r.length for r in rows) + width
         hidden = self.model(tokens, positions, self.cache, 0, batch, kv_len=kv_len, tree=tree)
         n = len(rows)
+        self.positions = n * width
         index = [i for i in range(n) for _ in range(width)]  # node states row by row: each verified as a plain row
         free = all(r.drafter is not None and r.matcher is None for r in rows)  # the logits themselves unneeded
         flat, top = project(self.model, [rows[i] for i in index], hidden.reshape(n * width, -1), batch, free, index)
@@ -253,6 +258,8 @@ class Runner:
                 path = tree.accept(fed[b], predicted[b].__getitem__, valid[b]) if tree is not None else []
                 final = predicted[b][path[-1] if path else 0]
             self.cache.keep_path(b, row.length, path)
+            if self.depth is not None and tree is not None:
+                self.depth.walked(row.drafter, tree.depths[valid[b] - 1], len(path))
             drafted += valid[b] - 1
             kept += len(path)
             last[b] = path[-1] if path else 0
@@ -298,6 +305,8 @@ class Runner:
         valid = []
         for r in rows:
             room = min(r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)
+            cap = None if self.depth is None or r.draft is None else self.depth.limit(r.drafter, len(rows))
+            room = room if cap is None else min(room, cap)
             valid.append(1 if r.draft is None else min(1 + r.draft.size, r.draft.tree.nodes_within(max(0, room))))
         width = min(max(valid), min(limit - r.length for r in rows))
         return [min(v, width) for v in valid]
