@@ -197,25 +197,33 @@ class Run:
         return self.decode_tokens / self.steps if self.steps else 0.0
 
 
-def run_chunk(
-    engine: Engine, prompts: list[tuple[int, ...]], max_new: int, adapter: str | None
-) -> tuple[list[list[int]], int, int, float]:
-    """All prompts at once; (tokens per prompt, decode tokens, decode steps, first token -> last token seconds)."""
+def submit_all(engine: Engine, requests: list[GenerationRequest]) -> list[list[tuple[float, Any]]]:
+    """Submit every request at once and wait until all have finished: each one's events with their arrival times."""
     done = threading.Semaphore(0)
-    events: list[list[tuple[float, Any]]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
+    events: list[list[tuple[float, Any]]] = [[] for _ in requests]
+    for i, request in enumerate(requests):
 
         def sink(e: Any, i: int = i) -> None:
             events[i].append((time.perf_counter(), e))
             if e.finish is not None:
                 done.release()
 
-        engine.submit(
-            GenerationRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, adapter_id=adapter), sink
-        )
-    for _ in prompts:
+        engine.submit(request, sink)
+    for _ in requests:
         if not done.acquire(timeout=600):
             raise TimeoutError("a request did not finish")
+    return events
+
+
+def run_chunk(
+    engine: Engine, prompts: list[tuple[int, ...]], max_new: int, adapter: str | None
+) -> tuple[list[list[int]], int, int, float]:
+    """All prompts at once; (tokens per prompt, decode tokens, decode steps, first token -> last token seconds)."""
+    requests = [
+        GenerationRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, adapter_id=adapter)
+        for i, p in enumerate(prompts)
+    ]
+    events = submit_all(engine, requests)
     tokens = [[t for _, e in ev for t in e.token_ids] for ev in events]
     first = min(ev[0][0] for ev in events)
     last = max(ev[-1][0] for ev in events)

@@ -13,7 +13,7 @@ steps). Each goes through the engine in this process (``service.engine.Engine``,
 - ``plain``: no drafter;
 - ``lookup``: ``--draft prompt-lookup``, drafting at every step, whatever the batch size;
 - ``auto``: the server's defaults, the speculation governor choosing plain or speculative steps at batch sizes up to
-  ``--speculate-max-batch`` (4), plain above;
+  ``--speculate-max-batch`` (4), plain above, and ``service.engine.draft_depth`` how deep a step verifies;
 - ``governed``: the governor alone at every batch size (``--speculate-max-batch`` = the batch): whether the cap
   could be lifted.
 
@@ -32,8 +32,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +44,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from train_medusa_heads import HELD_OUT_PROMPTS  # noqa: E402
 
 from bench.machine import describe, line  # noqa: E402
+from bench.medusa import submit_all  # noqa: E402
 from service.bootstrap import WEIGHT_FORMATS  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
-from service.engine.request import GenerationRequest, TokenEvent  # noqa: E402
+from service.engine.request import GenerationRequest  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 CODE = """def load_adapter(folder, roots, stamp=None):
@@ -152,20 +151,11 @@ def chunks(prompts: list[tuple[int, ...]], batch: int) -> list[list[tuple[int, .
 def run_batch(engine: Engine, prompts: list[tuple[int, ...]], max_new: int) -> tuple[list[list[int]], int, int, float]:
     """All prompts at once, each for ``max_new`` tokens: (tokens per prompt, tokens emitted while every row was
     decoding, drafted tokens accepted, the seconds from the last row's first token to the first row's last)."""
-    done = threading.Semaphore(0)
-    events: list[list[tuple[float, TokenEvent]]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-
-        def sink(e: TokenEvent, i: int = i) -> None:
-            events[i].append((time.perf_counter(), e))
-            if e.finish is not None:
-                done.release()
-
-        request = GenerationRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
-        engine.submit(request, sink)
-    for _ in prompts:
-        if not done.acquire(timeout=600):
-            raise TimeoutError("a request did not finish")
+    requests = [
+        GenerationRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    events = submit_all(engine, requests)
     start = max(next(t for t, e in ev if e.token_ids) for ev in events)  # every row has its first token
     end = min(ev[-1][0] for ev in events)  # then rows that accepted more drafts finish first and the batch shrinks
     decoded = sum(len(e.token_ids) for ev in events for t, e in ev if start < t <= end)
