@@ -153,12 +153,25 @@ def test_the_tables_bounds_hold_and_its_top_is_projects_max() -> None:
     assert head._bounds is not None and bool((head._bounds.double() >= exact).all())
 
 
+def test_past_the_kernels_rows_the_table_screens_in_chunks_each_rows_argmax_the_kernels() -> None:
+    k = screening_kernels()
+    head = q8_table(1000, 64, k)
+    most = NATIVE_MAX_ROWS[torch.float32]
+    for m in (most + 1, 2 * most + 5):  # 17 + 16 rows; 23 + 23 + 23: every chunk at least SCREEN_MIN_ROWS
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        x[m - 1, 7] = math.nan  # the last chunk's row left to the full product
+        values, indices, found = head.top(x) or pytest.fail("no screen")
+        want = k.row_top(torch.cat([k.q8_matmul(c.contiguous(), head.q, head.d, torch.float32) for c in x.split(1)]))
+        assert torch.equal(indices, want[1]) and torch.equal(values.nan_to_num(7.0), want[0].nan_to_num(7.0))
+        assert found[m - 1] == 0 and bool((found[: m - 1] > 0).all())
+
+
 def test_the_table_screens_only_where_the_full_product_is_the_native_kernels() -> None:
     k = compiled_kernels()
     head = q8_table(300, 64, k)
     few, many = torch.randn(SCREEN_MIN_ROWS - 1, 64), torch.randn(NATIVE_MAX_ROWS[torch.float32] + 1, 64)
-    assert head.top(few) is None and head.top(many) is None  # the head's max path runs in full
-    assert (head.top(torch.randn(SCREEN_MIN_ROWS, 64)) is not None) == k.q8_screen
+    assert head.top(few) is None  # the head's max path runs in full
+    assert (head.top(many) is not None) == (head.top(torch.randn(SCREEN_MIN_ROWS, 64)) is not None) == k.q8_screen
     head.screen = False  # as the self-check leaves it when the screen disagrees
     assert head.top(torch.randn(SCREEN_MIN_ROWS, 64)) is None
     assert q8_table(300, 64, None).top(torch.randn(SCREEN_MIN_ROWS, 64)) is None  # eager: no screen

@@ -42,8 +42,9 @@ PAIR_MAX_ROWS = 8
 # in float32 1.4-1.9x the dense matmul over dequantized chunks at 16-32 rows (it converts a block of the table once
 # for 4 rows); beyond, the pair and dense matmuls win (bench/README.md, "Native kernels").
 NATIVE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}
-# From this many hidden states on (up to NATIVE_MAX_ROWS), ``top`` screens the logits in int8 where the CPU has
-# AVX-512 VNNI: 1.25x the full product and its max at 6 rows, 2.2x at 32, even at 4 (bench/head_screen.py).
+# From this many hidden states on (past NATIVE_MAX_ROWS in chunks of at most that many), ``top`` screens the logits
+# in int8 where the CPU has AVX-512 VNNI: 1.25x the full product and its max at 6 rows, 2.2x at 32, even at 4
+# (bench/head_screen.py).
 SCREEN_MIN_ROWS = 6
 SCREEN_CAP = 256  # logits a screened row computes exactly at most; a row with more candidates is computed in full
 
@@ -123,22 +124,35 @@ class Q8Table:
         return out.view(*hidden.shape[:-1], -1)
 
     def top(self, hidden: Tensor, min_rows: int = SCREEN_MIN_ROWS) -> tuple[Tensor, Tensor, Tensor] | None:
-        """hidden [M, hidden] -> (values [M] float32, indices [M] int64, found [M] int32): ``project(hidden).max(
-        dim=-1)`` exactly (the first index on a tie; NaN and infinities as ``NativeKernels.row_top``) from an int8
-        screen that computes only the logits it cannot rule out (``NativeKernels.q8_top``: found[r] of them); a row
-        it cannot screen is projected in full (found 0).
+        """hidden [M, hidden] -> (values [M] float32, indices [M] int64, found [M] int32): the max of the native
+        kernel's float32 logits exactly (the first index on a tie; NaN and infinities as ``NativeKernels.row_top``),
+        from an int8 screen that computes only the logits it cannot rule out (``NativeKernels.q8_top``: found[r] of
+        them); a row it cannot screen is projected in full by the kernel (found 0). Past ``NATIVE_MAX_ROWS`` rows
+        (a speculative step verifying 4 rows x 9 positions, a wide Medusa tree) the rows go in near-equal chunks the
+        kernel takes: each row's argmax is the one a plain decode step computes, whatever the step's width, and the
+        screen costs ~2x less than the dense product of that many rows (bench/README.md, "The head past 32 rows").
         None where the screen does not apply (no AVX-512 VNNI, fewer than ``min_rows`` rows, a path other than the
         native kernel's): the caller takes the max of ``project``."""
-        m, native = hidden.shape[0], self.native
+        m, native, most = hidden.shape[0], self.native, NATIVE_MAX_ROWS[self.dtype]
         if native is None or not native.q8_screen or not self.screen or hidden.dim() != 2:
             return None
-        if not min_rows <= m <= NATIVE_MAX_ROWS[self.dtype]:
+        if m < min_rows or most < min_rows:
             return None
         if self._bounds is None or self._lanes is None:
             self._bounds, self._lanes = self._screen_bounds(), q8_lanes(self.q)
+        x2 = hidden.to(self.dtype).contiguous()
+        if m <= most:
+            return self._screened(x2)
+        parts = [self._screened(part.contiguous()) for part in x2.tensor_split(-(-m // most))]  # >= most / 2 rows each
+        values, indices, found = (torch.cat(column) for column in zip(*parts, strict=True))
+        return values, indices, found
+
+    def _screened(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``top`` of at most ``NATIVE_MAX_ROWS`` rows x2 [M, K] in the compute dtype."""
+        native, m = self.native, x2.shape[0]
+        assert native is not None and self._bounds is not None and self._lanes is not None
         if self._scratch.numel() < m * self.shape[0]:
             self._scratch = torch.empty(NATIVE_MAX_ROWS[self.dtype] * self.shape[0], dtype=torch.float32)
-        x2 = hidden.to(self.dtype).contiguous()
         values, indices, found = native.q8_top(x2, self.q, self._lanes, self.d, self._bounds, SCREEN_CAP, self._scratch)
         full = (found == 0).nonzero().flatten()
         if full.numel():
