@@ -32,6 +32,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from service.engine.governor import ewma
+
 
 @dataclass
 class _Acceptance:
@@ -49,18 +51,15 @@ class DraftDepth:
         self._position_s: dict[int, float] = {}  # rows -> EWMA seconds of a verification's further position
         self._steps = 0
 
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
-
     def step(self, rows: int, positions: int, seconds: float, speculative: bool) -> None:
         self._steps += 1
         if not speculative:
-            self._plain_s[rows] = self._ewma(self._plain_s.get(rows), seconds)
+            self._plain_s[rows] = ewma(self._plain_s.get(rows), seconds, self.alpha)
             return
         plain = self._plain_s.get(rows)
         if plain is not None and positions > rows:
             further = max(0.0, seconds - plain) / (positions - rows)
-            self._position_s[rows] = self._ewma(self._position_s.get(rows), further)
+            self._position_s[rows] = ewma(self._position_s.get(rows), further, self.alpha)
 
     def walked(self, drafter: object, verified: int, accepted: int) -> None:
         """A row verified its draft to depth ``verified`` and accepted its first ``accepted`` tokens."""
@@ -72,7 +71,7 @@ class DraftDepth:
                 acc.rates.append(float(i < accepted))
                 acc.counts.append(1)
                 continue
-            acc.rates[i] = self._ewma(acc.rates[i], float(i < accepted))
+            acc.rates[i] = ewma(acc.rates[i], float(i < accepted), self.alpha)
             acc.counts[i] += 1
 
     def limit(self, drafter: object, rows: int) -> int | None:

@@ -48,6 +48,11 @@ import math
 from dataclasses import dataclass
 
 
+def ewma(old: float | None, new: float, alpha: float) -> float:
+    """An exponential moving average's next value: ``new`` first, then ``alpha`` of the way from ``old`` to it."""
+    return new if old is None else old + alpha * (new - old)
+
+
 @dataclass
 class _Rates:
     plain: float | None = None  # EWMA output tokens / s of plain decode steps
@@ -135,12 +140,10 @@ class SpeculationGovernor:
         before = self._decided(batch)
         rate = tokens / seconds
         if speculative:
-            r.spec = rate if r.spec is None else r.spec + self.alpha * (rate - r.spec)
-            r.spec_s = seconds if r.spec_s is None else r.spec_s + self.alpha * (seconds - r.spec_s)
+            r.spec, r.spec_s = ewma(r.spec, rate, self.alpha), ewma(r.spec_s, seconds, self.alpha)
             r.spec_n += 1
         else:
-            r.plain = rate if r.plain is None else r.plain + self.alpha * (rate - r.plain)
-            r.plain_s = seconds if r.plain_s is None else r.plain_s + self.alpha * (seconds - r.plain_s)
+            r.plain, r.plain_s = ewma(r.plain, rate, self.alpha), ewma(r.plain_s, seconds, self.alpha)
             r.plain_n += 1
         after = self._decided(batch)
         if before is None or after is None or r.plain is None or r.spec is None:
@@ -176,3 +179,6 @@ class SpeculationGovernor:
         r = self._rates(batch)
         better = self._decided(batch)
         return r.interval if better is None else self._spacing(r, better)
+
+
+__all__ = ["SpeculationGovernor", "ewma"]

@@ -303,9 +303,12 @@ class Runner:
         nodes inside the cache."""
         limit = self.settings.max_total_tokens
         valid = []
+        caps: dict[int, int | None] = {}  # per drafter: the depth's limit, asked once a step
         for r in rows:
             room = min(r.request.max_new_tokens - r.generated - 1, limit - r.length - 2)
-            cap = None if self.depth is None or r.draft is None else self.depth.limit(r.drafter, len(rows))
+            if self.depth is not None and r.draft is not None and id(r.drafter) not in caps:
+                caps[id(r.drafter)] = self.depth.limit(r.drafter, len(rows))
+            cap = caps.get(id(r.drafter)) if r.draft is not None else None
             room = room if cap is None else min(room, cap)
             valid.append(1 if r.draft is None else min(1 + r.draft.size, r.draft.tree.nodes_within(max(0, room))))
         width = min(max(valid), min(limit - r.length for r in rows))
