@@ -1,16 +1,18 @@
 """A greedy step's argmax from the Q8_0 head: the full product and its row max against the int8 screen, same run.
 
-    .venv/bin/python bench/head_screen.py [--rows 1 4 6 8 12 16 24 32] [--repeats 40] [--out FILE]
+    .venv/bin/python bench/head_screen.py [--rows 1 4 6 8 12 16 24 32 36 64] [--repeats 40] [--out FILE]
 
 The default model's Q4_1 GGUF served in float32 (its tied Q8_0 head, 49152 x 576); the hidden states are the model's
 own (the final-normed states of 32 prompts at every position of their prefill, taken ``rows`` at a time), so the
 screen sees the candidates a served step sees. Per row count, interleaved call by call: ``full`` =
 ``Q8Table.project`` then ``NativeKernels.row_top`` (what a greedy step computed before), ``screened`` =
-``Q8Table.top`` at every row count (served, it screens from ``SCREEN_MIN_ROWS``: where this table says it wins).
+``Q8Table.top`` at every row count (served, it screens from ``SCREEN_MIN_ROWS``: where this table says it wins;
+past ``NATIVE_MAX_ROWS`` rows the full path is the dense product over dequantized chunks, and the screen takes the
+rows in kernel-sized chunks).
 Each cell is the median of ``--repeats`` calls in ms; the table also gives the candidates the screen computed
-exactly per row (median and largest; the JSON adds the rows counted) and the rows it left to the full product. Every
-screened result is checked against the full one (value bits and index). Needs AVX-512 VNNI for the screen (the
-report says when the CPU has none: both columns are then the full path).
+exactly per row (median and largest; the JSON adds the rows counted) and the rows it left to the full product.
+Every screened result is checked against the kernel's full product and row max (value bits and index). Needs
+AVX-512 VNNI for the screen (the report says when the CPU has none: both columns are then the full path).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from service.kernels import native
 from service.model import KVCache
 from service.model.load_gguf import load_gguf_model
 from service.model.weights import Q8Table
+from service.model.weights.q8_table import NATIVE_MAX_ROWS
 from service.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +54,7 @@ def hidden_states(model: torch.nn.Module, tokenizer: Tokenizer, n: int = 32) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 6, 8, 12, 16, 24, 32])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 6, 8, 12, 16, 24, 32, 36, 64])
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -76,6 +79,11 @@ def main() -> None:
             t1 = time.perf_counter()
             got = head.top(x, min_rows=1)  # the screen at every row count: where its threshold belongs
             t2 = time.perf_counter()
+            if rows > NATIVE_MAX_ROWS[torch.float32]:  # the kernel's product, its rows at most the kernel's
+                parts = x.split(NATIVE_MAX_ROWS[torch.float32])
+                want = kern.row_top(
+                    torch.cat([kern.q8_matmul(c.contiguous(), head.q, head.d, torch.float32) for c in parts])
+                )
             if got is not None:
                 same_bits = torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
                 if not (same_bits and torch.equal(got[1], want[1])):
