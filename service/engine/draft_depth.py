@@ -9,10 +9,11 @@ Public API::
 
 A verification pass feeds every row its pending token and its draft: ``rows x width`` positions. Past a few
 positions a CPU pass is compute-bound, so each further position costs about the same, whatever row it belongs to
-(EPYC Zen 4, 2 cores, the Q4_1 GGUF in float32: a plain step 7.4 ms at 1 row and 13.2 ms at 4; a verification of
-1 x 9 positions 23.9 ms and 4 x 9 79.3 ms: ~1.9 ms a position). A drafted token at depth *i* pays where the chance
-that the walk reaches and accepts it is larger than that cost over a plain step's cost per token: 0.26 at one row
-(7.4 ms a token), 0.58 at four (3.3 ms). So the same drafts that gain 2x at batch 1 lose at batch 4; Medusa's
+(EPYC Zen 4, 2 cores, the Q4_1 GGUF in float32, the runner's two decode kinds timed in one process: a plain step
+10.5 ms at 1 row and 15.5 ms at 4; a verification of 1 x 9 positions 26.0 ms and 4 x 9 70.8 ms: ~1.7-1.9 ms a
+position). A drafted token at depth *i* pays where the chance that the walk reaches and accepts it is larger than
+that cost over a plain step's cost per token: ~0.2 at one row (10.5 ms a token), ~0.45 at four (3.9 ms). So drafts
+that gain 2x at batch 1 gain far less at batch 4, and lose where they are seldom accepted; Medusa's
 ``--draft-threshold`` asks the heads for the first chance, this measures it.
 
 - **Acceptance**, per drafter: for each depth *i*, the share of walks that reached depth *i* and accepted its token
