@@ -3,7 +3,8 @@
 A greedy row without a repetition penalty, logprobs or a grammar needs of its logits only the largest and its index
 (``SamplingParams.argmax_only``). When every row of a step is such a row and projects through the base head, a head
 that can find them without computing every logit (``EmbeddingTable.top``: the Q8_0 head's int8 screen,
-``service.model.weights.q8_table``) gives them exactly; the runner then samples nothing.
+``service.model.weights.q8_table``) gives them exactly; the runner then samples nothing. Past its kernel's rows
+(a wide verification) the Q8_0 head also gives them, screened or not, from the kernel a plain step uses.
 """
 
 from __future__ import annotations
@@ -37,13 +38,12 @@ def project(
     head finds the argmax itself."""
     head = model.lm_head
     argmax_only = unconstrained and all(r.request.sampling.argmax_only for r in rows)
-    if argmax_only and not isinstance(head, torch.Tensor) and head.screen:  # a bf16 head: logits, nothing more asked
+    if argmax_only and not isinstance(head, torch.Tensor):  # a dense head: logits, nothing more asked
         base_only = batch is None or batch.head_parts(index, len(rows)) is None
         if base_only and (top := head.top(hidden)) is not None:
             values, indices, found = top
-            screened = int((found > 0).sum())
-            _SCREENED.inc(screened)
-            _IN_FULL.inc(len(rows) - screened)
+            _SCREENED.inc(int((found > 0).sum()))
+            _IN_FULL.inc(int((found == 0).sum()))  # -1: no screen ran (a CPU without one, past the kernel's rows)
             return None, (values, indices)
     logits = model.logits(hidden, batch, index)
     return logits, row_top(model, logits)

@@ -153,17 +153,22 @@ def test_the_tables_bounds_hold_and_its_top_is_projects_max() -> None:
     assert head._bounds is not None and bool((head._bounds.double() >= exact).all())
 
 
-def test_past_the_kernels_rows_the_table_screens_in_chunks_each_rows_argmax_the_kernels() -> None:
-    k = screening_kernels()
+@pytest.mark.parametrize("screen", [True, False])
+def test_past_the_kernels_rows_each_rows_argmax_is_the_kernels_in_chunks(screen: bool) -> None:
+    k = screening_kernels() if screen else compiled_kernels()  # unscreened: every variant, the CI's forced ones too
     head = q8_table(1000, 64, k)
+    head.screen = screen
     most = NATIVE_MAX_ROWS[torch.float32]
     for m in (most + 1, 2 * most + 5):  # 17 + 16 rows; 23 + 23 + 23: every chunk at least SCREEN_MIN_ROWS
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
         x[m - 1, 7] = math.nan  # the last chunk's row left to the full product
-        values, indices, found = head.top(x) or pytest.fail("no screen")
+        values, indices, found = head.top(x) or pytest.fail("no argmax past the kernel's rows")
         want = k.row_top(torch.cat([k.q8_matmul(c.contiguous(), head.q, head.d, torch.float32) for c in x.split(1)]))
         assert torch.equal(indices, want[1]) and torch.equal(values.nan_to_num(7.0), want[0].nan_to_num(7.0))
-        assert found[m - 1] == 0 and bool((found[: m - 1] > 0).all())
+        if screen:
+            assert found[m - 1] == 0 and bool((found[: m - 1] > 0).all())
+        else:
+            assert found.tolist() == [-1] * m  # computed in full, no screen ran: not counted as screened or full
 
 
 def test_the_table_screens_only_where_the_full_product_is_the_native_kernels() -> None:
@@ -171,10 +176,13 @@ def test_the_table_screens_only_where_the_full_product_is_the_native_kernels() -
     head = q8_table(300, 64, k)
     few, many = torch.randn(SCREEN_MIN_ROWS - 1, 64), torch.randn(NATIVE_MAX_ROWS[torch.float32] + 1, 64)
     assert head.top(few) is None  # the head's max path runs in full
-    assert (head.top(many) is not None) == (head.top(torch.randn(SCREEN_MIN_ROWS, 64)) is not None) == k.q8_screen
+    assert (head.top(torch.randn(SCREEN_MIN_ROWS, 64)) is not None) == k.q8_screen
+    assert bool((head.top(many) or pytest.fail("none"))[2].ge(0).all()) == k.q8_screen  # screened, or -1: in full
     head.screen = False  # as the self-check leaves it when the screen disagrees
     assert head.top(torch.randn(SCREEN_MIN_ROWS, 64)) is None
-    assert q8_table(300, 64, None).top(torch.randn(SCREEN_MIN_ROWS, 64)) is None  # eager: no screen
+    assert (head.top(many) or pytest.fail("none"))[2].tolist() == [-1] * many.shape[0]  # the kernel, in chunks
+    eager = q8_table(300, 64, None)
+    assert eager.top(torch.randn(SCREEN_MIN_ROWS, 64)) is None and eager.top(many) is None  # eager: no screen
 
 
 def test_argmax_only_is_greedy_without_penalty_or_logprobs() -> None:
@@ -228,27 +236,28 @@ def test_a_greedy_batch_decodes_the_same_tokens_screened_or_not(served_tiny_dir:
     assert screened == full == mixed and all(len(t) == 10 for t in screened)
 
 
+@pytest.mark.parametrize("rows, nodes", [(2, 4), (4, 10)])  # 8 states a step; 40, past the kernel's 32 rows
 def test_verified_drafts_take_their_argmax_from_the_screen_and_stay_plain_greedy(
-    served_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served_tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, nodes: int
 ) -> None:
-    """Greedy rows with a drafter that knows the answer (4 nodes a row verified a step, the last one wrong) on a
-    Q8_0 head: the nodes take their argmax from the screen where the CPU can, and the tokens are plain greedy
-    decoding's, screened or not."""
+    """Greedy rows with a drafter that knows the answer (``nodes`` nodes a row verified a step, the last one wrong)
+    on a Q8_0 head: the nodes take their argmax from the screen where the CPU can (past the kernel's rows, in
+    chunks), and the tokens are plain greedy decoding's, screened or not."""
     gguf = write_tiny_gguf(served_tiny_dir, tmp_path / "model.gguf", types={"token_embd": "Q8_0", "output.": "Q8_0"})
     model = load_gguf_model(served_tiny_dir, gguf, dtype=torch.float32)[0]
     tokenizer = Tokenizer.from_folder(served_tiny_dir)
     gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 49152, (9,), generator=gen).tolist() for _ in range(2)]
-    greedy = [SamplingParams()] * 2
+    prompts = [torch.randint(3, 49152, (9,), generator=gen).tolist() for _ in range(rows)]
+    greedy = [SamplingParams()] * rows
     plain = Settings(model=served_tiny_dir, dtype="float32", max_batch_size=4)
     expected = run_batch(Engine(model, tokenizer, plain), prompts, greedy)
-    oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, k=4)
+    oracle = Oracle({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, k=nodes)
     monkeypatch.setitem(SERVER_DRAFTERS, "oracle", lambda settings: oracle)
     settings = plain.replace(draft="oracle", speculate_adaptive=False, speculate_max_batch=16)
     before, accepted = screened_rows(), metrics.SPECULATIVE_ACCEPTED._value.get()
     assert run_batch(Engine(model, tokenizer, settings), prompts, greedy) == expected
     assert metrics.SPECULATIVE_ACCEPTED._value.get() > accepted
-    assert (screened_rows() > before) == head_screens(model)  # 2 rows x 4 nodes: 8 states a step
+    assert (screened_rows() > before) == head_screens(model)
     model.lm_head.screen = False
     try:
         assert run_batch(Engine(model, tokenizer, settings), prompts, greedy) == expected

@@ -113,9 +113,10 @@ class EmbeddingTable(Protocol):
         ...
 
     def top(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """hidden [M, hidden] -> the row max and first argmax of ``project``'s logits, exactly, without computing
-        them all where the table can (a greedy step needs nothing else), and the logits computed per row (0: all);
-        None where it cannot."""
+        """hidden [M, hidden] -> the row max and first argmax of the logits a plain decode step's rows get, exactly
+        (``project``'s up to its kernel's rows; past them, the kernel's row by row), without computing them all
+        where the table can (a greedy step needs nothing else), and the logits computed per row (0: all; -1: all,
+        no screen ran); None where it cannot."""
         ...
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:

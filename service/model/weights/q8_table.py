@@ -127,28 +127,39 @@ class Q8Table:
         """hidden [M, hidden] -> (values [M] float32, indices [M] int64, found [M] int32): the max of the native
         kernel's float32 logits exactly (the first index on a tie; NaN and infinities as ``NativeKernels.row_top``),
         from an int8 screen that computes only the logits it cannot rule out (``NativeKernels.q8_top``: found[r] of
-        them); a row it cannot screen is projected in full by the kernel (found 0). Past ``NATIVE_MAX_ROWS`` rows
-        (a speculative step verifying 4 rows x 9 positions, a wide Medusa tree) the rows go in near-equal chunks the
-        kernel takes: each row's argmax is the one a plain decode step computes, whatever the step's width, and the
-        screen costs ~2x less than the dense product of that many rows (bench/README.md, "The head past 32 rows").
-        None where the screen does not apply (no AVX-512 VNNI, fewer than ``min_rows`` rows, a path other than the
-        native kernel's): the caller takes the max of ``project``."""
+        them); a row it cannot screen is projected in full by the kernel (found 0); without the screen, -1.
+
+        Past ``NATIVE_MAX_ROWS`` rows (a speculative step verifying 4 rows x 9 positions, a wide Medusa tree) the
+        rows go in near-equal chunks the kernel takes, screened where the CPU can (~2.5x faster than the dense
+        product of that many rows, bench/README.md, "The head past 32 rows"), else in full (found -1): either way
+        each row's argmax is the one a plain decode step computes, whatever the step's width, so a verified draft
+        keeps plain greedy's tokens even on near-ties (``project`` past those rows is a dense product, other sums).
+        None where neither applies (fewer than ``min_rows`` rows, or at most ``NATIVE_MAX_ROWS`` without the screen:
+        ``project`` runs the kernel itself; not the native kernel's path): the caller takes the max of ``project``."""
         m, native, most = hidden.shape[0], self.native, NATIVE_MAX_ROWS[self.dtype]
-        if native is None or not native.q8_screen or not self.screen or hidden.dim() != 2:
+        if native is None or hidden.dim() != 2 or most < min_rows:
             return None
-        if m < min_rows or most < min_rows:
+        screen = native.q8_screen and self.screen
+        if m < min_rows or (m <= most and not screen):
             return None
-        if self._bounds is None or self._lanes is None:
+        if screen and (self._bounds is None or self._lanes is None):
             self._bounds, self._lanes = self._screen_bounds(), q8_lanes(self.q)
         x2 = hidden.to(self.dtype).contiguous()
-        if m <= most:
-            return self._screened(x2)
-        parts = [self._screened(part.contiguous()) for part in x2.tensor_split(-(-m // most))]  # >= most / 2 rows each
-        values, indices, found = (torch.cat(column) for column in zip(*parts, strict=True))
+        parts = x2.tensor_split(-(-m // most)) if m > most else (x2,)  # chunks of most / 2 .. most rows
+        tops = [self._screened(part.contiguous()) if screen else self._in_full(part.contiguous()) for part in parts]
+        if len(tops) == 1:
+            return tops[0]
+        values, indices, found = (torch.cat(column) for column in zip(*tops, strict=True))
         return values, indices, found
 
+    def _in_full(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``top`` of at most ``NATIVE_MAX_ROWS`` rows x2 [M, K] from every logit of the kernel (found -1)."""
+        assert self.native is not None
+        values, indices = self.native.row_top(self.native.q8_matmul(x2, self.q, self.d, torch.float32))
+        return values, indices, torch.full((x2.shape[0],), -1, dtype=torch.int32)
+
     def _screened(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``top`` of at most ``NATIVE_MAX_ROWS`` rows x2 [M, K] in the compute dtype."""
+        """``top`` of at most ``NATIVE_MAX_ROWS`` rows x2 [M, K] in the compute dtype, screened."""
         native, m = self.native, x2.shape[0]
         assert native is not None and self._bounds is not None and self._lanes is not None
         if self._scratch.numel() < m * self.shape[0]:
