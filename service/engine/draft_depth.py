@@ -6,6 +6,7 @@ Public API::
     depth.limit(drafter, rows) -> int | None       deepest drafted token to verify in a step of ``rows`` rows
     depth.walked(drafter, verified, accepted)      a row's walk: drafted depth verified, tokens accepted
     depth.step(rows, positions, seconds, speculative)   a decode step's cost
+    depth.thresholds() -> {rows: chance}            per batch size measured, the chance a drafted token needs
 
 A verification pass feeds every row its pending token and its draft: ``rows x width`` positions. Past a few
 positions a CPU pass is compute-bound, so each further position costs about the same, whatever row it belongs to

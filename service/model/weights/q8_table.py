@@ -147,15 +147,13 @@ class Q8Table:
         x2 = hidden.to(self.dtype).contiguous()
         parts = x2.tensor_split(-(-m // most)) if m > most else (x2,)  # chunks of most / 2 .. most rows
         tops = [self._screened(part.contiguous()) if screen else self._in_full(part.contiguous()) for part in parts]
-        if len(tops) == 1:
-            return tops[0]
         values, indices, found = (torch.cat(column) for column in zip(*tops, strict=True))
         return values, indices, found
 
     def _in_full(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``top`` of at most ``NATIVE_MAX_ROWS`` rows x2 [M, K] from every logit of the kernel (found -1)."""
         assert self.native is not None
-        values, indices = self.native.row_top(self.native.q8_matmul(x2, self.q, self.d, torch.float32))
+        values, indices = self.native.row_top(self.project(x2).float().contiguous())  # the kernel, at these rows
         return values, indices, torch.full((x2.shape[0],), -1, dtype=torch.int32)
 
     def _screened(self, x2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
