@@ -27,12 +27,15 @@ using lp::V16;
 using lp::F32;
 using lp::BF16;
 constexpr int kLanes = 16;
+// A pass holds kX * kW accumulators of 16 lanes in registers, beside kW weight loads and one x load: 32 zmm on
+// avx512; 16 ymm on avx2, two a V16 (more spill to the stack).
 #if defined(__AVX512F__)
-constexpr int kW = 4;  // weight rows a pass holds: kX * kW accumulators of 16 lanes in registers
+constexpr int kW = 4;  // weight rows a pass holds
+constexpr int kX = 4;  // rows of x a pass holds
 #else
-constexpr int kW = 2;  // two registers a V16 on avx2
+constexpr int kW = 2;
+constexpr int kX = 2;
 #endif
-constexpr int kX = 4;                       // rows of x a pass holds
 constexpr int64_t kParallelMacs = 1 << 16;  // below this many multiply-adds one thread does the call
 constexpr int64_t kAheadBytes = 16384;      // requested ahead of a pass: past its rows, into the next ones
 

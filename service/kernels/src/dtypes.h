@@ -1,7 +1,8 @@
 // loraplex native kernels: the element types the sources share, float32 and bfloat16 (its 16 bits as uint16_t).
 // bf16 widens to float32 exactly (a shift) and is made from float32 by rounding to nearest even; NaN stays NaN.
-// V16: 16 float32 lanes in a GCC vector type, which every variant lowers to its own registers (one zmm, two ymm,
-// four xmm): built with -ffp-contract=off, a lane's products and sums round alike on every instruction set.
+// V16: 16 float32 lanes, one zmm (a GCC vector type) on avx512, two ymm or four xmm parts elsewhere (a struct of
+// register-wide GCC vectors: below): built with -ffp-contract=off, a lane's products and sums round alike on every
+// instruction set.
 #pragma once
 
 #include <cstdint>
@@ -84,9 +85,15 @@ inline typename Lanes<N>::F load_lanes(const bf16* p) {
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
-using V16 = Lanes<16>::F;
-inline V16 load16(const float* p) { return load_lanes<16>(p); }
-inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
+// The register width of the variant, in float32 lanes: 16 (one zmm), 8 (one ymm), 4 (SSE2's xmm, NEON's q).
+#if defined(__AVX512F__)
+constexpr int kPart = 16;
+#elif defined(__AVX__)
+constexpr int kPart = 8;
+#else
+constexpr int kPart = 4;
+#endif
+using VP = Lanes<kPart>::F;
 
 // N lanes rounded to bf16 as to_bf16 rounds each (to nearest even, NaN kept quiet): the bf16 bits in the low half
 // of each 32-bit lane.
@@ -99,7 +106,6 @@ inline typename Lanes<N>::W bf16_bits(typename Lanes<N>::F v) {
   const U near = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
   return (quiet & nan) | (near & ~nan);
 }
-inline Lanes<16>::W bf16_bits16(V16 v) { return bf16_bits<16>(v); }
 
 // N values stored from p: float32 as they are, bf16 each rounded as lp::store rounds.
 template <int N>
@@ -111,15 +117,90 @@ inline void store_lanes(bf16* p, typename Lanes<N>::F v) {
   const typename Lanes<N>::H h = __builtin_convertvector(bf16_bits<N>(v), typename Lanes<N>::H);
   std::memcpy(p, &h, sizeof h);
 }
+
+#if defined(__AVX512F__)
+using V16 = Lanes<16>::F;
+inline V16 load16(const float* p) { return load_lanes<16>(p); }
+inline V16 load16(const bf16* p) { return load_lanes<16>(p); }
 inline void store16(float* p, V16 v) { store_lanes<16>(p, v); }
 inline void store16(bf16* p, V16 v) { store_lanes<16>(p, v); }
+#else
+// Without AVX-512 no register holds a 64-byte GCC vector: GCC gives such a type no machine mode and keeps every
+// one in memory, each operation a round trip through the stack (the avx2 variant ran the dense kernel, the decode
+// attention and the LoRA kernel 2-5x slower than the avx512 one on the same Zen 4). So here V16 is the 16 lanes as
+// 16 / kPart register-wide parts, part i holding lanes i kPart .. i kPart + kPart - 1; every operation is the same
+// one lane by lane, so each lane's value is the avx512 variant's.
+struct V16 {
+  static constexpr int kParts = 16 / kPart;
+  VP p[kParts];
+  float operator[](int l) const { return p[l / kPart][l % kPart]; }
+};
+#define LP_V16_OP(op)                                                                          \
+  inline V16 operator op(V16 a, V16 b) {                                                     \
+    for (int i = 0; i < V16::kParts; ++i) a.p[i] = a.p[i] op b.p[i];                         \
+    return a;                                                                                \
+  }                                                                                          \
+  inline V16 operator op(V16 a, float b) {                                                   \
+    for (int i = 0; i < V16::kParts; ++i) a.p[i] = a.p[i] op b;                              \
+    return a;                                                                                \
+  }                                                                                          \
+  inline V16 operator op(float a, V16 b) {                                                   \
+    for (int i = 0; i < V16::kParts; ++i) b.p[i] = a op b.p[i];                              \
+    return b;                                                                                \
+  }                                                                                          \
+  inline V16& operator op##=(V16& a, V16 b) { return a = a op b; }                           \
+  inline V16& operator op##=(V16& a, float b) { return a = a op b; }
+LP_V16_OP(+)
+LP_V16_OP(-)
+LP_V16_OP(*)
+LP_V16_OP(/)
+#undef LP_V16_OP
+inline V16 operator-(V16 a) {
+  for (int i = 0; i < V16::kParts; ++i) a.p[i] = -a.p[i];
+  return a;
+}
+// Loads and stores a part at a time: one 64-byte memcpy became four 16-byte moves through the stack, then read back
+// 32 bytes at a time (a store-forwarding stall on every load).
+inline V16 load16(const float* p) {
+  V16 v;
+  for (int i = 0; i < V16::kParts; ++i) v.p[i] = load_lanes<kPart>(p + i * kPart);
+  return v;
+}
+inline V16 load16(const bf16* p) {
+  V16 v;
+  for (int i = 0; i < V16::kParts; ++i) v.p[i] = load_lanes<kPart>(p + i * kPart);
+  return v;
+}
+inline void store16(float* p, V16 v) {
+  for (int i = 0; i < V16::kParts; ++i) store_lanes<kPart>(p + i * kPart, v.p[i]);
+}
+inline void store16(bf16* p, V16 v) {
+  for (int i = 0; i < V16::kParts; ++i) store_lanes<kPart>(p + i * kPart, v.p[i]);
+}
+#endif
+
+// f applied to each register-wide part of v (f: VP -> VP, lane by lane): a lane-wise function written once for
+// the variant's registers.
+template <typename Fn>
+inline V16 by_parts(V16 v, Fn f) {
+#if defined(__AVX512F__)
+  return f(v);
+#else
+  for (int i = 0; i < V16::kParts; ++i) v.p[i] = f(v.p[i]);
+  return v;
+#endif
+}
 
 // 16 values as T holds them: float32 unchanged, bf16 rounded (widened back: still float32 lanes).
 template <typename T>
 inline V16 held16(V16 v) {
   if constexpr (sizeof(T) == sizeof(bf16)) {
-    const Lanes<16>::W bits = bf16_bits16(v) << 16;
-    std::memcpy(&v, &bits, sizeof v);
+    return by_parts(v, [](VP part) {
+      const Lanes<kPart>::W bits = bf16_bits<kPart>(part) << 16;
+      VP out;
+      std::memcpy(&out, &bits, sizeof out);
+      return out;
+    });
   }
   return v;
 }
@@ -135,7 +216,13 @@ inline void halves_lanes(const bf16* p, typename Lanes<N>::F& even, typename Lan
   std::memcpy(&even, &e, sizeof even);
   std::memcpy(&odd, &o, sizeof odd);
 }
-inline void halves(const bf16* p, V16& even, V16& odd) { halves_lanes<16>(p, even, odd); }
+inline void halves(const bf16* p, V16& even, V16& odd) {
+#if defined(__AVX512F__)
+  halves_lanes<16>(p, even, odd);
+#else
+  for (int i = 0; i < V16::kParts; ++i) halves_lanes<kPart>(p + 2 * kPart * i, even.p[i], odd.p[i]);
+#endif
+}
 
 // One pair of inputs into acc in the bf16 pair order (vdpbf16ps's arithmetic, which pairs.cpp, step.cpp's bf16
 // scores and lora.cpp's bf16 shrink share): the odd inputs' product added first, then the even ones', each product
@@ -161,9 +248,17 @@ inline bool has_bf16_dot() {
 // The 16 lanes summed pairwise in a fixed order: lane l + 8, then + 4, + 2, + 1.
 inline float lane_sum(V16 acc) {
   using V2 = float __attribute__((vector_size(8)));
+#if defined(__AVX512F__)
   const Lanes<8>::F h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
                          __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif defined(__AVX__)
+  const Lanes<8>::F h8 = acc.p[0] + acc.p[1];
+#endif
+#if defined(__AVX512F__) || defined(__AVX__)
   const Lanes<4>::F h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+#else
+  const Lanes<4>::F h4 = (acc.p[0] + acc.p[2]) + (acc.p[1] + acc.p[3]);  // lanes l + 8 first, then + 4
+#endif
   const V2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
   return h2[0] + h2[1];
 }

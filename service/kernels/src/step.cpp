@@ -91,23 +91,25 @@ inline float exp_poly(float x) {
   return x != x ? x : y;
 }
 
-// ``exp_poly`` on 16 lanes, each lane through the same operations (floor by truncation, corrected: exact on the
-// clamped range), so each lane's value is ``exp_poly``'s.
-inline V16 exp_poly16(V16 x) {
-  using I16 = int32_t __attribute__((vector_size(64)));
-  const V16 zero = {}, lo = zero - 87.0f, hi = zero + 88.0f;
-  const V16 xc = x < lo ? lo : (x > hi ? hi : x);  // a NaN lane stays NaN here and is returned as x below
-  const V16 t = xc * 1.44269504088896341f + 0.5f;
-  V16 n = __builtin_convertvector(__builtin_convertvector(t, I16), V16);
+// ``exp_poly`` on a register's lanes, each lane through the same operations (floor by truncation, corrected: exact
+// on the clamped range), so each lane's value is ``exp_poly``'s; ``exp_poly16`` on 16 lanes, a register at a time.
+inline lp::VP exp_poly_part(lp::VP x) {
+  using F = lp::VP;
+  using I = int32_t __attribute__((vector_size(sizeof(lp::VP))));
+  const F zero = {}, lo = zero - 87.0f, hi = zero + 88.0f;
+  const F xc = x < lo ? lo : (x > hi ? hi : x);  // a NaN lane stays NaN here and is returned as x below
+  const F t = xc * 1.44269504088896341f + 0.5f;
+  F n = __builtin_convertvector(__builtin_convertvector(t, I), F);
   n = n > t ? n - 1.0f : n;
-  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
-  V16 scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  V16 y = exp_reduced(xc, n) * scale;
+  F y = exp_reduced(xc, n) * scale;
   y = x < lo ? zero : y;
   y = x > hi ? zero + INFINITY : y;
   return x != x ? x : y;
 }
+inline V16 exp_poly16(V16 x) { return lp::by_parts(x, exp_poly_part); }
 
 inline float lane_sum(float* acc) {  // pairwise over the lanes
   for (int w = kLanes / 2; w > 0; w /= 2)
@@ -126,9 +128,8 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return lane_sum(acc) + tail;
 }
 
-// ``dot`` with n = D (a multiple of kLanes) in GCC vector types (dtypes.h), which every variant lowers to its
-// registers: the same lanes, products and pairwise sum, so the same value, without a pass through memory for the
-// lane sum.
+// ``dot`` with n = D (a multiple of kLanes) in dtypes.h's V16, held in the variant's registers: the same lanes,
+// products and pairwise sum, so the same value, without a pass through memory for the lane sum.
 template <int64_t D, typename T>
 inline float dot_fixed(const float* a, const T* b) {
   static_assert(D % kLanes == 0, "whole lanes only");
