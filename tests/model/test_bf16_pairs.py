@@ -89,23 +89,24 @@ def test_pairs_refuse_what_does_not_fit() -> None:
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_bf16_model_keeps_its_projections_in_pairs_where_the_cpu_has_bf16_dots(
+def test_a_bf16_model_keeps_its_projections_in_pairs_where_the_kernels_outrun_torch(
     tiny_llama_factory: Callable[..., Path], tied: bool
 ) -> None:
-    """Loaded in pairs only where ``pairs_wanted`` (bf16, CPU, the kernels' dot products), or when asked, the head
-    (and a tied embedding) too; the logits are the dense model's within bf16 rounding, and the start-up self-check
+    """Loaded in pairs only where ``pairs_wanted`` (bf16, CPU, the kernels' dot products or the avx2 build), or when
+    asked, the head (and a tied embedding) too; the logits are the dense model's within bf16 rounding, and the start-up self-check
     passes on the pairs."""
     kern = compiled_kernels()
     folder = tiny_llama_factory(seed=9, tie_word_embeddings=tied)
     assert not pairs_wanted(torch.float32, torch.device("cpu"), kern)
     assert not pairs_wanted(torch.bfloat16, torch.device("cpu"), None)
-    assert pairs_wanted(torch.bfloat16, torch.device("cpu"), kern) == kern.bf16_dot
+    wanted = kern.bf16_dot or kern.isa == "avx2"  # the avx2 build's portable pairs outrun torch's bf16 GEMM there
+    assert pairs_wanted(torch.bfloat16, torch.device("cpu"), kern) == wanted
     with kernels_mode("auto"):
         auto = load_model(folder, dtype=torch.bfloat16, device="cpu")[0]
         paired = load_model(folder, dtype=torch.bfloat16, device="cpu", pairs=True)[0]
         dense = load_model(folder, dtype=torch.bfloat16, device="cpu", pairs=False)[0]
         f32 = load_model(folder, dtype=torch.float32, device="cpu", pairs=True)[0]
-    assert isinstance(auto.projection(0, "w13"), Bf16Pairs) == kern.bf16_dot
+    assert isinstance(auto.projection(0, "w13"), Bf16Pairs) == wanted
     assert isinstance(paired.projection(1, "w2"), Bf16Pairs) and not isinstance(f32.projection(0, "wo"), Bf16Pairs)
     for layer in range(dense.cfg.num_layers):
         for name in ("wqkv", "wo", "w13", "w2"):

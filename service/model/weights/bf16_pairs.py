@@ -12,7 +12,7 @@ README.md, "bf16 weights in pairs"). The values are the checkpoint's: ``dequanti
 the product is float32 sums of exact products, rounded once to bf16, each row's result the same at every batch
 size (prefill and decode alike). The kernel serves every row count (``dense_from_rows`` is ``NEVER``: at 512 rows
 it is still torch's match). CPU only; chosen at load for a dense bf16 model where the kernels have bf16 dot
-products (``pairs_wanted``; ``service.model.load_folder``). The output head too (``PairsTable``, the tied embedding
+products or are the avx2 build (``pairs_wanted``; ``service.model.load_folder``). The output head too (``PairsTable``, the tied embedding
 with it): float32 logits from float32 sums of exact products, so a bf16 model needs no float32 rescoring of its top
 tokens, and the head reads half the bytes of a float32 one.
 """
@@ -38,8 +38,12 @@ PAIR_ROWS = 16  # weight rows a block holds (one 16-lane accumulator)
 
 def pairs_wanted(dtype: torch.dtype, device: torch.device, kernels: NativeKernels | None) -> bool:
     """A dense model of ``dtype`` on ``device`` keeps its projections as ``Bf16Pairs``: bf16 on the CPU, with kernels
-    that run bf16 dot products (elsewhere the portable code of the same arithmetic is slower than torch's GEMM)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and kernels is not None and kernels.bf16_dot
+    that run bf16 dot products, or the avx2 build, whose portable code of the same arithmetic is ahead of torch's
+    bf16 GEMM there (a bf16 step 2.9x at 8 rows, 3.3x at 32; bench/README.md, "Sixteen lanes in registers on
+    avx2"). Not on the generic build, nor on AVX-512 CPUs without bf16 dot products (not measured)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or kernels is None:
+        return False
+    return kernels.bf16_dot or kernels.isa == "avx2"
 
 
 @dataclass(frozen=True, eq=False)
