@@ -93,8 +93,8 @@ def test_a_bf16_model_keeps_its_projections_in_pairs_where_the_kernels_outrun_to
     tiny_llama_factory: Callable[..., Path], tied: bool
 ) -> None:
     """Loaded in pairs only where ``pairs_wanted`` (bf16, CPU, the kernels' dot products or the avx2 build), or when
-    asked, the head (and a tied embedding) too; the logits are the dense model's within bf16 rounding, and the start-up self-check
-    passes on the pairs."""
+    asked, the head (and a tied embedding) too; the logits are the dense model's within bf16 rounding, and the
+    start-up self-check passes on the pairs."""
     kern = compiled_kernels()
     folder = tiny_llama_factory(seed=9, tie_word_embeddings=tied)
     assert not pairs_wanted(torch.float32, torch.device("cpu"), kern)

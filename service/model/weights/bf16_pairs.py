@@ -12,9 +12,9 @@ README.md, "bf16 weights in pairs"). The values are the checkpoint's: ``dequanti
 the product is float32 sums of exact products, rounded once to bf16, each row's result the same at every batch
 size (prefill and decode alike). The kernel serves every row count (``dense_from_rows`` is ``NEVER``: at 512 rows
 it is still torch's match). CPU only; chosen at load for a dense bf16 model where the kernels have bf16 dot
-products or are the avx2 build (``pairs_wanted``; ``service.model.load_folder``). The output head too (``PairsTable``, the tied embedding
-with it): float32 logits from float32 sums of exact products, so a bf16 model needs no float32 rescoring of its top
-tokens, and the head reads half the bytes of a float32 one.
+products or are the avx2 build (``pairs_wanted``; ``service.model.load_folder``). The output head too
+(``PairsTable``, the tied embedding with it): float32 logits from float32 sums of exact products, so a bf16 model
+needs no float32 rescoring of its top tokens, and the head reads half the bytes of a float32 one.
 """
 
 from __future__ import annotations
