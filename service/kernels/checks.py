@@ -76,7 +76,7 @@ def check_q8(x2: Tensor, q: Tensor, d: Tensor) -> None:
 
 
 def check_attention(
-    qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: tuple[Tensor, Tensor], heads: int
+    qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: tuple[Tensor, Tensor], heads: int, slots: int
 ) -> int:
     """decode_attention's arguments (see there); the dtype code."""
     (b, width, d), (k_cache, v_cache) = qkv.shape, caches
@@ -84,10 +84,12 @@ def check_attention(
     code = check_step(qkv, cos, sin)
     if width != heads + 2 * kv or tuple(cos.shape) != (b, d) or tuple(sin.shape) != (b, d):
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {heads} heads, cos {tuple(cos.shape)}")
+    if slots < 0 or (b > 0 and (slots == 0 or b % slots != 0)):
+        raise ValueError(f"decode_attention: {b} rows are not whole tokens of {slots} slots")
     if pos.dtype != torch.int64 or tuple(pos.shape) != (b,) or not pos.is_contiguous():
         raise ValueError(f"decode_attention: positions must be int64 [{b}], got {pos.dtype} {tuple(pos.shape)}")
     for c in (k_cache, v_cache):
-        if c.dtype != qkv.dtype or c.shape != (b, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
+        if c.dtype != qkv.dtype or c.shape != (slots, kv, max_len, d) or c.stride()[1:] != (max_len * d, d, 1):
             raise ValueError(f"decode_attention: a cache of {c.dtype} {tuple(c.shape)} {c.stride()}")
     if k_cache.stride(0) != v_cache.stride(0):
         raise ValueError("decode_attention: K and V caches of different strides")

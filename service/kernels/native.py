@@ -199,16 +199,20 @@ class NativeKernels(BlockProducts):
         return out
 
     def decode_attention(
-        self, qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, heads: int
-    ) -> Tensor:
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, heads: int,
+        slots: int | None = None,
+    ) -> Tensor:  # fmt: skip
         """One query token per row: qkv [B, H + 2 KV, D], cos / sin [B, D] at ``pos`` [B] int64; k_cache, v_cache
-        [B, KV, max_len, D] (the rows' slots, written at ``pos``) -> [B, H * D]; all float32 or all bfloat16. See
+        [S, KV, max_len, D] (the rows' slots, written at ``pos``; row b in slot b % S, S = ``slots``, B by default:
+        B = T S is a chain of T tokens a slot, token-major) -> [B, H * D]; all float32 or all bfloat16. See
         ``lp_decode_attention``."""
-        code = _check_attention(qkv, cos, sin, pos, (k_cache, v_cache), heads)
-        (b, _, d), kv, max_len = qkv.shape, k_cache.shape[1], k_cache.shape[2]
+        b = qkv.shape[0]
+        slots = b if slots is None else slots
+        code = _check_attention(qkv, cos, sin, pos, (k_cache, v_cache), heads, slots)
+        d, kv, max_len = qkv.shape[2], k_cache.shape[1], k_cache.shape[2]
         out = qkv.new_empty(b, heads * d)
         rc = self._lib.lp_decode_attention(
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, b, heads, kv, d, k_cache.data_ptr(),
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, slots, heads, kv, d, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d), out.data_ptr(), code,
         )  # fmt: skip
         if rc:

@@ -36,7 +36,7 @@ from service.model.decode_stack import DecodeStack
 from service.model.hooks import PROJ_NAMES, AdapterHook, HeadPart, NormName, ProjName
 from service.model.kv_cache import KVCache, finite_kv
 from service.model.rope import apply_rope, rope_inv_freq, rope_table
-from service.model.step import Step, make_step, native_ops
+from service.model.step import Step, fused_attention, make_step, native_ops
 from service.model.weights.protocol import EmbeddingTable, ProjWeight, Scratch, Weight, dense_head, linear
 from service.platform import draft_dtype
 
@@ -142,11 +142,8 @@ class Attention(nn.Module):
         h, kv, d = self.n_head, self.n_kv, self.head_dim
         g = h // kv
         qkv = proj(x, self.wqkv, self.bqkv, self.layer, "wqkv", step.adapters, scratch=step.scratch, native=step.native)
-        if step.native is not None and step.pos is not None and step.mask is None:  # one token a row: fused
-            cos, sin = step.cos.view(b, d), step.sin.view(b, d)  # RoPE, K/V write and attention in one call
-            y = step.native.decode_attention(qkv.reshape(b, h + 2 * kv, d), cos, sin, step.pos, k_cache, v_cache, h)
-            return proj(y.view(b, 1, h * d), self.wo, self.bo, self.layer, "wo", step.adapters,
-                        scratch=step.scratch, native=step.native)  # fmt: skip
+        if (y := fused_attention(step, qkv.view(b, t, h + 2 * kv, d), h, k_cache, v_cache)) is not None:
+            return proj(y, self.wo, self.bo, self.layer, "wo", step.adapters, scratch=step.scratch, native=step.native)
         assert step.mask is not None and step.write_index is not None  # an eager step has both
         qkv = qkv.view(b, t, h + 2 * kv, d)
         qk = apply_rope(qkv.narrow(2, 0, h + kv), step.cos, step.sin)  # [B, T, H + KV, D]

@@ -25,7 +25,7 @@ from service.model.hooks import AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.weights.protocol import Scratch
 
-__all__ = ["Step", "make_step", "native_ops", "visible"]
+__all__ = ["Step", "fused_attention", "make_step", "native_ops", "visible"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,25 @@ class Step:
     # [T B] int64 token-major positions, with ``native``: a decode pass (T = 1) or a causal chain (T > 1, the mask
     # kept for the per-op path); None: the pass is neither
     pos: Tensor | None = None
+
+
+def fused_attention(step: Step, qkv: Tensor, heads: int, k_cache: Tensor, v_cache: Tensor) -> Tensor | None:
+    """qkv [B, T, H + 2 KV, D], the fused projection of a decode pass or a causal chain (``pos``) -> [B, T, H * D]:
+    RoPE, the K/V writes and attention in one compiled call (k_cache, v_cache [B, KV, max_len, D]: the rows' slots);
+    None where the pass has neither (the caller attends in torch ops under the mask). A chain's tokens go
+    token-major, row t B + b in slot b, as in the one-call step (``service.model.decode_stack``): each token gets
+    what a decode step of it alone gets, whichever of the two paths a pass takes (a neighbour's adapter may keep a
+    pass off the one-call step), so a row's result does not depend on its neighbours."""
+    native, pos = step.native, step.pos
+    if native is None or pos is None:
+        return None
+    b, t, _, d = qkv.shape
+    cos, sin = step.cos.view(b, t, d), step.sin.view(b, t, d)
+    if t > 1:
+        qkv, cos, sin = qkv.transpose(0, 1), cos.transpose(0, 1), sin.transpose(0, 1)
+    q, c, s = (z.reshape(t * b, *z.shape[2:]).contiguous() for z in (qkv, cos, sin))
+    y = native.decode_attention(q, c, s, pos, k_cache, v_cache, heads, slots=b)  # [T B, H * D]
+    return y.view(t, b, -1).transpose(0, 1) if t > 1 else y.view(b, 1, -1)
 
 
 def native_ops(dtype: torch.dtype, device: torch.device) -> NativeKernels | None:

@@ -92,6 +92,10 @@ def test_decode_attention_refuses_what_does_not_fit() -> None:
         kern.decode_attention(qkv, cos_t[:1], sin_t[:1], torch.tensor([1], dtype=torch.int32), cache[0], cache[1], H)
     with pytest.raises(ValueError, match="for 8 heads"):
         kern.decode_attention(qkv, cos_t[:1], sin_t[:1], torch.tensor([1]), cache[0], cache[1], 8)
+    three = torch.zeros(3, H + 2 * KV, D)  # a chain's rows are whole tokens of the slots
+    with pytest.raises(ValueError, match="not whole tokens of 2 slots"):
+        kern.decode_attention(three, cos_t[:3], sin_t[:3], torch.tensor([1, 1, 2]), cache[0].expand(2, -1, -1, -1),
+                              cache[1].expand(2, -1, -1, -1), H, slots=2)  # fmt: skip
     empty = kern.decode_attention(qkv[:0], cos_t[:0], sin_t[:0], torch.tensor([], dtype=torch.int64), cache[0, :0],
                                   cache[1, :0], H)  # fmt: skip
     assert empty.shape == (0, H * D)  # no rows: nothing to do, not an error
