@@ -19,7 +19,7 @@ weight of the model's dtype, without a bias, the pass is a decode step (one toke
 ``Step.pos``) or a causal chain (T tokens a row at consecutive positions, each seeing those before it: a prefill, or
 a draft chain's verification; run as T decode steps would run, so speculation's output is plain decoding's bit for
 bit), the rows of its products (B, or T B) are below every projection's ``dense_from_rows`` (a Q4Native's: from
-there a dense matmul is faster; a Bf16Pairs's is never reached) or within ``NATIVE_DENSE_ROWS`` (a dense weight's:
+there a dense matmul is faster; a Bf16Pairs's is never reached) or within ``native_dense_rows`` (a dense weight's:
 from there torch's GEMM; the per-op path takes both), and the rows' adapters, if any, change only projections,
 through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are
 handled outside as always; a replaced norm weight is not). Everything else, and a model whose table could not be
@@ -42,7 +42,7 @@ from service.model.hooks import PROJ_NAMES, AdapterHook
 from service.model.kv_cache import KVCache
 from service.model.step import Step
 from service.model.weights.bf16_pairs import Bf16Pairs
-from service.model.weights.protocol import NATIVE_DENSE_ROWS
+from service.model.weights.protocol import native_dense_rows
 from service.model.weights.q4_native import Q4Native
 
 __all__ = ["DecodeStack", "Plan", "compare"]
@@ -104,8 +104,8 @@ class DecodeStack:
     def _build(self) -> None:
         self._built = True
         model = self.model
-        dtype = model.dtype
-        if dtype not in NATIVE_DENSE_ROWS or model.device.type != "cpu" or model.native is None:
+        dtype, native = model.dtype, model.native
+        if native is None or native_dense_rows(dtype, native) == 0 or model.device.type != "cpu":
             return
         fields: list[int] = []
         max_rows = None
@@ -127,11 +127,11 @@ class DecodeStack:
                     rows = w.dense_from_rows
                 elif isinstance(w, Tensor) and w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu":
                     fields += [w.data_ptr(), 0, 0]  # a dense weight: protocol.linear's kernel up to its rows
-                    rows = NATIVE_DENSE_ROWS[dtype] + 1
+                    rows = native_dense_rows(dtype, native) + 1
                 else:
                     return
                 max_rows = rows if max_rows is None else min(max_rows, rows)
-        if max_rows is None or len(fields) != len(model.blocks) * model.native.decode_fields:
+        if max_rows is None or len(fields) != len(model.blocks) * native.decode_fields:
             return
         self._table = (ctypes.c_int64 * len(fields))(*fields)
         self._max_rows = max_rows

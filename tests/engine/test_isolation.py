@@ -193,6 +193,9 @@ def test_a_row_that_overflows_fails_alone_and_its_neighbours_are_bit_identical(e
         wait_until_idle(engine)
         return run_together(engine, [_req("short", PROMPTS["base-b"], None), _req("long", LONG_PROMPT, None)])
 
+    # Both runs find the long prompt in the prefix cache (the first run would otherwise leave it for the second), so
+    # they run passes of the same shapes: float32 results depend on those.
+    run_together(engine, [_req("warm", LONG_PROMPT, None, n=1)])
     reused, fresh = after("boom"), after("calm")
     assert _trace(reused["short"]) == _trace(fresh["short"]), "the next occupant of the failed row's slot changed"
     assert _trace(reused["long"]) == _trace(fresh["long"])

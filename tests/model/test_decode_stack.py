@@ -26,7 +26,7 @@ from service.model.load_folder import load_model
 from service.model.load_gguf import load_gguf_model
 from service.model.step import make_step
 from service.model.weights.bf16_pairs import Bf16Pairs
-from service.model.weights.protocol import NATIVE_DENSE_ROWS
+from service.model.weights.protocol import native_dense_rows
 from service.model.weights.q4_native import Q4Native
 from service.selfcheck import run_self_check
 
@@ -97,16 +97,16 @@ def test_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(
     dense_model: Llama, rows: int, slot_start: int
 ) -> None:
     """Dense projections (float32, bf16) take the dense kernel inside the call, as ``protocol.linear`` does up to
-    ``NATIVE_DENSE_ROWS``; beyond, the per-op path and torch's GEMM. Weights in pairs take their kernel at every
+    ``native_dense_rows``; beyond, the per-op path and torch's GEMM. Weights in pairs take their kernel at every
     row count, in the call and out of it."""
     pairs = isinstance(dense_model.projection(0, "wqkv"), Bf16Pairs)
-    one_call = pairs or rows <= NATIVE_DENSE_ROWS[dense_model.dtype]
+    one_call = pairs or rows <= native_dense_rows(dense_model.dtype, dense_model.native)
     calls = dense_model.stack.calls
     fused, fused_cache = _decode(dense_model, stack=True, rows=rows, slot_start=slot_start, steps=3)
     assert dense_model.stack.calls == calls + (3 if one_call else 0)
     per_op, per_op_cache = _decode(dense_model, stack=False, rows=rows, slot_start=slot_start, steps=3)
     assert torch.equal(fused, per_op) and torch.equal(fused_cache, per_op_cache)
-    many = NATIVE_DENSE_ROWS[dense_model.dtype] + 1
+    many = native_dense_rows(dense_model.dtype, dense_model.native) + 1
     assert (dense_model.stack.plan(_step(dense_model, many), None, many) is None) != pairs
 
 
@@ -241,7 +241,7 @@ def _steps_with_lora(model: Llama, rows: list[str | None]) -> tuple[torch.Tensor
 
 def _same_bits_at(model: Llama, threads: int) -> None:
     dense = not isinstance(model.projection(0, "wqkv"), (Q4Native, Bf16Pairs))  # in the call up to its rows
-    n = NATIVE_DENSE_ROWS[model.dtype] if dense else 9
+    n = native_dense_rows(model.dtype, model.native) if dense else 9
     rows = ["x", None, "y", "x", "y", "y", None, "x", "x"][:n]
     want = _decode(model, stack=True, rows=min(n, 7), slot_start=0, steps=2), _steps_with_lora(model, rows)
     before = torch.get_num_threads()

@@ -17,7 +17,7 @@ from support.native import compiled_kernels, kernels_mode
 from service.errors import FailedPrecondition
 from service.kernels import native
 from service.model.weights import Scratch, linear
-from service.model.weights.protocol import NATIVE_DENSE_ROWS
+from service.model.weights.protocol import native_dense_rows
 from service.model.weights.q4_native import Q4Native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -111,7 +111,7 @@ def test_dense_kernel_matches_a_float64_reference_and_is_batch_invariant(
     dtype: torch.dtype, out_dtype: torch.dtype, rows: int
 ) -> None:
     """x @ W^T for a dense W as stored (K not a multiple of the 16 lanes, N not of the weight block), each row's
-    result bit-identical alone and in the batch; ``linear`` takes it up to ``NATIVE_DENSE_ROWS`` rows."""
+    result bit-identical alone and in the batch; ``linear`` takes it up to ``native_dense_rows`` rows."""
     kern = compiled_kernels()
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 203, generator=gen).to(dtype), torch.randn(37, 203, generator=gen).to(dtype)
@@ -120,8 +120,8 @@ def test_dense_kernel_matches_a_float64_reference_and_is_batch_invariant(
     assert _rel(y, x.double() @ w.double().t()) < _tolerance(out_dtype)
     alone = torch.cat([kern.dense_matmul(x[i : i + 1], w, out_dtype) for i in range(rows)])
     assert torch.equal(y, alone)
-    if dtype == out_dtype:  # linear: the kernel up to NATIVE_DENSE_ROWS rows, torch's GEMM beyond
-        want = y if rows <= NATIVE_DENSE_ROWS[dtype] else torch.nn.functional.linear(x, w)
+    if dtype == out_dtype:  # linear: the kernel up to native_dense_rows rows, torch's GEMM beyond
+        want = y if rows <= native_dense_rows(dtype, kern) else torch.nn.functional.linear(x, w)
         assert torch.equal(linear(x, w, native=kern), want)
     with pytest.raises(ValueError, match="dense_matmul"):
         kern.dense_matmul(x, w[:, :-1].contiguous(), out_dtype)

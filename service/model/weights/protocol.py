@@ -19,13 +19,20 @@ from torch import Tensor
 
 __all__ = [
     "NATIVE_DENSE_ROWS", "DenseKernel", "EmbeddingTable", "ProjWeight", "Scratch", "Weight", "dense_head", "linear",
-    "tensor_nbytes",
+    "native_dense_rows", "tensor_nbytes",
 ]  # fmt: skip
 
-# Up to these rows of x a dense weight's product runs on the compiled kernel (``DenseKernel``), from there on torch's
-# GEMM: at one row torch reads a float32 weight at about 11 GB/s on a 2-core AVX-512 EPYC, the kernel at 20-28; in
-# bf16 torch catches up by 8 rows (bench/README.md, "Dense products of a few rows").
-NATIVE_DENSE_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# Up to these rows of x a dense weight's product runs on the compiled kernel (``DenseKernel``), per kernel variant
+# and dtype; from there on torch's GEMM. At one row torch reads a float32 weight at about 11 GB/s on a 2-core AVX-512
+# EPYC, the kernel at 20-28; in float32 the kernel stays ahead up to 64 rows on avx512 (1.7 against 1.8 ms at 64 rows
+# of a 3072x576 projection, torch 10 % ahead at 128), up to 8 on avx2 (torch 12 % ahead at 16, with torch held to
+# AVX2 as well); in bf16 torch catches up by 8 rows (bench/README.md, "Dense products of a few rows" and "Sixteen
+# lanes in registers on avx2").
+NATIVE_DENSE_ROWS = {
+    "avx512": {torch.float32: 64, torch.bfloat16: 4},
+    "avx2": {torch.float32: 8, torch.bfloat16: 4},
+    "generic": {torch.float32: 8, torch.bfloat16: 4},
+}
 
 
 class Weight(Protocol):
@@ -172,15 +179,22 @@ def tensor_nbytes(t: Tensor | None) -> int:
 
 class DenseKernel(Protocol):
     """``service.kernels.native.NativeKernels``' dense product: x2 [M, K] @ w^T in ``out_dtype``, float32 sums of the
-    values as stored, each row's result the same at every M."""
+    values as stored, each row's result the same at every M; ``isa`` the variant (``NATIVE_DENSE_ROWS``' key)."""
+
+    isa: str
 
     def dense_matmul(self, x2: Tensor, w: Tensor, out_dtype: torch.dtype) -> Tensor: ...
 
 
+def native_dense_rows(dtype: torch.dtype, native: DenseKernel | None) -> int:
+    """The most rows of x a dense weight of ``dtype`` multiplies on ``native``'s kernel (0: never)."""
+    return 0 if native is None else NATIVE_DENSE_ROWS.get(native.isa, {}).get(dtype, 0)
+
+
 def _kernel_for(x2: Tensor, w: Tensor, native: DenseKernel | None) -> DenseKernel | None:
-    """``native`` where it takes x2 [M, K] @ w^T: up to ``NATIVE_DENSE_ROWS`` rows in w's dtype, w contiguous on the
+    """``native`` where it takes x2 [M, K] @ w^T: up to ``native_dense_rows`` rows in w's dtype, w contiguous on the
     CPU; else None (torch's GEMM)."""
-    rows = NATIVE_DENSE_ROWS.get(w.dtype, 0)
+    rows = native_dense_rows(w.dtype, native)
     fits = x2.shape[0] <= rows and x2.dtype == w.dtype and w.device.type == "cpu" and w.is_contiguous()
     return native if fits else None
 
@@ -199,7 +213,7 @@ def linear(
 ) -> Tensor:  # fmt: skip
     """``F.linear(x, w, bias)`` for a dense or compact ``w``; x [..., K] -> [..., N].
 
-    A dense ``w`` without bias and up to ``NATIVE_DENSE_ROWS`` rows of ``x`` in its dtype multiplies on ``native``'s
+    A dense ``w`` without bias and up to ``native_dense_rows`` rows of ``x`` in its dtype multiplies on ``native``'s
     kernel where given. For a compact ``w`` with at least ``w.dense_from_rows`` rows of ``x``: its kept dense copy
     multiplies, or with a ``scratch`` given the weight is dequantized into the scratch buffer and multiplied densely;
     otherwise the kind's kernel runs."""
