@@ -161,20 +161,14 @@ inline V16 operator-(V16 a) {
 }
 // Loads and stores a part at a time: one 64-byte memcpy became four 16-byte moves through the stack, then read back
 // 32 bytes at a time (a store-forwarding stall on every load).
-inline V16 load16(const float* p) {
+template <typename T>  // float or bf16
+inline V16 load16(const T* p) {
   V16 v;
   for (int i = 0; i < V16::kParts; ++i) v.p[i] = load_lanes<kPart>(p + i * kPart);
   return v;
 }
-inline V16 load16(const bf16* p) {
-  V16 v;
-  for (int i = 0; i < V16::kParts; ++i) v.p[i] = load_lanes<kPart>(p + i * kPart);
-  return v;
-}
-inline void store16(float* p, V16 v) {
-  for (int i = 0; i < V16::kParts; ++i) store_lanes<kPart>(p + i * kPart, v.p[i]);
-}
-inline void store16(bf16* p, V16 v) {
+template <typename T>
+inline void store16(T* p, V16 v) {
   for (int i = 0; i < V16::kParts; ++i) store_lanes<kPart>(p + i * kPart, v.p[i]);
 }
 #endif
