@@ -281,11 +281,17 @@ class _Checker:
         written = torch.cat((cache[0][rows, :, pos], cache[1][rows, :, pos]), dim=1)  # [2, 2 KV, D]
         want = finite_kv(torch.cat((qk[:, h:], qkv.float()[:, h + kv :]), dim=1))
         checks.append(self.record("fused RoPE + K/V write", kernel, written, want))
-        q, k, v = qk[:, :h].reshape(2, kv, h // kv, d), cache[0].float(), cache[1].float()
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d)  # [2, KV, G, L]
-        scores.masked_fill_(torch.arange(length)[None, None, None, :] > pos[:, None, None, None], -math.inf)
-        ref = (scores.softmax(-1) @ v).reshape(2, h * d)
-        checks.append(self.record("fused decode attention", kernel, out, ref))
+        seen = torch.arange(length)[None, :] <= pos[:, None]  # [2, L]
+        checks.append(self.record("fused decode attention", kernel, out, _attended(qk[:, :h], cache, seen)))
+        # a draft tree: a root and two candidates after it, each seeing the cache below the root and its ancestors
+        tree = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+        qkv, cache, at = self.randn(3, h + 2 * kv, d), self.randn(2, 1, kv, length, d), torch.arange(length - 3, length)
+        cos, sin = cos[:1].expand(3, d).contiguous(), sin[:1].expand(3, d).contiguous()
+        out = ops.decode_attention(qkv, cos, sin, at, cache[0], cache[1], h, slots=1, tree=tree)
+        qk = apply_rope(qkv.float()[:, None, :h], cos.float()[:, None, None], sin.float()[:, None, None])[:, 0]
+        seen = torch.cat((torch.ones(3, length - 3, dtype=torch.bool), tree[0]), dim=1)  # [3, L]
+        ref = _attended(qk, cache.expand(2, 3, kv, length, d), seen)
+        checks.append(self.record("fused draft tree attention", kernel, out, ref))
         logits = self.randn(4, 1000, dtype=torch.float32)
         logits[1, 700] = logits[1, 300] = logits[1].max() + 1  # a tie (the first column), +inf, a row of -inf
         logits[2, 5], logits[3] = math.inf, -math.inf
@@ -352,6 +358,17 @@ def run_self_check(model: Llama) -> SelfCheckReport:
 
 
 # --- probes --------------------------------------------------------------------------------------------
+
+
+def _attended(q: Tensor, cache: Tensor, seen: Tensor) -> Tensor:
+    """Attention in float32: q [B, H, D] rotated, cache [2, B, KV, L, D] (each row's K, V), seen [B, L] bool: the
+    positions each row attends to -> [B, H * D]."""
+    b, h, d = q.shape
+    kv, length = cache.shape[2], cache.shape[3]
+    k, v = cache[0].float(), cache[1].float()
+    scores = q.reshape(b, kv, h // kv, d) @ k.transpose(-1, -2) / math.sqrt(d)  # [B, KV, G, L]
+    scores.masked_fill_(~seen.reshape(b, 1, 1, length), -math.inf)
+    return (scores.softmax(-1) @ v).reshape(b, h * d)
 
 
 def _sample_rows(vocab: int, gen: torch.Generator) -> Tensor:

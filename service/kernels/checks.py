@@ -15,7 +15,9 @@ __all__ = [
     "check_q4",
     "check_q8",
     "check_step",
+    "check_tree",
     "raise_for",
+    "tree_args",
 ]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # src/*.cpp's Dtype
@@ -75,8 +77,36 @@ def check_q8(x2: Tensor, q: Tensor, d: Tensor) -> None:
     _contiguous_cpu(x2, q, d)
 
 
+def check_tree(tree: Tensor | None, slots: int, tokens: int) -> None:
+    """A draft tree's mask for ``slots`` rows of ``tokens`` nodes: bool [1 or slots, T, T], contiguous, on the CPU,
+    every node seeing itself (the kernel checks the nodes' positions)."""
+    if tree is None:
+        return
+    shape_ok = tree.dim() == 3 and tree.shape[0] in (1, slots) and tuple(tree.shape[1:]) == (tokens, tokens)
+    if not shape_ok or tree.dtype != torch.bool or not tree.is_contiguous() or tree.device.type != "cpu":
+        raise ValueError(f"a draft tree's mask must be contiguous CPU bool [1 or {slots}, {tokens}, {tokens}], got "
+                         f"{tree.dtype} {tuple(tree.shape)}")  # fmt: skip
+    if not bool(tree.diagonal(dim1=1, dim2=2).all()):
+        raise ValueError("a draft tree's mask must let every node see itself")
+
+
+def tree_args(tree: Tensor | None) -> tuple[int | None, int]:
+    """The kernels' (address, stride between slots) of a checked tree mask: one byte a mark; stride 0 for one tree
+    shared by every slot; (None, 0) for none."""
+    if tree is None:
+        return None, 0
+    return tree.data_ptr(), 0 if tree.shape[0] == 1 else tree.stride(0)
+
+
 def check_attention(
-    qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: tuple[Tensor, Tensor], heads: int, slots: int
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    pos: Tensor,
+    caches: tuple[Tensor, Tensor],
+    heads: int,
+    slots: int,
+    tree: Tensor | None = None,
 ) -> int:
     """decode_attention's arguments (see there); the dtype code."""
     (b, width, d), (k_cache, v_cache) = qkv.shape, caches
@@ -86,6 +116,7 @@ def check_attention(
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} for {heads} heads, cos {tuple(cos.shape)}")
     if slots < 0 or (b > 0 and (slots == 0 or b % slots != 0)):
         raise ValueError(f"decode_attention: {b} rows are not whole tokens of {slots} slots")
+    check_tree(tree, slots, b // slots if slots else 0)
     if pos.dtype != torch.int64 or tuple(pos.shape) != (b,) or not pos.is_contiguous():
         raise ValueError(f"decode_attention: positions must be int64 [{b}], got {pos.dtype} {tuple(pos.shape)}")
     for c in (k_cache, v_cache):

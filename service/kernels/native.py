@@ -49,7 +49,9 @@ from service.kernels.checks import Q4_TILE as _Q4_TILE
 from service.kernels.checks import check_attention as _check_attention
 from service.kernels.checks import check_pairs as _check_pairs
 from service.kernels.checks import check_step as _check_step
+from service.kernels.checks import check_tree
 from service.kernels.checks import raise_for as _raise
+from service.kernels.checks import tree_args as _tree_args
 from service.kernels.compile import compile_shared
 from service.kernels.lora import LORA_FIELDS, LoraSite, StackLora
 from service.kernels.native_blocks import BlockProducts
@@ -72,7 +74,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 12  # lp_abi_version() of the source this wrapper speaks to
+ABI_VERSION = 13  # lp_abi_version() of the source this wrapper speaks to
 KERNEL_MODES = ("auto", "native", "eager")
 Q4_TILE = _Q4_TILE  # weight rows side by side in lp_q4_matmul's layout
 _SRC = Path(__file__).with_name("src")
@@ -127,10 +129,11 @@ class NativeKernels(BlockProducts):
         lib.lp_add_rmsnorm.argtypes = [_P, _P, _P, _L, _L, ctypes.c_float, _P, _I]
         lib.lp_silu_mul.argtypes = [_P, _L, _L, _P, _I]
         lib.lp_row_top.argtypes = [_P, _L, _L, _P, _P]
-        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P, _I]
+        lib.lp_decode_attention.argtypes = [_P, _P, _P, _P, _L, _L, _P, _L, _L, _L, _L, _P, _P, _L, _L, _L, _F, _P,
+                                            _I]  # fmt: skip
         lib.lp_lora_delta.argtypes = [_P, _I, _L, _L, _L, _P, _L, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _L]
-        lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _L, _L, _L, _L,
-                                        ctypes.c_float, _P, _P, _L, _L, _P, _I]  # fmt: skip
+        lib.lp_decode_stack.argtypes = [_P, _L, _L, _P, _L, _P, _P, ctypes.c_float, _P, _P, _P, _P, _L, _P, _L, _L, _L,
+                                        _L, _L, ctypes.c_float, _P, _P, _L, _L, _P, _I]  # fmt: skip
         for fn in (lib.lp_q4_matmul, lib.lp_q8_matmul, lib.lp_dense_matmul, lib.lp_pairs_matmul, lib.lp_add_rmsnorm,
                    lib.lp_silu_mul, lib.lp_decode_attention, lib.lp_lora_delta, lib.lp_decode_stack,
                    lib.lp_row_top, lib.lp_q8_top):  # fmt: skip
@@ -200,20 +203,23 @@ class NativeKernels(BlockProducts):
 
     def decode_attention(
         self, qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, heads: int,
-        slots: int | None = None,
+        slots: int | None = None, tree: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
-        """One query token per row: qkv [B, H + 2 KV, D], cos / sin [B, D] at ``pos`` [B] int64; k_cache, v_cache
-        [S, KV, max_len, D] (the rows' slots, written at ``pos``; row b in slot b % S, S = ``slots``, B by default:
-        B = T S is a chain of T tokens a slot, token-major) -> [B, H * D]; all float32 or all bfloat16. See
-        ``lp_decode_attention``."""
+        """One query token per row: qkv [B, H + 2 KV, D], cos / sin [B, D] (RoPE at each row's position);
+        k_cache, v_cache [S, KV, max_len, D] (the rows' slots, written at ``pos`` [B] int64; row b in slot b % S, S =
+        ``slots``, B by default: B = T S is a chain of T tokens a slot, token-major; with ``tree`` bool [S or 1, T,
+        T], a draft tree's T nodes a slot, each at its root's position + its index and seeing the cache below its
+        root and the nodes its row marks) -> [B, H * D]; all float32 or all bfloat16. See ``lp_decode_attention``."""
         b = qkv.shape[0]
         slots = b if slots is None else slots
-        code = _check_attention(qkv, cos, sin, pos, (k_cache, v_cache), heads, slots)
+        code = _check_attention(qkv, cos, sin, pos, (k_cache, v_cache), heads, slots, tree)
         d, kv, max_len = qkv.shape[2], k_cache.shape[1], k_cache.shape[2]
         out = qkv.new_empty(b, heads * d)
+        marks, stride = _tree_args(tree)
         rc = self._lib.lp_decode_attention(
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, slots, heads, kv, d, k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d), out.data_ptr(), code,
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), b, slots, marks, stride, heads, kv, d,
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), max_len * d, max_len, 1.0 / math.sqrt(d),
+            out.data_ptr(), code,
         )  # fmt: skip
         if rc:
             _raise(rc, f"lp_decode_attention refused qkv {tuple(qkv.shape)} at positions {pos.tolist()}")
@@ -234,19 +240,23 @@ class NativeKernels(BlockProducts):
     def decode_stack(
         self, x: Tensor, table: ctypes.Array[ctypes.c_int64], dims: tuple[int, ...], final_norm: Tensor, eps: float,
         rope: tuple[Tensor, Tensor, Tensor], kv: Tensor, slot_start: int, lora: StackLora | None, tokens: int = 1,
+        tree: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         """x [T B, hidden] float32 (embedded, ``tokens`` = T a row, token-major; left as the residual stream) ->
         [T B, hidden] final-normed through the layers ``table`` lists; dims (hidden, heads, kv heads, head dim,
-        intermediate); rope: cos, sin [T B, D], positions [T B]; K/V into slots ``slot_start ..`` of ``kv`` [L, 2,
-        slots, KV, max_len, D]; ``lora``: compiled LoRA tables. Contiguous; the norm, rope tables, cache and the
-        output in the model's dtype, float32 or bfloat16 (``service.model.decode_stack``)."""
+        intermediate); rope: cos, sin [T B, D], cache positions [T B]; ``tree``: a draft tree's mask, as
+        ``decode_attention`` takes it; K/V into slots ``slot_start ..`` of ``kv`` [L, 2, slots, KV, max_len, D];
+        ``lora``: compiled LoRA tables. Contiguous; the norm, rope tables, cache and the output in the model's dtype,
+        float32 or bfloat16 (``service.model.decode_stack``)."""
         cos, sin, pos = rope
+        check_tree(tree, x.shape[0] // tokens, tokens)
+        marks, stride = _tree_args(tree)
         s = kv.stride()
         out = torch.empty(x.shape, dtype=final_norm.dtype)
         sites, lo, hi, group = (None, 0, 0, None) if lora is None else (lora.sites, *lora.span, lora.rows.data_ptr())
         rc = self._lib.lp_decode_stack(
             x.data_ptr(), x.shape[0] // tokens, tokens, table, kv.shape[0], (ctypes.c_int64 * 5)(*dims),
-            final_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+            final_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), marks, stride,
             kv.data_ptr() + slot_start * s[2] * kv.element_size(), s[0], s[1], s[2], s[3], kv.shape[4],
             1.0 / math.sqrt(dims[3]), out.data_ptr(), sites, lo, hi, group, _DTYPE_CODES[final_norm.dtype],
         )  # fmt: skip

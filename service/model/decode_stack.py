@@ -15,15 +15,16 @@ trusting it (``compare``; a mismatch drops to the per-op path).
 
 It takes a pass when: the model is float32 or bfloat16 on the CPU with the step ops loaded (``Llama.native``), every
 projection is a ``Q4Native`` (a GGUF's Q4_0 / Q4_1 blocks; float32 only), a ``Bf16Pairs`` (bfloat16 only) or a dense
-weight of the model's dtype, without a bias, the pass is a decode step (one token a row, no draft tree:
-``Step.pos``) or a causal chain (T tokens a row at consecutive positions, each seeing those before it: a prefill, or
-a draft chain's verification; run as T decode steps would run, so speculation's output is plain decoding's bit for
-bit), the rows of its products (B, or T B) are below every projection's ``dense_from_rows`` (a Q4Native's: from
-there a dense matmul is faster; a Bf16Pairs's is never reached) or within ``native_dense_rows`` (a dense weight's:
-from there torch's GEMM; the per-op path takes both), and the rows' adapters, if any, change only projections,
-through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA, DoRA, mixtures; the embedding and the head are
-handled outside as always; a replaced norm weight is not). Everything else, and a model whose table could not be
-built, is the per-op path.
+weight of the model's dtype, without a bias, the pass is a decode step (one token a row: ``Step.pos``), a causal
+chain (T tokens a row at consecutive positions, each seeing those before it: a prefill, or a draft chain's
+verification) or a draft tree's verification (``Step.tree``: each node seeing the cache below its root and its
+ancestors), each token run as the decode step after the tokens it sees would run it, so speculation's output is
+plain decoding's bit for bit, the rows of its products (B, or T B) are below every projection's
+``dense_from_rows`` (a Q4Native's: from there a dense matmul is faster; a Bf16Pairs's is never reached) or within
+``native_dense_rows`` (a dense weight's: from there torch's GEMM; the per-op path takes both), and the rows'
+adapters, if any, change only projections, through the compiled LoRA tables (``AdapterHook.stack_lora``: LoRA,
+DoRA, mixtures; the embedding and the head are handled outside as always; a replaced norm weight is not).
+Everything else, and a model whose table could not be built, is the per-op path.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class DecodeStack:
             raise ValueError(f"the decode stack: LoRA rows {plan.lora.span} of a batch of {b}")
         rope = (cos, sin, pos)
         out = native.decode_stack(x, table, dims, model.norm.weight, cfg.rms_norm_eps, rope, kv, slot_start, plan.lora,
-                                  tokens=t)  # fmt: skip
+                                  tokens=t, tree=step.tree)  # fmt: skip
         return out.view(t, b, cfg.hidden_size).transpose(0, 1).contiguous()
 
 

@@ -2,13 +2,14 @@
 
 A float32 or bfloat16 model on the CPU runs its small per-layer ops on loraplex's compiled kernels when they are loaded
 (``service.kernels.native``; ``--kernels``): residual add + RMSNorm and SiLU·mul in one call each, and for a decode
-pass (one token per row, no draft tree) RoPE, the K/V cache write and attention in one call per layer. Everything
+pass, a prefill, a draft chain or a draft tree RoPE, the K/V cache write and attention in one call per layer. Everything
 else, and every other dtype or device, is the eager path; both agree within rounding (``tests/model``), and the
 start-up self-check compares the fused ops against float32 references before serving (``service.selfcheck``).
 The same kernels run the batched LoRA math of the model's adapter tables (``Llama.lora_native``,
 ``service.adapters.lora.batch``); ``native_ops`` chooses them for both. A pass of T tokens a row at consecutive
 positions, each seeing the tokens before it (a prefill, a draft chain to verify), also carries ``pos`` beside its
-mask: the one-call step (``service.model.decode_stack``) can run it as T decode steps would.
+mask, and a draft tree's also its mask in the kernel's form (``tree``): each token then attends as the decode step
+after the tokens it sees would, in the one-call step (``service.model.decode_stack``) or from the per-op path.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ class Step:
     adapters: AdapterHook | None
     scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
     native: NativeKernels | None = None  # the compiled step ops; a decode pass (no mask) attends on them
-    # [T B] int64 token-major positions, with ``native``: a decode pass (T = 1) or a causal chain (T > 1, the mask
-    # kept for the per-op path); None: the pass is neither
+    # [T B] int64 token-major cache positions, with ``native``: a decode pass (T = 1), a causal chain or a draft
+    # tree (T > 1, the mask kept for the per-op path); None: the pass is none of them
     pos: Tensor | None = None
+    tree: Tensor | None = None  # with ``pos``, a draft tree's mask: bool [1 or B, T, T]; None: no tree, or a chain
 
 
 def fused_attention(step: Step, qkv: Tensor, heads: int, k_cache: Tensor, v_cache: Tensor) -> Tensor | None:
-    """qkv [B, T, H + 2 KV, D], the fused projection of a decode pass or a causal chain (``pos``) -> [B, T, H * D]:
+    """qkv [B, T, H + 2 KV, D], the fused projection of a decode pass, a causal chain or a draft tree (``pos``) ->
+    [B, T, H * D]:
     RoPE, the K/V writes and attention in one compiled call (k_cache, v_cache [B, KV, max_len, D]: the rows' slots);
     None where the pass has neither (the caller attends in torch ops under the mask). A chain's tokens go
     token-major, row t B + b in slot b, as in the one-call step (``service.model.decode_stack``): each token gets
@@ -59,7 +62,7 @@ def fused_attention(step: Step, qkv: Tensor, heads: int, k_cache: Tensor, v_cach
     if t > 1:
         qkv, cos, sin = qkv.transpose(0, 1), cos.transpose(0, 1), sin.transpose(0, 1)
     q, c, s = (z.reshape(t * b, *z.shape[2:]).contiguous() for z in (qkv, cos, sin))
-    y = native.decode_attention(q, c, s, pos, k_cache, v_cache, heads, slots=b)  # [T B, H * D]
+    y = native.decode_attention(q, c, s, pos, k_cache, v_cache, heads, slots=b, tree=step.tree)  # [T B, H * D]
     return y.view(t, b, -1).transpose(0, 1) if t > 1 else y.view(b, 1, -1)
 
 
@@ -112,18 +115,30 @@ def make_step(
         adapters=adapters,
         scratch=scratch,
         native=native,
-        pos=_chain(positions, tree) if native is not None else None,
+        **(_token_major(positions, slots_at, tree) if native is not None else {}),
     )
 
 
-def _chain(positions: Tensor, tree: Tensor | None) -> Tensor | None:
-    """Token-major positions [T B] when the pass is a causal chain at consecutive positions (a prefill, or a draft
-    chain: one tree for every row, each node seeing itself and the nodes before it), else None."""
+def _token_major(positions: Tensor, slots_at: Tensor, tree: Tensor | None) -> dict[str, Tensor | None]:
+    """``Step.pos`` (and ``Step.tree``) for the compiled attention: token-major cache positions [T B] when the pass
+    is a causal chain at consecutive positions (a prefill, or a draft chain: one tree for every row, each node seeing
+    itself and the nodes before it) or a draft tree, each row's nodes at consecutive cache positions from its root
+    (``Llama.forward``), with its mask; empty where the pass is neither."""
     b, t = positions.shape
-    if t < 2 or (tree is not None and tuple(tree.shape) != (t, t)):
-        return None
+    if t < 2:
+        return {}
     steps = torch.arange(t, device=positions.device)
-    causal = tree is None or torch.equal(tree, torch.ones(t, t, dtype=torch.bool, device=tree.device).tril_())
-    if not causal or not torch.equal(positions - positions[:, :1], steps.expand(b, t)):
-        return None
-    return positions.t().reshape(-1).to(torch.int64).contiguous()
+    chain = tree is None or (
+        tuple(tree.shape) == (t, t)
+        and torch.equal(tree, torch.ones(t, t, dtype=torch.bool, device=tree.device).tril_())
+        and torch.equal(positions, slots_at)
+    )
+    if not torch.equal(slots_at - slots_at[:, :1], steps.expand(b, t)):
+        return {}
+    pos = slots_at.t().reshape(-1).to(torch.int64).contiguous()
+    if chain or tree is None:
+        return {"pos": pos}
+    marks = (tree if tree.dim() == 3 else tree[None]).to(device="cpu", dtype=torch.bool).contiguous()
+    if not bool(marks.diagonal(dim1=1, dim2=2).all()):
+        return {}
+    return {"pos": pos, "tree": marks}

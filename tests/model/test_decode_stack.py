@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from support.gguf_files import load_variant, write_tiny_gguf
+from support.gguf_files import load_variant
 from support.native import compiled_kernels, kernels_mode
+from support.stack_models import CPU, load_q4, lora_layer, lora_tables, tiny_q4_model
 
 from service.adapters.lora.batch import AdapterBatch, LoraTables
-from service.adapters.lora.types import LoraLayer, LoraModule
+from service.adapters.lora.types import LoraLayer
 from service.model import KVCache, Llama
 from service.model.decode_stack import DecodeStack
 from service.model.load_folder import load_model
-from service.model.load_gguf import load_gguf_model
 from service.model.step import make_step
 from service.model.weights.bf16_pairs import Bf16Pairs
 from service.model.weights.protocol import native_dense_rows
@@ -33,20 +33,9 @@ from service.selfcheck import run_self_check
 pytestmark = pytest.mark.numerics
 
 
-def _load(folder: Path, gguf: Path) -> Llama:
-    compiled_kernels()
-    with kernels_mode("auto"):
-        model: Llama = load_gguf_model(folder, gguf, dtype=torch.float32)[0]
-    return model
-
-
 @pytest.fixture(scope="module")
 def q4_model(tiny_llama_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Llama:
-    """A tiny Llama whose projections are all 4-bit (Q4_1, the down projection Q4_0) and embedding Q8_0."""
-    folder = tiny_llama_factory(seed=5)
-    gguf = write_tiny_gguf(folder, tmp_path_factory.mktemp("q4") / "q4.gguf", types={"token_embd": "Q8_0",
-                                                                                     "ffn_down": "Q4_0"})  # fmt: skip
-    return _load(folder, gguf)
+    return tiny_q4_model(tiny_llama_factory, tmp_path_factory.mktemp("q4"))
 
 
 def _decode(model: Llama, *, stack: bool, rows: int, slot_start: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,47 +101,21 @@ def test_dense_weights_in_one_call_are_the_per_op_path_bit_for_bit(
 
 # --- LoRA rows: the compiled tables inside the one call ---------------------------------------------------------
 
-CPU = torch.device("cpu")
-SHAPES = {  # module -> (in, out) as functions of the config
-    "q_proj": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
-    "k_proj": lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim),
-    "v_proj": lambda c: (c.hidden_size, c.num_kv_heads * c.head_dim),
-    "o_proj": lambda c: (c.num_heads * c.head_dim, c.hidden_size),
-    "gate_proj": lambda c: (c.hidden_size, c.intermediate_size),
-    "up_proj": lambda c: (c.hidden_size, c.intermediate_size),
-    "down_proj": lambda c: (c.intermediate_size, c.hidden_size),
-}
-
-
-def _lora(cfg: Any, seed: int, modules: tuple[str, ...] = tuple(SHAPES)) -> LoraLayer:
-    """A random LoRA layer on ``modules``, ranks 4 and 8 in turn; the first module a DoRA rescale and a bias."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i, name in enumerate(modules):
-        k, n = SHAPES[name](cfg)
-        r = 4 + 4 * (i % 2)
-        a, b = torch.randn(r, k, generator=g) / k**0.5, torch.randn(n, r, generator=g) * 0.2
-        rescale, bias = (
-            (torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g) * 0.1) if i == 0 else (None, None)
-        )
-        out[name] = LoraModule(a=a, b=b, rescale=rescale, bias=bias)
-    return LoraLayer(modules=out, nbytes=0)
-
-
-def _tables(model: Llama) -> LoraTables:
-    return LoraTables(model.cfg, device=CPU, dtype=model.dtype, native=model.lora_native)
-
 
 def _lora_rows_both_ways(model: Llama, rows: list[str | None], mode: str) -> None:
     """Three decode steps of ``rows`` with LoRA tables through the one call and the per-op path (bit-equal), and
     through the one call without adapters (rows without an adapter unchanged, the others not)."""
     cfg = model.cfg
-    layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("v_proj", "o_proj", "down_proj")), "z": _lora(cfg, 3)}
+    layers = {
+        "x": lora_layer(cfg, 1),
+        "y": lora_layer(cfg, 2, ("v_proj", "o_proj", "down_proj")),
+        "z": lora_layer(cfg, 3),
+    }
     gen = torch.Generator().manual_seed(7)
     tokens = [torch.randint(0, cfg.vocab_size, (len(rows), 1), generator=gen) for _ in range(3)]
     runs = []
     for stack, adapters in ((True, rows), (False, rows), (True, [None] * len(rows))):
-        tables, calls = _tables(model), model.stack.calls
+        tables, calls = lora_tables(model), model.stack.calls
         cache = KVCache(cfg, len(rows) + 1, 16, dtype=model.dtype, device=CPU)
         model.stack.enabled = stack
         try:
@@ -186,14 +149,14 @@ def test_the_same_rows_reuse_their_compiled_stack_until_a_table_changes(q4_model
     adapter in their slot, another set built) or other owners make it sync again, and every result is the one a
     fresh batch gives."""
     cfg, top = q4_model.cfg, q4_model.cfg.num_layers
-    layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("v_proj", "down_proj")), "z": _lora(cfg, 3)}
+    layers = {"x": lora_layer(cfg, 1), "y": lora_layer(cfg, 2, ("v_proj", "down_proj")), "z": lora_layer(cfg, 3)}
     looked: list[int] = []
 
     def lookup(adapter: str, layer: int) -> LoraLayer:
         looked.append(layer)
         return layers[adapter]
 
-    tables = _tables(q4_model)
+    tables = lora_tables(q4_model)
     tokens = torch.randint(0, cfg.vocab_size, (2, 1), generator=torch.Generator().manual_seed(9))
 
     def step(rows: list[str], owners: tuple[object, ...] | None) -> torch.Tensor:
@@ -225,12 +188,12 @@ def test_the_same_rows_reuse_their_compiled_stack_until_a_table_changes(q4_model
 def _steps_with_lora(model: Llama, rows: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Two decode steps of ``rows`` (some with LoRA tables) through the one call: hidden states and the cache."""
     cfg = model.cfg
-    layers = {"x": _lora(cfg, 1), "y": _lora(cfg, 2, ("q_proj", "gate_proj", "down_proj"))}
+    layers = {"x": lora_layer(cfg, 1), "y": lora_layer(cfg, 2, ("q_proj", "gate_proj", "down_proj"))}
     gen = torch.Generator().manual_seed(5)
     cache = KVCache(cfg, len(rows), 24, dtype=model.dtype, device=CPU)
     cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
     start = torch.tensor([3, 11, 0, 7, 5, 2, 9, 4, 6][: len(rows)])[:, None]
-    tables, calls, hidden = _tables(model), model.stack.calls, []
+    tables, calls, hidden = lora_tables(model), model.stack.calls, []
     for i in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (len(rows), 1), generator=gen)
         batch = AdapterBatch.build(rows, lambda a, layer: layers[a], tables)
@@ -269,60 +232,8 @@ def test_the_same_bits_at_any_thread_count_on_dense_weights(dense_model: Llama, 
     _same_bits_at(dense_model, threads)
 
 
-# --- a draft chain to verify: T tokens a row in one call, as T decode steps -------------------------------------
-
-
-def _chain_runs(
-    model: Llama, rows: list[str | None], t: int, layers: dict[str, Any], prefill: bool
-) -> list[torch.Tensor]:
-    """Hidden states [B, T, hidden] and the cache after: a chain verified in one call (``prefill``: the tokens as a
-    prefill, no tree), the same tokens as T decode steps, and the chain on the per-op path."""
-    cfg, b = model.cfg, len(rows)
-    gen = torch.Generator().manual_seed(11 + b)
-    start = torch.tensor([3, 9, 0, 5][:b])[:, None]  # rows at different positions, the first position too
-    tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
-    init = torch.randn(KVCache(cfg, b + 1, 24, dtype=torch.float32, device=CPU).data.shape, generator=gen)
-    chain, pos = None if prefill else torch.ones(t, t, dtype=torch.bool).tril(), start + torch.arange(t)
-    out = []
-    for how in ("chain", "steps", "per-op"):
-        cache, tables, calls = (
-            KVCache(cfg, b + 1, 24, dtype=torch.float32, device=CPU),
-            _tables(model),
-            model.stack.calls,
-        )
-
-        def batch(tables: LoraTables = tables) -> AdapterBatch:
-            return AdapterBatch.build(rows, lambda a, layer: layers[a], tables, slot_start=1)
-
-        cache.data.copy_(init)
-        model.stack.enabled = how != "per-op"
-        try:
-            if how == "steps":
-                hidden = torch.cat([model(tokens[:, i : i + 1], start + i, cache, 1, batch(),
-                                          kv_len=int(start.max()) + i + 1) for i in range(t)], dim=1)  # fmt: skip
-            else:
-                hidden = model(tokens, pos, cache, 1, batch(), kv_len=int(pos.max()) + 1, tree=chain)
-        finally:
-            model.stack.enabled = True
-        assert model.stack.calls == calls + {"chain": 1, "steps": t, "per-op": 0}[how]
-        out += [hidden, cache.data.clone()]
-    return out
-
-
-@pytest.mark.parametrize("prefill", [False, True], ids=["draft-chain", "prefill"])
-@pytest.mark.parametrize(("rows", "t"), [([None], 5), ([None, "x", None], 3), (["x", "y", "x", None], 4)])
-def test_a_draft_chain_in_one_call_is_decode_steps_bit_for_bit(
-    q4_model: Llama, rows: list[str | None], t: int, prefill: bool
-) -> None:
-    layers = {"x": _lora(q4_model.cfg, 1), "y": _lora(q4_model.cfg, 2, ("q_proj", "down_proj"))}
-    chain, chain_cache, steps, steps_cache, per_op, per_op_cache = _chain_runs(q4_model, rows, t, layers, prefill)
-    assert torch.equal(chain, steps) and torch.equal(chain_cache, steps_cache)  # speculation is plain decoding
-    # and the per-op path (a pass a neighbour keeps off the one call) attends on the same kernel: the same bits
-    assert torch.equal(chain, per_op) and torch.equal(chain_cache, per_op_cache)
-
-
 def test_the_default_model_takes_it_at_one_row(smollm2_dir: Path, smollm2_gguf: Path) -> None:
-    model = _load(smollm2_dir, smollm2_gguf)
+    model = load_q4(smollm2_dir, smollm2_gguf)
     fused, fused_cache = _decode(model, stack=True, rows=1, slot_start=0, steps=3)
     assert model.stack.calls == 3
     per_op, per_op_cache = _decode(model, stack=False, rows=1, slot_start=0, steps=3)
@@ -343,7 +254,9 @@ def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
     w_norm = torch.ones(q4_model.cfg.hidden_size)
     assert stack.plan(_step(q4_model, 2), None, 2) is not None
     assert stack.plan(_step(q4_model, 2, tokens=3), None, 2) is not None  # a prefill: T decode steps in one call
-    assert stack.plan(_step(q4_model, 1, tokens=2, tree=torch.ones(2, 2, dtype=torch.bool)), None, 1) is None
+    both = torch.ones(2, 2, dtype=torch.bool)  # a tree's mask (here: each node seeing the other too)
+    assert stack.plan(_step(q4_model, 1, tokens=2, tree=both), None, 1) is not None
+    assert stack.plan(_step(q4_model, 1, tokens=2, tree=both.triu(1)), None, 1) is None  # a node blind to itself
     chain = torch.ones(3, 3, dtype=torch.bool).tril()  # a draft chain: T decode steps in one call
     assert stack.plan(_step(q4_model, 2, tokens=3, tree=chain), None, 2) is not None
     w13 = q4_model.projection(0, "w13")
@@ -355,10 +268,10 @@ def test_it_stays_out_of_what_it_does_not_compute(q4_model: Llama) -> None:
         is None
     )
     eager_tables = LoraTables(q4_model.cfg, device=CPU, dtype=torch.float32, native=None)
-    eager = AdapterBatch.build(["x", None], lambda a, layer: _lora(q4_model.cfg, 1), eager_tables)
+    eager = AdapterBatch.build(["x", None], lambda a, layer: lora_layer(q4_model.cfg, 1), eager_tables)
     assert stack.plan(_step(q4_model, 2), eager, 2) is None  # adapters without compiled tables
-    saved = LoraLayer(modules=_lora(q4_model.cfg, 1).modules, nbytes=0, saved={"post_attention_layernorm": w_norm})
-    normed = AdapterBatch.build(["x", None], lambda a, layer: saved, _tables(q4_model))
+    saved = LoraLayer(modules=lora_layer(q4_model.cfg, 1).modules, nbytes=0, saved={"post_attention_layernorm": w_norm})
+    normed = AdapterBatch.build(["x", None], lambda a, layer: saved, lora_tables(q4_model))
     assert stack.plan(_step(q4_model, 2), normed, 2) is None  # a replaced norm weight
     w = q4_model.projection(0, "w13")
     assert isinstance(w, Q4Native)

@@ -68,6 +68,48 @@ def test_decode_attention_writes_the_eager_kv_and_attends_up_to_each_row_positio
         assert float((out[r].double() - ref).abs().max()) < 2e-6 * max(1.0, float(ref.abs().max())), r
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one-tree", "a-tree-a-slot"])
+def test_decode_attention_of_a_draft_tree_sees_the_cache_below_its_root_and_the_nodes_it_marks(shared: bool) -> None:
+    """Two slots of a 5-node tree each, token-major: node i at its root's position L + i (RoPE at L + depth), seeing
+    positions below L and the nodes its row of the mask marks, nothing else (NaN everywhere it must not read)."""
+    kern = compiled_kernels()
+    gen = torch.Generator().manual_seed(8)
+    parents = [[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 0]]  # slot 1's tree is a chain and a sibling when one a slot
+    marks = torch.zeros(2, 5, 5, dtype=torch.bool)
+    for s, tree in enumerate(parents if not shared else [parents[0]] * 2):
+        for i in range(5):
+            j = i
+            while j >= 0:
+                marks[s, i, j], j = True, tree[j]
+    roots, t = torch.tensor([6, 30]), 5
+    pos = (roots[None, :] + torch.arange(t)[:, None]).reshape(-1)  # [T S] token-major
+    depth = marks.sum(-1) - 1  # [S, T]
+    qkv = torch.randn(t * 2, H + 2 * KV, D, generator=gen)
+    data = torch.randn(2, 2, KV, MAX_LEN, D, generator=gen)
+    for s in range(2):
+        data[:, s, :, roots[s] + t :] = math.nan  # past the last node: never read
+    cos_t, sin_t = _tables()
+    rope_at = (roots[None, :] + depth.t()).reshape(-1)  # [T S]
+    out = kern.decode_attention(qkv, cos_t[rope_at], sin_t[rope_at], pos, data[0], data[1], H, slots=2,
+                                tree=marks[:1] if shared else marks)  # fmt: skip
+    qk = apply_rope(qkv[:, None, : H + KV], cos_t[rope_at][:, None, None], sin_t[rope_at][:, None, None])[:, 0]
+    for r in range(t * 2):
+        s, i, root = r % 2, r // 2, int(roots[r % 2])
+        assert torch.equal(data[0, s, :, root + i], finite_kv(qk[r, H:]))  # written at L + i
+        seen = list(range(root)) + [root + u for u in range(t) if marks[0 if shared else s, i, u]]
+        ref = _attend64(qk[r, :H], data[0, s][:, seen], data[1, s][:, seen])
+        assert float((out[r].double() - ref).abs().max()) < 2e-6 * max(1.0, float(ref.abs().max())), r
+    with pytest.raises(ValueError, match="see itself"):
+        kern.decode_attention(qkv, cos_t[pos], sin_t[pos], pos, data[0], data[1], H, slots=2,
+                              tree=marks & ~torch.eye(t, dtype=torch.bool))  # fmt: skip
+    with pytest.raises(ValueError, match="bool"):
+        kern.decode_attention(qkv, cos_t[pos], sin_t[pos], pos, data[0], data[1], H, slots=2, tree=marks[:, :4, :4])
+    apart = pos.clone()
+    apart[-1] += 1  # a slot's nodes not at consecutive positions
+    with pytest.raises(ValueError, match="refused"):
+        kern.decode_attention(qkv, cos_t[pos], sin_t[pos], apart, data[0], data[1], H, slots=2, tree=marks)
+
+
 def test_a_row_with_nan_fails_alone_and_leaves_its_slot_finite() -> None:
     kern = compiled_kernels()
     gen = torch.Generator().manual_seed(4)

@@ -152,14 +152,15 @@ def test_wrong_fused_step_ops_fall_back_to_the_eager_ones_and_answer_right(
     with kernels_mode("eager"):
         reference = load_ours(tiny_llama_dir)
 
-    def zeros(self: native.NativeKernels, qkv: torch.Tensor, *rest: Any) -> torch.Tensor:
-        return qkv.new_zeros(qkv.shape[0], rest[-1] * qkv.shape[2])
+    def zeros(self: native.NativeKernels, qkv: torch.Tensor, *rest: Any, **named: Any) -> torch.Tensor:
+        return qkv.new_zeros(qkv.shape[0], rest[5] * qkv.shape[2])  # [B, heads * D]
 
     monkeypatch.setattr(native.NativeKernels, "decode_attention", zeros)
     assert model.native is not None
     report = run_self_check(model)
     fallbacks = [c.path for c in report.checks if c.status.startswith("fallback")]
-    assert fallbacks == ["fused RoPE + K/V write", "fused decode attention"] and model.native is None
+    want = ["fused RoPE + K/V write", "fused decode attention", "fused draft tree attention"]
+    assert fallbacks == want and model.native is None
     ids, got = torch.tensor([[1, 5, 9, 2, 7]]), []
     for m in (model, reference):  # a decode step after the prompt: where the fused attention would run
         cache = KVCache(m.cfg, 1, 8, dtype=torch.float32, device=m.device)

@@ -36,7 +36,7 @@
 extern "C" {
 
 // Bumped whenever a signature or a layout below changes; the wrapper refuses a library with another version.
-int lp_abi_version() { return 12; }
+int lp_abi_version() { return 13; }
 const char* lp_isa() { return LP_ISA; }
 
 }  // extern "C"

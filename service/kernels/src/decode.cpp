@@ -4,8 +4,8 @@
 //   lp_decode_stack  every layer of one decode step (one token per row): per layer residual add + RMSNorm, the
 //                    fused q/k/v product, RoPE + K/V write + attention, the output product, add + RMSNorm, the
 //                    gate/up product, SiLU * up and the down product; then the final add + RMSNorm. Or T tokens
-//                    per row at consecutive positions (a prefill, a draft chain to verify): the products over all
-//                    T x B rows at once, the attention in one call, each token as its decode step would run
+//                    per row at consecutive positions (a prefill, a draft chain or tree to verify): the products over
+//                    all T x B rows at once, the attention in one call, each token as its decode step would run
 //
 // It runs the same entry points the per-op path calls from Python (blocks.cpp's lp_q4_matmul, dense.cpp's
 // lp_dense_matmul, pairs.cpp's lp_pairs_matmul, step.cpp's lp_add_rmsnorm, lp_decode_attention and lp_silu_mul)
@@ -34,8 +34,9 @@ int lp_pairs_matmul_ahead(const void* x, const void* w, int64_t m, int64_t n, in
 int lp_add_rmsnorm(float* x, const void* y, const void* w, int64_t rows, int64_t n, float eps, void* out, int dtype);
 int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtype);
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
-                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache,
-                        int64_t slot_stride, int64_t head_stride, int64_t max_len, float scale, void* out, int dtype);
+                        int64_t slots, const uint8_t* tree, int64_t tree_stride, int64_t h, int64_t kv, int64_t d,
+                        void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
+                        float scale, void* out, int dtype);
 int lp_lora_delta(const void* x, int x_dtype, int64_t b, int64_t t, int64_t in, const int64_t* group, int64_t groups,
                   const void* a, int w_dtype, int64_t a_sg, int64_t a_sr, int64_t a_sk, int64_t width, int64_t nseg,
                   const int64_t* seg, const void* const* bt, const float* const* scale, const void* const* bias,
@@ -130,9 +131,11 @@ int lp_decode_lora_fields() { return kLoraFields; }
 // (token-major: token t of every row, then token t + 1): the embedded tokens on entry, the residual stream (before
 // the final add) on return; out [T, B, hidden]: the final-normed hidden states. table [layers, kFields]: each
 // layer's weights (Field). dims: hidden, heads, kv heads, head dim, intermediate. cos, sin [T, B, D] and pos [T, B]:
-// each token's rope tables and position (token t + 1 of a row at its token t's position + 1). Every token's K/V is
-// written before any token attends, each to the positions up to its own, so every token's result is the one T
-// decode steps in turn would give: the products are batch-invariant. The cache of layer i holds K of row b, kv
+// each token's rope tables and cache position (token t + 1 of a row at its token t's position + 1). Every token's
+// K/V is written before any token attends, each to the positions up to its own, so every token's result is the one
+// T decode steps in turn would give: the products are batch-invariant. With ``tree`` (lp_decode_attention's: uint8
+// [B or 1, T, T], tree_stride elements apart) the T tokens of a row are a draft tree's nodes: each attends to the
+// positions below its root and to the nodes it marks, and gets what a decode step after its ancestors would give. The cache of layer i holds K of row b, kv
 // head j, position p at kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset
 // (elements). LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s LoraField row
 // (0: no table), applied to rows [lo, hi) of every token with group [hi - lo] (lp_lora_delta's) after the product,
@@ -140,7 +143,7 @@ int lp_decode_lora_fields() { return kLoraFields; }
 // -2 out of memory).
 int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_t layers, const int64_t* dims,
                     const void* final_norm, float eps, const void* cos, const void* sin, const int64_t* pos,
-                    void* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
+                    const uint8_t* tree, int64_t tree_stride, void* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
                     int64_t max_len, float scale, void* out, const int64_t* sites, int64_t lo, int64_t hi,
                     const int64_t* group, int dtype) {
   const int64_t hidden = dims[0], heads = dims[1], kv = dims[2], d = dims[3], inter = dims[4];
@@ -189,8 +192,8 @@ int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_
     if (!rc) rc = product(row, kQkvQs, h, dtype, m, width, hidden, qkv, site[0], used);
     if (!rc) rc = lora(site[0], h, hidden, qkv, width, lo, lora_hi, lora_group, dtype, es);
     if (!rc)  // every token's K/V in place before any token attends, each to its own positions
-      rc = lp_decode_attention(qkv, cos, sin, pos, m, b, heads, kv, d, k_cache, k_cache + v_offset * es, slot_stride,
-                               head_stride, max_len, scale, att, dtype);
+      rc = lp_decode_attention(qkv, cos, sin, pos, m, b, tree, tree_stride, heads, kv, d, k_cache,
+                               k_cache + v_offset * es, slot_stride, head_stride, max_len, scale, att, dtype);
     if (!rc) rc = product(row, kWoQs, att, dtype, m, hidden, qcols, y, site[1], used);
     if (!rc) rc = lora(site[1], att, qcols, y, hidden, lo, lora_hi, lora_group, dtype, es);
     if (!rc) rc = lp_add_rmsnorm(x, y, at<void>(row, kFfnNorm), m, hidden, eps, h, dtype);

@@ -4,7 +4,8 @@
 //   lp_add_rmsnorm       residual add + RMSNorm: x += y, out = x * rsqrt(mean(x^2) + eps) * w
 //   lp_silu_mul          SwiGLU's middle: out = silu(gate) * up over the fused [gate; up] projection
 //   lp_decode_attention  one query token per row: RoPE on q and k, K/V bounded (finite_kv) and written into the slot
-//                        cache at the row's position, then softmax(q k^T / sqrt(D)) v over positions 0..pos
+//                        cache at the row's position, then softmax(q k^T / sqrt(D)) v over positions 0..pos (a
+//                        draft tree's node: the positions below its root and the nodes it sees)
 //   lp_row_top           each row's largest logit and its first column (greedy sampling's argmax and the logits'
 //                        finiteness in one pass: torch's max(dim=-1) over a 32-row step's logits took ~1 ms)
 //
@@ -200,6 +201,17 @@ int silu_mul(const T* gu, int64_t rows, int64_t inter, T* out) {
   return 0;
 }
 
+// The cache positions one query attends to, in order: the first ``lo``, then ``tail``'s (a draft tree's nodes the
+// query sees, ascending). A decode step or a chain: all n = pos + 1 in ``lo``, no tail; a tree node: lo = its root's
+// position, its marked nodes in the tail. The scores, the softmax total and the sum over V run over the n of them in
+// this order, so a tree node whose marked nodes are its ancestors gets the bits a decode step after the same tokens
+// gets (that step's positions 0..pos are these keys, in this order).
+struct Keys {
+  int64_t lo;
+  const int64_t* tail;
+  int64_t at(int64_t p) const { return p < lo ? p : tail[p - lo]; }
+};
+
 // bf16 keys: a score is a sum in pairs (pairs.cpp's order, vdpbf16ps's): lane l of each chunk of 32 adds the
 // product of element 2l + 1, then of 2l (the last chunk padded with zeros), the lanes pairwise (lp::lane_sum). The
 // query's values are bf16 (RoPE's output is held in bf16), so every product is exact in float32, as in the lane
@@ -220,14 +232,15 @@ inline float pair_dot(const V16 (&qe)[D / 32], const V16 (&qo)[D / 32], const bf
 #if defined(__AVX512F__)
 template <int64_t D, int G>
 LP_BF16_DOT void scores_dpbf16(
-    const bf16 (&qb)[G][D], const bf16* k, int64_t n, float scale, float* s, float* top) {
+    const bf16 (&qb)[G][D], const bf16* k, Keys keys, int64_t n, float scale, float* s, float* top) {
   static_assert(D % 32 == 0, "whole chunks only");
   __m512bh qv[G][D / 32];
   for (int g = 0; g < G; ++g)
     for (int64_t c = 0; c < D / 32; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qb[g] + 32 * c);
   for (int64_t p = 0; p < n; ++p) {
     __m512bh kv[D / 32];
-    for (int64_t c = 0; c < D / 32; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + p * D + 32 * c);
+    const bf16* kp = k + keys.at(p) * D;
+    for (int64_t c = 0; c < D / 32; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + 32 * c);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
@@ -241,22 +254,22 @@ LP_BF16_DOT void scores_dpbf16(
 }
 #endif
 
-// The G heads' scores over n positions of bf16 keys [n, D] in pairs (``pair_dot``), times ``scale``, into s [G][n];
-// top[g]: the running maximum.
+// The G heads' scores over the n positions ``keys`` names of bf16 keys k [., D] in pairs (``pair_dot``), times
+// ``scale``, into s [G][n]; top[g]: the running maximum.
 template <int64_t D, int G>
-void scores_in_pairs(const float* q, const bf16* k, int64_t n, float scale, float* s, float* top) {
+void scores_in_pairs(const float* q, const bf16* k, Keys keys, int64_t n, float scale, float* s, float* top) {
   bf16 qb[G][D];
   for (int g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; ++i) qb[g][i] = lp::to_bf16(q[g * D + i]);  // exact: the values are bf16's
 #if defined(__AVX512F__)
-  if (lp::has_bf16_dot()) return scores_dpbf16<D, G>(qb, k, n, scale, s, top);
+  if (lp::has_bf16_dot()) return scores_dpbf16<D, G>(qb, k, keys, n, scale, s, top);
 #endif
   V16 qe[G][D / 32], qo[G][D / 32];
   for (int g = 0; g < G; ++g)
     for (int64_t c = 0; c < D / 32; ++c) lp::halves(qb[g] + 32 * c, qe[g][c], qo[g][c]);
   for (int64_t p = 0; p < n; ++p)
     for (int g = 0; g < G; ++g) {
-      const float score = pair_dot<D>(qe[g], qo[g], k + p * D) * scale;
+      const float score = pair_dot<D>(qe[g], qo[g], k + keys.at(p) * D) * scale;
       s[g * n + p] = score;
       top[g] = score > top[g] ? score : top[g];
     }
@@ -287,21 +300,21 @@ constexpr int64_t v_block(int64_t g, int64_t c) {
   return b;
 }
 
-// Softmax attention of one query token's heads q [G][D] (rotated) over the n positions of one KV head (k, v
-// [n, D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
+// Softmax attention of one query token's heads q [G][D] (rotated) over the n positions ``keys`` names of one KV head
+// (k, v [., D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
 // each head's sums run in the one-head order (``dot``'s lanes, or for bf16 keys ``pair_dot``'s pairs; then positions
 // in turn for the maximum and the sum over V, and ``softmax_total`` for the exponentials' total), so a head's result
 // does not depend on G. D and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16
 // lanes, each element's products and sums as one float at a time would run them).
 template <typename T, int64_t D, int G>
-void attend(const float* q, const T* k, const T* v, int64_t n, float scale, float* s, T* out) {
+void attend(const float* q, const T* k, const T* v, Keys keys, int64_t n, float scale, float* s, T* out) {
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
   if constexpr (sizeof(T) == sizeof(bf16)) {
-    scores_in_pairs<D, G>(q, k, n, scale, s, top);
+    scores_in_pairs<D, G>(q, k, keys, n, scale, s, top);
   } else {
     for (int64_t p = 0; p < n; ++p) {
-      const T* kp = k + p * D;
+      const T* kp = k + keys.at(p) * D;
       for (int g = 0; g < G; ++g) {
         const float score = dot_fixed<D>(q + g * D, kp) * scale;
         s[g * n + p] = score;
@@ -320,7 +333,8 @@ void attend(const float* q, const T* k, const T* v, int64_t n, float scale, floa
     V16 acc[G][B] = {};
     for (int64_t p = 0; p < n; ++p) {
       V16 vv[B];
-      for (int64_t c = 0; c < B; ++c) vv[c] = load16(v + p * D + (c0 + c) * kLanes);
+      const T* vp = v + keys.at(p) * D;
+      for (int64_t c = 0; c < B; ++c) vv[c] = load16(vp + (c0 + c) * kLanes);
       for (int g = 0; g < G; ++g) {
         const float w = s[g * n + p];
         for (int64_t c = 0; c < B; ++c) acc[g][c] += w * vv[c];
@@ -349,20 +363,21 @@ inline float pair_dot_any(const float* q, const bf16* kp, int64_t d) {
 
 // ``attend`` for any head size up to kMaxHeadDim, one head at a time.
 template <typename T>
-void attend_any(const float* q, const T* k, const T* v, int64_t d, int64_t n, float scale, float* s, T* out) {
+void attend_any(const float* q, const T* k, const T* v, Keys keys, int64_t d, int64_t n, float scale, float* s,
+                T* out) {
   float top = -INFINITY;
   for (int64_t p = 0; p < n; ++p) {
     if constexpr (sizeof(T) == sizeof(bf16))
-      s[p] = pair_dot_any(q, k + p * d, d) * scale;
+      s[p] = pair_dot_any(q, k + keys.at(p) * d, d) * scale;
     else
-      s[p] = dot(q, k + p * d, d) * scale;
+      s[p] = dot(q, k + keys.at(p) * d, d) * scale;
     top = s[p] > top ? s[p] : top;
   }
   for (int64_t p = 0; p < n; ++p) s[p] = exp_poly(s[p] - top);
   const float total = softmax_total(s, n);
   float acc[kMaxHeadDim] = {};
   for (int64_t p = 0; p < n; ++p) {
-    const T* vp = v + p * d;
+    const T* vp = v + keys.at(p) * d;
     for (int64_t i = 0; i < d; ++i) acc[i] += s[p] * widen(vp[i]);
   }
   for (int64_t i = 0; i < d; ++i) store(out, i, acc[i] / total);
@@ -372,34 +387,49 @@ constexpr int64_t kHeadsAtOnce = 4;  // query heads of one KV head attended toge
 
 // ``attend`` for g (1..kHeadsAtOnce) heads of size D.
 template <typename T, int64_t D>
-void attend_sized(int64_t g, const float* q, const T* k, const T* v, int64_t n, float scale, float* s, T* out) {
+void attend_sized(int64_t g, const float* q, const T* k, const T* v, Keys keys, int64_t n, float scale, float* s,
+                  T* out) {
   static_assert(kHeadsAtOnce == 4, "one case per head count");
   switch (g) {
-    case 1: return attend<T, D, 1>(q, k, v, n, scale, s, out);
-    case 2: return attend<T, D, 2>(q, k, v, n, scale, s, out);
-    case 3: return attend<T, D, 3>(q, k, v, n, scale, s, out);
-    default: return attend<T, D, 4>(q, k, v, n, scale, s, out);
+    case 1: return attend<T, D, 1>(q, k, v, keys, n, scale, s, out);
+    case 2: return attend<T, D, 2>(q, k, v, keys, n, scale, s, out);
+    case 3: return attend<T, D, 3>(q, k, v, keys, n, scale, s, out);
+    default: return attend<T, D, 4>(q, k, v, keys, n, scale, s, out);
   }
 }
 
 // ``g`` (1..kHeadsAtOnce) heads of head size d: ``attend`` where D is one it is built for, else ``attend_any``.
 template <typename T>
-void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, int64_t n, float scale, float* s,
-                  T* out) {
-  if (d == 64) return attend_sized<T, 64>(g, q, k, v, n, scale, s, out);
-  if (d == 128) return attend_sized<T, 128>(g, q, k, v, n, scale, s, out);
-  for (int64_t j = 0; j < g; ++j) attend_any(q + j * d, k, v, d, n, scale, s, out + j * d);
+void attend_heads(int64_t g, int64_t d, const float* q, const T* k, const T* v, Keys keys, int64_t n, float scale,
+                  float* s, T* out) {
+  if (d == 64) return attend_sized<T, 64>(g, q, k, v, keys, n, scale, s, out);
+  if (d == 128) return attend_sized<T, 128>(g, q, k, v, keys, n, scale, s, out);
+  for (int64_t j = 0; j < g; ++j) attend_any(q + j * d, k, v, keys, d, n, scale, s, out + j * d);
+}
+
+// A draft tree's arguments (tree non-null; S slots, T tokens a slot): every token of a slot at the position after
+// the one before it (node i of a slot at its root's position + i), and every node seeing itself.
+inline bool tree_fits(const int64_t* pos, int64_t b, int64_t slots, const uint8_t* tree, int64_t tree_stride) {
+  const int64_t tokens = b / slots;
+  if (tree_stride != 0 && tree_stride < tokens * tokens) return false;
+  for (int64_t r = slots; r < b; ++r)
+    if (pos[r] != pos[r - slots] + 1) return false;
+  for (int64_t r = 0; r < b; ++r)
+    if (tree[r % slots * tree_stride + (r / slots) * (tokens + 1)] == 0) return false;
+  return true;
 }
 
 template <typename T>
 int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* pos, int64_t b, int64_t slots,
-                     int64_t h, int64_t kv, int64_t d, T* k_cache, T* v_cache, int64_t slot_stride,
-                     int64_t head_stride, int64_t max_len, float scale, T* out) {
+                     const uint8_t* tree, int64_t tree_stride, int64_t h, int64_t kv, int64_t d, T* k_cache,
+                     T* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len, float scale, T* out) {
   if (b < 0 || slots < 0 || (b > 0 && (slots == 0 || b % slots))) return -1;  // B = T S rows, token-major
   if (h <= 0 || kv <= 0 || h % kv || d <= 0 || d % 2 || d > kMaxHeadDim || max_len <= 0) return -1;
   if (head_stride < max_len * d || slot_stride < kv * head_stride) return -1;
   for (int64_t r = 0; r < b; ++r)
     if (pos[r] < 0 || pos[r] >= max_len) return -1;
+  if (tree != nullptr && b > 0 && !tree_fits(pos, b, slots, tree, tree_stride)) return -1;
+  const int64_t tokens = b > 0 ? b / slots : 0;
   const int64_t width = (h + 2 * kv) * d, group = h / kv;
   // Work items: (row, KV head, a chunk of its query heads); one head a chunk when chunks of several would leave
   // threads idle (a row or two: long contexts there are worth splitting).
@@ -422,20 +452,34 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
       }
     }  // the implicit barrier: every row's new K/V is in place before any query reads it
     shares.run([&](int64_t t) {
-      const int64_t r = t / (kv * chunks), j = t / chunks % kv, c = t % chunks, n = pos[r] + 1;
+      const int64_t r = t / (kv * chunks), j = t / chunks % kv, c = t % chunks;
       const int64_t head = j * group + c * chunk, heads = group - c * chunk < chunk ? group - c * chunk : chunk;
       const int64_t base = r % slots * slot_stride + j * head_stride;
       float q[kHeadsAtOnce * kMaxHeadDim];
       for (int64_t i = 0; i < heads; ++i)
         rope(qkv + r * width + (head + i) * d, cos + r * d, sin + r * d, d, q + i * d);
-      float* s = (float*)std::malloc((size_t)(heads * n) * sizeof(float));
-      if (s == nullptr) {
+      // a tree node: its root's position, then the nodes its row of the tree marks (at most T keys)
+      const int64_t node = r / slots, root = pos[r] - node, most = tree != nullptr ? root + tokens : pos[r] + 1;
+      int64_t* tail = (int64_t*)std::malloc((size_t)(tokens * (tree != nullptr)) * sizeof(int64_t) +
+                                            (size_t)(heads * most) * sizeof(float));
+      if (tail == nullptr) {
 #pragma omp atomic write
         failed = 1;
         return;
       }
-      attend_heads(heads, d, q, k_cache + base, v_cache + base, n, scale, s, out + r * h * d + head * d);
-      std::free(s);
+      float* s = (float*)(tail + tokens * (tree != nullptr));
+      Keys keys{pos[r] + 1, nullptr};
+      int64_t n = pos[r] + 1;
+      if (tree != nullptr) {
+        const uint8_t* marks = tree + r % slots * tree_stride + node * tokens;
+        int64_t m = 0;
+        for (int64_t u = 0; u < tokens; ++u)
+          if (marks[u] != 0) tail[m++] = root + u;
+        keys = Keys{root, tail};
+        n = root + m;
+      }
+      attend_heads(heads, d, q, k_cache + base, v_cache + base, keys, n, scale, s, out + r * h * d + head * d);
+      std::free(tail);
     });
   }
   return failed ? -2 : 0;
@@ -500,21 +544,27 @@ int lp_silu_mul(const void* gu, int64_t rows, int64_t inter, void* out, int dtyp
 }
 
 // One query token per row b < B: qkv [B, H + 2 KV, D] (q heads, k heads, v heads: the fused projection's output),
-// cos and sin [B, D] (the rope tables at pos[b]); row b is in slot b % S of the cache, which holds element (s, j, p,
-// i) of K at k_cache[s * slot_stride + j * head_stride + p * D + i] (V likewise), positions 0..max_len-1; every
-// tensor but pos in ``dtype``. S = B: one token a slot; B = T S: T tokens a slot, token-major (a draft chain at
-// consecutive positions). Writes every row's K (rotated) and V at p = pos[b], both bounded; then out [B, H * D] = per
-// query head h (KV head h / (H/KV)) softmax over p <= pos[b] of scale * q_h . K[p], times V: for each row what a
-// decode step of its token alone gives. Returns 0, -1 on a bad argument, -2 out of memory.
+// cos and sin [B, D] (the rope tables at each row's RoPE position); row b is in slot b % S of the cache, which holds
+// element (s, j, p, i) of K at k_cache[s * slot_stride + j * head_stride + p * D + i] (V likewise), positions
+// 0..max_len-1; every tensor but pos and tree in ``dtype``. S = B: one token a slot; B = T S: T tokens a slot,
+// token-major (a draft chain at consecutive positions, or a draft tree's nodes). Writes every row's K (rotated) and
+// V at p = pos[b], both bounded; then out [B, H * D] = per query head h (KV head h / (H/KV)) softmax of scale *
+// q_h . K[p], times V, over p <= pos[b]: for each row what a decode step of its token alone gives. With ``tree``
+// (uint8 [S or 1, T, T], slot s's at tree + s * tree_stride; tree_stride 0: one for every slot) the rows of a slot are
+// its tree's nodes, node i at its root's position L + i, and attend over p < L and the nodes L + u its row marks
+// (tree[i][u] != 0, every node marking itself). Returns 0, -1 on a bad argument, -2 out of memory.
 int lp_decode_attention(const void* qkv, const void* cos, const void* sin, const int64_t* pos, int64_t b,
-                        int64_t slots, int64_t h, int64_t kv, int64_t d, void* k_cache, void* v_cache,
-                        int64_t slot_stride, int64_t head_stride, int64_t max_len, float scale, void* out, int dtype) {
+                        int64_t slots, const uint8_t* tree, int64_t tree_stride, int64_t h, int64_t kv, int64_t d,
+                        void* k_cache, void* v_cache, int64_t slot_stride, int64_t head_stride, int64_t max_len,
+                        float scale, void* out, int dtype) {
   if (dtype == F32)
-    return decode_attention((const float*)qkv, (const float*)cos, (const float*)sin, pos, b, slots, h, kv, d,
-                            (float*)k_cache, (float*)v_cache, slot_stride, head_stride, max_len, scale, (float*)out);
+    return decode_attention((const float*)qkv, (const float*)cos, (const float*)sin, pos, b, slots, tree,
+                            tree_stride, h, kv, d, (float*)k_cache, (float*)v_cache, slot_stride, head_stride,
+                            max_len, scale, (float*)out);
   if (dtype == BF16)
-    return decode_attention((const bf16*)qkv, (const bf16*)cos, (const bf16*)sin, pos, b, slots, h, kv, d,
-                            (bf16*)k_cache, (bf16*)v_cache, slot_stride, head_stride, max_len, scale, (bf16*)out);
+    return decode_attention((const bf16*)qkv, (const bf16*)cos, (const bf16*)sin, pos, b, slots, tree, tree_stride,
+                            h, kv, d, (bf16*)k_cache, (bf16*)v_cache, slot_stride, head_stride, max_len, scale,
+                            (bf16*)out);
   return -1;
 }
 
