@@ -35,8 +35,8 @@ class Step:
 
     cos: Tensor  # [B, T, 1, D] rope cos at each token's position
     sin: Tensor  # [B, T, 1, D] signed rope sin
-    mask: Tensor | None  # [B, 1, T*G, L] additive (0 / -inf), rows ordered t*G + g (see Attention); None: decode
-    write_index: Tensor | None  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V; None: decode
+    mask: Tensor | None  # [B, 1, T*G, L] additive (0 / -inf), rows ordered t*G + g (see Attention); None: ``pos``
+    write_index: Tensor | None  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V; None: ``pos``
     adapters: AdapterHook | None
     scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
     native: NativeKernels | None = None  # the compiled step ops; a decode pass (no mask) attends on them
@@ -102,9 +102,8 @@ def make_step(
     """The ``Step`` of a pass over ``positions`` [B, T] whose K/V go to cache positions ``slots_at``, attending to
     ``length`` keys; ``tables`` are the model's rope cos / sin [P, D]."""
     cos, sin = tables[0][positions].unsqueeze(2), tables[1][positions].unsqueeze(2)  # [B, T, 1, D]
-    if native is not None and tree is None and positions.shape[1] == 1:
-        pos = positions[:, 0].to(torch.int64).contiguous()
-        return Step(cos, sin, None, None, adapters, scratch, native=native, pos=pos)
+    if native is not None and (fused := _token_major(positions, slots_at, tree)):  # no mask: the kernel attends
+        return Step(cos, sin, None, None, adapters, scratch, native=native, **fused)
     seen = visible(positions, length, tree)  # [B, T, L]
     mask = torch.zeros(seen.shape, dtype=cos.dtype, device=positions.device).masked_fill_(~seen, -math.inf)
     return Step(
@@ -115,18 +114,18 @@ def make_step(
         adapters=adapters,
         scratch=scratch,
         native=native,
-        **(_token_major(positions, slots_at, tree) if native is not None else {}),
     )
 
 
 def _token_major(positions: Tensor, slots_at: Tensor, tree: Tensor | None) -> dict[str, Tensor | None]:
     """``Step.pos`` (and ``Step.tree``) for the compiled attention: token-major cache positions [T B] when the pass
-    is a causal chain at consecutive positions (a prefill, or a draft chain: one tree for every row, each node seeing
-    itself and the nodes before it) or a draft tree, each row's nodes at consecutive cache positions from its root
-    (``Llama.forward``), with its mask; empty where the pass is neither."""
+    is a decode step (T = 1; a draft tree of the root alone too), a causal chain at consecutive positions (a prefill,
+    or a draft chain: one tree for every row, each node seeing itself and the nodes before it) or a draft tree, each
+    row's nodes at consecutive cache positions from its root (``Llama.forward``), with its mask; empty where the pass
+    is none of them (the attention then runs in torch ops under the mask)."""
     b, t = positions.shape
-    if t < 2:
-        return {}
+    if t == 1:
+        return {"pos": slots_at[:, 0].to(torch.int64).contiguous()} if tree is None or bool(tree.all()) else {}
     steps = torch.arange(t, device=positions.device)
     chain = tree is None or (
         tuple(tree.shape) == (t, t)
