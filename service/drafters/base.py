@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from service.drafters.tree import DraftTree
+    from service.model.weights.protocol import EmbeddingTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +50,9 @@ class DraftSettings(Protocol):
 class DraftModel(Protocol):
     """What a drafter may ask of the base model (``service.model.llama.Llama`` has it)."""
 
-    def draft_head(self) -> Tensor:
-        """The [vocab, hidden] projection to draft with (the ``lm_head``, maybe in a faster dtype)."""
+    def draft_head(self, rows: int) -> Tensor | EmbeddingTable:
+        """The [vocab, hidden] projection to draft ``rows`` states with (the ``lm_head``, maybe in a faster dtype, or
+        a compact head itself: ``EmbeddingTable.project``)."""
         ...
 
 

@@ -335,13 +335,14 @@ class Llama(nn.Module):
             exact += delta.gather(-1, top)
         return logits.scatter_(-1, top, exact)
 
-    def draft_head(self) -> Tensor:
-        """The ``[vocab, hidden]`` projection Medusa heads draft with: ``lm_head``, or a bf16 copy of it for an fp32
-        model where bf16 matmuls are fast (``platform.draft_dtype``: CUDA, CPUs with native bf16), made on first use.
-
-        A draft only has to be likely: verification runs in the model's dtype, so output is unchanged. Projecting
-        the heads' states reads the whole vocabulary matrix, a large part of a small model's decode step; in bf16
-        it reads half of that with a faster kernel (figures: bench/README.md, Medusa)."""
+    def draft_head(self, rows: int) -> Tensor | EmbeddingTable:
+        """The ``[vocab, hidden]`` projection Medusa heads draft ``rows`` states with: a compact head itself up to its
+        ``draft_rows`` (its compiled kernel), else ``lm_head``, or a bf16 copy for an fp32 model where bf16 matmuls
+        are fast (``platform.draft_dtype``: CUDA, CPUs with native bf16), made on first use. A draft only has to be
+        likely: verification runs in the model's dtype, so output is unchanged. Projecting the heads' states reads
+        the whole vocabulary matrix, a large part of a small model's step (figures: bench/README.md, Medusa)."""
+        if not isinstance(self.lm_head, Tensor) and rows <= self.lm_head.draft_rows:
+            return self.lm_head
         if self._draft_head is None:
             head = self.lm_head
             dense = head.detach() if isinstance(head, Tensor) else head.dequantize(self.dtype)

@@ -250,12 +250,13 @@ def _draft(model: Llama, rows: list[_Row], hidden: torch.Tensor, speculate: bool
             continue
         idx = torch.tensor(members, device=hidden.device)
         x = hidden.index_select(0, idx)  # [g, H]
+        head = model.draft_head(len(members) * heads.num_heads)
         if threshold > 0:
-            ids, probs = heads.draft_with_confidence(x, model.draft_head())  # [g, n_heads] each
+            ids, probs = heads.draft_with_confidence(x, head)  # [g, n_heads] each
             keep = (probs.cumprod(dim=1) >= threshold).sum(dim=1).tolist()  # cumprod falls, so a prefix passes
             drafts = [d[:k] for d, k in zip(ids.tolist(), keep, strict=True)]
         else:
-            drafts = heads.draft(x, model.draft_head()).tolist()  # [g, n_heads]
+            drafts = heads.draft(x, head).tolist()  # [g, n_heads]
         for b, d in zip(members, drafts, strict=True):
             rows[b].drafts = d
 

@@ -26,12 +26,12 @@ class MedusaDrafter:
 
     def propose(self, hidden: Tensor, history: Sequence[Sequence[int]], model: DraftModel) -> list[Draft | None]:
         tree, k = self.tree, self.tree.max_rank + 1
-        depths = None
+        depths, head = None, model.draft_head(hidden.shape[0] * self.heads.num_heads)
         if self.threshold > 0:  # verify depth d only while P(the top-1 drafts 1..d are all right) >= threshold
-            ids, probs = self.heads.candidates(hidden, model.draft_head(), k)
+            ids, probs = self.heads.candidates(hidden, head, k)
             depths = (probs.cumprod(dim=1) >= self.threshold).sum(dim=1).tolist()
         else:
-            ids = self.heads.topk(hidden, model.draft_head(), k)  # [B, n_heads, k]
+            ids = self.heads.topk(hidden, head, k)  # [B, n_heads, k]
         drafts: list[Draft | None] = []
         for i, topk in enumerate(ids.tolist()):
             nodes = tree.nodes_within(depths[i]) if depths is not None else tree.size

@@ -23,6 +23,7 @@ from torch import Tensor
 from service import metrics
 from service.adapters.medusa.format import MedusaSpec, check_heads_finite
 from service.loading import LoadMode, load_tensors
+from service.model.weights.protocol import EmbeddingTable
 
 __all__ = ["MedusaHeads", "residual_blocks"]
 
@@ -124,24 +125,26 @@ class MedusaHeads:
         """x [B, H] -> every head's state after its residual blocks, [B, n, H] (in the heads' dtype)."""
         return residual_blocks(x.to(self.dtype), self.block_weight, self.block_bias)
 
-    def _project(self, y: Tensor, lm_head: Tensor) -> Tensor:
-        """y [B, n, H] -> logits [B, n, V] in the weights' dtype."""
+    def _project(self, y: Tensor, lm_head: Tensor | EmbeddingTable) -> Tensor:
+        """y [B, n, H] -> logits [B, n, V] in the weights' dtype (a compact head's: its own, float32 from a kernel)."""
         if self.out_weight is None:
+            if not isinstance(lm_head, Tensor):
+                return lm_head.project(y)
             return F.linear(y.to(lm_head.dtype), lm_head)  # [B, n, V]
         return torch.bmm(y.transpose(0, 1), self.out_weight.transpose(1, 2)).transpose(0, 1)  # [B, n, V]
 
     @torch.inference_mode()
-    def logits(self, x: Tensor, lm_head: Tensor) -> Tensor:
+    def logits(self, x: Tensor, lm_head: Tensor | EmbeddingTable) -> Tensor:
         """x [B, H] -> fp32 logits [B, n, V]. ``lm_head`` [V, H] is the base model's (v2 heads project with it)."""
         return self._project(self.hidden(x), lm_head).float()
 
     @torch.inference_mode()
-    def draft(self, x: Tensor, lm_head: Tensor) -> Tensor:
+    def draft(self, x: Tensor, lm_head: Tensor | EmbeddingTable) -> Tensor:
         """x [B, H] -> [B, n] int64: head h's most likely token for position +h+2 (a top-1 chain of n drafts)."""
         return self._project(self.hidden(x), lm_head).argmax(dim=-1)
 
     @torch.inference_mode()
-    def draft_with_confidence(self, x: Tensor, lm_head: Tensor) -> tuple[Tensor, Tensor]:
+    def draft_with_confidence(self, x: Tensor, lm_head: Tensor | EmbeddingTable) -> tuple[Tensor, Tensor]:
         """x [B, H] -> (top-1 ids [B, n] int64, their softmax probabilities [B, n] fp32).
 
         The probabilities let a caller verify only drafts likely to be accepted (see ``loop.generate``).
@@ -150,7 +153,7 @@ class MedusaHeads:
         return ids[..., 0], probs
 
     @torch.inference_mode()
-    def candidates(self, x: Tensor, lm_head: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def candidates(self, x: Tensor, lm_head: Tensor | EmbeddingTable, k: int) -> tuple[Tensor, Tensor]:
         """x [B, H] -> (each head's ``k`` most likely ids [B, n, k] int64, the top-1 probability [B, n] fp32).
         The probability costs a log-sum-exp over the vocabulary: without a threshold, ``topk`` suffices."""
         logits = self._project(self.hidden(x), lm_head).float()  # [B, n, V]
@@ -158,7 +161,7 @@ class MedusaHeads:
         return top.indices, torch.exp(top.values[..., 0] - torch.logsumexp(logits, dim=-1))
 
     @torch.inference_mode()
-    def topk(self, x: Tensor, lm_head: Tensor, k: int) -> Tensor:
+    def topk(self, x: Tensor, lm_head: Tensor | EmbeddingTable, k: int) -> Tensor:
         """x [B, H] -> [B, n, k] int64: each head's ``k`` most likely tokens, most likely first."""
         return self._project(self.hidden(x), lm_head).topk(k, dim=-1).indices
 

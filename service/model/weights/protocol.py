@@ -119,6 +119,12 @@ class EmbeddingTable(Protocol):
         where the path computes float32 logits exactly from the table as stored (no rescoring needed)."""
         ...
 
+    @property
+    def draft_rows(self) -> int:
+        """Up to this many hidden states ``project`` is faster than a dense copy of the table (its compiled kernel),
+        so Medusa heads draft through the table itself (``Llama.draft_head``); 0: never."""
+        ...
+
     def top(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         """hidden [M, hidden] -> the row max and first argmax of the logits a plain decode step's rows get, exactly
         (``project``'s up to its kernel's rows; past them, the kernel's row by row), without computing them all
