@@ -198,41 +198,45 @@ inline Group q8_group(const int8_t* q) {  // vpmovsxbd from memory: no shuffle t
   return {{widen8s_at(q), widen8s_at(q + 8), widen8s_at(q + 16), widen8s_at(q + 24)}};
 }
 #else
-// Plain C++: one "vector" is a whole group of 32 floats; the compiler vectorizes what the target allows.
-struct Vec {
-  float f[32];
-};
-constexpr int kLanes = 32;
+// Plain C++ in 16-byte vectors (SSE2 / NEON registers), four lanes as the other variants use eight or sixteen.
+using F4 = float __attribute__((vector_size(16)));
+using I4 = int32_t __attribute__((vector_size(16)));
+using S8 = int16_t __attribute__((vector_size(16)));
+using B16 = int8_t __attribute__((vector_size(16)));
+using Vec = F4;
+constexpr int kLanes = 4;
 inline Vec vzero() { return Vec{}; }
 inline Vec vload(const float* p) {
   Vec v;
-  std::memcpy(v.f, p, sizeof v.f);
+  std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline Vec vset(float x) {
-  Vec v;
-  for (float& f : v.f) f = x;
-  return v;
-}
-inline Vec vmul(Vec a, Vec b) {
-  for (int j = 0; j < 32; ++j) a.f[j] *= b.f[j];
-  return a;
-}
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int j = 0; j < 32; ++j) c.f[j] += a.f[j] * b.f[j];
-  return c;
-}
-inline float hsum(Vec v) {  // pairwise, as the vector variants reduce their lanes
-  for (int w = 16; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) v.f[j] += v.f[j + w];
-  return v.f[0];
-}
+inline Vec vset(float x) { return Vec{} + x; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return c + a * b; }  // a product, then a sum (no FMA in baseline x86-64)
+inline float hsum(Vec v) { return (v[0] + v[2]) + (v[1] + v[3]); }  // pairwise, as the vector variants
 struct Group {
-  Vec v[1];
+  Vec v[8];
 };
-inline Group q8_group(const int8_t* q) {
+// Four int16 lanes sign-extended to int32, as floats: each interleaved with itself, then shifted down (SSE2's
+// punpcklwd / psrad; NEON's zip).
+inline F4 widen4(S8 w, bool upper) {
+  const S8 twice = upper ? __builtin_shufflevector(w, w, 4, 4, 5, 5, 6, 6, 7, 7)
+                         : __builtin_shufflevector(w, w, 0, 0, 1, 1, 2, 2, 3, 3);
+  return __builtin_convertvector((I4)twice >> 16, F4);
+}
+inline Group q8_group(const int8_t* q) {  // 32 int8 values as floats, in order
   Group g;
-  for (int j = 0; j < 32; ++j) g.v[0].f[j] = (float)q[j];
+  for (int h = 0; h < 2; ++h) {
+    B16 b;
+    std::memcpy(&b, q + 16 * h, sizeof b);
+    const S8 lo = (S8)__builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7) >> 8;
+    const S8 hi = (S8)__builtin_shufflevector(b, b, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15) >> 8;
+    g.v[4 * h] = widen4(lo, false);
+    g.v[4 * h + 1] = widen4(lo, true);
+    g.v[4 * h + 2] = widen4(hi, false);
+    g.v[4 * h + 3] = widen4(hi, true);
+  }
   return g;
 }
 #endif
@@ -296,29 +300,46 @@ inline void q4_pair(const uint8_t* b, Lanes& even, Lanes& odd) {  // each byte z
   odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
 }
 #else
+using F4 = float __attribute__((vector_size(16)));  // one register of SSE2 / NEON
+using I4 = int32_t __attribute__((vector_size(16)));
+constexpr int kQuads = kTile / 4;
+// Quad j holds rows j, j + 4, j + 8, j + 12: byte j of each 32-bit word of a tile's 16 bytes, so the nibbles come out
+// with lane-wise shifts and masks (no byte shuffles, which baseline x86-64 lacks). Loads and stores transpose the
+// rows in and out of that order; each lane's arithmetic is its row's, as in the other variants.
 struct Lanes {
-  float f[kTile];
+  F4 v[kQuads];
 };
+inline Lanes transpose(F4 a0, F4 a1, F4 a2, F4 a3) {  // 4 x 4; its own inverse
+  const F4 t0 = __builtin_shufflevector(a0, a1, 0, 4, 1, 5), t1 = __builtin_shufflevector(a2, a3, 0, 4, 1, 5);
+  const F4 t2 = __builtin_shufflevector(a0, a1, 2, 6, 3, 7), t3 = __builtin_shufflevector(a2, a3, 2, 6, 3, 7);
+  return {{__builtin_shufflevector(t0, t1, 0, 1, 4, 5), __builtin_shufflevector(t0, t1, 2, 3, 6, 7),
+           __builtin_shufflevector(t2, t3, 0, 1, 4, 5), __builtin_shufflevector(t2, t3, 2, 3, 6, 7)}};
+}
 inline Lanes lzero() { return Lanes{}; }
 inline Lanes lload(const float* p) {
-  Lanes a;
-  std::memcpy(a.f, p, sizeof a.f);
-  return a;
+  F4 a[kQuads];
+  for (int j = 0; j < kQuads; ++j) std::memcpy(&a[j], p + 4 * j, sizeof a[j]);
+  return transpose(a[0], a[1], a[2], a[3]);
 }
-inline void lstore(float* p, Lanes a) { std::memcpy(p, a.f, sizeof a.f); }
-inline Lanes lfma(Lanes a, Lanes b, Lanes c) {
-  for (int j = 0; j < kTile; ++j) c.f[j] += a.f[j] * b.f[j];
+inline void lstore(float* p, Lanes a) {
+  const Lanes rows = transpose(a.v[0], a.v[1], a.v[2], a.v[3]);
+  for (int j = 0; j < kQuads; ++j) std::memcpy(p + 4 * j, &rows.v[j], sizeof rows.v[j]);
+}
+inline Lanes lfma(Lanes a, Lanes b, Lanes c) {  // a product, then a sum (no FMA in baseline x86-64)
+  for (int j = 0; j < kQuads; ++j) c.v[j] += a.v[j] * b.v[j];
   return c;
 }
 inline Lanes lfma_x(Lanes a, const float* x, Lanes c) {
-  const float b = *x;
-  for (int j = 0; j < kTile; ++j) c.f[j] += a.f[j] * b;
+  const F4 b = F4{} + *x;
+  for (int j = 0; j < kQuads; ++j) c.v[j] += a.v[j] * b;
   return c;
 }
 inline void q4_pair(const uint8_t* b, Lanes& even, Lanes& odd) {
-  for (int j = 0; j < kTile; ++j) {
-    even.f[j] = (float)(b[j] & 0x0f);
-    odd.f[j] = (float)(b[j] >> 4);
+  I4 w;
+  std::memcpy(&w, b, sizeof w);
+  for (int j = 0; j < kQuads; ++j) {
+    even.v[j] = __builtin_convertvector((w >> (8 * j)) & 0x0f, F4);
+    odd.v[j] = __builtin_convertvector((w >> (8 * j + 4)) & 0x0f, F4);
   }
 }
 #endif
