@@ -199,18 +199,14 @@ inline Group q8_group(const int8_t* q) {  // vpmovsxbd from memory: no shuffle t
 }
 #else
 // Plain C++ in 16-byte vectors (SSE2 / NEON registers), four lanes as the other variants use eight or sixteen.
-using F4 = float __attribute__((vector_size(16)));
+using F4 = lp::Lanes<4>::F;
 using I4 = int32_t __attribute__((vector_size(16)));
 using S8 = int16_t __attribute__((vector_size(16)));
 using B16 = int8_t __attribute__((vector_size(16)));
 using Vec = F4;
 constexpr int kLanes = 4;
 inline Vec vzero() { return Vec{}; }
-inline Vec vload(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline Vec vload(const float* p) { return lp::load_lanes<4>(p); }
 inline Vec vset(float x) { return Vec{} + x; }
 inline Vec vmul(Vec a, Vec b) { return a * b; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return c + a * b; }  // a product, then a sum (no FMA in baseline x86-64)
@@ -300,9 +296,7 @@ inline void q4_pair(const uint8_t* b, Lanes& even, Lanes& odd) {  // each byte z
   odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
 }
 #else
-using F4 = float __attribute__((vector_size(16)));  // one register of SSE2 / NEON
-using I4 = int32_t __attribute__((vector_size(16)));
-constexpr int kQuads = kTile / 4;
+constexpr int kQuads = kTile / 4;  // F4s (the generic Vec above: a register of SSE2 / NEON) a tile's lanes take
 // Quad j holds rows j, j + 4, j + 8, j + 12: byte j of each 32-bit word of a tile's 16 bytes, so the nibbles come out
 // with lane-wise shifts and masks (no byte shuffles, which baseline x86-64 lacks). Loads and stores transpose the
 // rows in and out of that order; each lane's arithmetic is its row's, as in the other variants.
@@ -316,11 +310,7 @@ inline Lanes transpose(F4 a0, F4 a1, F4 a2, F4 a3) {  // 4 x 4; its own inverse
            __builtin_shufflevector(t2, t3, 0, 1, 4, 5), __builtin_shufflevector(t2, t3, 2, 3, 6, 7)}};
 }
 inline Lanes lzero() { return Lanes{}; }
-inline Lanes lload(const float* p) {
-  F4 a[kQuads];
-  for (int j = 0; j < kQuads; ++j) std::memcpy(&a[j], p + 4 * j, sizeof a[j]);
-  return transpose(a[0], a[1], a[2], a[3]);
-}
+inline Lanes lload(const float* p) { return transpose(vload(p), vload(p + 4), vload(p + 8), vload(p + 12)); }
 inline void lstore(float* p, Lanes a) {
   const Lanes rows = transpose(a.v[0], a.v[1], a.v[2], a.v[3]);
   for (int j = 0; j < kQuads; ++j) std::memcpy(p + 4 * j, &rows.v[j], sizeof rows.v[j]);
