@@ -39,9 +39,9 @@ class Step:
     write_index: Tensor | None  # [B*T*2*KV] rows of KVCache.rows[layer] for this step's K and V; None: ``pos``
     adapters: AdapterHook | None
     scratch: Scratch  # where quantized projections are dequantized for a dense matmul (large M)
-    native: NativeKernels | None = None  # the compiled step ops; a decode pass (no mask) attends on them
+    native: NativeKernels | None = None  # the compiled step ops; a pass with ``pos`` (no mask) attends on them
     # [T B] int64 token-major cache positions, with ``native``: a decode pass (T = 1), a causal chain or a draft
-    # tree (T > 1, the mask kept for the per-op path); None: the pass is none of them
+    # tree (T > 1); None: the pass is none of them (torch's attention under the mask)
     pos: Tensor | None = None
     tree: Tensor | None = None  # with ``pos``, a draft tree's mask: bool [1 or B, T, T]; None: no tree, or a chain
 
