@@ -135,17 +135,17 @@ int lp_decode_lora_fields() { return kLoraFields; }
 // K/V is written before any token attends, each to the positions up to its own, so every token's result is the one
 // T decode steps in turn would give: the products are batch-invariant. With ``tree`` (lp_decode_attention's: uint8
 // [B or 1, T, T], tree_stride elements apart) the T tokens of a row are a draft tree's nodes: each attends to the
-// positions below its root and to the nodes it marks, and gets what a decode step after its ancestors would give. The cache of layer i holds K of row b, kv
-// head j, position p at kv_base + i * layer_stride + b * slot_stride + j * head_stride + p * D, V at that + v_offset
-// (elements). LoRA (sites null: none): sites [layers, 4] the addresses of each (layer, projection)'s LoraField row
-// (0: no table), applied to rows [lo, hi) of every token with group [hi - lo] (lp_lora_delta's) after the product,
-// as the per-op path's AdapterBatch.add_delta does. Returns 0, or the first failing op's code (-1 a bad argument,
-// -2 out of memory).
+// positions below its root and to the nodes it marks, and gets what a decode step after its ancestors would give.
+// The cache of layer i holds K of row b, kv head j, position p at kv_base + i * layer_stride + b * slot_stride + j *
+// head_stride + p * D, V at that + v_offset (elements). LoRA (sites null: none): sites [layers, 4] the addresses of
+// each (layer, projection)'s LoraField row (0: no table), applied to rows [lo, hi) of every token with group
+// [hi - lo] (lp_lora_delta's) after the product, as the per-op path's AdapterBatch.add_delta does. Returns 0, or the
+// first failing op's code (-1 a bad argument, -2 out of memory).
 int lp_decode_stack(float* x, int64_t b, int64_t t, const int64_t* table, int64_t layers, const int64_t* dims,
                     const void* final_norm, float eps, const void* cos, const void* sin, const int64_t* pos,
-                    const uint8_t* tree, int64_t tree_stride, void* kv_base, int64_t layer_stride, int64_t v_offset, int64_t slot_stride, int64_t head_stride,
-                    int64_t max_len, float scale, void* out, const int64_t* sites, int64_t lo, int64_t hi,
-                    const int64_t* group, int dtype) {
+                    const uint8_t* tree, int64_t tree_stride, void* kv_base, int64_t layer_stride, int64_t v_offset,
+                    int64_t slot_stride, int64_t head_stride, int64_t max_len, float scale, void* out,
+                    const int64_t* sites, int64_t lo, int64_t hi, const int64_t* group, int dtype) {
   const int64_t hidden = dims[0], heads = dims[1], kv = dims[2], d = dims[3], inter = dims[4];
   if (b <= 0 || t <= 0 || layers <= 0 || hidden <= 0 || heads <= 0 || kv <= 0 || heads % kv || d <= 0 || inter <= 0)
     return -1;

@@ -301,10 +301,10 @@ constexpr int64_t v_block(int64_t g, int64_t c) {
 }
 
 // Softmax attention of one query token's heads q [G][D] (rotated) over the n positions ``keys`` names of one KV head
-// (k, v [., D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G heads;
-// each head's sums run in the one-head order (``dot``'s lanes, or for bf16 keys ``pair_dot``'s pairs; then positions
-// in turn for the maximum and the sum over V, and ``softmax_total`` for the exponentials' total), so a head's result
-// does not depend on G. D and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16
+// (k, v [., D]): out [G][D] (elements of T). s: scratch for G x n scores. The K and V rows are read once for the G
+// heads; each head's sums run in the one-head order (``dot``'s lanes, or for bf16 keys ``pair_dot``'s pairs; then
+// positions in turn for the maximum and the sum over V, and ``softmax_total`` for the exponentials' total), so a
+// head's result does not depend on G. D and G fixed at compile time keep a head's accumulators in registers (the sum over V in V16
 // lanes, each element's products and sums as one float at a time would run them).
 template <typename T, int64_t D, int G>
 void attend(const float* q, const T* k, const T* v, Keys keys, int64_t n, float scale, float* s, T* out) {
@@ -429,7 +429,7 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
   for (int64_t r = 0; r < b; ++r)
     if (pos[r] < 0 || pos[r] >= max_len) return -1;
   if (tree != nullptr && b > 0 && !tree_fits(pos, b, slots, tree, tree_stride)) return -1;
-  const int64_t tokens = b > 0 ? b / slots : 0;
+  const int64_t tokens = b > 0 ? b / slots : 0, tails = tree != nullptr ? tokens : 0;  // a tree node's tail keys
   const int64_t width = (h + 2 * kv) * d, group = h / kv;
   // Work items: (row, KV head, a chunk of its query heads); one head a chunk when chunks of several would leave
   // threads idle (a row or two: long contexts there are worth splitting).
@@ -460,14 +460,13 @@ int decode_attention(const T* qkv, const T* cos, const T* sin, const int64_t* po
         rope(qkv + r * width + (head + i) * d, cos + r * d, sin + r * d, d, q + i * d);
       // a tree node: its root's position, then the nodes its row of the tree marks (at most T keys)
       const int64_t node = r / slots, root = pos[r] - node, most = tree != nullptr ? root + tokens : pos[r] + 1;
-      int64_t* tail = (int64_t*)std::malloc((size_t)(tokens * (tree != nullptr)) * sizeof(int64_t) +
-                                            (size_t)(heads * most) * sizeof(float));
+      int64_t* tail = (int64_t*)std::malloc(sizeof(int64_t) * tails + sizeof(float) * heads * most);
       if (tail == nullptr) {
 #pragma omp atomic write
         failed = 1;
         return;
       }
-      float* s = (float*)(tail + tokens * (tree != nullptr));
+      float* s = (float*)(tail + tails);
       Keys keys{pos[r] + 1, nullptr};
       int64_t n = pos[r] + 1;
       if (tree != nullptr) {
